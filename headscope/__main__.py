@@ -1,0 +1,3 @@
+from headscope.cli import main
+
+main()

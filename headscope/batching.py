@@ -1,0 +1,72 @@
+"""Group tokenized sentences into padded batches.
+
+Sentences of similar length are batched together to keep padding (wasted
+compute) small. Metrics are per-sentence sums, so neither the grouping nor
+the padding side changes any number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Batch:
+    sentence_ids: list[int]  # (batch,) corpus ids of the rows below
+    input_ids: torch.Tensor  # (batch, t) long, padding filled with 0
+    attention_mask: torch.Tensor  # (batch, t) long, 1 on real tokens
+    position_ids: torch.Tensor  # (batch, t) long, 0 at each sentence's first real token
+    seq_start: torch.Tensor  # (batch,) long, index of the first real token (0 with right padding)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def plan_batches(lengths: dict[int, int], batch_size: int) -> list[list[int]]:
+    """Split sentence ids into batches of at most `batch_size`, shortest sentences first.
+
+    Ties are broken by id, so the plan is the same for the same input.
+    """
+    order = sorted(lengths, key=lambda sentence_id: (lengths[sentence_id], sentence_id))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def collate(
+    sentence_ids: Sequence[int],
+    token_ids: Sequence[Sequence[int]],
+    *,
+    padding_side: str = "right",
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """Pad `token_ids` (one list per sentence) into one batch on `device`."""
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left'; got {padding_side!r}")
+    width = max(len(ids) for ids in token_ids)
+    input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(token_ids), width, dtype=torch.long)
+    seq_start = torch.zeros(len(token_ids), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        start = 0 if padding_side == "right" else width - len(ids)
+        input_ids[row, start : start + len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        attention_mask[row, start : start + len(ids)] = 1
+        seq_start[row] = start
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch(
+        sentence_ids=list(sentence_ids),
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        seq_start=seq_start.to(device),
+    )
+
+
+def batches_in_order(
+    tokenized: dict[int, list[int]], batch_size: int, *, padding_side: str = "right", device="cpu"
+) -> Iterator[Batch]:
+    """Collated batches for every tokenized sentence, planned by length."""
+    for ids in plan_batches({k: len(v) for k, v in tokenized.items()}, batch_size):
+        yield collate(ids, [tokenized[i] for i in ids], padding_side=padding_side, device=device)

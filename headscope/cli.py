@@ -1,0 +1,139 @@
+"""The `headscope` command: parse options, call the library, print a summary.
+
+Library errors (HeadscopeError) become one line `Error: ...` on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from headscope.errors import HeadscopeError
+
+app = typer.Typer(
+    help="Measure, classify and chart every attention head of a Hugging Face causal language model.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    mps = "mps"
+
+
+class DTypeChoice(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@app.callback()
+def _commands() -> None:
+    """Measure, classify and chart every attention head of a Hugging Face causal language model."""
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Turn the library's own errors into a one-line message and exit code 1."""
+    try:
+        yield
+    except HeadscopeError as err:
+        typer.echo(f"Error: {err}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("Interrupted; nothing was written.", err=True)
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def analyze(
+    model: Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")],
+    corpus: Annotated[
+        Path | None,
+        typer.Option(help="Sentences: .txt (one per line), .jsonl, .csv or .parquet. Default: the shipped 100."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder. Default: reports/<model-name>.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing, non-empty output folder.")] = False,
+    text_column: Annotated[str, typer.Option(help="Column with the sentence in .jsonl/.csv/.parquet.")] = "text",
+    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")] = False,
+    device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DeviceChoice.auto,
+    dtype: Annotated[
+        DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
+    ] = DTypeChoice.auto,
+    max_length: Annotated[
+        int | None, typer.Option(min=1, help="Truncate sentences to this many tokens (counted in run.json).")
+    ] = None,
+    window: Annotated[int, typer.Option(min=0, help="Diagonal metric: mass within +-WINDOW of the query.")] = 2,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sentences per forward pass.")] = 16,
+    sentence_heads: Annotated[
+        bool, typer.Option(help="Also write per-(sentence, layer, head) metrics (large for big corpora).")
+    ] = True,
+) -> None:
+    """Measure every attention head of MODEL on a corpus and write Parquet tables."""
+    from headscope.config import RunConfig
+    from headscope.loading import quiet_transformers, resolve_source
+    from headscope.pipeline import analyze as run_analysis
+    from headscope.reporting import RichReporter
+
+    reporter = RichReporter()
+    quiet_transformers(show_progress=reporter.console.is_terminal)
+    with user_errors():
+        config = RunConfig(
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            device=device.value,
+            dtype=dtype.value,
+            text_column=text_column,
+            max_length=max_length,
+            window=window,
+            batch_size=batch_size,
+            sentence_heads=sentence_heads,
+        )
+        out = out or Path("reports") / resolve_source(model).slug
+        result = run_analysis(model, corpus, out=out, overwrite=overwrite, config=config, reporter=reporter)
+    _print_summary(result)
+
+
+def _print_summary(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from headscope.summary import early_late_entropy, layer_entropy
+
+    console = Console()
+    run = result.run
+    arch = run["model"]["architecture"]
+    table = Table(title=f"{run['model']['input']}: mean attention entropy per layer (nats)")
+    table.add_column("layer", justify="right")
+    table.add_column("mean", justify="right")
+    table.add_column("min head", justify="right")
+    table.add_column("max head", justify="right")
+    for layer, row in layer_entropy(result.heads).iterrows():
+        table.add_row(str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
+    console.print(table)
+    bands = early_late_entropy(result.heads)
+    timings = run["timings"]
+    console.print(
+        f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
+        f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}"
+    )
+    console.print(
+        f"{run['corpus']['sentences']} sentences, {run['corpus']['tokens']} tokens "
+        f"({run['corpus']['truncated_sentences']} truncated); {arch['layers']} layers x {arch['heads']} heads "
+        f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s"
+    )
+    console.print(f"wrote {result.out_dir}/")
+
+
+def main() -> None:
+    app()

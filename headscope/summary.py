@@ -1,0 +1,34 @@
+"""Small pure summaries of the heads table shared by the CLI and the charts."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def depth_bands(n_layers: int) -> tuple[range, range]:
+    """Early and late layer bands: the first and last third of the model (at least one layer each).
+
+    GPT-2 small (12 layers) gives layers 0-3 and 8-11, the bands of the seed analysis.
+    """
+    width = max(1, n_layers // 3)
+    return range(0, width), range(n_layers - width, n_layers)
+
+
+def layer_entropy(heads: pd.DataFrame) -> pd.DataFrame:
+    """Per layer: mean, min and max of the heads' mean entropy (nats)."""
+    grouped = heads.groupby("layer")["entropy"]
+    return pd.DataFrame({"mean": grouped.mean(), "min": grouped.min(), "max": grouped.max()})
+
+
+def early_late_entropy(heads: pd.DataFrame) -> dict[str, float]:
+    """Mean head entropy of the early and late bands, and late minus early (the depth gradient)."""
+    early, late = depth_bands(int(heads["layer"].max()) + 1)
+    early_mean = float(heads.loc[heads["layer"].isin(early), "entropy"].mean())
+    late_mean = float(heads.loc[heads["layer"].isin(late), "entropy"].mean())
+    return {
+        "early_layers": f"{early.start}-{early.stop - 1}",
+        "late_layers": f"{late.start}-{late.stop - 1}",
+        "early": early_mean,
+        "late": late_mean,
+        "gradient": late_mean - early_mean,
+    }

@@ -1,0 +1,186 @@
+"""Column schemas of every output table, in one place, and atomic Parquet I/O.
+
+Every table is long-form (one observation per row, snake_case columns) so it
+opens directly with ``pandas.read_parquet``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from headscope.errors import OutputError
+from headscope.metrics import metric_means
+
+HEADS_FILE = "heads.parquet"
+SENTENCES_FILE = "sentences.parquet"
+SENTENCE_HEADS_FILE = "sentence_heads.parquet"
+RUN_FILE = "run.json"
+METADATA_KEY = b"headscope"
+
+_METRIC_COLUMNS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform")
+_METRIC_COLUMNS += ("sink", "prev_token", "max_weight")
+
+# One row per (layer, head): token-weighted means over the whole corpus.
+HEADS_SCHEMA = pa.schema(
+    [("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32()), ("n_rows", pa.int64())]
+    + [(name, pa.float64()) for name in _METRIC_COLUMNS]
+)
+
+# One row per sentence of the corpus that was kept.
+SENTENCES_SCHEMA = pa.schema(
+    [
+        ("sentence_id", pa.int64()),
+        ("line", pa.int64()),
+        ("text", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+    ]
+)
+
+# One row per (sentence, layer, head): means over that sentence's tokens. float32 keeps the
+# file half the size; per-sentence values need no more than 7 significant digits.
+SENTENCE_HEADS_SCHEMA = pa.schema(
+    [("sentence_id", pa.int64()), ("layer", pa.int32()), ("head", pa.int32()), ("n_tokens", pa.int32())]
+    + [(name, pa.float32()) for name in _METRIC_COLUMNS]
+)
+
+
+def heads_frame(sums: np.ndarray, kv_heads: int) -> pd.DataFrame:
+    """The heads table from corpus-wide stat sums, (layers, heads, stats)."""
+    layers, heads = sums.shape[:2]
+    means = metric_means(sums)
+    frame = pd.DataFrame(
+        {
+            "layer": np.repeat(np.arange(layers), heads),
+            "head": np.tile(np.arange(heads), layers),
+            # Query head h reads KV head h // (heads / kv_heads) in grouped-query attention.
+            "kv_head": np.tile(np.arange(heads) // max(heads // kv_heads, 1), layers),
+        }
+    )
+    for name in ("n_rows", *_METRIC_COLUMNS):
+        frame[name] = means[name].reshape(-1)
+    return frame
+
+
+def sentence_heads_frame(sentence_ids: np.ndarray, n_tokens: np.ndarray, sums: np.ndarray) -> pd.DataFrame:
+    """Per-(sentence, layer, head) rows from stat sums, (sentences, layers, heads, stats)."""
+    count, layers, heads = sums.shape[:3]
+    means = metric_means(sums)
+    frame = pd.DataFrame(
+        {
+            "sentence_id": np.repeat(sentence_ids, layers * heads),
+            "layer": np.tile(np.repeat(np.arange(layers), heads), count),
+            "head": np.tile(np.arange(heads), count * layers),
+            "n_tokens": np.repeat(n_tokens, layers * heads),
+        }
+    )
+    for name in _METRIC_COLUMNS:
+        frame[name] = means[name].reshape(-1).astype(np.float32)
+    return frame
+
+
+def temporary_path(path: Path) -> Path:
+    """A sibling name for writing `path` before the atomic rename."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _with_metadata(schema: pa.Schema, metadata: dict | None) -> pa.Schema:
+    if not metadata:
+        return schema
+    return schema.with_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()})
+
+
+def to_arrow(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
+    """Cast `frame` to exactly `schema` (column order and types); extra columns are an error."""
+    missing = [name for name in schema.names if name not in frame.columns]
+    extra = [name for name in frame.columns if name not in schema.names]
+    if missing or extra:
+        raise ValueError(f"table does not match its schema: missing {missing}, unexpected {extra}")
+    return pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False)
+
+
+def write_table(frame: pd.DataFrame, path: Path, schema: pa.Schema, *, metadata: dict | None = None) -> None:
+    """Write `frame` to `path` atomically: a temporary sibling, then a rename."""
+    table = to_arrow(frame, _with_metadata(schema, metadata))
+    tmp = temporary_path(path)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+class StreamingTableWriter:
+    """Append DataFrames to one Parquet file as row groups; the file appears only on close()."""
+
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        self.path = path
+        self.schema = schema
+        self._tmp = temporary_path(path)
+        self._writer = pq.ParquetWriter(self._tmp, schema)
+
+        self._open = True
+
+    def __enter__(self) -> StreamingTableWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write(self, frame: pd.DataFrame) -> None:
+        self._writer.write_table(to_arrow(frame, self.schema))
+
+    def close(self) -> None:
+        """Finish the file and move it into place (idempotent)."""
+        if self._open:
+            self._open = False
+            self._writer.close()
+            os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        if self._open:
+            self._open = False
+            self._writer.close()
+            self._tmp.unlink(missing_ok=True)
+
+
+def write_json(data: dict, path: Path) -> None:
+    tmp = temporary_path(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:
+    """Read a headscope table, checking that it has the columns `schema` promises."""
+    if not path.is_file():
+        raise OutputError(f"{path} not found; run `headscope analyze` first")
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several unrelated types for unreadable files
+        raise OutputError(f"{path} is not a readable Parquet file ({err})") from None
+    missing = [name for name in schema.names if name not in table.column_names]
+    if missing:
+        raise OutputError(f"{path} is not a headscope table: columns {', '.join(missing)} are missing")
+    return table.to_pandas()
+
+
+def read_metadata(path: Path) -> dict:
+    """The headscope metadata stored in a Parquet file's schema ({} if none)."""
+    raw = (pq.read_schema(path).metadata or {}).get(METADATA_KEY)
+    return json.loads(raw) if raw else {}
