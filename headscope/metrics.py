@@ -137,8 +137,9 @@ def head_row_sums(
     prev_rows = rows & (position >= 1)[:, None, :]
 
     def row_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        values = values.expand(batch, heads, t_q).to(accum_dtype)
-        return (values * mask).sum(-1)  # (batch, heads)
+        # `where`, not multiply: padding rows may hold anything, NaN included, and must add exactly 0.
+        values = torch.where(mask, values, 0.0).to(accum_dtype)
+        return values.expand(batch, heads, t_q).sum(-1)  # (batch, heads)
 
     ones = torch.ones_like(entropy)
     columns = {

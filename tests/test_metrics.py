@@ -1,0 +1,201 @@
+"""The metric maths on hand-built attention with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headscope.batching import collate
+from headscope.metrics import (
+    STAT_INDEX,
+    band_row_sums,
+    causal_visible_keys,
+    head_row_sums,
+    metric_means,
+    visible_keys,
+)
+
+from reference import corpus_means
+
+
+def uniform_causal(n: int) -> torch.Tensor:
+    """(n, n): row t spreads its mass evenly over keys 0..t."""
+    return torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1, dtype=torch.float32)[:, None]
+
+
+def one_hot_rows(n: int, target) -> torch.Tensor:
+    """(n, n): row t puts all its mass on key target(t)."""
+    attn = torch.zeros(n, n)
+    for t in range(n):
+        attn[t, target(t)] = 1.0
+    return attn
+
+
+def measure(attn_per_sentence: list[torch.Tensor], *, window: int = 2, padding_side: str = "right") -> np.ndarray:
+    """Pad (heads, n, n) sentences into one batch the way capture does; return (batch, heads, stats) sums."""
+    lengths = [a.shape[-1] for a in attn_per_sentence]
+    batch = collate(range(len(lengths)), [[1] * n for n in lengths], padding_side=padding_side)
+    width, heads = max(lengths), attn_per_sentence[0].shape[0]
+    # Padding rows get NaN: they must not leak into any sum.
+    padded = torch.full((len(lengths), heads, width, width), float("nan"))
+    for row, attn in enumerate(attn_per_sentence):
+        start, stop = int(batch.seq_start[row]), int(batch.seq_start[row]) + lengths[row]
+        padded[row, :, start:stop, :] = 0.0
+        padded[row, :, start:stop, start:stop] = attn
+    visible = causal_visible_keys(batch.attention_mask.bool())
+    return head_row_sums(
+        padded,
+        key_visible=visible,
+        query_valid=batch.attention_mask.bool(),
+        seq_start=batch.seq_start,
+        window=window,
+    ).numpy()
+
+
+def test_uniform_causal_rows_have_entropy_ln_t_plus_1():
+    n = 7
+    sums = measure([uniform_causal(n)[None]])
+    means = metric_means(sums)
+    expected_entropy = np.mean([math.log(t + 1) for t in range(n)])
+    assert means["entropy"][0, 0] == pytest.approx(expected_entropy, abs=1e-6)
+    assert means["norm_entropy"][0, 0] == pytest.approx(1.0, abs=1e-6)
+    assert means["entropy_std"][0, 0] == pytest.approx(np.std([math.log(t + 1) for t in range(n)]), abs=1e-6)
+    expected_diagonal = np.mean([min(t + 1, 3) / (t + 1) for t in range(n)])
+    assert means["diagonal"][0, 0] == pytest.approx(expected_diagonal, abs=1e-6)
+    assert means["diagonal_uniform"][0, 0] == pytest.approx(expected_diagonal, abs=1e-6)
+    assert means["sink"][0, 0] == pytest.approx(np.mean([1 / (t + 1) for t in range(n)]), abs=1e-6)
+    assert means["prev_token"][0, 0] == pytest.approx(np.mean([1 / (t + 1) for t in range(1, n)]), abs=1e-6)
+    assert means["max_weight"][0, 0] == pytest.approx(np.mean([1 / (t + 1) for t in range(n)]), abs=1e-6)
+    assert means["n_rows"][0, 0] == n
+
+
+def test_one_hot_rows_have_zero_entropy():
+    n = 6
+    means = metric_means(measure([one_hot_rows(n, lambda t: t)[None]]))
+    assert means["entropy"][0, 0] == 0.0
+    assert means["entropy_std"][0, 0] == 0.0
+    assert means["norm_entropy"][0, 0] == 0.0
+    assert means["max_weight"][0, 0] == pytest.approx(1.0)
+    assert means["diagonal"][0, 0] == pytest.approx(1.0)
+    assert means["sink"][0, 0] == pytest.approx(1 / n)  # only row 0 attends to position 0
+    assert means["prev_token"][0, 0] == 0.0
+
+
+def test_previous_token_pattern():
+    n = 5
+    attn = one_hot_rows(n, lambda t: max(t - 1, 0))[None]
+    means = metric_means(measure([attn], window=2))
+    assert means["prev_token"][0, 0] == pytest.approx(1.0)
+    assert means["diagonal"][0, 0] == pytest.approx(1.0)
+    assert means["sink"][0, 0] == pytest.approx(2 / n)  # rows 0 and 1 attend to position 0
+    # With window 0 only row 0 (which attends to itself) keeps its mass on the diagonal.
+    assert metric_means(measure([attn], window=0))["diagonal"][0, 0] == pytest.approx(1 / n)
+
+
+def test_one_token_sentence_has_no_prev_token_or_norm_entropy():
+    means = metric_means(measure([torch.ones(1, 1, 1)]))
+    assert np.isnan(means["prev_token"][0, 0])
+    assert np.isnan(means["norm_entropy"][0, 0])
+    assert means["entropy"][0, 0] == 0.0
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_padding_and_batching_change_nothing(padding_side):
+    generator = torch.Generator().manual_seed(0)
+    sentences = []
+    for n in (3, 8, 5, 1):
+        logits = torch.randn(2, n, n, generator=generator)
+        logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        sentences.append(logits.softmax(-1))
+    together = measure(sentences, padding_side=padding_side)
+    alone = np.concatenate([measure([s]) for s in sentences])
+    # Rows are reduced in float32: summing over a wider (padded) key axis may round differently.
+    np.testing.assert_allclose(together, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_matches_the_plain_reference_implementation():
+    generator = torch.Generator().manual_seed(1)
+    sentences = []
+    for n in (4, 9, 2, 13):
+        logits = 3 * torch.randn(3, n, n, generator=generator)
+        logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        sentences.append(logits.softmax(-1))
+    means = metric_means(measure(sentences).sum(axis=0))
+    expected = corpus_means([s.double().numpy() for s in sentences])
+    for name, values in expected.items():
+        np.testing.assert_allclose(means[name], values, atol=1e-6, err_msg=name)
+
+
+def test_inputs_are_not_modified():
+    attn = uniform_causal(6)[None, None].repeat(1, 2, 1, 1)
+    before = attn.clone()
+    query_valid = torch.ones(1, 6, dtype=torch.bool)
+    head_row_sums(
+        attn,
+        key_visible=causal_visible_keys(query_valid),
+        query_valid=query_valid,
+        seq_start=torch.zeros(1, dtype=torch.long),
+        window=2,
+    )
+    assert torch.equal(attn, before)
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 5, 20])
+def test_band_row_sums_equals_a_band_mask(window):
+    x = torch.rand(2, 3, 9, 9)
+    t = torch.arange(9)
+    band = (t[:, None] - t[None, :]).abs() <= window
+    torch.testing.assert_close(band_row_sums(x, window), (x * band).sum(-1))
+
+
+def test_visible_keys_reads_additive_and_boolean_masks():
+    additive = torch.tensor([[[[0.0, torch.finfo(torch.float32).min], [0.0, 0.0]]]])
+    assert visible_keys(additive).tolist() == [[[[True, False], [True, True]]]]
+    boolean = torch.tensor([[[[True, False], [True, True]]]])
+    assert visible_keys(boolean) is boolean
+
+
+def test_metric_means_divides_by_the_right_counts():
+    sums = np.zeros(len(STAT_INDEX))
+    sums[STAT_INDEX["n_rows"]] = 4
+    sums[STAT_INDEX["entropy"]] = 2.0
+    sums[STAT_INDEX["entropy_sq"]] = 1.5  # rows 0, 0.5, 0.5, 1 -> variance 0.375 - 0.25
+    sums[STAT_INDEX["prev_rows"]] = 3
+    sums[STAT_INDEX["prev_token"]] = 1.5
+    means = metric_means(sums)
+    assert means["entropy"] == pytest.approx(0.5)
+    assert means["entropy_std"] == pytest.approx(math.sqrt(0.125))
+    assert means["prev_token"] == pytest.approx(0.5)
+    assert np.isnan(means["norm_entropy"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=4),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+    scale=st.floats(min_value=0.0, max_value=20.0),
+    window=st.integers(min_value=0, max_value=4),
+)
+def test_metric_invariants_on_random_attention(lengths, seed, scale, window):
+    generator = torch.Generator().manual_seed(seed)
+    sentences = []
+    for n in lengths:
+        logits = scale * torch.randn(2, n, n, generator=generator)
+        logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        sentences.append(logits.softmax(-1))
+    sums = measure(sentences, window=window)
+    per_sentence = metric_means(sums)
+    for row, n in enumerate(lengths):
+        assert np.all(per_sentence["entropy"][row] >= -1e-6)
+        assert np.all(per_sentence["entropy"][row] <= math.log(n) + 1e-5)
+        for name in ("diagonal", "diagonal_uniform", "sink", "max_weight"):
+            assert np.all((per_sentence[name][row] >= -1e-6) & (per_sentence[name][row] <= 1 + 1e-6)), name
+    left = measure(sentences, window=window, padding_side="left")
+    reversed_order = measure(sentences[::-1], window=window)[::-1]
+    np.testing.assert_allclose(left, sums, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(reversed_order, sums, rtol=1e-6, atol=1e-6)
