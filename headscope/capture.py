@@ -78,7 +78,17 @@ class LayerReducer:
         return sums
 
 
-_active_reducer: LayerReducer | None = None
+class AttentionKeeper:
+    """Keeps every layer's attention of a one-sentence batch, for the example charts (small by design)."""
+
+    def __init__(self) -> None:
+        self.layers: list[torch.Tensor] = []
+
+    def consume(self, attn: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        self.layers.append(attn[0].float().cpu())  # (heads, t, t)
+
+
+_active_reducer: LayerReducer | AttentionKeeper | None = None
 
 
 def _eager_forward_for(module: torch.nn.Module) -> Callable:
@@ -111,7 +121,7 @@ AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
 @contextlib.contextmanager
-def measuring(model: torch.nn.Module, reducer: LayerReducer) -> Iterator[None]:
+def measuring(model: torch.nn.Module, reducer: LayerReducer | AttentionKeeper) -> Iterator[None]:
     """Switch `model` to the measuring attention for the duration of the block, then restore it."""
     global _active_reducer
     if not type(model)._can_set_attn_implementation():
@@ -143,3 +153,13 @@ def measure_batch(model: torch.nn.Module, reducer: LayerReducer, batch: Batch) -
     with torch.inference_mode():
         model(**forward_kwargs(model, batch))
     return reducer.finish()
+
+
+def sentence_attention(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """All layers' attention of a one-sentence batch: (layers, heads, t, t) on the CPU."""
+    if len(batch.sentence_ids) != 1:
+        raise ValueError("sentence_attention takes a batch of exactly one sentence")
+    keeper = AttentionKeeper()
+    with measuring(model, keeper), torch.inference_mode():
+        model(**forward_kwargs(model, batch))
+    return torch.stack(keeper.layers)

@@ -36,6 +36,23 @@ class DTypeChoice(str, Enum):
     float16 = "float16"
 
 
+class ChartFormat(str, Enum):
+    png = "png"
+    svg = "svg"
+    pdf = "pdf"
+
+
+# Options shared by several commands, declared once.
+LocalMinLocality = Annotated[
+    float, typer.Option(help="local if locality >= this (1 = all mass within the window, 0 = as uniform).")
+]
+CopyMaxNormEntropy = Annotated[
+    float, typer.Option(help="copy if entropy / ln(visible keys) <= this (checked after local).")
+]
+BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
+Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
+
+
 @app.callback()
 def _commands() -> None:
     """Measure, classify and chart every attention head of a Hugging Face causal language model."""
@@ -78,9 +95,14 @@ def analyze(
     sentence_heads: Annotated[
         bool, typer.Option(help="Also write per-(sentence, layer, head) metrics (large for big corpora).")
     ] = True,
+    charts: Annotated[bool, typer.Option(help="Draw the charts after measuring.")] = True,
+    chart_format: Format = ChartFormat.png,
+    local_min_locality: LocalMinLocality = 0.5,
+    copy_max_norm_entropy: CopyMaxNormEntropy = 0.3,
+    broad_min_norm_entropy: BroadMinNormEntropy = 0.7,
 ) -> None:
-    """Measure every attention head of MODEL on a corpus and write Parquet tables."""
-    from headscope.config import RunConfig
+    """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
+    from headscope.config import RunConfig, Thresholds
     from headscope.loading import quiet_transformers, resolve_source
     from headscope.pipeline import analyze as run_analysis
     from headscope.reporting import RichReporter
@@ -99,9 +121,56 @@ def analyze(
             batch_size=batch_size,
             sentence_heads=sentence_heads,
         )
+        thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         out = out or Path("reports") / resolve_source(model).slug
-        result = run_analysis(model, corpus, out=out, overwrite=overwrite, config=config, reporter=reporter)
+        result = run_analysis(
+            model,
+            corpus,
+            out=out,
+            overwrite=overwrite,
+            config=config,
+            thresholds=thresholds,
+            charts=chart_format.value if charts else None,
+            reporter=reporter,
+        )
     _print_summary(result)
+    _print_type_counts(result.heads, f"{result.run['model']['input']}: head types")
+
+
+@app.command()
+def classify(
+    report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
+    out: Annotated[
+        Path | None, typer.Option(help="Write the re-labelled heads.parquet and run.json here instead of in place.")
+    ] = None,
+    local_min_locality: LocalMinLocality = 0.5,
+    copy_max_norm_entropy: CopyMaxNormEntropy = 0.3,
+    broad_min_norm_entropy: BroadMinNormEntropy = 0.7,
+) -> None:
+    """Re-label the heads of REPORT as local, copy, broad or mixed, with other thresholds (no model needed)."""
+    from headscope.config import Thresholds
+    from headscope.report import reclassify
+
+    with user_errors():
+        thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
+        classified = reclassify(report, thresholds, out=out)
+    _print_type_counts(classified, f"{report}: head types")
+    typer.echo(f"wrote {(out or report) / 'heads.parquet'}")
+
+
+@app.command()
+def plot(
+    report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
+    out: Annotated[Path | None, typer.Option(help="Folder for the charts (default: REPORT).")] = None,
+    chart_format: Format = ChartFormat.png,
+) -> None:
+    """Draw the charts of REPORT from its tables (no model needed)."""
+    from headscope.report import draw_charts
+
+    with user_errors():
+        written = draw_charts(report, fmt=chart_format.value, out=out)
+    for path in written:
+        typer.echo(f"wrote {path}")
 
 
 def _print_summary(result) -> None:
@@ -133,6 +202,31 @@ def _print_summary(result) -> None:
         f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s"
     )
     console.print(f"wrote {result.out_dir}/")
+
+
+def _print_type_counts(classified, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from headscope.classify import HEAD_TYPES, type_counts
+    from headscope.summary import depth_bands
+
+    n_layers = int(classified["layer"].max()) + 1
+    early, late = depth_bands(n_layers)
+    bands = {f"layers {early.start}-{early.stop - 1}": early}
+    if late.start > early.stop:
+        bands[f"layers {early.stop}-{late.start - 1}"] = range(early.stop, late.start)
+    if late.start >= early.stop:
+        bands[f"layers {late.start}-{late.stop - 1}"] = late
+    bands["all layers"] = range(n_layers)
+    counts = type_counts(classified, bands)
+    table = Table(title=title)
+    table.add_column("layers")
+    for name in HEAD_TYPES:
+        table.add_column(name, justify="right")
+    for band, row in counts.iterrows():
+        table.add_row(band, *(str(int(row[name])) for name in HEAD_TYPES))
+    Console().print(table)
 
 
 def main() -> None:

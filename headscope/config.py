@@ -46,3 +46,39 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Head-type rule, checked in this order: local, copy, broad, else mixed.
+
+    locality = (diagonal - diagonal_uniform) / (1 - diagonal_uniform): the share of the mass that uniform
+    attention would put outside the +-window band which the head keeps inside it (1 = all of it, 0 = no
+    more than uniform). Judging against the uniform baseline matters: on a 6-token sentence uniform
+    attention already has most of its mass within +-2 positions. norm_entropy is entropy / ln(visible keys),
+    so neither test drifts with sentence length.
+    """
+
+    # local: at least this locality. A previous-token head scores ~1, a uniform head 0.
+    local_min_locality: float = 0.5
+    # copy: norm_entropy at most this; rows whose entropy is under 30% of uniform's hold most of their
+    # mass on one or two keys.
+    copy_max_norm_entropy: float = 0.3
+    # broad: norm_entropy at least this; rows within 30% of uniform spread their mass widely.
+    broad_min_norm_entropy: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not -1.0 <= self.local_min_locality <= 1.0:
+            raise ConfigError(f"--local-min-locality must be between -1 and 1; got {self.local_min_locality}")
+        for name in ("copy_max_norm_entropy", "broad_min_norm_entropy"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be between 0 and 1; got {value}")
+        if self.copy_max_norm_entropy >= self.broad_min_norm_entropy:
+            raise ConfigError(
+                f"--copy-max-norm-entropy ({self.copy_max_norm_entropy}) must be below "
+                f"--broad-min-norm-entropy ({self.broad_min_norm_entropy})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

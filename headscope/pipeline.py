@@ -18,15 +18,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from headscope.batching import batches_in_order
-from headscope.capture import LayerReducer, measure_batch, measuring
-from headscope.config import RunConfig
+from headscope.batching import batches_in_order, collate
+from headscope.capture import LayerReducer, measure_batch, measuring, sentence_attention
+from headscope.classify import classify_heads
+from headscope.config import RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
 from headscope.errors import ConfigError
 from headscope.loading import LoadedModel, load_model
 from headscope.output import StagedDirectory
+from headscope.report import classification_record, draw_charts, parquet_metadata
 from headscope.reporting import NullReporter, Reporter
 from headscope.tables import (
+    EXAMPLES_FILE,
+    EXAMPLES_SCHEMA,
     HEADS_FILE,
     HEADS_SCHEMA,
     RUN_FILE,
@@ -35,22 +39,26 @@ from headscope.tables import (
     SENTENCES_FILE,
     SENTENCES_SCHEMA,
     StreamingTableWriter,
+    examples_frame,
     heads_frame,
     read_table,
     sentence_heads_frame,
     write_json,
     write_table,
 )
-from headscope.tokenization import model_max_length, tokenize_sentences
+from headscope.tokenization import model_max_length, token_labels, tokenize_sentences
+
+EXAMPLE_TOKENS = 14  # the example chart uses the corpus sentence closest to this length (legible labels)
 
 
 @dataclass
 class AnalysisResult:
     """What `analyze` measured, as DataFrames (the same tables it writes)."""
 
-    heads: pd.DataFrame  # one row per (layer, head)
+    heads: pd.DataFrame  # one row per (layer, head), with its head type
     sentences: pd.DataFrame  # one row per sentence
     run: dict  # everything run.json holds
+    examples: pd.DataFrame  # every head's attention on one corpus sentence (long-form)
     out_dir: Path | None = None  # where the tables were written, if anywhere
     _sentence_heads: pd.DataFrame | None = None
 
@@ -74,6 +82,7 @@ class _Measured:
     sentences: pd.DataFrame
     tokens: int
     truncated: int
+    max_length: int | None  # the truncation length actually applied
 
 
 def analyze(
@@ -83,6 +92,8 @@ def analyze(
     out: str | Path | None = None,
     overwrite: bool = False,
     config: RunConfig | None = None,
+    thresholds: Thresholds | None = None,
+    charts: str | None = "png",
     reporter: Reporter | None = None,
     padding_side: str = "right",
     **options,
@@ -91,10 +102,13 @@ def analyze(
 
     model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model
     corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
-    out:     folder to write the tables and run.json into (nothing is written when None)
+    out:     folder to write the tables, run.json and charts into (nothing is written when None)
+    thresholds: head-type rule (default: Thresholds())
+    charts:  chart format written with the tables (png, svg, pdf), or None for no charts
     options: any RunConfig field, e.g. ``window=3`` or ``batch_size=8``
     """
     config = dataclasses.replace(config or RunConfig(), **options)
+    thresholds = thresholds or Thresholds()
     reporter = reporter or NullReporter()
     stage = StagedDirectory(Path(out), overwrite=overwrite) if out is not None else None
     corpus = _as_corpus(corpus, config.text_column)
@@ -128,26 +142,46 @@ def analyze(
         measured = _measure(loaded, corpus, config, reporter, sink, padding_side)
         measure_seconds = time.perf_counter() - started
 
-        heads = heads_frame(measured.sums, loaded.architecture["kv_heads"])
+        heads = classify_heads(heads_frame(measured.sums, loaded.architecture["kv_heads"]), thresholds)
+        examples = _example_attention(loaded, corpus, measured, padding_side)
         run = _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_seconds)
+        run["classification"] = classification_record(heads, thresholds)
         if stage is not None:
             reporter.stage("writing tables")
             started = time.perf_counter()
             if writer is not None:
                 writer.close()
-            write_table(heads, stage.path / HEADS_FILE, HEADS_SCHEMA, metadata={"run": _summary(run)})
+            write_table(heads, stage.path / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
             write_table(measured.sentences, stage.path / SENTENCES_FILE, SENTENCES_SCHEMA)
+            write_table(examples, stage.path / EXAMPLES_FILE, EXAMPLES_SCHEMA)
             run["timings"]["write_seconds"] = round(time.perf_counter() - started, 3)
             write_json(run, stage.path / RUN_FILE)
+            if charts:
+                reporter.stage("drawing charts")
+                draw_charts(stage.path, fmt=charts)
 
     in_memory = pd.concat(sentence_chunks, ignore_index=True) if sentence_chunks else None
     return AnalysisResult(
         heads=heads,
         sentences=measured.sentences,
         run=run,
+        examples=examples,
         out_dir=stage.target if stage else None,
         _sentence_heads=in_memory,
     )
+
+
+def _example_attention(loaded: LoadedModel, corpus: Corpus, measured: _Measured, padding_side: str) -> pd.DataFrame:
+    """Every head's attention on the corpus sentence closest to EXAMPLE_TOKENS tokens (ties: first)."""
+    sentences = measured.sentences[measured.sentences["n_tokens"] >= 2]
+    if sentences.empty:
+        sentences = measured.sentences[measured.sentences["n_tokens"] >= 1]
+    distance = (sentences["n_tokens"] - EXAMPLE_TOKENS).abs()
+    sentence_id = int(sentences.loc[distance.idxmin(), "sentence_id"])
+    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], measured.max_length)
+    batch = collate([sentence_id], ids, padding_side=padding_side, device=loaded.device)
+    attention = sentence_attention(loaded.model, batch).numpy()
+    return examples_frame(sentence_id, token_labels(loaded.tokenizer, ids[0]), attention)
 
 
 def _as_corpus(corpus, text_column: str) -> Corpus:
@@ -168,7 +202,8 @@ def _measure(
 ) -> _Measured:
     """Stream the corpus through the model in chunks; keep only stat sums and sentence rows."""
     limit = model_max_length(loaded.model.config)
-    max_length = min(x for x in (config.max_length, limit) if x is not None) if (config.max_length or limit) else None
+    limits = [x for x in (config.max_length, limit) if x is not None]
+    max_length = min(limits) if limits else None
     if config.max_length and limit and config.max_length > limit:
         raise ConfigError(f"--max-length {config.max_length} exceeds the model's limit of {limit} tokens")
     # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
@@ -225,6 +260,7 @@ def _measure(
         sentences=pd.concat(sentence_rows, ignore_index=True),
         tokens=tokens,
         truncated=truncated,
+        max_length=max_length,
     )
 
 
@@ -269,6 +305,7 @@ def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_s
             "blank_lines_skipped": corpus.blank_skipped,
             "tokens": measured.tokens,
             "truncated_sentences": measured.truncated,
+            "max_length": measured.max_length,
             "empty_sentences": int((measured.sentences["n_tokens"] == 0).sum()),
         },
         "settings": config.to_dict(),
@@ -282,8 +319,3 @@ def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_s
         },
         "layer_mean_entropy": [round(float(x), 6) for x in heads.groupby("layer")["entropy"].mean()],
     }
-
-
-def _summary(run: dict) -> dict:
-    """The part of run.json worth embedding in the Parquet metadata."""
-    return {key: run[key] for key in ("model", "corpus", "settings", "device", "dtype")}

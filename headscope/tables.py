@@ -21,16 +21,34 @@ from headscope.metrics import metric_means
 HEADS_FILE = "heads.parquet"
 SENTENCES_FILE = "sentences.parquet"
 SENTENCE_HEADS_FILE = "sentence_heads.parquet"
+EXAMPLES_FILE = "examples.parquet"
 RUN_FILE = "run.json"
 METADATA_KEY = b"headscope"
 
 _METRIC_COLUMNS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform")
 _METRIC_COLUMNS += ("sink", "prev_token", "max_weight")
 
-# One row per (layer, head): token-weighted means over the whole corpus.
+# One row per (layer, head): token-weighted means over the whole corpus, then the head type and the
+# evidence that decided it (see headscope.classify).
 HEADS_SCHEMA = pa.schema(
     [("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32()), ("n_rows", pa.int64())]
     + [(name, pa.float64()) for name in _METRIC_COLUMNS]
+    + [("locality", pa.float64()), ("head_type", pa.string()), ("type_reason", pa.string())]
+)
+MEASURED_COLUMNS = HEADS_SCHEMA.names[: HEADS_SCHEMA.names.index("locality")]
+
+# Every head's attention on one corpus sentence, long-form, so charts can be redrawn without the model.
+EXAMPLES_SCHEMA = pa.schema(
+    [
+        ("sentence_id", pa.int64()),
+        ("layer", pa.int32()),
+        ("head", pa.int32()),
+        ("query", pa.int32()),
+        ("key", pa.int32()),
+        ("query_token", pa.string()),
+        ("key_token", pa.string()),
+        ("weight", pa.float32()),
+    ]
 )
 
 # One row per sentence of the corpus that was kept.
@@ -84,6 +102,24 @@ def sentence_heads_frame(sentence_ids: np.ndarray, n_tokens: np.ndarray, sums: n
     for name in _METRIC_COLUMNS:
         frame[name] = means[name].reshape(-1).astype(np.float32)
     return frame
+
+
+def examples_frame(sentence_id: int, tokens: list[str], attention: np.ndarray) -> pd.DataFrame:
+    """Long-form rows of one sentence's attention, (layers, heads, t, t)."""
+    layer, head, query, key = (axis.reshape(-1) for axis in np.indices(attention.shape))
+    labels = np.array(tokens, dtype=object)
+    return pd.DataFrame(
+        {
+            "sentence_id": sentence_id,
+            "layer": layer,
+            "head": head,
+            "query": query,
+            "key": key,
+            "query_token": labels[query],
+            "key_token": labels[key],
+            "weight": attention.reshape(-1).astype(np.float32),
+        }
+    )
 
 
 def temporary_path(path: Path) -> Path:

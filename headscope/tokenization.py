@@ -26,3 +26,12 @@ def tokenize_sentences(tokenizer, texts: list[str], max_length: int | None) -> t
         if cut:
             ids[i] = tokenizer(texts[i], add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
     return [list(row) for row in ids], truncated
+
+
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """Readable labels for chart axes: each token decoded alone, surrounding spaces dropped."""
+    labels = []
+    for token_id in ids:
+        text = tokenizer.decode([token_id]).strip()
+        labels.append(text if text else repr(tokenizer.convert_ids_to_tokens(token_id)))
+    return labels

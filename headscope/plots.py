@@ -1,0 +1,184 @@
+"""Charts: a tidy DataFrame in, a matplotlib Figure out. No model code, no file I/O.
+
+Every function takes keyword-only options, titles its chart with `title` (model and corpus) and
+returns the Figure it drew; `headscope.report.draw_charts` saves them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from headscope.classify import HEAD_TYPES
+from headscope.config import Thresholds
+from headscope.summary import depth_bands
+
+TYPE_COLOURS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
+ANNOTATE_UP_TO = 16  # write cell values when the grid is at most this many layers and heads
+
+
+def _figure(width: float, height: float) -> Figure:
+    # Figure() rather than pyplot: no global figure registry to leak into, no GUI backend needed.
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _grid(heads: pd.DataFrame, column: str) -> np.ndarray:
+    """(layers, heads) array of `column`."""
+    return heads.pivot(index="layer", columns="head", values=column).sort_index().to_numpy(dtype=float)
+
+
+def _tick_step(n: int, most: int = 32) -> int:
+    return max(1, int(np.ceil(n / most)))
+
+
+def _layer_axis(ax, layers: np.ndarray) -> None:
+    """x axis of whole layers: explicit integer ticks (a locator invents fractions for 1-2 layers)."""
+    ax.set_xlim(layers.min() - 0.7, layers.max() + 0.7)
+    ax.set_xticks(layers[:: _tick_step(len(layers), 20)])
+    ax.set_xlabel("layer")
+
+
+def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
+    """Mean entropy of every head, layers down, heads across; colour bar in nats."""
+    grid = _grid(heads, "entropy")
+    n_layers, n_heads = grid.shape
+    width = float(np.clip(2.5 + 0.42 * n_heads, 6, 22))
+    height = float(np.clip(1.5 + 0.32 * n_layers, 4, 22))
+    fig = _figure(width, height)
+    ax = fig.subplots()
+    image = ax.imshow(grid, cmap="magma_r", aspect="auto", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="mean attention entropy (nats)")
+    for axis, n, label in ((ax.xaxis, n_heads, "head"), (ax.yaxis, n_layers, "layer")):
+        ticks = np.arange(0, n, _tick_step(n))
+        axis.set_ticks(ticks)
+        axis.set_ticklabels([str(t) for t in ticks])
+        axis.set_label_text(label)
+    if n_layers <= ANNOTATE_UP_TO and n_heads <= ANNOTATE_UP_TO:
+        middle = np.nanmean(grid)
+        for (layer, head), value in np.ndenumerate(grid):
+            colour = "white" if value > middle else "black"
+            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
+    ax.set_title(f"{title}\nattention entropy per head (dark = diffuse, light = focused)")
+    return fig
+
+
+def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
+    """Mean entropy per layer with the spread across heads, and the early and late band means."""
+    by_layer = heads.groupby("layer")["entropy"]
+    layers = np.array(sorted(heads["layer"].unique()))
+    mean, std = by_layer.mean().to_numpy(), by_layer.std(ddof=0).to_numpy()
+    low, high = by_layer.min().to_numpy(), by_layer.max().to_numpy()
+    fig = _figure(float(np.clip(4 + 0.2 * len(layers), 7, 16)), 4.5)
+    ax = fig.subplots()
+    # Clipped to the min-max range: entropy is never negative, whatever mean - std says.
+    std_low, std_high = np.maximum(mean - std, low), np.minimum(mean + std, high)
+    if len(layers) >= 3:
+        ax.fill_between(layers, low, high, color="#4c72b0", alpha=0.12, label="min-max over heads")
+        ax.fill_between(layers, std_low, std_high, color="#4c72b0", alpha=0.28, label="mean ± std over heads")
+    else:  # a band needs at least a few layers to be visible: draw ranges instead
+        ax.vlines(layers, low, high, color="#4c72b0", alpha=0.3, linewidth=8, label="min-max over heads")
+        ax.vlines(layers, std_low, std_high, color="#4c72b0", alpha=0.6, linewidth=8, label="mean ± std over heads")
+    ax.plot(layers, mean, marker="o", markersize=3, color="#4c72b0", label="mean over heads")
+    early, late = depth_bands(len(layers))
+    if late.start >= early.stop:  # with a single layer there are no separate early and late bands
+        for band, name, colour in ((early, "early", "#2ca02c"), (late, "late", "#d62728")):
+            band_mean = float(heads.loc[heads["layer"].isin(band), "entropy"].mean())
+            ax.hlines(band_mean, band.start - 0.4, band.stop - 0.6, colors=colour, linewidth=2.5)
+            span = f"{band.start}-{band.stop - 1}" if len(band) > 1 else f"{band.start}"
+            ax.annotate(
+                f"{name} layers {span}: {band_mean:.3f}",
+                (band.start - 0.4, band_mean),
+                textcoords="offset points",
+                xytext=(0, 6),
+                color=colour,
+                fontsize=9,
+            )
+    _layer_axis(ax, layers)
+    ax.set_ylabel("attention entropy (nats)")
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title(f"{title}\nmean attention entropy by layer")
+    return fig
+
+
+def head_types_per_layer(classified: pd.DataFrame, *, title: str) -> Figure:
+    """Stacked bars: how many heads of each type every layer has."""
+    counts = (
+        classified.groupby(["layer", "head_type"])
+        .size()
+        .unstack(fill_value=0)
+        .reindex(columns=HEAD_TYPES, fill_value=0)
+    )
+    layers = counts.index.to_numpy()
+    fig = _figure(float(np.clip(4 + 0.2 * len(layers), 7, 16)), 4.5)
+    ax = fig.subplots()
+    bottom = np.zeros(len(layers))
+    for name in HEAD_TYPES:
+        total = int(counts[name].sum())
+        ax.bar(layers, counts[name], bottom=bottom, color=TYPE_COLOURS[name], label=f"{name} ({total})", width=0.85)
+        bottom += counts[name].to_numpy()
+    _layer_axis(ax, layers)
+    ax.set_ylabel("heads")
+    ax.set_ylim(0, bottom.max() * 1.02)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="head type")
+    ax.set_title(f"{title}\nhead types per layer")
+    return fig
+
+
+def classification_map(classified: pd.DataFrame, thresholds: Thresholds, *, title: str) -> Figure:
+    """Every head at (locality, norm_entropy), coloured by type, with the rule's threshold lines."""
+    fig = _figure(8.5, 5.5)
+    ax = fig.subplots()
+    for name in HEAD_TYPES:
+        members = classified[classified["head_type"] == name]
+        ax.scatter(
+            members["locality"],
+            members["norm_entropy"],
+            s=14,
+            alpha=0.8,
+            color=TYPE_COLOURS[name],
+            label=f"{name} ({len(members)})",
+            edgecolors="none",
+        )
+    x_low = float(np.nanmin([classified["locality"].min(), thresholds.local_min_locality, 0.0])) - 0.05
+    ax.set_xlim(x_low, 1.02)
+    ax.set_ylim(-0.02, 1.02)
+    ax.axvline(thresholds.local_min_locality, color=TYPE_COLOURS["local"], linestyle="--", linewidth=1)
+    for value, name in ((thresholds.copy_max_norm_entropy, "copy"), (thresholds.broad_min_norm_entropy, "broad")):
+        ax.hlines(value, x_low, thresholds.local_min_locality, colors=TYPE_COLOURS[name], linestyles="--", linewidth=1)
+    ax.text(thresholds.local_min_locality + 0.01, 1.0, "local →", va="top", fontsize=8, color=TYPE_COLOURS["local"])
+    ax.text(x_low + 0.01, thresholds.copy_max_norm_entropy - 0.01, "copy ↓", va="top", fontsize=8)
+    ax.text(x_low + 0.01, thresholds.broad_min_norm_entropy + 0.01, "broad ↑", va="bottom", fontsize=8)
+    ax.set_xlabel("locality: band mass above uniform's, as a share of what uniform leaves outside (±window)")
+    ax.set_ylabel("normalised entropy (entropy / ln visible keys)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="head type")
+    ax.set_title(f"{title}\nwhy each head got its type (locality is checked first)")
+    return fig
+
+
+def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *, title: str) -> Figure:
+    """One attention matrix per head type, for the most typical head of that type, on one real sentence.
+
+    examples: long-form attention of one sentence: layer, head, query, key, weight, query_token, key_token.
+    """
+    fig = _figure(4.6 * max(len(chosen), 1), 5.2)
+    axes = np.atleast_1d(fig.subplots(1, max(len(chosen), 1)))
+    tokens = examples.drop_duplicates("query").sort_values("query")["query_token"].tolist()
+    n = len(tokens)
+    image = None
+    for ax, (name, (layer, head)) in zip(axes, chosen.items(), strict=False):
+        part = examples[(examples["layer"] == layer) & (examples["head"] == head)]
+        matrix = np.full((n, n), np.nan)
+        matrix[part["query"].to_numpy(), part["key"].to_numpy()] = part["weight"].to_numpy()
+        image = ax.imshow(matrix, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_xticks(range(n), tokens, rotation=90, fontsize=7)
+        ax.set_yticks(range(n), tokens, fontsize=7)
+        ax.set_xlabel("key (attended to)")
+        ax.set_ylabel("query")
+        ax.set_title(f"{name}: layer {layer}, head {head}", color=TYPE_COLOURS[name])
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.6, label="attention weight")
+    fig.suptitle(f"{title}\nthe most typical head of each type on one sentence")
+    return fig

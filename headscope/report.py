@@ -1,0 +1,139 @@
+"""Work on a finished report folder without the model: re-classify heads, draw the charts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from headscope.classify import HEAD_TYPES, classify_heads, most_typical
+from headscope.config import Thresholds
+from headscope.errors import ConfigError, OutputError
+from headscope.tables import (
+    EXAMPLES_FILE,
+    EXAMPLES_SCHEMA,
+    HEADS_FILE,
+    HEADS_SCHEMA,
+    MEASURED_COLUMNS,
+    RUN_FILE,
+    read_table,
+    temporary_path,
+    write_json,
+    write_table,
+)
+
+CHART_FORMATS = ("png", "svg", "pdf")
+
+
+def read_run(folder: Path) -> dict:
+    path = Path(folder) / RUN_FILE
+    if not path.is_file():
+        raise OutputError(f"{path} not found; is {folder} a headscope report folder?")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise OutputError(f"{path} is not valid JSON ({err})") from None
+
+
+def read_heads(folder: Path) -> pd.DataFrame:
+    return read_table(Path(folder) / HEADS_FILE, HEADS_SCHEMA)
+
+
+def classification_record(classified: pd.DataFrame, thresholds: Thresholds) -> dict:
+    """What run.json and the Parquet metadata say about the classification."""
+    counts = classified["head_type"].value_counts().reindex(HEAD_TYPES, fill_value=0)
+    return {"thresholds": thresholds.to_dict(), "counts": {name: int(n) for name, n in counts.items()}}
+
+
+def reclassify(folder: Path, thresholds: Thresholds, *, out: Path | None = None) -> pd.DataFrame:
+    """Re-label the heads of `folder` with `thresholds`; write in place (atomically) or into `out`.
+
+    With `out`, the new heads.parquet and run.json go there, with the example attention the charts need.
+    """
+    folder = Path(folder)
+    run = read_run(folder)
+    classified = classify_heads(read_heads(folder)[MEASURED_COLUMNS], thresholds)
+    run["classification"] = classification_record(classified, thresholds)
+    target = Path(out) if out is not None else folder
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create {target}: {err.strerror}") from None
+    if target.resolve() != folder.resolve() and (folder / EXAMPLES_FILE).is_file():
+        _copy_atomically(folder / EXAMPLES_FILE, target / EXAMPLES_FILE)
+    write_table(classified, target / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
+    write_json(run, target / RUN_FILE)
+    return classified
+
+
+def parquet_metadata(run: dict) -> dict:
+    """The part of run.json embedded in heads.parquet's metadata."""
+    keys = ("model", "corpus", "settings", "device", "dtype", "classification")
+    return {key: run[key] for key in keys if key in run}
+
+
+def thresholds_of(run: dict) -> Thresholds:
+    recorded = run.get("classification", {}).get("thresholds")
+    try:
+        return Thresholds(**recorded) if recorded else Thresholds()
+    except (TypeError, ConfigError) as err:
+        raise OutputError(f"run.json holds unusable classification thresholds ({err})") from None
+
+
+def chart_title(run: dict) -> str:
+    corpus = run.get("corpus", {})
+    name = Path(corpus.get("path", "corpus")).name
+    return f"{run['model']['input']} on {name} ({corpus.get('sentences', '?')} sentences)"
+
+
+def draw_charts(folder: Path, *, fmt: str = "png", out: Path | None = None) -> list[Path]:
+    """Draw every chart of the report in `folder` (into `out`, default the same folder); return their paths."""
+    from headscope import plots  # matplotlib is imported only when charts are drawn
+
+    if fmt not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {fmt!r}")
+    folder = Path(folder)
+    run = read_run(folder)
+    heads = read_heads(folder)
+    thresholds = thresholds_of(run)
+    title = chart_title(run)
+    figures = {
+        "entropy_heatmap": plots.entropy_heatmap(heads, title=title),
+        "layer_gradient": plots.layer_gradient(heads, title=title),
+        "head_types": plots.head_types_per_layer(heads, title=title),
+        "classification_map": plots.classification_map(heads, thresholds, title=title),
+    }
+    if (folder / EXAMPLES_FILE).is_file():
+        examples = read_table(folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+        figures["examples"] = plots.example_heads(examples, most_typical(heads, thresholds), title=title)
+    target = Path(out) if out is not None else folder
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, figure in figures.items():
+        path = target / f"{name}.{fmt}"
+        _save_atomically(figure, path, fmt)
+        written.append(path)
+    return written
+
+
+def _save_atomically(figure, path: Path, fmt: str) -> None:
+    tmp = temporary_path(path)
+    try:
+        figure.savefig(tmp, format=fmt, dpi=130)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def _copy_atomically(source: Path, destination: Path) -> None:
+    tmp = temporary_path(destination)
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, destination)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {destination}: {err.strerror or err}") from None

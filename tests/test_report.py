@@ -1,0 +1,133 @@
+"""classify and plot on report folders: planted heads, re-labelling, charts of every model shape."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.image import imread
+from typer.testing import CliRunner
+
+import headscope
+from headscope.classify import classify_heads
+from headscope.cli import app
+from headscope.config import Thresholds
+from headscope.report import draw_charts
+from headscope.tables import HEADS_SCHEMA, RUN_FILE, read_metadata, write_json, write_table
+
+from planted import FIRST, PREVIOUS, UNIFORM
+
+runner = CliRunner()
+CHARTS = ("entropy_heatmap", "layer_gradient", "head_types", "classification_map", "examples")
+
+
+def words_of(lines: list[str]) -> list[str]:
+    return sorted({w for line in lines for w in line.split() if w.isalpha()})
+
+
+@pytest.mark.parametrize("length", [5, 40])
+def test_planted_heads_classify_on_short_and_long_sentences(planted_gpt2, corpus_lines, length):
+    words = words_of(corpus_lines)
+    rng = np.random.default_rng(length)
+    sentences = [" ".join(rng.choice(words, size=length)) for _ in range(12)]
+    result = headscope.analyze(str(planted_gpt2), sentences, sentence_heads=False)
+    assert (result.sentences["n_tokens"] == length).all()
+    layer0 = result.heads[result.heads["layer"] == 0].set_index("head")
+    assert layer0.loc[UNIFORM, "head_type"] == "broad"
+    assert layer0.loc[PREVIOUS, "head_type"] == "local"
+    assert layer0.loc[FIRST, "head_type"] == "copy"
+
+
+@pytest.fixture
+def report(planted_gpt2, tmp_path):
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["analyze", str(planted_gpt2), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_analyze_writes_charts_and_records_thresholds(report):
+    for name in CHARTS:
+        assert (report / f"{name}.png").stat().st_size > 10_000, name
+    run = json.loads((report / RUN_FILE).read_text())
+    assert run["classification"]["thresholds"] == Thresholds().to_dict()
+    assert sum(run["classification"]["counts"].values()) == 6
+    assert read_metadata(report / "heads.parquet")["classification"] == run["classification"]
+    heads = pd.read_parquet(report / "heads.parquet")
+    assert heads["type_reason"].str.len().gt(0).all()
+
+
+def test_classify_in_place_changes_labels_and_keeps_the_file_readable(report):
+    before = pd.read_parquet(report / "heads.parquet")
+    result = runner.invoke(
+        app, ["classify", str(report), "--local-min-locality", "1", "--copy-max-norm-entropy", "0.0001"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "head types" in result.output
+    after = pd.read_parquet(report / "heads.parquet")
+    layer0 = after[after["layer"] == 0].set_index("head")["head_type"]
+    assert layer0[PREVIOUS] != "local" and layer0[FIRST] != "copy"
+    pd.testing.assert_frame_equal(after[before.columns[:12]], before[before.columns[:12]])  # measurements kept
+    run = json.loads((report / RUN_FILE).read_text())
+    assert run["classification"]["thresholds"]["local_min_locality"] == 1.0
+    assert not [p for p in report.iterdir() if p.name.startswith(".")]
+
+
+def test_classify_into_another_folder_then_plot_it(report, tmp_path):
+    other = tmp_path / "relabelled"
+    result = runner.invoke(app, ["classify", str(report), "--out", str(other), "--broad-min-norm-entropy", "0.95"])
+    assert result.exit_code == 0, result.output
+    original = pd.read_parquet(report / "heads.parquet")
+    assert (original[original["layer"] == 0]["head_type"] == ["broad", "local", "copy"]).all()
+    result = runner.invoke(app, ["plot", str(other), "--format", "svg"])
+    assert result.exit_code == 0, result.output
+    for name in CHARTS:
+        assert (other / f"{name}.svg").read_text().lstrip().startswith("<?xml"), name
+
+
+def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
+    result = runner.invoke(app, ["classify", str(report), "--copy-max-norm-entropy", "0.9"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: --copy-max-norm-entropy (0.9) must be below --broad-min-norm-entropy")
+    result = runner.invoke(app, ["plot", str(tmp_path / "nothing")])
+    assert result.exit_code == 1
+    assert "run.json not found" in result.stderr
+
+
+def synthetic_report(folder, layers: int, heads: int):
+    """A report folder with a made-up heads table of the given shape (no model)."""
+    rng = np.random.default_rng(layers * 100 + heads)
+    n = layers * heads
+    frame = pd.DataFrame(
+        {
+            "layer": np.repeat(np.arange(layers), heads),
+            "head": np.tile(np.arange(heads), layers),
+            "kv_head": np.tile(np.arange(heads), layers),
+            "n_rows": 1000,
+            "entropy": rng.uniform(0, 2.5, n) * np.linspace(1, 0.4, n),
+            "entropy_std": rng.uniform(0, 0.5, n),
+            "norm_entropy": rng.uniform(0, 1, n),
+            "diagonal": rng.uniform(0.3, 1, n),
+            "diagonal_uniform": np.full(n, 0.4),
+            "sink": rng.uniform(0, 1, n),
+            "prev_token": rng.uniform(0, 1, n),
+            "max_weight": rng.uniform(0, 1, n),
+        }
+    )
+    folder.mkdir()
+    write_table(classify_heads(frame, Thresholds()), folder / "heads.parquet", HEADS_SCHEMA)
+    run = {"model": {"input": f"synthetic-{layers}x{heads}"}, "corpus": {"path": "c.txt", "sentences": 10}}
+    write_json(run, folder / RUN_FILE)
+
+
+@pytest.mark.parametrize(("layers", "heads"), [(12, 12), (30, 9), (1, 4), (64, 64)])
+def test_charts_for_every_model_shape(tmp_path, layers, heads):
+    folder = tmp_path / f"m{layers}x{heads}"
+    synthetic_report(folder, layers, heads)
+    written = draw_charts(folder)
+    assert [p.stem for p in written] == list(CHARTS[:4])  # no example attention without a model run
+    for path in written:
+        height, width = imread(path).shape[:2]
+        assert 500 <= width <= 3200 and 400 <= height <= 3200, (path.name, width, height)
