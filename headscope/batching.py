@@ -26,13 +26,25 @@ class Batch:
         return int(self.attention_mask.sum())
 
 
-def plan_batches(lengths: dict[int, int], batch_size: int) -> list[list[int]]:
-    """Split sentence ids into batches of at most `batch_size`, shortest sentences first.
+def plan_batches(lengths: dict[int, int], *, max_sentences: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Split sentence ids into batches, shortest sentences first.
 
-    Ties are broken by id, so the plan is the same for the same input.
+    A batch holds at most `max_sentences` sentences and at most `max_tokens` padded tokens (sentences
+    times the longest one); a sentence longer than `max_tokens` still gets a batch of its own. Ties are
+    broken by id, so the plan is the same for the same input.
     """
     order = sorted(lengths, key=lambda sentence_id: (lengths[sentence_id], sentence_id))
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for sentence_id in order:
+        padded = (len(current) + 1) * lengths[sentence_id]  # sorted: the newcomer is the longest
+        if current and (len(current) == max_sentences or (max_tokens is not None and padded > max_tokens)):
+            batches.append(current)
+            current = []
+        current.append(sentence_id)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def collate(
@@ -65,8 +77,14 @@ def collate(
 
 
 def batches_in_order(
-    tokenized: dict[int, list[int]], batch_size: int, *, padding_side: str = "right", device="cpu"
+    tokenized: dict[int, list[int]],
+    *,
+    max_sentences: int,
+    max_tokens: int | None = None,
+    padding_side: str = "right",
+    device="cpu",
 ) -> Iterator[Batch]:
     """Collated batches for every tokenized sentence, planned by length."""
-    for ids in plan_batches({k: len(v) for k, v in tokenized.items()}, batch_size):
+    lengths = {k: len(v) for k, v in tokenized.items()}
+    for ids in plan_batches(lengths, max_sentences=max_sentences, max_tokens=max_tokens):
         yield collate(ids, [tokenized[i] for i in ids], padding_side=padding_side, device=device)

@@ -1,66 +1,154 @@
 """Run batches through a model and reduce each layer's attention as soon as it exists.
 
-How: we register an attention function named ``headscope`` with transformers'
-attention interface. It calls the model's *own* module-level
-``eager_attention_forward`` (so grouped KV heads, scaling, softcapping, sinks
-and sliding windows are the model's), hands the probabilities to the
-``LayerReducer`` and returns no weights, so they are freed before the next
-layer runs. Nothing holds more than one layer's attention at a time.
+How: we register an attention function named ``headscope`` with transformers' attention interface.
+For every layer it reduces the attention probabilities to per-(sentence, head) sums and returns no
+weights, so nothing holds more than one layer's attention (or one block of it) at a time.
+
+Where the probabilities come from:
+- ``eager``: the model's *own* module-level ``eager_attention_forward`` (so grouped KV heads,
+  scaling, softcapping, sinks and sliding windows are the model's), which materialises the full
+  (batch, heads, t, t) matrix.
+- ``blockwise``: the layer's output comes from ``sdpa`` (fast, no t x t matrix) and the probabilities
+  are recomputed block of query rows by block, bounding memory by (batch x heads x block x keys).
+  Used only when the model's eager function is, to the letter, one of the standard ones (Llama's or
+  GPT-2's: softmax(q k^T * scaling + mask)) *and* the recomputed probabilities matched the eager
+  ones on the first real call. Anything else stays on the model's own eager function.
 
 Two pitfalls this module exists to avoid (see FINDINGS.md):
-- a custom attention name needs a *mask* function too, or transformers builds
-  no causal or padding mask at all: we register the eager one;
-- the attention function never sees the 2-D padding mask, so the reducer is
-  told which query rows are real before every forward.
+- a custom attention name needs a *mask* function too, or transformers builds no causal or padding
+  mask at all: we register the eager one;
+- the attention function never sees the 2-D padding mask, so the reducer is told which query rows
+  are real before every forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.gpt2 import modeling_gpt2
+from transformers.models.llama import modeling_llama
 
 from headscope.batching import Batch
 from headscope.errors import ModelLoadError
-from headscope.metrics import causal_visible_keys, head_row_sums, visible_keys
+from headscope.metrics import causal_visible_keys, head_row_sums, head_row_sums_from_logits, visible_keys
 
 ATTENTION_NAME = "headscope"
+BLOCK_BYTES = 32 * 2**20  # float32 logits per block of query rows; temporaries take a few times this
+# Rows per block, at most: small blocks let causal attention skip most keys after each block's last row.
+MAX_BLOCK_ROWS = 128
 
+
+def _normalised_source(function: Callable) -> str:
+    source = inspect.getsource(function)
+    source = re.sub(r"#[^\n]*", "", source)  # comments
+    return re.sub(r"\s+", "", source)
+
+
+# Eager functions whose maths is exactly softmax(q k^T * scaling + mask) with repeated KV heads.
+_STANDARD_EAGER = {
+    _normalised_source(modeling_llama.eager_attention_forward),
+    _normalised_source(modeling_gpt2.eager_attention_forward),
+}
 _eager_by_class: dict[type, Callable] = {}
+_standard_source: dict[Callable, bool] = {}
+_verified: dict[Callable, bool] = {}  # eager function -> recomputed probabilities matched it
+_causal: dict[Callable, bool] = {}  # eager function -> its weights above the diagonal were exactly 0
+
+
+class _StopForward(Exception):
+    """Raised after the last wanted layer: later layers cannot change what we measure."""
+
+
+def standard_logits(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    rows: slice,
+    keys: int,
+) -> torch.Tensor:
+    """q k^T * scaling + mask for query rows `rows` and the first `keys` keys, as the standard eager functions.
+
+    query: (batch, heads, t, head_dim); key: (batch, heads, t, head_dim) with KV heads already repeated;
+    attention_mask: (batch, 1, t, t) additive, or None. Returns (batch, heads, rows, keys); softmax over
+    the last axis (in float32) gives the eager attention probabilities.
+    """
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # Scaling the (rows, head_dim) queries instead of the (rows, keys) scores: the same numbers up to
+    # float rounding (verified against the eager weights), at a fraction of the memory traffic.
+    scores = torch.matmul(query[:, :, rows] * scaling, key[:, :, :keys].transpose(2, 3))
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, rows, :keys]
+    return scores
+
+
+def _repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv_heads, keys, d) -> (batch, heads, keys, d): query head h reads KV head h // groups."""
+    groups = heads // key.shape[1]
+    return key if groups == 1 else key.repeat_interleave(groups, dim=1)
 
 
 class LayerReducer:
     """Receives one layer's attention at a time and keeps only per-(sentence, head) sums."""
 
-    def __init__(self, *, window: int, accum_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        *,
+        window: int,
+        accum_dtype: torch.dtype,
+        layers: Sequence[int] | None = None,
+        block_bytes: int = BLOCK_BYTES,
+    ) -> None:
         self.window = window
         self.accum_dtype = accum_dtype
+        self.layers = sorted(set(layers)) if layers is not None else None
+        self.block_bytes = block_bytes
+        self.paths: dict[str, str] = {}  # attention class -> path used, for run.json
         self._batch: Batch | None = None
         self._query_valid: torch.Tensor | None = None
+        self._layer = -1
         self._layer_sums: list[torch.Tensor] = []
 
     def start(self, batch: Batch) -> None:
         self._batch = batch
         self._query_valid = batch.attention_mask.bool()
+        self._layer = -1
         self._layer_sums = []
+
+    def next_layer(self) -> int:
+        self._layer += 1
+        return self._layer
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def is_last_wanted(self, layer: int) -> bool:
+        return self.layers is not None and layer >= self.layers[-1]
+
+    def _key_visible(self, attention_mask: torch.Tensor | None, keys: int) -> torch.Tensor:
+        if attention_mask is None:
+            return causal_visible_keys(self._query_valid)
+        return visible_keys(attention_mask[..., :keys])
+
+    def fits_one_block(self, query: torch.Tensor) -> bool:
+        """Is the whole (batch, heads, t, t) matrix within the block budget? Then the eager weights are cheapest."""
+        batch, heads, t, _ = query.shape
+        return 4 * batch * heads * t * t <= self.block_bytes
 
     def consume(self, attn: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """attn: (batch, heads, t, t) probabilities; attention_mask: (batch, 1, t, t) additive, or None."""
-        if self._batch is None:
-            raise RuntimeError("LayerReducer.consume called outside a batch")
-        if attention_mask is None:
-            key_visible = causal_visible_keys(self._query_valid)
-        else:
-            key_visible = visible_keys(attention_mask[..., : attn.shape[-1]])
         self._layer_sums.append(
             head_row_sums(
                 attn,
-                key_visible=key_visible,
+                key_visible=self._key_visible(attention_mask, attn.shape[-1]),
                 query_valid=self._query_valid,
                 seq_start=self._batch.seq_start,
                 window=self.window,
@@ -68,8 +156,34 @@ class LayerReducer:
             )
         )
 
+    def consume_blocks(self, query, key, attention_mask, scaling, *, causal: bool) -> None:
+        """Recompute the logits block of query rows by block and reduce each block.
+
+        With causal attention the rows of a block ending at position r see no key after r, so only
+        keys < r are computed: about half the work of the full matrix.
+        """
+        batch, heads, t, _ = query.shape
+        key = _repeat_kv(key, heads)
+        visible = self._key_visible(attention_mask, key.shape[-2])
+        rows_per_block = max(1, min(MAX_BLOCK_ROWS, self.block_bytes // (4 * batch * heads * key.shape[-2])))
+        total = None
+        for first in range(0, t, rows_per_block):
+            rows = slice(first, min(first + rows_per_block, t))
+            keys = rows.stop if causal else key.shape[-2]
+            sums = head_row_sums_from_logits(
+                standard_logits(query, key, attention_mask, scaling, rows, keys),
+                key_visible=visible[:, :, rows, :keys],
+                query_valid=self._query_valid[:, rows],
+                seq_start=self._batch.seq_start,
+                window=self.window,
+                row_offset=first,
+                accum_dtype=self.accum_dtype,
+            )
+            total = sums if total is None else total + sums
+        self._layer_sums.append(total)
+
     def finish(self) -> torch.Tensor:
-        """Sums of the batch, (layers, batch, heads, stats), moved to the CPU in one transfer."""
+        """Sums of the batch, (wanted layers, batch, heads, stats), moved to the CPU in one transfer."""
         if not self._layer_sums:
             raise ModelLoadError("the model never called its attention function; is it a transformer?")
         sums = torch.stack(self._layer_sums).cpu()
@@ -83,12 +197,25 @@ class AttentionKeeper:
 
     def __init__(self) -> None:
         self.layers: list[torch.Tensor] = []
+        self.paths: dict[str, str] = {}
+
+    def fits_one_block(self, query: torch.Tensor) -> bool:
+        return True  # always keep the model's own weights
+
+    def next_layer(self) -> int:
+        return len(self.layers)
+
+    def wants(self, layer: int) -> bool:
+        return True
+
+    def is_last_wanted(self, layer: int) -> bool:
+        return False
 
     def consume(self, attn: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         self.layers.append(attn[0].float().cpu())  # (heads, t, t)
 
 
-_active_reducer: LayerReducer | AttentionKeeper | None = None
+_active: LayerReducer | AttentionKeeper | None = None
 
 
 def _eager_forward_for(module: torch.nn.Module) -> Callable:
@@ -102,17 +229,48 @@ def _eager_forward_for(module: torch.nn.Module) -> Callable:
                 "headscope cannot read its attention weights"
             )
         _eager_by_class[cls] = function
+        _standard_source[function] = _normalised_source(function) in _STANDARD_EAGER
     return _eager_by_class[cls]
 
 
+def _verify_standard(eager: Callable, weights: torch.Tensor, query, key, attention_mask, scaling) -> None:
+    """Record whether the standard maths reproduces the model's own eager weights on this input, and
+    whether those weights are causal (nothing above the diagonal)."""
+    keys = key.shape[-2]
+    logits = standard_logits(query, _repeat_kv(key, query.shape[1]), attention_mask, scaling, slice(None), keys)
+    expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
+    _verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
+    _causal[eager] = bool(torch.triu(weights, diagonal=1).abs().max() == 0)
+
+
 def _measuring_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention-interface entry: the model's eager maths, then reduce and drop the weights."""
-    output, weights = _eager_forward_for(module)(module, query, key, value, attention_mask, **kwargs)
-    if _active_reducer is None:
+    """Attention-interface entry: compute the layer's output, reduce its probabilities, return no weights."""
+    consumer = _active
+    if consumer is None:
         raise RuntimeError("headscope attention ran outside headscope.capture.measuring()")
-    if weights is None:
-        raise ModelLoadError(f"{type(module).__name__}'s eager attention returned no weights")
-    _active_reducer.consume(weights, attention_mask)
+    eager = _eager_forward_for(module)
+    layer = consumer.next_layer()
+    name = type(module).__name__
+    if not consumer.wants(layer):
+        forward = sdpa_attention_forward if _standard_source[eager] else eager
+        output, _ = forward(module, query, key, value, attention_mask, **kwargs)
+    elif _verified.get(eager) and not consumer.fits_one_block(query):
+        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        consumer.consume_blocks(query, key, attention_mask, kwargs.get("scaling"), causal=_causal[eager])
+        consumer.paths[name] = "blockwise (sdpa output, probabilities by blocks of query rows)"
+    else:
+        output, weights = eager(module, query, key, value, attention_mask, **kwargs)
+        if weights is None:
+            raise ModelLoadError(f"{name}'s eager attention returned no weights")
+        if eager not in _verified:
+            _verified[eager] = False
+            if _standard_source[eager]:
+                _verify_standard(eager, weights, query, key, attention_mask, kwargs.get("scaling"))
+        consumer.consume(weights, attention_mask)
+        consumer.paths.setdefault(name, "eager (the model's own attention function)")
+    if consumer.is_last_wanted(layer):
+        raise _StopForward
     return output, None
 
 
@@ -121,9 +279,9 @@ AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
 @contextlib.contextmanager
-def measuring(model: torch.nn.Module, reducer: LayerReducer | AttentionKeeper) -> Iterator[None]:
+def measuring(model: torch.nn.Module, consumer: LayerReducer | AttentionKeeper) -> Iterator[None]:
     """Switch `model` to the measuring attention for the duration of the block, then restore it."""
-    global _active_reducer
+    global _active
     if not type(model)._can_set_attn_implementation():
         raise ModelLoadError(
             f"{type(model).__name__} does not route attention through transformers' attention interface; "
@@ -131,11 +289,11 @@ def measuring(model: torch.nn.Module, reducer: LayerReducer | AttentionKeeper) -
         )
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    _active_reducer = reducer
+    _active = consumer
     try:
         yield
     finally:
-        _active_reducer = None
+        _active = None
         model.set_attn_implementation(previous)
 
 
@@ -147,11 +305,15 @@ def forward_kwargs(model: torch.nn.Module, batch: Batch) -> dict:
     return kwargs
 
 
-def measure_batch(model: torch.nn.Module, reducer: LayerReducer, batch: Batch) -> torch.Tensor:
-    """One forward pass under `measuring`; returns (layers, batch, heads, stats) sums on the CPU."""
-    reducer.start(batch)
-    with torch.inference_mode():
+def _forward(model: torch.nn.Module, batch: Batch) -> None:
+    with torch.inference_mode(), contextlib.suppress(_StopForward):
         model(**forward_kwargs(model, batch))
+
+
+def measure_batch(model: torch.nn.Module, reducer: LayerReducer, batch: Batch) -> torch.Tensor:
+    """One forward pass under `measuring`; returns (wanted layers, batch, heads, stats) sums on the CPU."""
+    reducer.start(batch)
+    _forward(model, batch)
     return reducer.finish()
 
 
@@ -160,6 +322,6 @@ def sentence_attention(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     if len(batch.sentence_ids) != 1:
         raise ValueError("sentence_attention takes a batch of exactly one sentence")
     keeper = AttentionKeeper()
-    with measuring(model, keeper), torch.inference_mode():
-        model(**forward_kwargs(model, batch))
+    with measuring(model, keeper):
+        _forward(model, batch)
     return torch.stack(keeper.layers)

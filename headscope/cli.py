@@ -91,7 +91,16 @@ def analyze(
         int | None, typer.Option(min=1, help="Truncate sentences to this many tokens (counted in run.json).")
     ] = None,
     window: Annotated[int, typer.Option(min=0, help="Diagonal metric: mass within +-WINDOW of the query.")] = 2,
-    batch_size: Annotated[int, typer.Option(min=1, help="Sentences per forward pass.")] = 16,
+    batch_size: Annotated[
+        str, typer.Option(help="Sentences per forward pass, or auto: as many as --max-memory allows (up to 256).")
+    ] = "auto",
+    max_memory: Annotated[
+        str | None,
+        typer.Option(help="Memory for activations and attention, e.g. 8GiB. Default: half the free device memory."),
+    ] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="Measure only these layers, e.g. 0-5,10. Later layers are not even run.")
+    ] = None,
     sentence_heads: Annotated[
         bool, typer.Option(help="Also write per-(sentence, layer, head) metrics (large for big corpora).")
     ] = True,
@@ -102,7 +111,7 @@ def analyze(
     broad_min_norm_entropy: BroadMinNormEntropy = 0.7,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
-    from headscope.config import RunConfig, Thresholds
+    from headscope.config import RunConfig, Thresholds, parse_batch_size, parse_bytes, parse_layers
     from headscope.loading import quiet_transformers, resolve_source
     from headscope.pipeline import analyze as run_analysis
     from headscope.reporting import RichReporter
@@ -118,7 +127,9 @@ def analyze(
             text_column=text_column,
             max_length=max_length,
             window=window,
-            batch_size=batch_size,
+            batch_size=parse_batch_size(batch_size),
+            max_memory=parse_bytes(max_memory) if max_memory else None,
+            layers=parse_layers(layers) if layers else None,
             sentence_heads=sentence_heads,
         )
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
@@ -192,10 +203,11 @@ def _print_summary(result) -> None:
     console.print(table)
     bands = early_late_entropy(result.heads)
     timings = run["timings"]
-    console.print(
-        f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
-        f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}"
-    )
+    if bands is not None:
+        console.print(
+            f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
+            f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}"
+        )
     console.print(
         f"{run['corpus']['sentences']} sentences, {run['corpus']['tokens']} tokens "
         f"({run['corpus']['truncated_sentences']} truncated); {arch['layers']} layers x {arch['heads']} heads "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,7 +27,10 @@ class RunConfig:
     text_column: str = "text"  # column holding the sentence in .jsonl / .csv / .parquet corpora
     max_length: int | None = None  # truncate each sentence to this many tokens; None = the model's limit
     window: int = 2  # diagonal metric: mass within +-window positions of the query
-    batch_size: int = 16  # sentences per forward pass (similar lengths are batched together)
+    batch_size: int | None = None  # sentences per forward pass; None (auto) = as many as max_memory allows
+    max_memory: int | None = None  # bytes for activations and attention; None = half the free device memory
+    block_bytes: int = 32 * 2**20  # attention larger than this per layer is reduced in blocks of query rows
+    layers: tuple[int, ...] | None = None  # measure only these layers; None = all
     sentence_heads: bool = True  # also write per-(sentence, layer, head) metrics
     chunk_sentences: int = 4096  # sentences tokenized and length-sorted together; bounds host memory
 
@@ -37,8 +41,14 @@ class RunConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.window < 0:
             raise ConfigError(f"--window must be 0 or more; got {self.window}")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be 1 or more; got {self.batch_size}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be 1 or more (or auto); got {self.batch_size}")
+        if self.max_memory is not None and self.max_memory < 2**20:
+            raise ConfigError(f"--max-memory must be at least 1 MiB; got {self.max_memory} bytes")
+        if self.block_bytes < 1024:
+            raise ConfigError(f"block_bytes must be at least 1024; got {self.block_bytes}")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise ConfigError(f"--layers must name layers 0 or above; got {self.layers}")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"--max-length must be 1 or more; got {self.max_length}")
         if self.chunk_sentences < 1:
@@ -46,6 +56,40 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0-5,10,12-13' -> (0, 1, 2, 3, 4, 5, 10, 12, 13)."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        first, _, last = part.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ConfigError(f"--layers takes numbers and ranges like 0-5,10; got {text!r}") from None
+        if low < 0 or high < low:
+            raise ConfigError(f"--layers range {part!r} is empty or negative")
+        layers.update(range(low, high + 1))
+    return tuple(sorted(layers))
+
+
+def parse_batch_size(text: str) -> int | None:
+    """'auto' -> None (sized from the memory budget); '16' -> 16."""
+    if text.strip().lower() == "auto":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"--batch-size takes a whole number of 1 or more, or auto; got {text!r}")
+    return int(text)
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '512MB', '2g', '1000000' -> bytes (binary units either way)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
+    if not match:
+        raise ConfigError(f"--max-memory takes a size like 8GiB or 512MiB; got {text!r}")
+    number, unit = float(match.group(1)), match.group(2)
+    return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
 @dataclass(frozen=True)

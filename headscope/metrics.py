@@ -75,22 +75,26 @@ def causal_visible_keys(query_valid: torch.Tensor) -> torch.Tensor:
     return causal[None, None] & query_valid[:, None, None, :]
 
 
-def band_row_sums(x: torch.Tensor, window: int) -> torch.Tensor:
-    """Sum of x[..., t, s] over keys s with |t - s| <= window, for every row t.
-
-    x: (..., t, t). Returns (..., t). Reads only 2 * window + 1 diagonals, so it
-    never builds a (t, t) band mask.
-    """
-    t = x.shape[-1]
+def diagonal_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """x[..., r, r + offset] for every row r (0 where that key is outside x). x: (..., rows, keys) -> (..., rows)."""
+    rows, keys = x.shape[-2:]
     out = x.new_zeros(x.shape[:-1])
-    for offset in range(-window, window + 1):
-        if abs(offset) >= t:
-            continue
-        diag = x.diagonal(offset=offset, dim1=-2, dim2=-1)  # (..., t - |offset|): x[r, r + offset]
-        if offset >= 0:
-            out[..., : t - offset] += diag
-        else:
-            out[..., -offset:] += diag
+    if -rows < offset < keys:
+        diag = x.diagonal(offset=offset, dim1=-2, dim2=-1)
+        first = max(0, -offset)
+        out[..., first : first + diag.shape[-1]] = diag
+    return out
+
+
+def band_row_sums(x: torch.Tensor, window: int, row_offset: int = 0) -> torch.Tensor:
+    """Sum of x[..., r, s] over keys s with |(row_offset + r) - s| <= window, for every row r.
+
+    x: (..., rows, keys), rows being query positions row_offset, row_offset + 1, ... Returns (..., rows).
+    Reads only 2 * window + 1 diagonals, so it never builds a band mask.
+    """
+    out = x.new_zeros(x.shape[:-1])
+    for k in range(-window, window + 1):
+        out += diagonal_rows(x, row_offset + k)
     return out
 
 
@@ -101,59 +105,114 @@ def head_row_sums(
     query_valid: torch.Tensor,
     seq_start: torch.Tensor,
     window: int,
+    row_offset: int = 0,
     accum_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Per-(sentence, head) sums of every row statistic in ``STATS``.
+    """Per-(sentence, head) sums of every row statistic in ``STATS``, over a block of query rows.
 
-    attn:        (batch, heads, t, t) attention probabilities, any float dtype (read, never modified)
-    key_visible: (batch, 1 or heads, t, t) bool, keys each row may see
-    query_valid: (batch, t) bool, True on real (non-padding) tokens
+    attn:        (batch, heads, rows, keys) attention probabilities of query positions
+                 row_offset .. row_offset + rows - 1, any float dtype (read, never modified)
+    key_visible: (batch, 1 or heads, rows, keys) bool, keys each row may see
+    query_valid: (batch, rows) bool, True on real (non-padding) tokens
     seq_start:   (batch,) long, index of each sentence's first real token (0 with right padding)
     window:      half-width of the diagonal band
-    Returns (batch, heads, len(STATS)) in ``accum_dtype``, on attn's device.
+    Returns (batch, heads, len(STATS)) in ``accum_dtype``, on attn's device. Sums over disjoint row
+    blocks add up to the sums over all rows.
     """
-    batch, heads, t_q, t_k = attn.shape
-    if t_q != t_k:
-        raise ValueError(f"expected square attention (no KV cache); got q={t_q}, k={t_k}")
     probs = attn.float()  # reductions in float32 at least, whatever the model dtype
+    per_row = {
+        "entropy": torch.special.entr(probs).sum(-1),
+        "max_weight": probs.amax(-1),
+        **_positional_mass(probs, seq_start, window, row_offset),
+    }
+    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype)
 
-    # Per-row values, each (batch, heads or 1, t).
-    entropy = torch.special.entr(probs).sum(-1)
-    n_visible = key_visible.sum(-1)
+
+def head_row_sums_from_logits(
+    logits: torch.Tensor,
+    *,
+    key_visible: torch.Tensor,
+    query_valid: torch.Tensor,
+    seq_start: torch.Tensor,
+    window: int,
+    row_offset: int = 0,
+    accum_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``head_row_sums(softmax(logits))``, with fewer passes over the (rows, keys) block.
+
+    logits: (batch, heads, rows, keys) pre-softmax scores with the additive mask applied (hidden keys
+    at the dtype's minimum). With z = logits - max and S = sum exp(z):
+        entropy = ln S - sum_s p_s z_s    (both terms >= 0: no cancellation)
+        max_weight = 1 / S
+    so the probabilities are never normalised in full and no logarithm is taken per key.
+    """
+    scores = logits.float()
+    shifted = scores - scores.amax(-1, keepdim=True)  # (batch, heads, rows, keys), <= 0
+    unnormalised = torch.exp(shifted)  # largest entry of each row is exactly 1
+    total = unnormalised.sum(-1)  # (batch, heads, rows), >= 1
+    per_row = {
+        "entropy": torch.log(total) - torch.linalg.vecdot(unnormalised, shifted) / total,
+        "max_weight": 1.0 / total,
+        **{name: mass / total for name, mass in _positional_mass(unnormalised, seq_start, window, row_offset).items()},
+    }
+    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype)
+
+
+def _positional_mass(
+    weights: torch.Tensor, seq_start: torch.Tensor, window: int, row_offset: int
+) -> dict[str, torch.Tensor]:
+    """Per-row diagonal, sink and prev_token mass of (batch, heads, rows, keys) weights."""
+    batch, heads, rows, keys = weights.shape
+    # A block of padding rows before a left-padded sentence may end before its first key: clamp (ignored rows).
+    first_key = seq_start.clamp(max=keys - 1).view(batch, 1, 1, 1).expand(batch, heads, rows, 1)
+    return {
+        "diagonal": band_row_sums(weights, window, row_offset),
+        "sink": weights.gather(-1, first_key).squeeze(-1),
+        "prev_token": diagonal_rows(weights, row_offset - 1),
+    }
+
+
+def _sum_rows(
+    per_row: dict[str, torch.Tensor],
+    key_visible: torch.Tensor,
+    query_valid: torch.Tensor,
+    seq_start: torch.Tensor,
+    window: int,
+    row_offset: int,
+    accum_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(STATS))."""
+    entropy = per_row["entropy"]
+    batch, heads, rows = entropy.shape
+    n_visible = key_visible.sum(-1)  # (batch, 1 or heads, rows)
     # ln(1) = 0 for rows seeing one key: they are left out of norm_entropy, so clamp to avoid 0/0.
     norm_entropy = entropy / torch.log(n_visible.clamp(min=2).float())
-    diagonal = band_row_sums(probs, window)
-    diagonal_uniform = band_row_sums(key_visible.float(), window) / n_visible.clamp(min=1)
-    first_key = seq_start.view(batch, 1, 1, 1).expand(batch, heads, t_q, 1)
-    sink = probs.gather(-1, first_key).squeeze(-1)
-    prev_token = torch.zeros_like(entropy)
-    prev_token[..., 1:] = probs.diagonal(offset=-1, dim1=-2, dim2=-1)
-    max_weight = probs.amax(-1)
+    diagonal_uniform = band_row_sums(key_visible.float(), window, row_offset) / n_visible.clamp(min=1)
 
-    # Row masks, (batch, 1, t): padding rows count nowhere.
-    position = torch.arange(t_q, device=attn.device)[None, :] - seq_start[:, None]
-    rows = query_valid[:, None, :]
-    norm_rows = rows & (n_visible >= 2)
-    prev_rows = rows & (position >= 1)[:, None, :]
+    # Row masks, (batch, 1, rows): padding rows count nowhere.
+    position = torch.arange(row_offset, row_offset + rows, device=entropy.device)[None, :] - seq_start[:, None]
+    valid = query_valid[:, None, :]
+    norm_rows = valid & (n_visible >= 2)
+    prev_rows = valid & (position >= 1)[:, None, :]
 
     def row_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # `where`, not multiply: padding rows may hold anything, NaN included, and must add exactly 0.
         values = torch.where(mask, values, 0.0).to(accum_dtype)
-        return values.expand(batch, heads, t_q).sum(-1)  # (batch, heads)
+        return values.expand(batch, heads, rows).sum(-1)  # (batch, heads)
 
     ones = torch.ones_like(entropy)
     columns = {
-        "n_rows": row_sum(ones, rows),
-        "entropy": row_sum(entropy, rows),
-        "entropy_sq": row_sum(entropy.square(), rows),
+        "n_rows": row_sum(ones, valid),
+        "entropy": row_sum(entropy, valid),
+        "entropy_sq": row_sum(entropy.square(), valid),
         "norm_entropy": row_sum(norm_entropy, norm_rows),
         "norm_rows": row_sum(ones, norm_rows),
-        "diagonal": row_sum(diagonal, rows),
-        "diagonal_uniform": row_sum(diagonal_uniform, rows),
-        "sink": row_sum(sink, rows),
-        "prev_token": row_sum(prev_token, prev_rows),
+        "diagonal": row_sum(per_row["diagonal"], valid),
+        "diagonal_uniform": row_sum(diagonal_uniform, valid),
+        "sink": row_sum(per_row["sink"], valid),
+        "prev_token": row_sum(per_row["prev_token"], prev_rows),
         "prev_rows": row_sum(ones, prev_rows),
-        "max_weight": row_sum(max_weight, rows),
+        "max_weight": row_sum(per_row["max_weight"], valid),
     }
     return torch.stack([columns[name] for name in STATS], dim=-1)
 

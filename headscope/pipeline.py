@@ -25,6 +25,7 @@ from headscope.config import RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
 from headscope.errors import ConfigError
 from headscope.loading import LoadedModel, load_model
+from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget, tokens_per_batch
 from headscope.output import StagedDirectory
 from headscope.report import classification_record, draw_charts, parquet_metadata
 from headscope.reporting import NullReporter, Reporter
@@ -79,10 +80,13 @@ class AnalysisResult:
 @dataclass
 class _Measured:
     sums: np.ndarray  # (layers, heads, stats) corpus-wide sums
+    layer_ids: np.ndarray  # (layers,) which model layers the sums are of
     sentences: pd.DataFrame
     tokens: int
     truncated: int
     max_length: int | None  # the truncation length actually applied
+    batching: dict  # limits used and number of batches
+    attention_paths: dict  # attention class -> how its probabilities were read
 
 
 def analyze(
@@ -142,7 +146,8 @@ def analyze(
         measured = _measure(loaded, corpus, config, reporter, sink, padding_side)
         measure_seconds = time.perf_counter() - started
 
-        heads = classify_heads(heads_frame(measured.sums, loaded.architecture["kv_heads"]), thresholds)
+        measured_heads = heads_frame(measured.sums, loaded.architecture["kv_heads"], measured.layer_ids)
+        heads = classify_heads(measured_heads, thresholds)
         examples = _example_attention(loaded, corpus, measured, padding_side)
         run = _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_seconds)
         run["classification"] = classification_record(heads, thresholds)
@@ -208,11 +213,18 @@ def _measure(
         raise ConfigError(f"--max-length {config.max_length} exceeds the model's limit of {limit} tokens")
     # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
     accum_dtype = torch.float32 if loaded.device.type == "mps" else torch.float64
-    reducer = LayerReducer(window=config.window, accum_dtype=accum_dtype)
+    layer_ids = _selected_layers(config.layers, loaded.architecture["layers"])
+    reducer = LayerReducer(
+        window=config.window,
+        accum_dtype=accum_dtype,
+        layers=None if config.layers is None else layer_ids,
+        block_bytes=config.block_bytes,
+    )
+    limits = _batch_limits(loaded, config)
 
     totals: np.ndarray | None = None
     sentence_rows: list[pd.DataFrame] = []
-    tokens = truncated = 0
+    tokens = truncated = batches = 0
     reporter.start(len(corpus.sentences))
     with measuring(loaded.model, reducer):
         for first in range(0, len(corpus.sentences), config.chunk_sentences):
@@ -233,7 +245,11 @@ def _measure(
             tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
             per_sentence: dict[int, np.ndarray] = {}
             for batch in batches_in_order(
-                tokenized, config.batch_size, padding_side=padding_side, device=loaded.device
+                tokenized,
+                max_sentences=limits["max_sentences"],
+                max_tokens=limits["max_tokens"],
+                padding_side=padding_side,
+                device=loaded.device,
             ):
                 sums = measure_batch(loaded.model, reducer, batch).numpy()  # (layers, batch, heads, stats)
                 batch_total = sums.sum(axis=1)
@@ -241,6 +257,7 @@ def _measure(
                 for column, sentence_id in enumerate(batch.sentence_ids):
                     per_sentence[sentence_id] = sums[:, column]
                 tokens += batch.n_tokens
+                batches += 1
                 reporter.advance(len(batch.sentence_ids), batch.n_tokens)
             reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
             if sink is not None and per_sentence:
@@ -250,6 +267,7 @@ def _measure(
                         np.array(order),
                         np.array([len(tokenized[i]) for i in order]),
                         np.stack([per_sentence[i] for i in order]),
+                        layer_ids,
                     )
                 )
     reporter.finish()
@@ -257,11 +275,37 @@ def _measure(
         raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
     return _Measured(
         sums=totals,
+        layer_ids=layer_ids,
         sentences=pd.concat(sentence_rows, ignore_index=True),
         tokens=tokens,
         truncated=truncated,
         max_length=max_length,
+        batching={**limits, "batches": batches},
+        attention_paths=dict(reducer.paths),
     )
+
+
+def _selected_layers(requested: tuple[int, ...] | None, n_layers: int) -> np.ndarray:
+    if requested is None:
+        return np.arange(n_layers)
+    beyond = [layer for layer in requested if layer >= n_layers]
+    if beyond:
+        raise ConfigError(f"--layers names layer {beyond[0]}, but the model has layers 0-{n_layers - 1}")
+    return np.array(requested)
+
+
+def _batch_limits(loaded: LoadedModel, config: RunConfig) -> dict:
+    """Sentences and padded tokens per batch: the user's batch size (or up to 256), within the memory budget."""
+    budget = config.max_memory or default_budget(loaded.device)
+    text_config = loaded.model.config.get_text_config()
+    hidden = text_config.hidden_size
+    intermediate = getattr(text_config, "intermediate_size", None) or getattr(text_config, "n_inner", None)
+    per_token = bytes_per_token(loaded.architecture, hidden, intermediate or 4 * hidden, loaded.dtype)
+    return {
+        "max_sentences": config.batch_size or MAX_AUTO_SENTENCES,
+        "max_tokens": tokens_per_batch(budget, per_token, config.block_bytes),
+        "memory_budget_bytes": budget,
+    }
 
 
 def _versions() -> dict[str, str]:
@@ -297,7 +341,8 @@ def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_s
         },
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
-        "attention_implementation": "the model's eager attention, reduced per layer by headscope",
+        "attention_implementation": measured.attention_paths,
+        "batching": measured.batching,
         "corpus": {
             "path": str(corpus.path),
             "sha256": corpus.sha256,

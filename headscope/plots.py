@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from headscope.classify import HEAD_TYPES
 from headscope.config import Thresholds
-from headscope.summary import depth_bands
+from headscope.summary import covers_all_layers, depth_bands
 
 TYPE_COLOURS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
 ANNOTATE_UP_TO = 16  # write cell values when the grid is at most this many layers and heads
@@ -43,6 +43,7 @@ def _layer_axis(ax, layers: np.ndarray) -> None:
 def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
     """Mean entropy of every head, layers down, heads across; colour bar in nats."""
     grid = _grid(heads, "entropy")
+    layer_ids = sorted(heads["layer"].unique())
     n_layers, n_heads = grid.shape
     width = float(np.clip(2.5 + 0.42 * n_heads, 6, 22))
     height = float(np.clip(1.5 + 0.32 * n_layers, 4, 22))
@@ -50,10 +51,10 @@ def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
     ax = fig.subplots()
     image = ax.imshow(grid, cmap="magma_r", aspect="auto", interpolation="nearest")
     fig.colorbar(image, ax=ax, label="mean attention entropy (nats)")
-    for axis, n, label in ((ax.xaxis, n_heads, "head"), (ax.yaxis, n_layers, "layer")):
-        ticks = np.arange(0, n, _tick_step(n))
+    for axis, names, label in ((ax.xaxis, list(range(n_heads)), "head"), (ax.yaxis, layer_ids, "layer")):
+        ticks = np.arange(0, len(names), _tick_step(len(names)))
         axis.set_ticks(ticks)
-        axis.set_ticklabels([str(t) for t in ticks])
+        axis.set_ticklabels([str(names[t]) for t in ticks])
         axis.set_label_text(label)
     if n_layers <= ANNOTATE_UP_TO and n_heads <= ANNOTATE_UP_TO:
         middle = np.nanmean(grid)
@@ -82,7 +83,8 @@ def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
         ax.vlines(layers, std_low, std_high, color="#4c72b0", alpha=0.6, linewidth=8, label="mean ± std over heads")
     ax.plot(layers, mean, marker="o", markersize=3, color="#4c72b0", label="mean over heads")
     early, late = depth_bands(len(layers))
-    if late.start >= early.stop:  # with a single layer there are no separate early and late bands
+    # Bands need the model's full depth (not a --layers subset) and at least two distinct layers.
+    if covers_all_layers(heads) and late.start >= early.stop:
         for band, name, colour in ((early, "early", "#2ca02c"), (late, "late", "#d62728")):
             band_mean = float(heads.loc[heads["layer"].isin(band), "entropy"].mean())
             ax.hlines(band_mean, band.start - 0.4, band.stop - 0.6, colors=colour, linewidth=2.5)

@@ -20,9 +20,21 @@ def layer_entropy(heads: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"mean": grouped.mean(), "min": grouped.min(), "max": grouped.max()})
 
 
-def early_late_entropy(heads: pd.DataFrame) -> dict[str, float]:
-    """Mean head entropy of the early and late bands, and late minus early (the depth gradient)."""
-    early, late = depth_bands(int(heads["layer"].max()) + 1)
+def covers_all_layers(heads: pd.DataFrame) -> bool:
+    """Are the table's layers 0..n-1 (not a --layers subset)? Early and late bands need the full depth."""
+    layers = sorted(heads["layer"].unique())
+    return layers == list(range(len(layers)))
+
+
+def early_late_entropy(heads: pd.DataFrame) -> dict[str, float] | None:
+    """Mean head entropy of the early and late bands, and late minus early (the depth gradient).
+
+    None for a table of a layer subset, or of a model too shallow to have distinct bands.
+    """
+    n_layers = int(heads["layer"].max()) + 1
+    early, late = depth_bands(n_layers)
+    if not covers_all_layers(heads) or late.start < early.stop:
+        return None
     early_mean = float(heads.loc[heads["layer"].isin(early), "entropy"].mean())
     late_mean = float(heads.loc[heads["layer"].isin(late), "entropy"].mean())
     return {

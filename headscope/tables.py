@@ -70,13 +70,14 @@ SENTENCE_HEADS_SCHEMA = pa.schema(
 )
 
 
-def heads_frame(sums: np.ndarray, kv_heads: int) -> pd.DataFrame:
-    """The heads table from corpus-wide stat sums, (layers, heads, stats)."""
+def heads_frame(sums: np.ndarray, kv_heads: int, layer_ids: np.ndarray | None = None) -> pd.DataFrame:
+    """The heads table from corpus-wide stat sums, (layers, heads, stats); `layer_ids` names the layers."""
     layers, heads = sums.shape[:2]
+    layer_ids = np.arange(layers) if layer_ids is None else np.asarray(layer_ids)
     means = metric_means(sums)
     frame = pd.DataFrame(
         {
-            "layer": np.repeat(np.arange(layers), heads),
+            "layer": np.repeat(layer_ids, heads),
             "head": np.tile(np.arange(heads), layers),
             # Query head h reads KV head h // (heads / kv_heads) in grouped-query attention.
             "kv_head": np.tile(np.arange(heads) // max(heads // kv_heads, 1), layers),
@@ -87,14 +88,16 @@ def heads_frame(sums: np.ndarray, kv_heads: int) -> pd.DataFrame:
     return frame
 
 
-def sentence_heads_frame(sentence_ids: np.ndarray, n_tokens: np.ndarray, sums: np.ndarray) -> pd.DataFrame:
+def sentence_heads_frame(
+    sentence_ids: np.ndarray, n_tokens: np.ndarray, sums: np.ndarray, layer_ids: np.ndarray
+) -> pd.DataFrame:
     """Per-(sentence, layer, head) rows from stat sums, (sentences, layers, heads, stats)."""
     count, layers, heads = sums.shape[:3]
     means = metric_means(sums)
     frame = pd.DataFrame(
         {
             "sentence_id": np.repeat(sentence_ids, layers * heads),
-            "layer": np.tile(np.repeat(np.arange(layers), heads), count),
+            "layer": np.tile(np.repeat(layer_ids, heads), count),
             "head": np.tile(np.arange(heads), count * layers),
             "n_tokens": np.repeat(n_tokens, layers * heads),
         }

@@ -199,3 +199,36 @@ def test_metric_invariants_on_random_attention(lengths, seed, scale, window):
     reversed_order = measure(sentences[::-1], window=window)[::-1]
     np.testing.assert_allclose(left, sums, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(reversed_order, sums, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 7, 16])
+def test_row_blocks_add_up_to_the_whole(block):
+    generator = torch.Generator().manual_seed(2)
+    n = 11
+    logits = 4 * torch.randn(2, 3, n, n, generator=generator)
+    logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    attn = logits.softmax(-1)
+    batch = collate([0, 1], [[1] * n, [1] * 6], padding_side="left")
+    valid = batch.attention_mask.bool()
+    visible = causal_visible_keys(valid)
+    common = {"seq_start": batch.seq_start, "window": 2}
+    whole = head_row_sums(attn, key_visible=visible, query_valid=valid, **common)
+    pieces = sum(
+        head_row_sums(
+            attn[:, :, r : r + block],
+            key_visible=visible[:, :, r : r + block],
+            query_valid=valid[:, r : r + block],
+            row_offset=r,
+            **common,
+        )
+        for r in range(0, n, block)
+    )
+    torch.testing.assert_close(pieces, whole, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("row_offset", [0, 3, 8])
+def test_band_row_sums_on_a_block_of_rows(row_offset):
+    x = torch.rand(2, 4, 12)
+    rows = torch.arange(row_offset, row_offset + 4)
+    band = (rows[:, None] - torch.arange(12)[None, :]).abs() <= 2
+    torch.testing.assert_close(band_row_sums(x, 2, row_offset), (x * band).sum(-1))

@@ -1,0 +1,47 @@
+"""How many tokens fit in one forward pass: free device memory and a per-token activation estimate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+MAX_AUTO_SENTENCES = 256  # more sentences per batch gain nothing measurable on CPU or GPU at these lengths
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: CUDA's own count, or MemAvailable for the host (4 GiB if unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+def default_budget(device: torch.device) -> int:
+    """Half of what is free: room for the allocator's slack and whatever else runs."""
+    return free_memory(device) // 2
+
+
+def bytes_per_token(architecture: dict, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> int:
+    """Activation memory one token needs while one layer runs (weights excluded).
+
+    About ten hidden-size vectors (residual stream, norms, q/k/v, attention output, projections) and
+    three intermediate-size ones (gate, up, product) in the model dtype, plus float32 copies of the
+    hidden state: generous on purpose, since running out of memory costs far more than a smaller batch.
+    """
+    element = torch.finfo(dtype).bits // 8
+    return element * (10 * hidden_size + 3 * intermediate_size) + 4 * 2 * hidden_size
+
+
+def tokens_per_batch(budget: int, per_token: int, attention_bytes: int) -> int:
+    """Padded tokens one batch may hold after setting aside memory for attention blocks and their temporaries."""
+    usable = budget - 4 * attention_bytes
+    if usable < per_token:
+        return 1
+    return usable // per_token

@@ -1,0 +1,141 @@
+"""The block-wise path, layer selection, memory-budgeted batching, and models with their own attention maths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import headscope
+from headscope.batching import plan_batches
+from headscope.config import parse_batch_size, parse_bytes, parse_layers
+from headscope.errors import ConfigError
+
+from planted import build_tokenizer
+from reference import corpus_means
+
+METRICS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight")
+TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
+
+
+def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
+    got, expected = got.sort_values(["layer", "head"]), expected.sort_values(["layer", "head"])
+    assert got["layer"].tolist() == expected["layer"].tolist()
+    for name in names:
+        np.testing.assert_allclose(got[name].to_numpy(), expected[name].to_numpy(), atol=atol, err_msg=name)
+
+
+@pytest.mark.slow
+def test_blockwise_path_matches_eager_path_on_smollm2(smollm2, shipped_corpus):
+    eager = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, charts=None)
+    blockwise = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, block_bytes=TINY_BLOCKS)
+    assert "eager" in eager.run["attention_implementation"]["LlamaAttention"]
+    assert "blockwise" in blockwise.run["attention_implementation"]["LlamaAttention"]
+    assert_same_heads(blockwise.heads, eager.heads)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_blockwise_path_on_gpt2_with_either_padding(planted_gpt2, corpus_lines, padding_side):
+    eager = headscope.analyze(str(planted_gpt2), corpus_lines[:30], sentence_heads=False)
+    blockwise = headscope.analyze(
+        str(planted_gpt2), corpus_lines[:30], block_bytes=TINY_BLOCKS, padding_side=padding_side, batch_size=7
+    )
+    assert "blockwise" in blockwise.run["attention_implementation"]["GPT2Attention"]
+    assert_same_heads(blockwise.heads, eager.heads)
+
+
+def test_layer_selection_measures_only_those_layers(planted_gpt2, corpus_lines):
+    everything = headscope.analyze(str(planted_gpt2), corpus_lines[:20])
+    first_only = headscope.analyze(str(planted_gpt2), corpus_lines[:20], layers=(0,))
+    assert first_only.heads["layer"].unique().tolist() == [0]
+    assert first_only.sentence_heads["layer"].unique().tolist() == [0]
+    assert_same_heads(first_only.heads, everything.heads[everything.heads["layer"] == 0])
+    second_only = headscope.analyze(str(planted_gpt2), corpus_lines[:20], layers=(1,))
+    assert_same_heads(second_only.heads, everything.heads[everything.heads["layer"] == 1])
+
+
+def test_layer_beyond_the_model_is_refused(planted_gpt2):
+    with pytest.raises(ConfigError, match="--layers names layer 5, but the model has layers 0-1"):
+        headscope.analyze(str(planted_gpt2), ["A short sentence."], layers=(0, 5))
+
+
+def test_batches_respect_sentence_and_token_limits():
+    lengths = {0: 5, 1: 3, 2: 9, 3: 3, 4: 100, 5: 9}
+    assert plan_batches(lengths, max_sentences=2) == [[1, 3], [0, 2], [5, 4]]
+    assert plan_batches(lengths, max_sentences=10, max_tokens=20) == [[1, 3, 0], [2, 5], [4]]
+    for batch in plan_batches(lengths, max_sentences=10, max_tokens=20):
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 20
+
+
+def test_memory_budget_limits_padded_tokens(planted_gpt2, corpus_lines):
+    small = headscope.analyze(str(planted_gpt2), corpus_lines, max_memory=2**20 * 8, sentence_heads=False)
+    batching = small.run["batching"]
+    assert batching["max_sentences"] == 256 and batching["memory_budget_bytes"] == 8 * 2**20
+    assert batching["batches"] > 1
+    default = headscope.analyze(str(planted_gpt2), corpus_lines, sentence_heads=False)
+    assert_same_heads(small.heads, default.heads)
+
+
+def test_size_and_layer_parsers():
+    assert parse_layers("0-2, 5") == (0, 1, 2, 5)
+    assert parse_bytes("1.5GiB") == int(1.5 * 2**30) and parse_bytes("64MB") == 64 * 2**20
+    assert parse_batch_size("auto") is None and parse_batch_size("8") == 8
+    for bad in ("3-1", "a", ""):
+        with pytest.raises(ConfigError, match="--layers"):
+            parse_layers(bad)
+    with pytest.raises(ConfigError, match="--max-memory"):
+        parse_bytes("lots")
+    with pytest.raises(ConfigError, match="--batch-size"):
+        parse_batch_size("0")
+
+
+@pytest.fixture(scope="module")
+def gemma2_folder(tmp_path_factory, corpus_lines):
+    """A tiny random Gemma2: logit softcapping and sliding windows live in its own eager function and mask."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    folder = tmp_path_factory.mktemp("gemma2")
+    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        attn_logit_softcapping=5.0,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = Gemma2Model(config)
+    with torch.no_grad():
+        for layer in model.layers:  # sharpen the logits so that softcapping changes them
+            layer.self_attn.q_proj.weight.mul_(8.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_model_specific_attention_stays_on_its_own_eager_function(gemma2_folder, corpus_lines):
+    from transformers import AutoModel, AutoTokenizer
+
+    sentences = corpus_lines[:25]
+    result = headscope.analyze(str(gemma2_folder), sentences, block_bytes=TINY_BLOCKS, sentence_heads=False)
+    assert "eager" in result.run["attention_implementation"]["Gemma2Attention"]
+    tokenizer = AutoTokenizer.from_pretrained(gemma2_folder)
+    model = AutoModel.from_pretrained(gemma2_folder, attn_implementation="eager").eval()
+    per_layer: list[list[np.ndarray]] = [[], []]
+    with torch.no_grad():
+        for line in sentences:
+            ids = torch.tensor([tokenizer(line)["input_ids"]])
+            for layer, attn in enumerate(model(ids, output_attentions=True).attentions):
+                per_layer[layer].append(attn[0].double().numpy())
+    # The reference assumes full causal visibility, so compare the metrics that do not depend on it.
+    for layer, attention in enumerate(per_layer):
+        expected = corpus_means(attention)
+        got = result.heads[result.heads["layer"] == layer].sort_values("head")
+        for name in ("entropy", "diagonal", "sink", "prev_token", "max_weight"):
+            np.testing.assert_allclose(got[name], expected[name], atol=1e-5, err_msg=f"{layer} {name}")
