@@ -26,22 +26,38 @@ class Batch:
         return int(self.attention_mask.sum())
 
 
-def plan_batches(lengths: dict[int, int], *, max_sentences: int, max_tokens: int | None = None) -> list[list[int]]:
+MAX_PADDING = 0.2  # a batch may be at most this share padding: compute grows with padded tokens
+
+
+def plan_batches(
+    lengths: dict[int, int],
+    *,
+    max_sentences: int,
+    max_tokens: int | None = None,
+    max_padding: float = MAX_PADDING,
+) -> list[list[int]]:
     """Split sentence ids into batches, shortest sentences first.
 
-    A batch holds at most `max_sentences` sentences and at most `max_tokens` padded tokens (sentences
-    times the longest one); a sentence longer than `max_tokens` still gets a batch of its own. Ties are
-    broken by id, so the plan is the same for the same input.
+    A batch holds at most `max_sentences` sentences, at most `max_tokens` padded tokens (sentences
+    times the longest one), and at most `max_padding` of its padded tokens are padding; a sentence
+    longer than `max_tokens` still gets a batch of its own. Ties are broken by id, so the plan is the
+    same for the same input.
     """
     order = sorted(lengths, key=lambda sentence_id: (lengths[sentence_id], sentence_id))
     batches: list[list[int]] = []
     current: list[int] = []
+    real = 0
     for sentence_id in order:
-        padded = (len(current) + 1) * lengths[sentence_id]  # sorted: the newcomer is the longest
-        if current and (len(current) == max_sentences or (max_tokens is not None and padded > max_tokens)):
+        length = lengths[sentence_id]
+        padded = (len(current) + 1) * length  # sorted: the newcomer is the longest
+        too_many = len(current) == max_sentences
+        too_big = max_tokens is not None and padded > max_tokens
+        too_padded = padded - (real + length) > max_padding * padded
+        if current and (too_many or too_big or too_padded):
             batches.append(current)
-            current = []
+            current, real = [], 0
         current.append(sentence_id)
+        real += length
     if current:
         batches.append(current)
     return batches

@@ -61,10 +61,19 @@ def test_layer_beyond_the_model_is_refused(planted_gpt2):
 
 def test_batches_respect_sentence_and_token_limits():
     lengths = {0: 5, 1: 3, 2: 9, 3: 3, 4: 100, 5: 9}
-    assert plan_batches(lengths, max_sentences=2) == [[1, 3], [0, 2], [5, 4]]
-    assert plan_batches(lengths, max_sentences=10, max_tokens=20) == [[1, 3, 0], [2, 5], [4]]
-    for batch in plan_batches(lengths, max_sentences=10, max_tokens=20):
+    assert plan_batches(lengths, max_sentences=2, max_padding=1.0) == [[1, 3], [0, 2], [5, 4]]
+    assert plan_batches(lengths, max_sentences=10, max_tokens=20, max_padding=1.0) == [[1, 3, 0], [2, 5], [4]]
+    for batch in plan_batches(lengths, max_sentences=10, max_tokens=20, max_padding=1.0):
         assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 20
+
+
+def test_batches_keep_padding_small():
+    lengths = dict(enumerate([3, 3, 3, 4, 4, 10, 10, 11, 30]))
+    batches = plan_batches(lengths, max_sentences=100, max_padding=0.2)
+    assert batches == [[0, 1, 2, 3, 4], [5, 6, 7], [8]]  # 3,3,3,4,4: 20 padded, 17 real (15% padding)
+    for batch in batches:
+        padded = len(batch) * max(lengths[i] for i in batch)
+        assert padded - sum(lengths[i] for i in batch) <= 0.2 * padded
 
 
 def test_memory_budget_limits_padded_tokens(planted_gpt2, corpus_lines):

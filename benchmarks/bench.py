@@ -1,0 +1,363 @@
+"""Throughput and peak memory of headscope against the plain forward pass and the usual alternatives.
+
+    python benchmarks/bench.py                      # everything, 3 interleaved repeats, CPU or CUDA
+    python benchmarks/bench.py --models gpt2 --workloads long --repeats 5
+
+Approaches, run interleaved in one process on the same token ids:
+    floor             the base model's plain forward pass, no attention weights, with the faster of
+                      sdpa and eager on this machine (both are measured; the table names the winner)
+    headscope         headscope.analyze through its Python API (default settings, no files written)
+    output_attentions the seed's approach: AutoModelForCausalLM(..., output_attentions=True), then the
+                      same per-head statistics from the returned tensors
+    transformerlens   HookedTransformer.run_with_cache(names_filter=hook_pattern) on the GPT-2 model,
+                      then the same statistics (skipped, with the reason, if transformer_lens is missing)
+Reported: tokens per second (median), its ratio to the floor, and peak memory above the pre-run
+baseline (CPU: resident set size sampled every 2 ms; CUDA: torch's peak allocation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import headscope
+from headscope.batching import batches_in_order
+from headscope.capture import forward_kwargs
+from headscope.loading import load_model, quiet_transformers
+from headscope.metrics import causal_visible_keys, head_row_sums
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "corpora" / "english-100.txt"
+
+
+# ---------------------------------------------------------------- memory
+
+
+class PeakMemory:
+    """Peak memory of the block above what was in use when it started."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return self
+        _trim_heap()
+        self._base = _rss()
+        self._stop = threading.Event()
+        self._max = self._base
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._max = max(self._max, _rss())
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self._max, _rss()) - self._base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _trim_heap() -> None:
+    """Give freed memory back to the OS so each run starts from a comparable baseline (glibc only)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# ---------------------------------------------------------------- models and workloads
+
+
+def word_tokenizer(words: list[str]):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    core = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+
+
+def gpt2_folder(folder: Path, n_layer: int, words: list[str]) -> Path:
+    """GPT-2 small's shape (768 wide, 12 heads), random weights, an LM head, a word-level tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = word_tokenizer(words)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=n_layer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def workloads(tokenizer, names: list[str]) -> dict[str, list[str]]:
+    """name -> texts; `long` texts are cut to exactly 1,024 tokens by max_length."""
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    words = [w for line in lines for w in line.split()]
+    rng = np.random.default_rng(0)
+    out = {}
+    if "shipped" in names:
+        out["shipped"] = lines
+    if "sentences" in names:
+        out["sentences"] = [" ".join(rng.choice(words, size=rng.integers(4, 46))) for _ in range(2000)]
+    if "long" in names:
+        long_texts = []
+        for _ in range(16):
+            text = ""
+            while len(tokenizer(text)["input_ids"]) < 1100:
+                text += " " + " ".join(rng.permutation(lines)[:20])
+            long_texts.append(text.strip())
+        out["long"] = long_texts
+    return out
+
+
+# ---------------------------------------------------------------- approaches
+
+
+def token_ids(tokenizer, texts: list[str], max_length: int) -> dict[int, list[int]]:
+    ids = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+    return dict(enumerate(ids))
+
+
+def floor_runner(model, implementation: str, ids, batch_size: int) -> Callable[[], int]:
+    def run() -> int:
+        model.set_attn_implementation(implementation)
+        tokens = 0
+        with torch.inference_mode():
+            for batch in batches_in_order(ids, max_sentences=batch_size, device=model.device):
+                model(**forward_kwargs(model, batch))
+                tokens += batch.n_tokens
+        return tokens
+
+    return run
+
+
+def headscope_runner(loaded, texts, max_length: int) -> Callable[[], int]:
+    def run() -> int:
+        result = headscope.analyze(loaded, texts, max_length=max_length, charts=None)
+        return int(result.run["corpus"]["tokens"])
+
+    return run
+
+
+def attention_statistics(attentions, batch) -> torch.Tensor:
+    """The same per-head sums headscope keeps, from a tuple of (batch, heads, t, t) tensors."""
+    valid = batch.attention_mask.bool()
+    visible = causal_visible_keys(valid)
+    return torch.stack(
+        [
+            head_row_sums(attn, key_visible=visible, query_valid=valid, seq_start=batch.seq_start, window=2)
+            for attn in attentions
+        ]
+    )
+
+
+def output_attentions_runner(causal_lm, ids, batch_size: int) -> Callable[[], int]:
+    def run() -> int:
+        causal_lm.set_attn_implementation("eager")
+        tokens = 0
+        with torch.inference_mode():
+            for batch in batches_in_order(ids, max_sentences=batch_size, device=causal_lm.device):
+                out = causal_lm(**forward_kwargs(causal_lm, batch), output_attentions=True)
+                attention_statistics(out.attentions, batch).cpu()
+                tokens += batch.n_tokens
+        return tokens
+
+    return run
+
+
+def transformerlens_runner(loaded, ids, batch_size: int) -> tuple[Callable[[], int] | None, str]:
+    """TransformerLens 4's TransformerBridge around its own copy of the causal LM (it hooks the model it wraps)."""
+    try:
+        from transformer_lens import TransformerBridge
+    except ImportError as err:
+        return None, f"transformer_lens not importable ({err})"
+    bridge = TransformerBridge.boot_transformers(
+        loaded.source.location, hf_model=_causal_lm(loaded), tokenizer=loaded.tokenizer, device=loaded.device
+    )
+    n_layers = loaded.architecture["layers"]
+
+    def run() -> int:
+        tokens = 0
+        with torch.inference_mode():
+            for batch in batches_in_order(ids, max_sentences=batch_size, device=loaded.device):
+                _, cache = bridge.run_with_cache(
+                    batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    names_filter=lambda name: name.endswith("hook_pattern"),
+                )
+                patterns = [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(n_layers)]
+                attention_statistics(patterns, batch).cpu()
+                tokens += batch.n_tokens
+        return tokens
+
+    return run, ""
+
+
+# ---------------------------------------------------------------- driver
+
+
+def measure(runners: dict[str, Callable[[], int]], device: torch.device, repeats: int) -> dict[str, dict]:
+    """Interleave the runners `repeats` times; medians of tokens/s and of peak memory.
+
+    No separate warm-up: the median of three or more runs drops the first run's one-off costs.
+    """
+    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            with PeakMemory(device) as memory:
+                start = time.perf_counter()
+                tokens = run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+            samples[name].append((tokens / seconds, memory.peak))
+    return {
+        name: {
+            "tokens_per_second": statistics.median(rate for rate, _ in values),
+            "peak_bytes": statistics.median(peak for _, peak in values),
+            "runs": [round(rate, 1) for rate, _ in values],
+        }
+        for name, values in samples.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2,smollm2")
+    parser.add_argument("--workloads", default="shipped,sentences,long")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--depths", default="6,12,24", help="GPT-2 depths for the memory-vs-depth check ('' skips)")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    args = parser.parse_args()
+    quiet_transformers(show_progress=False)
+    torch.manual_seed(0)
+    results = []
+    words = [w for line in CORPUS.read_text(encoding="utf-8").splitlines() for w in line.split()]
+    with tempfile.TemporaryDirectory() as scratch:
+        for model_name in args.models.split(","):
+            source = str(gpt2_folder(Path(scratch) / "gpt2", 12, words)) if model_name == "gpt2" else model_name
+            loaded = load_model(source, device=args.device, dtype="float32" if args.device == "cpu" else "auto")
+            causal_lm = _causal_lm(loaded)
+            for workload, texts in workloads(loaded.tokenizer, args.workloads.split(",")).items():
+                ids = token_ids(loaded.tokenizer, texts, 1024)
+                batch_size = 4 if workload == "long" else 16
+                runners = {
+                    "floor (sdpa)": floor_runner(loaded.model, "sdpa", ids, batch_size),
+                    "floor (eager)": floor_runner(loaded.model, "eager", ids, batch_size),
+                    "headscope": headscope_runner(loaded, texts, 1024),
+                    "output_attentions": output_attentions_runner(causal_lm, ids, batch_size),
+                }
+                note = ""
+                if model_name == "gpt2":
+                    tl_run, note = transformerlens_runner(loaded, ids, batch_size)
+                    if tl_run is not None:
+                        runners["transformerlens"] = tl_run
+                print(f"# {model_name} / {workload}: {sum(map(len, ids.values()))} tokens", file=sys.stderr)
+                measured = measure(runners, loaded.device, args.repeats)
+                results.append({"model": model_name, "workload": workload, "results": measured, "note": note})
+                print(json.dumps(results[-1]), file=sys.stderr)
+            del causal_lm, loaded
+        if args.depths:
+            results.append({"depths": _memory_by_depth(Path(scratch), words, args)})
+    print(_markdown(results, args))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def _causal_lm(loaded):
+    from transformers import AutoModelForCausalLM
+
+    source = loaded.source
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        source.location, dtype=loaded.dtype, attn_implementation="eager", **extra
+    )
+    return model.eval().to(loaded.device)
+
+
+def _memory_by_depth(scratch: Path, words: list[str], args) -> list[dict]:
+    """Peak memory of headscope and the floor on four 1,024-token sequences, for several depths."""
+    rows = []
+    for depth in (int(d) for d in args.depths.split(",")):
+        loaded = load_model(str(gpt2_folder(scratch / f"gpt2-{depth}", depth, words)), device=args.device)
+        texts = workloads(loaded.tokenizer, ["long"])["long"][:4]
+        ids = token_ids(loaded.tokenizer, texts, 1024)
+        runners = {
+            "floor (sdpa)": floor_runner(loaded.model, "sdpa", ids, 4),
+            "headscope": headscope_runner(loaded, texts, 1024),
+        }
+        measured = measure(runners, loaded.device, 1)
+        rows.append({"layers": depth, **{name: value["peak_bytes"] for name, value in measured.items()}})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def _markdown(results: list[dict], args) -> str:
+    lines = [
+        f"Command: `python benchmarks/bench.py --models {args.models} --workloads {args.workloads} "
+        f"--repeats {args.repeats} --device {args.device}` (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads)",
+        "",
+        "| model | workload | approach | tokens/s (median) | × floor | peak memory (MiB) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for entry in results:
+        if "depths" in entry:
+            continue
+        floors = {k: v for k, v in entry["results"].items() if k.startswith("floor")}
+        best = max(floors, key=lambda k: floors[k]["tokens_per_second"])
+        floor = floors[best]
+        for name, value in entry["results"].items():
+            if name.startswith("floor") and name != best:
+                continue
+            label = f"floor = {best[7:-1]}" if name == best else name
+            lines.append(
+                f"| {entry['model']} | {entry['workload']} | {label} | {value['tokens_per_second']:,.0f} | "
+                f"{value['tokens_per_second'] / floor['tokens_per_second']:.2f} | {value['peak_bytes'] / 2**20:,.0f} |"
+            )
+        if entry["note"]:
+            lines.append(f"| {entry['model']} | {entry['workload']} | transformerlens | skipped: {entry['note']} | | |")
+    depths = next((entry["depths"] for entry in results if "depths" in entry), None)
+    if depths:
+        lines += ["", "| GPT-2 layers | floor peak (MiB) | headscope peak (MiB) |", "|---:|---:|---:|"]
+        for row in depths:
+            lines.append(f"| {row['layers']} | {row['floor (sdpa)'] / 2**20:,.0f} | {row['headscope'] / 2**20:,.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
