@@ -3,7 +3,7 @@
     python benchmarks/bench.py                      # everything, 3 interleaved repeats, CPU or CUDA
     python benchmarks/bench.py --models gpt2 --workloads long --repeats 5
 
-Approaches, run interleaved in one process on the same token ids:
+Approaches, run interleaved in one process on the same texts (each tokenizes them itself):
     floor             the base model's plain forward pass, no attention weights, with the faster of
                       sdpa and eager on this machine (both are measured; the table names the winner)
     headscope         headscope.analyze through its Python API (default settings, no files written)
@@ -151,9 +151,10 @@ def token_ids(tokenizer, texts: list[str], max_length: int) -> dict[int, list[in
     return dict(enumerate(ids))
 
 
-def floor_runner(model, implementation: str, ids, batch_size: int) -> Callable[[], int]:
+def floor_runner(model, implementation: str, tokenize, batch_size: int) -> Callable[[], int]:
     def run() -> int:
         model.set_attn_implementation(implementation)
+        ids = tokenize()
         tokens = 0
         with torch.inference_mode():
             for batch in batches_in_order(ids, max_sentences=batch_size, device=model.device):
@@ -184,9 +185,10 @@ def attention_statistics(attentions, batch) -> torch.Tensor:
     )
 
 
-def output_attentions_runner(causal_lm, ids, batch_size: int) -> Callable[[], int]:
+def output_attentions_runner(causal_lm, tokenize, batch_size: int) -> Callable[[], int]:
     def run() -> int:
         causal_lm.set_attn_implementation("eager")
+        ids = tokenize()
         tokens = 0
         with torch.inference_mode():
             for batch in batches_in_order(ids, max_sentences=batch_size, device=causal_lm.device):
@@ -198,7 +200,7 @@ def output_attentions_runner(causal_lm, ids, batch_size: int) -> Callable[[], in
     return run
 
 
-def transformerlens_runner(loaded, ids, batch_size: int) -> tuple[Callable[[], int] | None, str]:
+def transformerlens_runner(loaded, tokenize, batch_size: int) -> tuple[Callable[[], int] | None, str]:
     """TransformerLens 4's TransformerBridge around its own copy of the causal LM (it hooks the model it wraps)."""
     try:
         from transformer_lens import TransformerBridge
@@ -210,6 +212,7 @@ def transformerlens_runner(loaded, ids, batch_size: int) -> tuple[Callable[[], i
     n_layers = loaded.architecture["layers"]
 
     def run() -> int:
+        ids = tokenize()
         tokens = 0
         with torch.inference_mode():
             for batch in batches_in_order(ids, max_sentences=batch_size, device=loaded.device):
@@ -273,20 +276,24 @@ def main() -> None:
             loaded = load_model(source, device=args.device, dtype="float32" if args.device == "cpu" else "auto")
             causal_lm = _causal_lm(loaded)
             for workload, texts in workloads(loaded.tokenizer, args.workloads.split(",")).items():
-                ids = token_ids(loaded.tokenizer, texts, 1024)
+                # Every approach starts from the text: tokenizing is part of the work.
+                def tokenize(texts=texts, tokenizer=loaded.tokenizer):
+                    return token_ids(tokenizer, texts, 1024)
+
+                n_tokens = sum(map(len, tokenize().values()))
                 batch_size = 4 if workload == "long" else 16
                 runners = {
-                    "floor (sdpa)": floor_runner(loaded.model, "sdpa", ids, batch_size),
-                    "floor (eager)": floor_runner(loaded.model, "eager", ids, batch_size),
+                    "floor (sdpa)": floor_runner(loaded.model, "sdpa", tokenize, batch_size),
+                    "floor (eager)": floor_runner(loaded.model, "eager", tokenize, batch_size),
                     "headscope": headscope_runner(loaded, texts, 1024),
-                    "output_attentions": output_attentions_runner(causal_lm, ids, batch_size),
+                    "output_attentions": output_attentions_runner(causal_lm, tokenize, batch_size),
                 }
                 note = ""
                 if model_name == "gpt2":
-                    tl_run, note = transformerlens_runner(loaded, ids, batch_size)
+                    tl_run, note = transformerlens_runner(loaded, tokenize, batch_size)
                     if tl_run is not None:
                         runners["transformerlens"] = tl_run
-                print(f"# {model_name} / {workload}: {sum(map(len, ids.values()))} tokens", file=sys.stderr)
+                print(f"# {model_name} / {workload}: {n_tokens} tokens", file=sys.stderr)
                 measured = measure(runners, loaded.device, args.repeats)
                 results.append({"model": model_name, "workload": workload, "results": measured, "note": note})
                 print(json.dumps(results[-1]), file=sys.stderr)
@@ -315,9 +322,10 @@ def _memory_by_depth(scratch: Path, words: list[str], args) -> list[dict]:
     for depth in (int(d) for d in args.depths.split(",")):
         loaded = load_model(str(gpt2_folder(scratch / f"gpt2-{depth}", depth, words)), device=args.device)
         texts = workloads(loaded.tokenizer, ["long"])["long"][:4]
-        ids = token_ids(loaded.tokenizer, texts, 1024)
         runners = {
-            "floor (sdpa)": floor_runner(loaded.model, "sdpa", ids, 4),
+            "floor (sdpa)": floor_runner(
+                loaded.model, "sdpa", lambda tok=loaded.tokenizer, texts=texts: token_ids(tok, texts, 1024), 4
+            ),
             "headscope": headscope_runner(loaded, texts, 1024),
         }
         measured = measure(runners, loaded.device, 1)

@@ -37,7 +37,7 @@ from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
 from headscope.batching import Batch
-from headscope.errors import ModelLoadError
+from headscope.errors import ModelLoadError, ResourceError
 from headscope.metrics import causal_visible_keys, head_row_sums, head_row_sums_from_logits, visible_keys
 
 ATTENTION_NAME = "headscope"
@@ -117,6 +117,11 @@ class LayerReducer:
         self._layer = -1
         self._layer_sums: list[torch.Tensor] = []
 
+    @property
+    def query_valid(self) -> torch.Tensor | None:
+        """(batch, t) bool, True on real tokens of the current batch."""
+        return self._query_valid
+
     def start(self, batch: Batch) -> None:
         self._batch = batch
         self._query_valid = batch.attention_mask.bool()
@@ -153,6 +158,8 @@ class LayerReducer:
                 seq_start=self._batch.seq_start,
                 window=self.window,
                 accum_dtype=self.accum_dtype,
+                # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
+                mass_tolerance=1e-3 if attn.dtype == torch.float32 else 2e-2,
             )
         )
 
@@ -185,7 +192,9 @@ class LayerReducer:
     def finish(self) -> torch.Tensor:
         """Sums of the batch, (wanted layers, batch, heads, stats), moved to the CPU in one transfer."""
         if not self._layer_sums:
-            raise ModelLoadError("the model never called its attention function; is it a transformer?")
+            raise ModelLoadError(
+                "the model never called an attention function headscope can read (no attention layers?)"
+            )
         sums = torch.stack(self._layer_sums).cpu()
         self._batch = None
         self._layer_sums = []
@@ -233,15 +242,24 @@ def _eager_forward_for(module: torch.nn.Module) -> Callable:
     return _eager_by_class[cls]
 
 
-def _verify_standard(eager: Callable, weights: torch.Tensor, query, key, attention_mask, scaling) -> None:
-    """Record whether the standard maths reproduces the model's own eager weights on this input, and
-    whether those weights are causal (nothing above the diagonal)."""
-    keys = key.shape[-2]
-    logits = standard_logits(query, _repeat_kv(key, query.shape[1]), attention_mask, scaling, slice(None), keys)
-    expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
-    _verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
-    _causal[eager] = bool(torch.triu(weights, diagonal=1).abs().max() == 0)
+def _inspect_first_call(eager: Callable, name: str, weights: torch.Tensor, query_valid, query, key, mask, scaling):
+    """On the first call of an eager function: refuse bidirectional attention, and record whether the
+    standard maths reproduces the model's own weights (which allows the block-wise path)."""
+    rows = torch.ones(weights.shape[0], weights.shape[-2], dtype=torch.bool, device=weights.device)
+    rows = rows if query_valid is None else query_valid  # padding rows may attend anywhere: ignore them
+    above_diagonal = torch.triu(weights, diagonal=1) * rows[:, None, :, None]
+    _causal[eager] = bool(above_diagonal.abs().max() == 0)
+    if not _causal[eager]:
+        raise ModelLoadError(
+            f"{name} lets tokens attend to later tokens (bidirectional attention, an encoder?); "
+            "headscope measures causal language models"
+        )
+    _verified[eager] = False
+    if _standard_source[eager]:
+        logits = standard_logits(query, _repeat_kv(key, query.shape[1]), mask, scaling, slice(None), key.shape[-2])
+        expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
+        _verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
 
 
 def _measuring_attention(module, query, key, value, attention_mask, **kwargs):
@@ -264,9 +282,8 @@ def _measuring_attention(module, query, key, value, attention_mask, **kwargs):
         if weights is None:
             raise ModelLoadError(f"{name}'s eager attention returned no weights")
         if eager not in _verified:
-            _verified[eager] = False
-            if _standard_source[eager]:
-                _verify_standard(eager, weights, query, key, attention_mask, kwargs.get("scaling"))
+            valid = getattr(consumer, "query_valid", None)
+            _inspect_first_call(eager, name, weights, valid, query, key, attention_mask, kwargs.get("scaling"))
         consumer.consume(weights, attention_mask)
         consumer.paths.setdefault(name, "eager (the model's own attention function)")
     if consumer.is_last_wanted(layer):
@@ -313,8 +330,23 @@ def _forward(model: torch.nn.Module, batch: Batch) -> None:
 def measure_batch(model: torch.nn.Module, reducer: LayerReducer, batch: Batch) -> torch.Tensor:
     """One forward pass under `measuring`; returns (wanted layers, batch, heads, stats) sums on the CPU."""
     reducer.start(batch)
-    _forward(model, batch)
+    try:
+        _forward(model, batch)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        raise _out_of_memory(batch) from err
+    except RuntimeError as err:
+        if "can't allocate memory" not in str(err):  # the CPU allocator's own wording
+            raise
+        raise _out_of_memory(batch) from err
     return reducer.finish()
+
+
+def _out_of_memory(batch: Batch) -> ResourceError:
+    sentences, tokens = batch.input_ids.shape
+    return ResourceError(
+        f"out of memory on a batch of {sentences} sentences x {tokens} tokens; "
+        "lower --max-memory or --batch-size, or cut sentences with --max-length"
+    )
 
 
 def sentence_attention(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

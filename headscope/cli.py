@@ -6,6 +6,7 @@ Library errors (HeadscopeError) become one line `Error: ...` on stderr and exit 
 from __future__ import annotations
 
 import contextlib
+import signal
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -36,6 +37,12 @@ class DTypeChoice(str, Enum):
     float16 = "float16"
 
 
+class EncodingErrors(str, Enum):
+    strict = "strict"
+    replace = "replace"
+    skip = "skip"
+
+
 class ChartFormat(str, Enum):
     png = "png"
     svg = "svg"
@@ -58,17 +65,32 @@ def _commands() -> None:
     """Measure, classify and chart every attention head of a Hugging Face causal language model."""
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that every cleanup (staging folders, temp files) runs."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
 @contextlib.contextmanager
 def user_errors():
-    """Turn the library's own errors into a one-line message and exit code 1."""
+    """Turn the library's own errors into a one-line message and exit code 1; signals into 130 / 143."""
     try:
         yield
     except HeadscopeError as err:
         typer.echo(f"Error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        typer.echo("Interrupted; nothing was written.", err=True)
+        typer.echo(
+            "Interrupted; existing outputs were left as they were (--resume continues a checkpointed run).", err=True
+        )
         raise typer.Exit(130) from None
+    except Terminated:
+        typer.echo(
+            "Terminated; existing outputs were left as they were (--resume continues a checkpointed run).", err=True
+        )
+        raise typer.Exit(143) from None
 
 
 @app.command()
@@ -80,9 +102,19 @@ def analyze(
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder. Default: reports/<model-name>.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing, non-empty output folder.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues."),
+    ] = False,
     text_column: Annotated[str, typer.Option(help="Column with the sentence in .jsonl/.csv/.parquet.")] = "text",
+    encoding_errors: Annotated[
+        EncodingErrors, typer.Option(help="Invalid UTF-8 in the corpus: strict (stop), replace, or skip the line.")
+    ] = EncodingErrors.strict,
     revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")] = False,
+    device_map: Annotated[
+        str | None, typer.Option(help="Spread a large model over devices (accelerate), e.g. auto.")
+    ] = None,
     device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DeviceChoice.auto,
     dtype: Annotated[
         DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
@@ -125,6 +157,8 @@ def analyze(
             device=device.value,
             dtype=dtype.value,
             text_column=text_column,
+            encoding_errors=encoding_errors.value,
+            device_map=device_map,
             max_length=max_length,
             window=window,
             batch_size=parse_batch_size(batch_size),
@@ -139,6 +173,7 @@ def analyze(
             corpus,
             out=out,
             overwrite=overwrite,
+            resume=resume,
             config=config,
             thresholds=thresholds,
             charts=chart_format.value if charts else None,
@@ -213,6 +248,18 @@ def _print_summary(result) -> None:
         f"({run['corpus']['truncated_sentences']} truncated); {arch['layers']} layers x {arch['heads']} heads "
         f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s"
     )
+    numerics = run["numerics"]
+    if numerics["nonfinite_rows"]:
+        console.print(
+            f"[yellow]warning:[/yellow] {numerics['nonfinite_rows']} attention rows held NaN or inf "
+            f"({numerics['heads_with_nonfinite_rows']} heads; left out of the metrics, counted in "
+            "nonfinite_rows). float16 overflow? Try --dtype bfloat16 or float32."
+        )
+    if numerics["unnormalised_rows"]:
+        console.print(
+            f"[yellow]warning:[/yellow] {numerics['unnormalised_rows']} attention rows do not sum to 1 "
+            f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows)."
+        )
     console.print(f"wrote {result.out_dir}/")
 
 
@@ -242,4 +289,5 @@ def _print_type_counts(classified, title: str) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _raise_terminated)
     app()

@@ -25,6 +25,8 @@ class RunConfig:
     device: Device = "auto"  # auto: cuda if available, else mps, else cpu
     dtype: DType = "auto"  # auto: bfloat16 (float16 without bf16 support) on cuda, float16 on mps, float32 on cpu
     text_column: str = "text"  # column holding the sentence in .jsonl / .csv / .parquet corpora
+    encoding_errors: str = "strict"  # invalid UTF-8 in the corpus: strict (error), replace or skip the line
+    device_map: str | None = None  # accelerate device map (e.g. "auto") for models larger than one device
     max_length: int | None = None  # truncate each sentence to this many tokens; None = the model's limit
     window: int = 2  # diagonal metric: mass within +-window positions of the query
     batch_size: int | None = None  # sentences per forward pass; None (auto) = as many as max_memory allows

@@ -32,12 +32,16 @@ class Sentence:
     text: str
 
 
+ENCODING_ERRORS = ("strict", "replace", "skip")
+
+
 @dataclass(frozen=True)
 class Corpus:
     path: Path
     sha256: str
     sentences: list[Sentence]
     blank_skipped: int  # blank lines / empty texts left out
+    invalid_lines: int = 0  # lines with invalid UTF-8, replaced or skipped as --encoding-errors said
 
 
 def default_corpus_path() -> Path:
@@ -48,8 +52,13 @@ def default_corpus_path() -> Path:
     raise CorpusError(f"the shipped corpus is missing ({SHIPPED_CORPUS}); pass --corpus FILE")
 
 
-def read_corpus(path: str | Path, *, text_column: str = "text") -> Corpus:
-    """Read a corpus file into sentences; raise CorpusError naming the file and line on bad input."""
+def read_corpus(path: str | Path, *, text_column: str = "text", encoding_errors: str = "strict") -> Corpus:
+    """Read a corpus file into sentences; raise CorpusError naming the file and line on bad input.
+
+    encoding_errors: strict (invalid UTF-8 is an error), replace (with U+FFFD) or skip (drop the line).
+    """
+    if encoding_errors not in ENCODING_ERRORS:
+        raise CorpusError(f"--encoding-errors must be one of {', '.join(ENCODING_ERRORS)}; got {encoding_errors!r}")
     path = Path(path)
     if not path.exists():
         raise CorpusError(f"corpus file not found: {path}")
@@ -57,10 +66,11 @@ def read_corpus(path: str | Path, *, text_column: str = "text") -> Corpus:
         raise CorpusError(f"corpus path is not a file: {path}")
     data = path.read_bytes()
     suffix = path.suffix.lower()
+    invalid: list[int] = []  # line numbers with invalid UTF-8 (not strict mode)
     if suffix == ".parquet":
         records = _parquet_records(path, text_column)
     else:
-        text_lines = list(_decoded_lines(path, data))
+        text_lines = list(_decoded_lines(path, data, encoding_errors, invalid))
         if suffix == ".jsonl":
             records = _jsonl_records(path, text_lines, text_column)
         elif suffix == ".csv":
@@ -71,7 +81,13 @@ def read_corpus(path: str | Path, *, text_column: str = "text") -> Corpus:
     sentences, blank = _keep_sentences(records)
     if not sentences:
         raise CorpusError(f"corpus has no sentences (only blank lines or empty file): {path}")
-    return Corpus(path=path, sha256=hashlib.sha256(data).hexdigest(), sentences=sentences, blank_skipped=blank)
+    return Corpus(
+        path=path,
+        sha256=hashlib.sha256(data).hexdigest(),
+        sentences=sentences,
+        blank_skipped=blank,
+        invalid_lines=len(invalid),
+    )
 
 
 def _keep_sentences(records) -> tuple[list[Sentence], int]:
@@ -87,8 +103,8 @@ def _keep_sentences(records) -> tuple[list[Sentence], int]:
     return sentences, blank
 
 
-def _decoded_lines(path: Path, data: bytes):
-    """Yield (line number, text) for every line; reject invalid UTF-8 and NUL bytes with their location."""
+def _decoded_lines(path: Path, data: bytes, encoding_errors: str, invalid: list[int]):
+    """Yield (line number, text) for every line; NUL bytes and (in strict mode) invalid UTF-8 are errors."""
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     if data.endswith((b"\n", b"\r")):
@@ -101,7 +117,14 @@ def _decoded_lines(path: Path, data: bytes):
         try:
             yield number, raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise CorpusError(f"{path}:{number}: invalid UTF-8 at byte {err.start} of the line") from None
+            if encoding_errors == "strict":
+                raise CorpusError(
+                    f"{path}:{number}: invalid UTF-8 at byte {err.start} of the line; "
+                    "--encoding-errors replace or skip goes on"
+                ) from None
+            invalid.append(number)
+            if encoding_errors == "replace":
+                yield number, raw.decode("utf-8", errors="replace")
 
 
 def _jsonl_records(path: Path, lines, text_column: str):

@@ -23,3 +23,7 @@ class OutputError(HeadscopeError):
 
 class ConfigError(HeadscopeError):
     """An option has a value outside what it accepts."""
+
+
+class ResourceError(HeadscopeError):
+    """The run needs more memory (or disk) than there is."""

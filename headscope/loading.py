@@ -114,8 +114,12 @@ def load_model(
     dtype: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    device_map: str | None = None,
 ) -> LoadedModel:
-    """Load the base model and tokenizer, ready for attention capture."""
+    """Load the base model and tokenizer, ready for attention capture.
+
+    device_map: passed to transformers (accelerate), e.g. "auto" to spread a large model over GPUs and CPU.
+    """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     source = resolve_source(model)
@@ -130,14 +134,26 @@ def load_model(
     except Exception as err:  # hub, network, parsing and missing-file errors come in many types
         raise ModelLoadError(_load_failure(source, err)) from None
     check_causal_lm(config, source.display)
+    if device_map is None:
+        check_fits(config, source.display, torch_dtype, torch_device)
+    placement = {"device_map": device_map} if device_map else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
         network = AutoModel.from_pretrained(
-            source.location, config=config, dtype=torch_dtype, attn_implementation="eager", **common
+            source.location, config=config, dtype=torch_dtype, attn_implementation="eager", **placement, **common
         )
+    except (torch.OutOfMemoryError, MemoryError):
+        raise ModelLoadError(
+            f"{source.display} does not fit in memory on {torch_device} in {dtype_name(torch_dtype)}; "
+            "try --dtype bfloat16, or --device-map auto to spread it over devices"
+        ) from None
     except Exception as err:
         raise ModelLoadError(_load_failure(source, err)) from None
-    network.eval().to(torch_device)
+    network.eval()
+    if device_map is None:
+        network.to(torch_device)
+    else:
+        torch_device = network.get_input_embeddings().weight.device  # inputs go where the embeddings are
     return LoadedModel(
         model=network,
         tokenizer=tokenizer,
@@ -157,6 +173,43 @@ def check_causal_lm(config, display: str) -> None:
         raise ModelLoadError(f"{display} is an encoder-decoder model; headscope measures decoder-only causal LMs")
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(f"{display} ({config.model_type}) is not a causal language model")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "num_attention_heads", None):
+        raise ModelLoadError(
+            f"{display} ({config.model_type}) has no attention heads (a state-space or recurrent model?); "
+            "headscope measures attention"
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parameter_bytes(config, dtype: torch.dtype) -> int | None:
+    """Memory the base model's weights take in `dtype`, counted on an empty (meta) model; None if unknown."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModel
+
+    try:
+        with init_empty_weights():
+            empty = AutoModel.from_config(config)
+    except Exception:  # exotic or remote-code configs: no estimate, no check
+        return None
+    return sum(p.numel() for p in empty.parameters()) * (torch.finfo(dtype).bits // 8)
+
+
+def check_fits(config, display: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before loading anything, a model whose weights alone exceed the free memory."""
+    from headscope.memory import free_memory
+
+    needed = parameter_bytes(config, dtype)
+    free = free_memory(device)
+    if needed is not None and needed > 0.9 * free:
+        raise ModelLoadError(
+            f"{display} needs about {needed / 2**30:.1f} GiB for its weights in {dtype_name(dtype)}, but only "
+            f"{free / 2**30:.1f} GiB is free on {device}; try --dtype bfloat16 (half of float32), "
+            "or --device-map auto to spread it over GPUs and CPU"
+        )
 
 
 def architecture_of(config) -> dict:

@@ -17,7 +17,10 @@ Definitions (row t of one head, A[t, s] the probability it gives key s):
     prev_token       A[t, t-1]                                 rows t >= 1
     max_weight       max_s A[t,s]
 Positions are counted from the sentence's first real token, so left and right
-padding give the same numbers.
+padding give the same numbers. Rows holding NaN or inf (float16 overflow, say) are
+counted in ``nonfinite_rows`` and left out of every metric; rows whose mass is not 1
+within ``mass_tolerance`` are counted in ``unnormalised_rows`` (models with attention
+sinks legitimately sum to less than 1).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ STATS: tuple[str, ...] = (
     "prev_token",
     "prev_rows",  # rows at position >= 1
     "max_weight",
+    "nonfinite_rows",  # valid rows holding NaN or inf (left out of every metric)
+    "unnormalised_rows",  # finite rows whose mass is not 1 within tolerance (kept in the metrics)
 )
 STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(STATS)}
 
@@ -107,6 +112,7 @@ def head_row_sums(
     window: int,
     row_offset: int = 0,
     accum_dtype: torch.dtype = torch.float64,
+    mass_tolerance: float = 1e-3,
 ) -> torch.Tensor:
     """Per-(sentence, head) sums of every row statistic in ``STATS``, over a block of query rows.
 
@@ -123,9 +129,10 @@ def head_row_sums(
     per_row = {
         "entropy": torch.special.entr(probs).sum(-1),
         "max_weight": probs.amax(-1),
+        "mass": probs.sum(-1),
         **_positional_mass(probs, seq_start, window, row_offset),
     }
-    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype)
+    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, mass_tolerance)
 
 
 def head_row_sums_from_logits(
@@ -153,9 +160,10 @@ def head_row_sums_from_logits(
     per_row = {
         "entropy": torch.log(total) - torch.linalg.vecdot(unnormalised, shifted) / total,
         "max_weight": 1.0 / total,
+        "mass": torch.ones_like(total),  # normalised by construction; overflow shows up as a non-finite total
         **{name: mass / total for name, mass in _positional_mass(unnormalised, seq_start, window, row_offset).items()},
     }
-    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype)
+    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, 1.0)
 
 
 def _positional_mass(
@@ -180,10 +188,13 @@ def _sum_rows(
     window: int,
     row_offset: int,
     accum_dtype: torch.dtype,
+    mass_tolerance: float,
 ) -> torch.Tensor:
     """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(STATS))."""
     entropy = per_row["entropy"]
     batch, heads, rows = entropy.shape
+    mass = per_row["mass"]
+    finite = torch.isfinite(entropy) & torch.isfinite(per_row["max_weight"]) & torch.isfinite(mass)
     n_visible = key_visible.sum(-1)  # (batch, 1 or heads, rows)
     # ln(1) = 0 for rows seeing one key: they are left out of norm_entropy, so clamp to avoid 0/0.
     norm_entropy = entropy / torch.log(n_visible.clamp(min=2).float())
@@ -191,7 +202,10 @@ def _sum_rows(
 
     # Row masks, (batch, 1, rows): padding rows count nowhere.
     position = torch.arange(row_offset, row_offset + rows, device=entropy.device)[None, :] - seq_start[:, None]
-    valid = query_valid[:, None, :]
+    real = query_valid[:, None, :]
+    nonfinite = real & ~finite  # (batch, heads, rows)
+    valid = real & finite
+    unnormalised = valid & ((mass - 1.0).abs() > mass_tolerance)
     norm_rows = valid & (n_visible >= 2)
     prev_rows = valid & (position >= 1)[:, None, :]
 
@@ -213,12 +227,14 @@ def _sum_rows(
         "prev_token": row_sum(per_row["prev_token"], prev_rows),
         "prev_rows": row_sum(ones, prev_rows),
         "max_weight": row_sum(per_row["max_weight"], valid),
+        "nonfinite_rows": row_sum(ones, nonfinite),
+        "unnormalised_rows": row_sum(ones, unnormalised),
     }
     return torch.stack([columns[name] for name in STATS], dim=-1)
 
 
 def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
-    """Turn stat sums (..., len(STATS)) into metric means (...), plus ``entropy_std`` and ``n_rows``.
+    """Turn stat sums (..., len(STATS)) into metric means (...), ``entropy_std`` and the row counts.
 
     A metric with no rows to average (e.g. prev_token of one-token sentences) is NaN.
     """
@@ -227,7 +243,9 @@ def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
     def stat(name: str) -> np.ndarray:
         return sums[..., STAT_INDEX[name]]
 
-    out: dict[str, np.ndarray] = {"n_rows": stat("n_rows").astype(np.int64)}
+    out: dict[str, np.ndarray] = {
+        name: stat(name).astype(np.int64) for name in ("n_rows", "nonfinite_rows", "unnormalised_rows")
+    }
     with np.errstate(invalid="ignore", divide="ignore"):
         for metric, (numerator, denominator) in METRICS.items():
             count = stat(denominator)

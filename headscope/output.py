@@ -18,25 +18,31 @@ from headscope.errors import OutputError
 class StagedDirectory:
     """Use as a context manager; write into `.path`, which becomes `target` on a clean exit."""
 
-    def __init__(self, target: Path, *, overwrite: bool = False) -> None:
+    def __init__(self, target: Path, *, overwrite: bool = False, resumable: bool = False) -> None:
+        """resumable: the staging folder has a fixed name and survives a failed or interrupted run, so
+        that a later run can continue from the checkpoint inside it."""
         self.target = Path(target)
+        self.resumable = resumable
         if self.target.exists() and not self.target.is_dir():
             raise OutputError(f"output path {self.target} exists and is not a folder")
         if self.target.is_dir() and any(self.target.iterdir()) and not overwrite:
             raise OutputError(f"output folder {self.target} is not empty; pass --overwrite to replace it")
-        self.path = self.target.parent / f".{self.target.name}.staging-{os.getpid()}"
+        suffix = "partial" if resumable else f"staging-{os.getpid()}"
+        self.path = self.target.parent / f".{self.target.name}.{suffix}"
 
     def __enter__(self) -> StagedDirectory:
         try:
-            shutil.rmtree(self.path, ignore_errors=True)
-            self.path.mkdir(parents=True)
+            if not self.resumable:
+                shutil.rmtree(self.path, ignore_errors=True)
+            self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise OutputError(f"cannot create the output folder in {self.target.parent}: {err.strerror}") from None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+            if not self.resumable:
+                shutil.rmtree(self.path, ignore_errors=True)
             return
         self._publish()
 

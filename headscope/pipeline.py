@@ -9,7 +9,6 @@ import platform
 import resource
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -20,11 +19,12 @@ import torch
 
 from headscope.batching import batches_in_order, collate
 from headscope.capture import LayerReducer, measure_batch, measuring, sentence_attention
+from headscope.checkpoint import MemoryChunks, PartFiles, Progress
 from headscope.classify import classify_heads
 from headscope.config import RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
 from headscope.errors import ConfigError
-from headscope.loading import LoadedModel, load_model
+from headscope.loading import LoadedModel, dtype_name, load_model
 from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget, tokens_per_batch
 from headscope.output import StagedDirectory
 from headscope.report import classification_record, draw_charts, parquet_metadata
@@ -39,7 +39,6 @@ from headscope.tables import (
     SENTENCE_HEADS_SCHEMA,
     SENTENCES_FILE,
     SENTENCES_SCHEMA,
-    StreamingTableWriter,
     examples_frame,
     heads_frame,
     read_table,
@@ -81,7 +80,7 @@ class AnalysisResult:
 class _Measured:
     sums: np.ndarray  # (layers, heads, stats) corpus-wide sums
     layer_ids: np.ndarray  # (layers,) which model layers the sums are of
-    sentences: pd.DataFrame
+    chunks: int  # chunks of sentences the corpus was measured in
     tokens: int
     truncated: int
     max_length: int | None  # the truncation length actually applied
@@ -95,6 +94,7 @@ def analyze(
     *,
     out: str | Path | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     config: RunConfig | None = None,
     thresholds: Thresholds | None = None,
     charts: str | None = "png",
@@ -107,6 +107,9 @@ def analyze(
     model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model
     corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
     out:     folder to write the tables, run.json and charts into (nothing is written when None)
+    overwrite: replace a non-empty `out` (only once the new report is complete)
+    resume:  checkpoint after every chunk of sentences and continue from the checkpoint an interrupted
+             run with the same model, corpus and settings left behind (needs `out`)
     thresholds: head-type rule (default: Thresholds())
     charts:  chart format written with the tables (png, svg, pdf), or None for no charts
     options: any RunConfig field, e.g. ``window=3`` or ``batch_size=8``
@@ -114,8 +117,10 @@ def analyze(
     config = dataclasses.replace(config or RunConfig(), **options)
     thresholds = thresholds or Thresholds()
     reporter = reporter or NullReporter()
-    stage = StagedDirectory(Path(out), overwrite=overwrite) if out is not None else None
-    corpus = _as_corpus(corpus, config.text_column)
+    if resume and out is None:
+        raise ConfigError("--resume needs an output folder (--out)")
+    stage = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume) if out is not None else None
+    corpus = _as_corpus(corpus, config)
 
     started = time.perf_counter()
     if isinstance(model, LoadedModel):
@@ -128,73 +133,96 @@ def analyze(
             dtype=config.dtype,
             revision=config.revision,
             trust_remote_code=config.trust_remote_code,
+            device_map=config.device_map,
         )
     load_seconds = time.perf_counter() - started
 
-    sentence_chunks: list[pd.DataFrame] = []
-    with contextlib.ExitStack() as cleanup:  # on error: abort the writer, then discard the staging folder
-        writer = None
+    with contextlib.ExitStack() as cleanup:  # on error the staging folder goes (or stays, with resume)
         if stage is not None:
             cleanup.enter_context(stage)
-            if config.sentence_heads:
-                path = stage.path / SENTENCE_HEADS_FILE
-                writer = cleanup.enter_context(StreamingTableWriter(path, SENTENCE_HEADS_SCHEMA))
-        sink = writer.write if writer else (sentence_chunks.append if config.sentence_heads else None)
+            store = PartFiles(stage.path, _fingerprint(loaded, corpus, config, padding_side), checkpoints=resume)
+        else:
+            store = MemoryChunks()
+        progress, sums = store.load_progress() if resume else (Progress(), None)
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         started = time.perf_counter()
-        measured = _measure(loaded, corpus, config, reporter, sink, padding_side)
+        measured = _measure(loaded, corpus, config, reporter, store, progress, sums, padding_side)
         measure_seconds = time.perf_counter() - started
 
-        measured_heads = heads_frame(measured.sums, loaded.architecture["kv_heads"], measured.layer_ids)
-        heads = classify_heads(measured_heads, thresholds)
-        examples = _example_attention(loaded, corpus, measured, padding_side)
-        run = _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_seconds)
-        run["classification"] = classification_record(heads, thresholds)
+        started = time.perf_counter()
         if stage is not None:
             reporter.stage("writing tables")
-            started = time.perf_counter()
-            if writer is not None:
-                writer.close()
+            store.merged("sentences", SENTENCES_SCHEMA, stage.path / SENTENCES_FILE, measured.chunks)
+            if config.sentence_heads:
+                store.merged("sentence_heads", SENTENCE_HEADS_SCHEMA, stage.path / SENTENCE_HEADS_FILE, measured.chunks)
+            sentences = read_table(stage.path / SENTENCES_FILE, SENTENCES_SCHEMA)
+        else:
+            sentences = store.sentences_table()
+        measured_heads = heads_frame(measured.sums, loaded.architecture["kv_heads"], measured.layer_ids)
+        heads = classify_heads(measured_heads, thresholds)
+        examples = _example_attention(loaded, corpus, sentences, measured.max_length, padding_side)
+        run = _run_record(loaded, corpus, config, measured, sentences, heads, load_seconds, measure_seconds)
+        run["classification"] = classification_record(heads, thresholds)
+        if stage is not None:
             write_table(heads, stage.path / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
-            write_table(measured.sentences, stage.path / SENTENCES_FILE, SENTENCES_SCHEMA)
             write_table(examples, stage.path / EXAMPLES_FILE, EXAMPLES_SCHEMA)
             run["timings"]["write_seconds"] = round(time.perf_counter() - started, 3)
             write_json(run, stage.path / RUN_FILE)
             if charts:
                 reporter.stage("drawing charts")
                 draw_charts(stage.path, fmt=charts)
+            store.discard_checkpoint()
 
-    in_memory = pd.concat(sentence_chunks, ignore_index=True) if sentence_chunks else None
     return AnalysisResult(
         heads=heads,
-        sentences=measured.sentences,
+        sentences=sentences,
         run=run,
         examples=examples,
         out_dir=stage.target if stage else None,
-        _sentence_heads=in_memory,
+        _sentence_heads=store.sentence_heads_table() if stage is None else None,
     )
 
 
-def _example_attention(loaded: LoadedModel, corpus: Corpus, measured: _Measured, padding_side: str) -> pd.DataFrame:
+def _fingerprint(loaded: LoadedModel, corpus: Corpus, config: RunConfig, padding_side: str) -> dict:
+    """What must match for a checkpoint to be continued: everything that changes a number.
+
+    Batch size and memory budget are left out: a resumed run reuses the first run's batching limits.
+    """
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("batch_size", "max_memory", "device_map")}
+    source = loaded.source
+    return {
+        "model": [source.kind, source.location, source.gguf_file, loaded.revision],
+        "corpus_sha256": corpus.sha256,
+        "device": loaded.device.type,
+        "dtype": dtype_name(loaded.dtype),
+        "padding_side": padding_side,
+        "settings": settings,
+    }
+
+
+def _example_attention(
+    loaded: LoadedModel, corpus: Corpus, all_sentences: pd.DataFrame, max_length: int | None, padding_side: str
+) -> pd.DataFrame:
     """Every head's attention on the corpus sentence closest to EXAMPLE_TOKENS tokens (ties: first)."""
-    sentences = measured.sentences[measured.sentences["n_tokens"] >= 2]
+    sentences = all_sentences[all_sentences["n_tokens"] >= 2]
     if sentences.empty:
-        sentences = measured.sentences[measured.sentences["n_tokens"] >= 1]
+        sentences = all_sentences[all_sentences["n_tokens"] >= 1]
     distance = (sentences["n_tokens"] - EXAMPLE_TOKENS).abs()
     sentence_id = int(sentences.loc[distance.idxmin(), "sentence_id"])
-    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], measured.max_length)
+    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], max_length)
     batch = collate([sentence_id], ids, padding_side=padding_side, device=loaded.device)
     attention = sentence_attention(loaded.model, batch).numpy()
     return examples_frame(sentence_id, token_labels(loaded.tokenizer, ids[0]), attention)
 
 
-def _as_corpus(corpus, text_column: str) -> Corpus:
+def _as_corpus(corpus, config: RunConfig) -> Corpus:
     if isinstance(corpus, Corpus):
         return corpus
     if isinstance(corpus, list):
         return corpus_from_texts(corpus)
-    return read_corpus(corpus if corpus is not None else default_corpus_path(), text_column=text_column)
+    path = corpus if corpus is not None else default_corpus_path()
+    return read_corpus(path, text_column=config.text_column, encoding_errors=config.encoding_errors)
 
 
 def _measure(
@@ -202,10 +230,15 @@ def _measure(
     corpus: Corpus,
     config: RunConfig,
     reporter: Reporter,
-    sink: Callable[[pd.DataFrame], None] | None,
+    store: MemoryChunks | PartFiles,
+    progress: Progress,
+    totals: np.ndarray | None,
     padding_side: str,
 ) -> _Measured:
-    """Stream the corpus through the model in chunks; keep only stat sums and sentence rows."""
+    """Stream the corpus through the model chunk by chunk; keep only stat sums, hand rows to `store`.
+
+    `progress` and `totals` come from a checkpoint when resuming: chunks already done are skipped.
+    """
     limit = model_max_length(loaded.model.config)
     limits = [x for x in (config.max_length, limit) if x is not None]
     max_length = min(limits) if limits else None
@@ -220,28 +253,18 @@ def _measure(
         layers=None if config.layers is None else layer_ids,
         block_bytes=config.block_bytes,
     )
-    limits = _batch_limits(loaded, config)
+    progress.batching = progress.batching or _batch_limits(loaded, config)
+    limits = progress.batching
 
-    totals: np.ndarray | None = None
-    sentence_rows: list[pd.DataFrame] = []
-    tokens = truncated = batches = 0
     reporter.start(len(corpus.sentences))
+    chunk_starts = range(0, len(corpus.sentences), config.chunk_sentences)
     with measuring(loaded.model, reducer):
-        for first in range(0, len(corpus.sentences), config.chunk_sentences):
+        for index, first in enumerate(chunk_starts):
             chunk = corpus.sentences[first : first + config.chunk_sentences]
+            if index < progress.chunks_done:  # measured before the interruption
+                reporter.advance(len(chunk), 0)
+                continue
             ids, cut = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk], max_length)
-            sentence_rows.append(
-                pd.DataFrame(
-                    {
-                        "sentence_id": [s.sentence_id for s in chunk],
-                        "line": [s.line for s in chunk],
-                        "text": [s.text for s in chunk],
-                        "n_tokens": [len(row) for row in ids],
-                        "truncated": cut,
-                    }
-                )
-            )
-            truncated += sum(cut)
             tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
             per_sentence: dict[int, np.ndarray] = {}
             for batch in batches_in_order(
@@ -256,32 +279,52 @@ def _measure(
                 totals = batch_total if totals is None else totals + batch_total
                 for column, sentence_id in enumerate(batch.sentence_ids):
                     per_sentence[sentence_id] = sums[:, column]
-                tokens += batch.n_tokens
-                batches += 1
+                progress.tokens += batch.n_tokens
+                progress.batches += 1
                 reporter.advance(len(batch.sentence_ids), batch.n_tokens)
             reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
-            if sink is not None and per_sentence:
-                order = sorted(per_sentence)
-                sink(
-                    sentence_heads_frame(
-                        np.array(order),
-                        np.array([len(tokenized[i]) for i in order]),
-                        np.stack([per_sentence[i] for i in order]),
-                        layer_ids,
-                    )
-                )
+            store.add(
+                index, _sentence_rows(chunk, ids, cut), _sentence_head_rows(per_sentence, tokenized, layer_ids, config)
+            )
+            progress.truncated += sum(cut)
+            progress.chunks_done = index + 1
+            store.save_progress(progress, totals)
     reporter.finish()
     if totals is None:
         raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
     return _Measured(
         sums=totals,
         layer_ids=layer_ids,
-        sentences=pd.concat(sentence_rows, ignore_index=True),
-        tokens=tokens,
-        truncated=truncated,
+        chunks=len(chunk_starts),
+        tokens=progress.tokens,
+        truncated=progress.truncated,
         max_length=max_length,
-        batching={**limits, "batches": batches},
+        batching={**limits, "batches": progress.batches},
         attention_paths=dict(reducer.paths),
+    )
+
+
+def _sentence_rows(chunk, ids: list[list[int]], cut: list[bool]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "sentence_id": [s.sentence_id for s in chunk],
+            "line": [s.line for s in chunk],
+            "text": [s.text for s in chunk],
+            "n_tokens": [len(row) for row in ids],
+            "truncated": cut,
+        }
+    )
+
+
+def _sentence_head_rows(per_sentence, tokenized, layer_ids, config: RunConfig) -> pd.DataFrame | None:
+    if not config.sentence_heads or not per_sentence:
+        return None
+    order = sorted(per_sentence)
+    return sentence_heads_frame(
+        np.array(order),
+        np.array([len(tokenized[i]) for i in order]),
+        np.stack([per_sentence[i] for i in order]),
+        layer_ids,
     )
 
 
@@ -327,7 +370,7 @@ def _peak_memory(device: torch.device) -> dict[str, int]:
     return peaks
 
 
-def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_seconds) -> dict:
+def _run_record(loaded, corpus, config, measured, sentences, heads, load_seconds, measure_seconds) -> dict:
     source = loaded.source
     return {
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -340,7 +383,7 @@ def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_s
             "architecture": loaded.architecture,
         },
         "device": str(loaded.device),
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": dtype_name(loaded.dtype),
         "attention_implementation": measured.attention_paths,
         "batching": measured.batching,
         "corpus": {
@@ -348,10 +391,11 @@ def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_s
             "sha256": corpus.sha256,
             "sentences": len(corpus.sentences),
             "blank_lines_skipped": corpus.blank_skipped,
+            "invalid_utf8_lines": corpus.invalid_lines,
             "tokens": measured.tokens,
             "truncated_sentences": measured.truncated,
             "max_length": measured.max_length,
-            "empty_sentences": int((measured.sentences["n_tokens"] == 0).sum()),
+            "empty_sentences": int((sentences["n_tokens"] == 0).sum()),
         },
         "settings": config.to_dict(),
         "versions": _versions(),
@@ -363,4 +407,10 @@ def _run_record(loaded, corpus, config, measured, heads, load_seconds, measure_s
             **_peak_memory(loaded.device),
         },
         "layer_mean_entropy": [round(float(x), 6) for x in heads.groupby("layer")["entropy"].mean()],
+        "numerics": {
+            "nonfinite_rows": int(heads["nonfinite_rows"].sum()),
+            "heads_with_nonfinite_rows": int((heads["nonfinite_rows"] > 0).sum()),
+            "unnormalised_rows": int(heads["unnormalised_rows"].sum()),
+            "heads_with_unnormalised_rows": int((heads["unnormalised_rows"] > 0).sum()),
+        },
     }

@@ -32,6 +32,7 @@ _METRIC_COLUMNS += ("sink", "prev_token", "max_weight")
 # evidence that decided it (see headscope.classify).
 HEADS_SCHEMA = pa.schema(
     [("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32()), ("n_rows", pa.int64())]
+    + [("nonfinite_rows", pa.int64()), ("unnormalised_rows", pa.int64())]
     + [(name, pa.float64()) for name in _METRIC_COLUMNS]
     + [("locality", pa.float64()), ("head_type", pa.string()), ("type_reason", pa.string())]
 )
@@ -83,7 +84,7 @@ def heads_frame(sums: np.ndarray, kv_heads: int, layer_ids: np.ndarray | None = 
             "kv_head": np.tile(np.arange(heads) // max(heads // kv_heads, 1), layers),
         }
     )
-    for name in ("n_rows", *_METRIC_COLUMNS):
+    for name in ("n_rows", "nonfinite_rows", "unnormalised_rows", *_METRIC_COLUMNS):
         frame[name] = means[name].reshape(-1)
     return frame
 
@@ -178,14 +179,21 @@ class StreamingTableWriter:
             self.abort()
 
     def write(self, frame: pd.DataFrame) -> None:
-        self._writer.write_table(to_arrow(frame, self.schema))
+        try:
+            self._writer.write_table(to_arrow(frame, self.schema))
+        except OSError as err:  # a full disk, typically
+            raise OutputError(f"cannot write {self.path}: {err.strerror or err}") from None
 
     def close(self) -> None:
         """Finish the file and move it into place (idempotent)."""
         if self._open:
             self._open = False
-            self._writer.close()
-            os.replace(self._tmp, self.path)
+            try:
+                self._writer.close()
+                os.replace(self._tmp, self.path)
+            except OSError as err:
+                self._tmp.unlink(missing_ok=True)
+                raise OutputError(f"cannot write {self.path}: {err.strerror or err}") from None
 
     def abort(self) -> None:
         """Drop the partial file."""

@@ -106,6 +106,8 @@ def synthetic_report(folder, layers: int, heads: int):
             "head": np.tile(np.arange(heads), layers),
             "kv_head": np.tile(np.arange(heads), layers),
             "n_rows": 1000,
+            "nonfinite_rows": 0,
+            "unnormalised_rows": 0,
             "entropy": rng.uniform(0, 2.5, n) * np.linspace(1, 0.4, n),
             "entropy_std": rng.uniform(0, 0.5, n),
             "norm_entropy": rng.uniform(0, 1, n),

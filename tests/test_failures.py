@@ -1,0 +1,291 @@
+"""Bad input, faults and interruptions: one-line errors, non-zero exits, outputs never half-written."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import headscope
+from headscope.cli import app
+from headscope.errors import ModelLoadError, OutputError
+from headscope.metrics import causal_visible_keys, head_row_sums, metric_means
+
+from planted import build_tokenizer
+
+runner = CliRunner()
+
+
+def run_cli(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments: str, code: int = 1) -> None:
+    assert result.exit_code == code, result.output
+    message = result.stderr.strip()
+    assert message.startswith("Error: ") and "\n" not in message, message
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def hidden_leftovers(folder) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def test_invalid_utf8_can_be_replaced_or_skipped(planted_gpt2, tmp_path):
+    corpus = tmp_path / "mixed.txt"
+    corpus.write_bytes(b"The cat sat.\nBroken \xff line here.\nThe dog ran.\n")
+    assert_one_line_error(
+        run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", tmp_path / "a"),
+        "mixed.txt:2: invalid UTF-8 at byte 7 of the line",
+        "--encoding-errors",
+    )
+    for mode, expected in (
+        ("replace", ["The cat sat.", "Broken \ufffd line here.", "The dog ran."]),
+        ("skip", ["The cat sat.", "The dog ran."]),
+    ):
+        out = tmp_path / mode
+        result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--encoding-errors", mode)
+        assert result.exit_code == 0, result.output
+        assert pd.read_parquet(out / "sentences.parquet")["text"].tolist() == expected
+        assert headscope.report.read_run(out)["corpus"]["invalid_utf8_lines"] == 1
+
+
+def test_a_long_line_is_truncated_not_dropped(planted_gpt2, tmp_path):
+    corpus = tmp_path / "long.txt"
+    corpus.write_text("Short one.\n" + " ".join(["word"] * 500) + "\n")
+    out = tmp_path / "out"
+    result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out)  # the model takes 64 positions
+    assert result.exit_code == 0, result.output
+    sentences = pd.read_parquet(out / "sentences.parquet")
+    assert sentences["n_tokens"].tolist() == [3, 64] and sentences["truncated"].tolist() == [False, True]
+
+
+# ---------------------------------------------------------------- models
+
+
+def tiny_model_folder(tmp_path, config, model_class, corpus_lines):
+    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_encoder_only_model_is_refused(tmp_path, corpus_lines):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    folder = tiny_model_folder(tmp_path / "bert", config, BertModel, corpus_lines)
+    assert_one_line_error(run_cli("analyze", folder, "--out", tmp_path / "o"), "bidirectional")
+    assert not (tmp_path / "o").exists()
+
+
+def test_encoder_decoder_model_is_refused(tmp_path, corpus_lines):
+    from transformers import T5Config, T5Model
+
+    config = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+    folder = tiny_model_folder(tmp_path / "t5", config, T5Model, corpus_lines)
+    assert_one_line_error(run_cli("analyze", folder, "--out", tmp_path / "o"), "encoder-decoder")
+
+
+def test_state_space_model_is_refused(tmp_path, corpus_lines):
+    from transformers import MambaConfig, MambaModel
+
+    config = MambaConfig(hidden_size=32, num_hidden_layers=1, state_size=4)
+    folder = tiny_model_folder(tmp_path / "mamba", config, MambaModel, corpus_lines)
+    assert_one_line_error(run_cli("analyze", folder, "--out", tmp_path / "o"), "no attention heads")
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("not a model")
+    assert_one_line_error(run_cli("analyze", folder, "--out", tmp_path / "o"), f"cannot load a model from {folder}")
+
+
+def test_truncated_gguf_file(tmp_path):
+    from headscope.loading import resolve_source
+
+    source = resolve_source("smollm2")
+    truncated = tmp_path / "cut.gguf"
+    with open(os.path.join(source.location, source.gguf_file), "rb") as whole:
+        truncated.write_bytes(whole.read(65536))
+    assert_one_line_error(
+        run_cli("analyze", truncated, "--out", tmp_path / "o"), f"cannot load a model from {truncated}"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is missing")
+def test_cuda_requested_without_cuda(planted_gpt2, tmp_path):
+    assert_one_line_error(
+        run_cli("analyze", planted_gpt2, "--device", "cuda", "--out", tmp_path / "o"), "no CUDA device"
+    )
+
+
+def test_model_too_large_for_memory_is_refused_before_loading(planted_gpt2, tmp_path, monkeypatch):
+    monkeypatch.setattr("headscope.memory.free_memory", lambda device: 2**20)
+    assert_one_line_error(
+        run_cli("analyze", planted_gpt2, "--out", tmp_path / "o"), "GiB for its weights", "--dtype", "--device-map"
+    )
+
+
+def test_out_of_memory_during_a_batch(planted_gpt2, tmp_path, monkeypatch):
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr("headscope.capture._forward", exhausted)
+    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", tmp_path / "o"), "out of memory on a batch")
+    assert hidden_leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def test_nonfinite_and_unnormalised_rows_are_counted_and_kept_out():
+    attn = torch.tril(torch.ones(4, 4)) / torch.arange(1, 5, dtype=torch.float32)[:, None]
+    attn = attn[None, None].repeat(1, 2, 1, 1)
+    attn[0, 0, 2, :] = float("nan")  # head 0, row 2: float16 overflow, say
+    attn[0, 1, 3, :] = attn[0, 1, 3, :] * 0.9  # head 1, row 3: mass 0.9
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    sums = head_row_sums(
+        attn,
+        key_visible=causal_visible_keys(valid),
+        query_valid=valid,
+        seq_start=torch.zeros(1, dtype=torch.long),
+        window=2,
+    )
+    means = metric_means(sums.numpy())
+    assert means["nonfinite_rows"][0].tolist() == [1, 0]
+    assert means["unnormalised_rows"][0].tolist() == [0, 1]
+    assert means["n_rows"][0].tolist() == [3, 4]
+    assert means["entropy"][0, 0] == pytest.approx(np.mean([np.log(1), np.log(2), np.log(4)]))
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def test_full_disk_fails_cleanly_and_keeps_the_previous_report(planted_gpt2, tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    assert run_cli("analyze", planted_gpt2, "--out", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("headscope.tables.pq.write_table", disk_full)
+    result = run_cli("analyze", planted_gpt2, "--out", out, "--overwrite")
+    assert_one_line_error(result, "Error: cannot write", ": No space left on device")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert hidden_leftovers(tmp_path) == [] and hidden_leftovers(out) == []
+
+
+def test_classify_and_plot_explain_a_foreign_or_missing_table(tmp_path, planted_gpt2):
+    out = tmp_path / "report"
+    assert run_cli("analyze", planted_gpt2, "--out", out, "--no-charts").exit_code == 0
+    pd.DataFrame({"a": [1, 2]}).to_parquet(out / "heads.parquet")
+    assert_one_line_error(run_cli("classify", out), "heads.parquet is not a headscope table", "layer")
+    assert_one_line_error(run_cli("plot", out), "heads.parquet is not a headscope table")
+    (out / "heads.parquet").write_bytes(b"PAR1 garbage")
+    assert_one_line_error(run_cli("plot", out), "heads.parquet is not a readable Parquet file")
+    (out / "heads.parquet").unlink()
+    assert_one_line_error(run_cli("classify", out), "heads.parquet not found")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_path, corpus_lines, sig, code):
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "heads.parquet").write_bytes(b"the previous run")
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("\n".join(corpus_lines * 400) + "\n")  # 40,000 sentences: minutes of work
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "headscope",
+            "analyze",
+            str(planted_gpt2),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--overwrite",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    deadline = time.monotonic() + 60
+    while not hidden_leftovers(tmp_path) and time.monotonic() < deadline:  # the staging folder appears
+        time.sleep(0.1)
+    time.sleep(1.0)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr
+    assert (out / "heads.parquet").read_bytes() == b"the previous run"
+    assert hidden_leftovers(tmp_path) == []
+    assert "Traceback" not in stderr.decode()
+
+
+def test_same_input_gives_identical_tables(planted_gpt2, corpus_lines):
+    first = headscope.analyze(str(planted_gpt2), corpus_lines[:50])
+    second = headscope.analyze(str(planted_gpt2), corpus_lines[:50])
+    pd.testing.assert_frame_equal(first.heads, second.heads, check_exact=True)
+    pd.testing.assert_frame_equal(first.sentence_heads, second.sentence_heads, check_exact=True)
+
+
+def test_loading_errors_are_headscope_errors():
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        headscope.load_model("missing.gguf")
+
+
+def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(
+    planted_gpt2, corpus_lines, tmp_path, monkeypatch
+):
+    from headscope import pipeline
+
+    options = {"chunk_sentences": 10, "charts": None}
+    whole = headscope.analyze(str(planted_gpt2), corpus_lines, out=tmp_path / "whole", **options)
+
+    out = tmp_path / "resumed"
+    real_tokenize = pipeline.tokenize_sentences
+    calls = []
+
+    def interrupted_on_third_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "tokenize_sentences", interrupted_on_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, **options)
+    assert not out.exists()
+    checkpoint = json.loads((tmp_path / ".resumed.partial" / "checkpoint.json").read_text())
+    assert checkpoint["progress"]["chunks_done"] == 2
+
+    monkeypatch.setattr(pipeline, "tokenize_sentences", real_tokenize)
+    with pytest.raises(OutputError, match="from a different run"):
+        headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, window=3, **options)
+    resumed = headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, **options)
+    pd.testing.assert_frame_equal(resumed.heads, whole.heads, check_exact=True)
+    for name in ("sentences.parquet", "sentence_heads.parquet"):
+        pd.testing.assert_frame_equal(pd.read_parquet(out / name), pd.read_parquet(tmp_path / "whole" / name))
+    assert hidden_leftovers(tmp_path) == []
+    assert not [p.name for p in out.iterdir() if "part" in p.name or "checkpoint" in p.name]
