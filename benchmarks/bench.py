@@ -6,7 +6,7 @@
 Approaches, run interleaved in one process on the same texts (each tokenizes them itself):
     floor             the base model's plain forward pass, no attention weights, with the faster of
                       sdpa and eager on this machine (both are measured; the table names the winner)
-    headscope         headscope.analyze through its Python API (default settings, no files written)
+    headscope         headscope.analyze through its Python API (no files written; same batch size as the rest)
     output_attentions the seed's approach: AutoModelForCausalLM(..., output_attentions=True), then the
                       same per-head statistics from the returned tensors
     transformerlens   HookedTransformer.run_with_cache(names_filter=hook_pattern) on the GPT-2 model,
@@ -165,9 +165,10 @@ def floor_runner(model, implementation: str, tokenize, batch_size: int) -> Calla
     return run
 
 
-def headscope_runner(loaded, texts, max_length: int) -> Callable[[], int]:
+def headscope_runner(loaded, texts, max_length: int, batch_size: int) -> Callable[[], int]:
+    # The same batch size as the other approaches, so that memory is compared for the same work per forward.
     def run() -> int:
-        result = headscope.analyze(loaded, texts, max_length=max_length, charts=None)
+        result = headscope.analyze(loaded, texts, max_length=max_length, batch_size=batch_size, charts=None)
         return int(result.run["corpus"]["tokens"])
 
     return run
@@ -285,7 +286,7 @@ def main() -> None:
                 runners = {
                     "floor (sdpa)": floor_runner(loaded.model, "sdpa", tokenize, batch_size),
                     "floor (eager)": floor_runner(loaded.model, "eager", tokenize, batch_size),
-                    "headscope": headscope_runner(loaded, texts, 1024),
+                    "headscope": headscope_runner(loaded, texts, 1024, batch_size),
                     "output_attentions": output_attentions_runner(causal_lm, tokenize, batch_size),
                 }
                 note = ""
@@ -326,7 +327,7 @@ def _memory_by_depth(scratch: Path, words: list[str], args) -> list[dict]:
             "floor (sdpa)": floor_runner(
                 loaded.model, "sdpa", lambda tok=loaded.tokenizer, texts=texts: token_ids(tok, texts, 1024), 4
             ),
-            "headscope": headscope_runner(loaded, texts, 1024),
+            "headscope": headscope_runner(loaded, texts, 1024, 4),
         }
         measured = measure(runners, loaded.device, 1)
         rows.append({"layers": depth, **{name: value["peak_bytes"] for name, value in measured.items()}})

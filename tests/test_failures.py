@@ -289,3 +289,38 @@ def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(
         pd.testing.assert_frame_equal(pd.read_parquet(out / name), pd.read_parquet(tmp_path / "whole" / name))
     assert hidden_leftovers(tmp_path) == []
     assert not [p.name for p in out.iterdir() if "part" in p.name or "checkpoint" in p.name]
+
+
+def test_a_million_line_corpus_is_streamed_in_chunks(tmp_path, corpus_lines, monkeypatch):
+    """1,000,000 sentences through a minute model: tokenized chunk by chunk, never all at once."""
+    from transformers import GPT2Config, GPT2Model
+
+    from headscope import pipeline
+
+    folder = tmp_path / "minute-gpt2"
+    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
+    torch.manual_seed(0)
+    GPT2Model(GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=2, n_positions=64)).save_pretrained(
+        folder
+    )
+    tokenizer.save_pretrained(folder)
+    corpus = tmp_path / "million.txt"
+    corpus.write_text("\n".join(corpus_lines * 10_000) + "\n")
+
+    largest_chunk = []
+    real_tokenize = pipeline.tokenize_sentences
+
+    def spy(tokenizer, texts, max_length):
+        largest_chunk.append(len(texts))
+        return real_tokenize(tokenizer, texts, max_length)
+
+    monkeypatch.setattr(pipeline, "tokenize_sentences", spy)
+    out = tmp_path / "report"
+    result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--no-charts", "--no-sentence-heads")
+    assert result.exit_code == 0, result.output
+    *chunks, example_sentence = largest_chunk  # the last call tokenizes the example chart's one sentence
+    assert max(chunks) == 4096 and len(chunks) == 245 and example_sentence == 1  # ceil(1,000,000 / 4,096)
+    run = headscope.report.read_run(out)
+    assert run["corpus"]["sentences"] == 1_000_000
+    per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
+    assert run["corpus"]["tokens"] == int(per_sentence.sum())
