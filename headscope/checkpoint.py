@@ -9,7 +9,6 @@ limits of the first run, so it produces exactly the tables an uninterrupted run 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
-from headscope.tables import temporary_path, to_arrow, write_json
+from headscope.output import atomic_path
+from headscope.tables import to_arrow, write_json
 
 CHECKPOINT_FILE = "checkpoint.json"
 SUMS_FILE = "checkpoint-sums.npy"
@@ -77,25 +77,14 @@ class PartFiles:
             self._write(to_arrow(sentence_heads, SENTENCE_HEADS_SCHEMA), self._part("sentence_heads", index))
 
     def _write(self, table: pa.Table, path: Path) -> None:
-        tmp = temporary_path(path)
-        try:
+        with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
-            os.replace(tmp, path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
 
     def save_progress(self, progress: Progress, sums: np.ndarray | None) -> None:
         if not self.checkpoints:
             return
-        tmp = temporary_path(self.folder / SUMS_FILE)
-        try:
-            with open(tmp, "wb") as handle:
-                np.save(handle, sums)
-            os.replace(tmp, self.folder / SUMS_FILE)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise OutputError(f"cannot write a checkpoint in {self.folder}: {err.strerror or err}") from None
+        with atomic_path(self.folder / SUMS_FILE) as tmp, open(tmp, "wb") as handle:
+            np.save(handle, sums)
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
         write_json({"fingerprint": self.fingerprint, "progress": asdict(progress)}, self.folder / CHECKPOINT_FILE)
 
@@ -119,15 +108,9 @@ class PartFiles:
     def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> None:
         """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts."""
         parts = [self._part(kind, index) for index in range(chunks) if self._part(kind, index).exists()]
-        tmp = temporary_path(destination)
-        try:
-            with pq.ParquetWriter(tmp, schema) as writer:
-                for part in parts:
-                    writer.write_table(pq.read_table(part, schema=schema))
-            os.replace(tmp, destination)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise OutputError(f"cannot write {destination}: {err.strerror or err}") from None
+        with atomic_path(destination) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+            for part in parts:
+                writer.write_table(pq.read_table(part, schema=schema))
         for part in parts:
             part.unlink()
 

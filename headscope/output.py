@@ -8,11 +8,38 @@ complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from headscope.errors import OutputError
+
+
+def temporary_path(path: Path) -> Path:
+    """A hidden sibling name to write `path` under before the atomic rename."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` to write; rename it to `path` if the block succeeds.
+
+    On any failure the temporary file is removed, so `path` is either the old file or the complete new
+    one; an OSError (a full disk, say) becomes an OutputError naming `path`.
+    """
+    path = Path(path)
+    tmp = temporary_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class StagedDirectory:

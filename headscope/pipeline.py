@@ -49,6 +49,9 @@ from headscope.tables import (
 from headscope.tokenization import model_max_length, token_labels, tokenize_sentences
 
 EXAMPLE_TOKENS = 14  # the example chart uses the corpus sentence closest to this length (legible labels)
+# ... cut to at most this many tokens: the example keeps every head's (t, t) attention, which must stay small
+# even when every sentence of the corpus is thousands of tokens long.
+EXAMPLE_MAX_TOKENS = 32
 
 
 @dataclass
@@ -210,7 +213,8 @@ def _example_attention(
         sentences = all_sentences[all_sentences["n_tokens"] >= 1]
     distance = (sentences["n_tokens"] - EXAMPLE_TOKENS).abs()
     sentence_id = int(sentences.loc[distance.idxmin(), "sentence_id"])
-    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], max_length)
+    cut = min(EXAMPLE_MAX_TOKENS, max_length or EXAMPLE_MAX_TOKENS)
+    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], cut)
     batch = collate([sentence_id], ids, padding_side=padding_side, device=loaded.device)
     attention = sentence_attention(loaded.model, batch).numpy()
     return examples_frame(sentence_id, token_labels(loaded.tokenizer, ids[0]), attention)

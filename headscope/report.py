@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pandas as pd
 from headscope.classify import HEAD_TYPES, classify_heads, most_typical
 from headscope.config import Thresholds
 from headscope.errors import ConfigError, OutputError
+from headscope.output import atomic_path
 from headscope.tables import (
     EXAMPLES_FILE,
     EXAMPLES_SCHEMA,
@@ -20,7 +20,6 @@ from headscope.tables import (
     MEASURED_COLUMNS,
     RUN_FILE,
     read_table,
-    temporary_path,
     write_json,
     write_table,
 )
@@ -120,20 +119,10 @@ def draw_charts(folder: Path, *, fmt: str = "png", out: Path | None = None) -> l
 
 
 def _save_atomically(figure, path: Path, fmt: str) -> None:
-    tmp = temporary_path(path)
-    try:
+    with atomic_path(path) as tmp:
         figure.savefig(tmp, format=fmt, dpi=130)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
 
 
 def _copy_atomically(source: Path, destination: Path) -> None:
-    tmp = temporary_path(destination)
-    try:
+    with atomic_path(destination) as tmp:
         shutil.copyfile(source, tmp)
-        os.replace(tmp, destination)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {destination}: {err.strerror or err}") from None

@@ -7,7 +7,6 @@ opens directly with ``pandas.read_parquet``.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
 from headscope.metrics import metric_means
+from headscope.output import atomic_path
 
 HEADS_FILE = "heads.parquet"
 SENTENCES_FILE = "sentences.parquet"
@@ -126,11 +126,6 @@ def examples_frame(sentence_id: int, tokens: list[str], attention: np.ndarray) -
     )
 
 
-def temporary_path(path: Path) -> Path:
-    """A sibling name for writing `path` before the atomic rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def _with_metadata(schema: pa.Schema, metadata: dict | None) -> pa.Schema:
     if not metadata:
         return schema
@@ -149,68 +144,13 @@ def to_arrow(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
 def write_table(frame: pd.DataFrame, path: Path, schema: pa.Schema, *, metadata: dict | None = None) -> None:
     """Write `frame` to `path` atomically: a temporary sibling, then a rename."""
     table = to_arrow(frame, _with_metadata(schema, metadata))
-    tmp = temporary_path(path)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
-
-
-class StreamingTableWriter:
-    """Append DataFrames to one Parquet file as row groups; the file appears only on close()."""
-
-    def __init__(self, path: Path, schema: pa.Schema) -> None:
-        self.path = path
-        self.schema = schema
-        self._tmp = temporary_path(path)
-        self._writer = pq.ParquetWriter(self._tmp, schema)
-
-        self._open = True
-
-    def __enter__(self) -> StreamingTableWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-    def write(self, frame: pd.DataFrame) -> None:
-        try:
-            self._writer.write_table(to_arrow(frame, self.schema))
-        except OSError as err:  # a full disk, typically
-            raise OutputError(f"cannot write {self.path}: {err.strerror or err}") from None
-
-    def close(self) -> None:
-        """Finish the file and move it into place (idempotent)."""
-        if self._open:
-            self._open = False
-            try:
-                self._writer.close()
-                os.replace(self._tmp, self.path)
-            except OSError as err:
-                self._tmp.unlink(missing_ok=True)
-                raise OutputError(f"cannot write {self.path}: {err.strerror or err}") from None
-
-    def abort(self) -> None:
-        """Drop the partial file."""
-        if self._open:
-            self._open = False
-            self._writer.close()
-            self._tmp.unlink(missing_ok=True)
 
 
 def write_json(data: dict, path: Path) -> None:
-    tmp = temporary_path(path)
-    try:
+    with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:

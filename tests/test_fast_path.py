@@ -148,3 +148,11 @@ def test_model_specific_attention_stays_on_its_own_eager_function(gemma2_folder,
         got = result.heads[result.heads["layer"] == layer].sort_values("head")
         for name in ("entropy", "diagonal", "sink", "prev_token", "max_weight"):
             np.testing.assert_allclose(got[name], expected[name], atol=1e-5, err_msg=f"{layer} {name}")
+
+
+def test_the_example_attention_stays_small_when_every_sentence_is_long(planted_gpt2, corpus_lines):
+    long_sentences = [" ".join(corpus_lines[i : i + 8]) for i in range(0, 40, 8)]  # 60-90 words each
+    result = headscope.analyze(str(planted_gpt2), long_sentences, sentence_heads=False)
+    assert result.sentences["n_tokens"].min() == 64  # cut to the model's 64 positions
+    assert result.examples["query"].max() == 31  # the example sentence is cut to 32 tokens
+    assert len(result.examples) == 2 * 3 * 32 * 32
