@@ -233,11 +233,18 @@ def transformerlens_runner(loaded, tokenize, batch_size: int) -> tuple[Callable[
 # ---------------------------------------------------------------- driver
 
 
-def measure(runners: dict[str, Callable[[], int]], device: torch.device, repeats: int) -> dict[str, dict]:
+def measure(
+    runners: dict[str, Callable[[], int]], device: torch.device, repeats: int, *, warm_up: bool = False
+) -> dict[str, dict]:
     """Interleave the runners `repeats` times; medians of tokens/s and of peak memory.
 
-    No separate warm-up: the median of three or more runs drops the first run's one-off costs.
+    The median of three or more runs drops the first run's one-off costs; with fewer, `warm_up` runs each
+    runner once unmeasured first (the first forward pass pages in memory-mapped weights, which would
+    otherwise be charged to whichever approach runs first).
     """
+    if warm_up:
+        for run in runners.values():
+            run()
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, run in runners.items():
@@ -266,13 +273,14 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--depths", default="6,12,24", help="GPT-2 depths for the memory-vs-depth check ('' skips)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--only-depths", action="store_true", help="run only the memory-vs-depth check")
     args = parser.parse_args()
     quiet_transformers(show_progress=False)
     torch.manual_seed(0)
     results = []
     words = [w for line in CORPUS.read_text(encoding="utf-8").splitlines() for w in line.split()]
     with tempfile.TemporaryDirectory() as scratch:
-        for model_name in args.models.split(","):
+        for model_name in [] if args.only_depths else args.models.split(","):
             source = str(gpt2_folder(Path(scratch) / "gpt2", 12, words)) if model_name == "gpt2" else model_name
             loaded = load_model(source, device=args.device, dtype="float32" if args.device == "cpu" else "auto")
             causal_lm = _causal_lm(loaded)
@@ -329,7 +337,7 @@ def _memory_by_depth(scratch: Path, words: list[str], args) -> list[dict]:
             ),
             "headscope": headscope_runner(loaded, texts, 1024, 4),
         }
-        measured = measure(runners, loaded.device, 1)
+        measured = measure(runners, loaded.device, 1, warm_up=True)
         rows.append({"layers": depth, **{name: value["peak_bytes"] for name, value in measured.items()}})
         print(json.dumps(rows[-1]), file=sys.stderr)
     return rows

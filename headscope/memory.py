@@ -28,7 +28,7 @@ def default_budget(device: torch.device) -> int:
     return free_memory(device) // 2
 
 
-def bytes_per_token(architecture: dict, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> int:
+def bytes_per_token(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> int:
     """Activation memory one token needs while one layer runs (weights excluded).
 
     About ten hidden-size vectors (residual stream, norms, q/k/v, attention output, projections) and

@@ -347,7 +347,7 @@ def _batch_limits(loaded: LoadedModel, config: RunConfig) -> dict:
     text_config = loaded.model.config.get_text_config()
     hidden = text_config.hidden_size
     intermediate = getattr(text_config, "intermediate_size", None) or getattr(text_config, "n_inner", None)
-    per_token = bytes_per_token(loaded.architecture, hidden, intermediate or 4 * hidden, loaded.dtype)
+    per_token = bytes_per_token(hidden, intermediate or 4 * hidden, loaded.dtype)
     return {
         "max_sentences": config.batch_size or MAX_AUTO_SENTENCES,
         "max_tokens": tokens_per_batch(budget, per_token, config.block_bytes),

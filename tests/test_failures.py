@@ -324,3 +324,39 @@ def test_a_million_line_corpus_is_streamed_in_chunks(tmp_path, corpus_lines, mon
     assert run["corpus"]["sentences"] == 1_000_000
     per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
     assert run["corpus"]["tokens"] == int(per_sentence.sum())
+
+
+BAD_CORPORA = [
+    ("absent.txt", None, "corpus file not found"),
+    ("folder.txt", "dir", "corpus path is not a file"),
+    ("empty.txt", b"", "corpus has no sentences"),
+    ("blank.txt", b"\n   \r\n\n", "corpus has no sentences"),
+    ("latin1.txt", b"caf\xe9 au lait\n", "latin1.txt:1: invalid UTF-8 at byte 3 of the line"),
+    ("nul.txt", b"fine\nhas\x00nul\n", "nul.txt:2: NUL byte at column 4"),
+    ("bad.jsonl", b'{"text": "fine"}\nnot json\n', "bad.jsonl:2: not valid JSON"),
+    ("nofield.jsonl", b'{"body": "fine"}\n', "nofield.jsonl:1: no 'text' field"),
+    ("nocolumn.csv", b"body\nfine\n", "no column 'text' (columns: body)"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "message"), BAD_CORPORA)
+def test_bad_corpora_through_the_cli(planted_gpt2, tmp_path, name, content, message):
+    corpus = tmp_path / name
+    if content == "dir":
+        corpus.mkdir()
+    elif content is not None:
+        corpus.write_bytes(content)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out), message)
+    assert not out.exists() and hidden_leftovers(tmp_path) == []
+
+
+def test_messy_but_valid_text_goes_through_the_cli(planted_gpt2, tmp_path):
+    corpus = tmp_path / "messy.txt"
+    corpus.write_bytes(b"\xef\xbb\xbfThe cat sat.\r\n\r\n  The dog ran.  \rA bird sang.\n\n")
+    out = tmp_path / "out"
+    result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out)
+    assert result.exit_code == 0, result.output
+    sentences = pd.read_parquet(out / "sentences.parquet")
+    assert sentences["text"].tolist() == ["The cat sat.", "The dog ran.", "A bird sang."]
+    assert sentences["line"].tolist() == [1, 3, 4]
