@@ -248,7 +248,8 @@ def _inspect_first_call(eager: Callable, name: str, weights: torch.Tensor, query
     rows = torch.ones(weights.shape[0], weights.shape[-2], dtype=torch.bool, device=weights.device)
     rows = rows if query_valid is None else query_valid  # padding rows may attend anywhere: ignore them
     above_diagonal = torch.triu(weights, diagonal=1) * rows[:, None, :, None]
-    _causal[eager] = bool(above_diagonal.abs().max() == 0)
+    # `> 0`, not `max() == 0`: a NaN row (float16 overflow) is not attention to later tokens.
+    _causal[eager] = not bool((above_diagonal > 0).any())
     if not _causal[eager]:
         raise ModelLoadError(
             f"{name} lets tokens attend to later tokens (bidirectional attention, an encoder?); "

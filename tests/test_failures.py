@@ -360,3 +360,33 @@ def test_messy_but_valid_text_goes_through_the_cli(planted_gpt2, tmp_path):
     sentences = pd.read_parquet(out / "sentences.parquet")
     assert sentences["text"].tolist() == ["The cat sat.", "The dog ran.", "A bird sang."]
     assert sentences["line"].tolist() == [1, 3, 4]
+
+
+def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp_path, monkeypatch):
+    """float16 overflow, simulated: the first row of head 0 turns NaN in every layer of every batch."""
+    from headscope import capture
+
+    real_lookup = capture._eager_forward_for
+
+    def overflowing_eager(module):
+        eager = real_lookup(module)
+
+        def forward(*args, **kwargs):
+            output, weights = eager(*args, **kwargs)
+            weights = weights.clone()
+            weights[:, 0, 0, :] = float("nan")  # row 0: NaN also lands above the diagonal
+            return output, weights
+
+        capture._standard_source[forward] = False  # an unknown function: stays on the eager path
+        return forward
+
+    monkeypatch.setattr(capture, "_eager_forward_for", overflowing_eager)
+    out = tmp_path / "out"
+    result = run_cli("analyze", planted_gpt2, "--out", out, "--batch-size", "1", "--no-charts")
+    assert result.exit_code == 0, result.output
+    assert "attention rows held NaN or inf" in result.output
+    heads = pd.read_parquet(out / "heads.parquet")
+    assert (heads.loc[heads["head"] == 0, "nonfinite_rows"] == 100).all()  # one row per sentence, per layer
+    assert (heads.loc[heads["head"] != 0, "nonfinite_rows"] == 0).all()
+    assert heads["entropy"].notna().all()
+    assert headscope.report.read_run(out)["numerics"]["nonfinite_rows"] == 200
