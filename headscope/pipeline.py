@@ -29,6 +29,7 @@ from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget
 from headscope.output import StagedDirectory
 from headscope.report import classification_record, draw_charts, parquet_metadata
 from headscope.reporting import NullReporter, Reporter
+from headscope.summary import layer_entropy
 from headscope.tables import (
     EXAMPLES_FILE,
     EXAMPLES_SCHEMA,
@@ -76,7 +77,7 @@ class AnalysisResult:
 
     def layer_entropy(self) -> pd.Series:
         """Mean entropy per layer (nats): the seed analysis's layer-depth gradient."""
-        return self.heads.groupby("layer")["entropy"].mean()
+        return layer_entropy(self.heads)["mean"]
 
 
 @dataclass
@@ -410,7 +411,7 @@ def _run_record(loaded, corpus, config, measured, sentences, heads, load_seconds
             "tokens_per_second": round(measured.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
             **_peak_memory(loaded.device),
         },
-        "layer_mean_entropy": [round(float(x), 6) for x in heads.groupby("layer")["entropy"].mean()],
+        "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
         "numerics": {
             "nonfinite_rows": int(heads["nonfinite_rows"].sum()),
             "heads_with_nonfinite_rows": int((heads["nonfinite_rows"] > 0).sum()),
