@@ -70,14 +70,21 @@ def visible_keys(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
-def causal_visible_keys(query_valid: torch.Tensor) -> torch.Tensor:
+def causal_visible_keys(
+    query_valid: torch.Tensor, rows: slice | torch.Tensor | None = None, keys: int | None = None
+) -> torch.Tensor:
     """Visibility for plain causal attention over right- or left-padded sequences.
 
-    query_valid: (batch, t) bool, True for real tokens. Returns (batch, 1, t, t) bool.
+    query_valid: (batch, t) bool, True for real tokens. rows: the query positions wanted (a slice or a
+    (rows,) long tensor; default all); keys: how many keys from the first (default t).
+    Returns (batch, 1, rows, keys) bool, built for those rows only.
     """
     t = query_valid.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=query_valid.device).tril()
-    return causal[None, None] & query_valid[:, None, None, :]
+    keys = t if keys is None else keys
+    positions = torch.arange(t, device=query_valid.device)
+    queries = positions[slice(None) if rows is None else rows]  # (rows,)
+    causal = positions[None, :keys] <= queries[:, None]  # (rows, keys)
+    return causal[None, None] & query_valid[:, None, None, :keys]
 
 
 def diagonal_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -95,10 +102,15 @@ def band_row_sums(x: torch.Tensor, window: int, row_offset: int = 0) -> torch.Te
     """Sum of x[..., r, s] over keys s with |(row_offset + r) - s| <= window, for every row r.
 
     x: (..., rows, keys), rows being query positions row_offset, row_offset + 1, ... Returns (..., rows).
-    Reads only 2 * window + 1 diagonals, so it never builds a band mask.
+    Reads only the diagonals that the band and the block share (at most rows + keys - 1 of them, however
+    wide the window), so it never builds a band mask and a huge window costs no more than the block.
     """
+    rows, keys = x.shape[-2:]
+    # Offsets (key - query) present in this block run from -(row_offset + rows - 1) to keys - 1 - row_offset.
+    lowest = max(-window, -(row_offset + rows - 1))
+    highest = min(window, keys - 1 - row_offset)
     out = x.new_zeros(x.shape[:-1])
-    for k in range(-window, window + 1):
+    for k in range(lowest, highest + 1):
         out += diagonal_rows(x, row_offset + k)
     return out
 

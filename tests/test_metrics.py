@@ -145,11 +145,11 @@ def test_inputs_are_not_modified():
     assert torch.equal(attn, before)
 
 
-@pytest.mark.parametrize("window", [0, 1, 2, 5, 20])
+@pytest.mark.parametrize("window", [0, 1, 2, 5, 20, 10**20])
 def test_band_row_sums_equals_a_band_mask(window):
     x = torch.rand(2, 3, 9, 9)
     t = torch.arange(9)
-    band = (t[:, None] - t[None, :]).abs() <= window
+    band = (t[:, None] - t[None, :]).abs() <= min(window, 9)
     torch.testing.assert_close(band_row_sums(x, window), (x * band).sum(-1))
 
 
@@ -226,9 +226,22 @@ def test_row_blocks_add_up_to_the_whole(block):
     torch.testing.assert_close(pieces, whole, rtol=1e-12, atol=1e-9)
 
 
+@pytest.mark.parametrize("window", [2, 11, 10**20])
 @pytest.mark.parametrize("row_offset", [0, 3, 8])
-def test_band_row_sums_on_a_block_of_rows(row_offset):
+def test_band_row_sums_on_a_block_of_rows(row_offset, window):
     x = torch.rand(2, 4, 12)
     rows = torch.arange(row_offset, row_offset + 4)
-    band = (rows[:, None] - torch.arange(12)[None, :]).abs() <= 2
-    torch.testing.assert_close(band_row_sums(x, 2, row_offset), (x * band).sum(-1))
+    band = (rows[:, None] - torch.arange(12)[None, :]).abs() <= min(window, 12)
+    torch.testing.assert_close(band_row_sums(x, window, row_offset), (x * band).sum(-1))
+
+
+def test_a_window_wider_than_the_sentence_costs_no_more_than_the_sentence():
+    """A window of 10**20 once looped over 2 * 10**20 + 1 diagonals; it is the same as the sentence's width."""
+    import time
+
+    x = torch.rand(1, 2, 16, 16)
+    started = time.perf_counter()
+    huge = band_row_sums(x, 10**20)
+    assert time.perf_counter() - started < 1.0
+    torch.testing.assert_close(huge, band_row_sums(x, 15))
+    torch.testing.assert_close(huge, x.sum(-1))
