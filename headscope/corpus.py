@@ -3,10 +3,11 @@
 Formats, chosen by file extension:
     .txt (or anything else)  UTF-8, one sentence per line
     .jsonl                   one JSON object per line, sentence in ``text_column``
-    .csv                     header row, sentence in ``text_column``
+    .csv / .tsv              header row, sentence in ``text_column`` (RFC 4180 quoting, checked strictly)
     .parquet                 sentence in ``text_column``
 Surrounding whitespace (including \\r) is stripped and blank sentences are skipped.
 ``line`` is the 1-based line of the sentence in the file (for .parquet: 1-based row).
+Every read of the file is guarded: bad input is a CorpusError naming the file, and the line where there is one.
 """
 
 from __future__ import annotations
@@ -52,29 +53,44 @@ def default_corpus_path() -> Path:
     raise CorpusError(f"the shipped corpus is missing ({SHIPPED_CORPUS}); pass --corpus FILE")
 
 
-def read_corpus(path: str | Path, *, text_column: str = "text", encoding_errors: str = "strict") -> Corpus:
+TABLE_FORMATS = (".jsonl", ".csv", ".tsv", ".parquet")  # formats with columns: --text-column applies
+DEFAULT_TEXT_COLUMN = "text"
+
+
+def read_corpus(path: str | Path, *, text_column: str | None = None, encoding_errors: str = "strict") -> Corpus:
     """Read a corpus file into sentences; raise CorpusError naming the file and line on bad input.
 
+    text_column: the column holding the sentence in a table format (default ``text``); plain-text corpora
+                 have no columns, so naming one for them is an error rather than silently ignored.
     encoding_errors: strict (invalid UTF-8 is an error), replace (with U+FFFD) or skip (drop the line).
     """
     if encoding_errors not in ENCODING_ERRORS:
         raise CorpusError(f"--encoding-errors must be one of {', '.join(ENCODING_ERRORS)}; got {encoding_errors!r}")
     path = Path(path)
+    suffix = path.suffix.lower()
+    if text_column is not None and suffix not in TABLE_FORMATS:
+        raise CorpusError(
+            f"--text-column applies to {', '.join(TABLE_FORMATS)} corpora; {path} is read as plain text, "
+            "one sentence per line"
+        )
+    text_column = text_column or DEFAULT_TEXT_COLUMN
     if not path.exists():
         raise CorpusError(f"corpus file not found: {path}")
     if not path.is_file():
         raise CorpusError(f"corpus path is not a file: {path}")
-    data = path.read_bytes()
-    suffix = path.suffix.lower()
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CorpusError(f"cannot read corpus {path}: {err.strerror or err}") from None
     invalid: list[int] = []  # line numbers with invalid UTF-8 (not strict mode)
     if suffix == ".parquet":
-        records = _parquet_records(path, text_column)
+        records = _parquet_records(path, data, text_column)
     else:
-        text_lines = list(_decoded_lines(path, data, encoding_errors, invalid))
+        text_lines = _decoded_lines(path, data, encoding_errors, invalid)
         if suffix == ".jsonl":
             records = _jsonl_records(path, text_lines, text_column)
-        elif suffix == ".csv":
-            records = _csv_records(path, text_lines, text_column)
+        elif suffix in (".csv", ".tsv"):
+            records = _delimited_records(path, text_lines, text_column, delimiter="," if suffix == ".csv" else "\t")
         else:
             records = text_lines
 
@@ -136,42 +152,92 @@ def _jsonl_records(path: Path, lines, text_column: str):
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise CorpusError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        except RecursionError:
+            raise CorpusError(f"{path}:{number}: JSON nested too deeply to read") from None
         if not isinstance(record, dict) or text_column not in record:
             raise CorpusError(f"{path}:{number}: no {text_column!r} field (set --text-column)")
         value = record[text_column]
-        if not isinstance(value, str):
+        if value is not None and not isinstance(value, str):
             raise CorpusError(f"{path}:{number}: {text_column!r} is {type(value).__name__}, not a string")
-        yield number, value
+        yield number, value or ""  # null counts as blank, as a missing value does in .csv and .parquet
 
 
-def _csv_records(path: Path, lines, text_column: str):
+def _delimited_records(path: Path, lines, text_column: str, *, delimiter: str):
+    """Rows of a .csv / .tsv file with a header, parsed strictly: a row whose field count differs from the
+    header's, or a quote left open, is an error naming the line (lenient parsing once merged 99 rows into
+    one sentence)."""
     lines = list(lines)
     if not lines:
         return
     first_line = lines[0][0]
-    reader = csv.DictReader(io.StringIO("\n".join(text for _, text in lines)))
-    if reader.fieldnames is None or text_column not in reader.fieldnames:
-        columns = ", ".join(reader.fieldnames or [])
-        raise CorpusError(f"{path}: no column {text_column!r} (columns: {columns}); set --text-column")
-    for row in reader:
-        # line_num counts physical lines read so far, so quoted multi-line fields keep the right number.
-        yield first_line + reader.line_num - 1, row[text_column] or ""
+    reader = csv.reader(io.StringIO("\n".join(text for _, text in lines)), delimiter=delimiter, strict=True)
+
+    def line_of(physical: int) -> int:  # reader.line_num counts physical lines read, from 1
+        return first_line + physical - 1
+
+    header: list[str] | None = None
+    column = 0
+    while True:
+        opened = reader.line_num + 1  # where the next row starts
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            raise CorpusError(_csv_problem(path, line_of(opened), line_of(reader.line_num), str(err))) from None
+        if not row:  # a blank line
+            continue
+        if header is None:
+            header = row
+            if text_column not in header:
+                raise _no_column(path, text_column, header)
+            column = header.index(text_column)
+            continue
+        if len(row) != len(header):
+            kind = "tab" if delimiter == "\t" else "comma"
+            raise CorpusError(
+                f"{path}:{line_of(opened)}: {len(row)} fields, but the header has {len(header)} "
+                f"(an unquoted {kind} or a stray quote?)"
+            )
+        yield line_of(opened), row[column]
 
 
-def _parquet_records(path: Path, text_column: str):
+def _csv_problem(path: Path, opened: int, reached: int, reason: str) -> str:
+    if "unexpected end of data" in reason:
+        return f"{path}:{opened}: a quote opened on this line is never closed (it runs to line {reached})"
+    if "field larger than field limit" in reason:
+        return f"{path}:{opened}: a field longer than {csv.field_size_limit():,} characters (an unclosed quote?)"
+    return f"{path}:{reached}: malformed CSV ({reason})"
+
+
+def _parquet_records(path: Path, data: bytes, text_column: str):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(path)
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+        names = parquet.schema_arrow.names
     except Exception as err:  # pyarrow raises several unrelated types for unreadable files
-        raise CorpusError(f"{path}: not a readable Parquet file ({err})") from None
-    if text_column not in schema.names:
-        raise CorpusError(f"{path}: no column {text_column!r} (columns: {', '.join(schema.names)}); set --text-column")
-    column = pq.read_table(path, columns=[text_column]).column(0).to_pylist()
+        raise CorpusError(f"{path}: not a readable Parquet file ({_first_line(err)})") from None
+    if text_column not in names:
+        raise _no_column(path, text_column, names)
+    try:  # the footer can be intact while data pages are corrupt: reading the column is guarded too
+        column = parquet.read(columns=[text_column]).column(0).to_pylist()
+    except Exception as err:
+        raise CorpusError(f"{path}: column {text_column!r} cannot be read ({_first_line(err)})") from None
     for row, value in enumerate(column, start=1):
         if value is not None and not isinstance(value, str):
             raise CorpusError(f"{path}: row {row}: {text_column!r} is {type(value).__name__}, not a string")
         yield row, value or ""
+
+
+def _no_column(path: Path, text_column: str, names: list[str]) -> CorpusError:
+    return CorpusError(f"{path}: no column {text_column!r} (columns: {', '.join(names)}); set --text-column")
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def corpus_from_texts(texts: list[str], *, name: str = "<texts>") -> Corpus:
