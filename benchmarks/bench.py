@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py                      # everything, 3 interleaved repeats, CPU or CUDA
     python benchmarks/bench.py --models gpt2 --workloads long --repeats 5
+    python benchmarks/bench.py --only-lengths --lengths 1024,4096,8192   # peak memory of one long sentence
 
 Approaches, run interleaved in one process on the same texts (each tokenizes them itself):
     floor             the base model's plain forward pass, no attention weights, with the faster of
@@ -274,13 +275,15 @@ def main() -> None:
     parser.add_argument("--depths", default="6,12,24", help="GPT-2 depths for the memory-vs-depth check ('' skips)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--only-depths", action="store_true", help="run only the memory-vs-depth check")
+    parser.add_argument("--lengths", default="", help="SmolLM2 peak memory on one sentence of each length ('' skips)")
+    parser.add_argument("--only-lengths", action="store_true", help="run only the memory-vs-length check")
     args = parser.parse_args()
     quiet_transformers(show_progress=False)
     torch.manual_seed(0)
     results = []
     words = [w for line in CORPUS.read_text(encoding="utf-8").splitlines() for w in line.split()]
     with tempfile.TemporaryDirectory() as scratch:
-        for model_name in [] if args.only_depths else args.models.split(","):
+        for model_name in [] if args.only_depths or args.only_lengths else args.models.split(","):
             source = str(gpt2_folder(Path(scratch) / "gpt2", 12, words)) if model_name == "gpt2" else model_name
             loaded = load_model(source, device=args.device, dtype="float32" if args.device == "cpu" else "auto")
             causal_lm = _causal_lm(loaded)
@@ -307,8 +310,10 @@ def main() -> None:
                 results.append({"model": model_name, "workload": workload, "results": measured, "note": note})
                 print(json.dumps(results[-1]), file=sys.stderr)
             del causal_lm, loaded
-        if args.depths:
+        if args.depths and not args.only_lengths:
             results.append({"depths": _memory_by_depth(Path(scratch), words, args)})
+        if args.lengths:
+            results.append({"lengths": _memory_by_length(args)})
     print(_markdown(results, args))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -343,6 +348,36 @@ def _memory_by_depth(scratch: Path, words: list[str], args) -> list[dict]:
     return rows
 
 
+def _memory_by_length(args) -> list[dict]:
+    """Peak memory and speed of headscope and the sdpa floor on one SmolLM2 sentence of each length.
+
+    One sentence per length, no per-sentence table: what is left is the model's activations and whatever
+    headscope holds to reduce a layer's attention, which must not grow with the square of the length.
+    """
+    loaded = load_model("smollm2", device=args.device, dtype="float32" if args.device == "cpu" else "auto")
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for length in (int(n) for n in args.lengths.split(",")):
+        text = " ".join(lines * (1 + length // 1000))  # ~1,300 tokens per copy of the corpus: cut to `length`
+
+        def tokenize(text=text, length=length):
+            return token_ids(loaded.tokenizer, [text], length)
+
+        assert len(tokenize()[0]) == length, "the text is too short for this length"
+        runners = {
+            "floor (sdpa)": floor_runner(loaded.model, "sdpa", tokenize, 1),
+            "headscope": lambda text=text, length=length: int(
+                headscope.analyze(loaded, [text], max_length=length, sentence_heads=False, charts=None).run["corpus"][
+                    "tokens"
+                ]
+            ),
+        }
+        measured = measure(runners, loaded.device, 1, warm_up=length <= 1024)
+        rows.append({"tokens": length, **measured})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def _markdown(results: list[dict], args) -> str:
     lines = [
         f"Command: `python benchmarks/bench.py --models {args.models} --workloads {args.workloads} "
@@ -353,7 +388,7 @@ def _markdown(results: list[dict], args) -> str:
         "|---|---|---|---:|---:|---:|",
     ]
     for entry in results:
-        if "depths" in entry:
+        if "depths" in entry or "lengths" in entry:
             continue
         floors = {k: v for k, v in entry["results"].items() if k.startswith("floor")}
         best = max(floors, key=lambda k: floors[k]["tokens_per_second"])
@@ -368,6 +403,19 @@ def _markdown(results: list[dict], args) -> str:
             )
         if entry["note"]:
             lines.append(f"| {entry['model']} | {entry['workload']} | transformerlens | skipped: {entry['note']} | | |")
+    lengths = next((entry["lengths"] for entry in results if "lengths" in entry), None)
+    if lengths:
+        lines += [
+            "",
+            "| SmolLM2, one sentence of | floor peak (MiB) | headscope peak (MiB) | floor tok/s | headscope tok/s |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for row in lengths:
+            floor, ours = row["floor (sdpa)"], row["headscope"]
+            lines.append(
+                f"| {row['tokens']:,} tokens | {floor['peak_bytes'] / 2**20:,.0f} | {ours['peak_bytes'] / 2**20:,.0f} "
+                f"| {floor['tokens_per_second']:,.0f} | {ours['tokens_per_second']:,.0f} |"
+            )
     depths = next((entry["depths"] for entry in results if "depths" in entry), None)
     if depths:
         lines += ["", "| GPT-2 layers | floor peak (MiB) | headscope peak (MiB) |", "|---:|---:|---:|"]

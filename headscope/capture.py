@@ -16,7 +16,7 @@ Where the probabilities come from:
 
 Two pitfalls this module exists to avoid (see FINDINGS.md):
 - a custom attention name needs a *mask* function too, or transformers builds no causal or padding
-  mask at all: we register the eager one;
+  mask at all: we register sdpa's boolean one (see `boolean_mask`);
 - the attention function never sees the 2-D padding mask, so the reducer is told which query rows
   are real before every forward.
 """
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
@@ -70,24 +70,48 @@ class _StopForward(Exception):
 def standard_logits(
     query: torch.Tensor,
     key: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    visible: torch.Tensor,
     scaling: float | None,
-    rows: slice,
+    rows: slice | torch.Tensor,
     keys: int,
 ) -> torch.Tensor:
-    """q k^T * scaling + mask for query rows `rows` and the first `keys` keys, as the standard eager functions.
+    """q k^T * scaling, hidden keys at the dtype's minimum, for query rows `rows` and the first `keys` keys,
+    as the standard eager functions compute them.
 
     query: (batch, heads, t, head_dim); key: (batch, heads, t, head_dim) with KV heads already repeated;
-    attention_mask: (batch, 1, t, t) additive, or None. Returns (batch, heads, rows, keys); softmax over
-    the last axis (in float32) gives the eager attention probabilities.
+    visible: (batch or 1, 1, rows, keys) bool from `key_visibility`; rows: a slice or (rows,) long positions.
+    Returns (batch, heads, rows, keys); softmax over the last axis (in float32) gives the eager probabilities.
     """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Scaling the (rows, head_dim) queries instead of the (rows, keys) scores: the same numbers up to
     # float rounding (verified against the eager weights), at a fraction of the memory traffic.
-    scores = torch.matmul(query[:, :, rows] * scaling, key[:, :, :keys].transpose(2, 3))
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, rows, :keys]
-    return scores
+    scores = torch.matmul(_rows_of(query, rows) * scaling, key[:, :, :keys].transpose(2, 3))
+    return scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+
+
+def _rows_of(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """x[..., rows, :] for a slice (a view) or a (rows,) long tensor of positions (a copy)."""
+    return x[..., rows, :] if isinstance(rows, slice) else x.index_select(-2, rows.to(x.device))
+
+
+def key_visibility(
+    attention_mask: torch.Tensor | None, query_valid: torch.Tensor, rows: slice | torch.Tensor, keys: int
+) -> torch.Tensor:
+    """Which of the first `keys` keys query rows `rows` may see, built for those rows only.
+
+    attention_mask: what the attention function received: (batch or 1, 1, t, kv) bool from our registered
+    mask function (True = visible), an additive float mask from a model that builds its own, or None
+    (plain causal attention without padding, which transformers leaves to sdpa's is_causal).
+    query_valid: (batch, t) bool. Returns (batch or 1, 1, rows, keys) bool.
+    """
+    if attention_mask is None:
+        return causal_visible_keys(query_valid, rows, keys)
+    return visible_keys(_rows_of(attention_mask[..., :keys], rows))
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask eager attention functions add to their scores: 0 where visible, the minimum elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 def _repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
@@ -138,22 +162,17 @@ class LayerReducer:
     def is_last_wanted(self, layer: int) -> bool:
         return self.layers is not None and layer >= self.layers[-1]
 
-    def _key_visible(self, attention_mask: torch.Tensor | None, keys: int) -> torch.Tensor:
-        if attention_mask is None:
-            return causal_visible_keys(self._query_valid)
-        return visible_keys(attention_mask[..., :keys])
-
     def fits_one_block(self, query: torch.Tensor) -> bool:
         """Is the whole (batch, heads, t, t) matrix within the block budget? Then the eager weights are cheapest."""
         batch, heads, t, _ = query.shape
         return 4 * batch * heads * t * t <= self.block_bytes
 
-    def consume(self, attn: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """attn: (batch, heads, t, t) probabilities; attention_mask: (batch, 1, t, t) additive, or None."""
+    def consume(self, attn: torch.Tensor, visible: torch.Tensor) -> None:
+        """attn: (batch, heads, t, t) probabilities; visible: (batch or 1, 1, t, t) bool, the keys each row may see."""
         self._layer_sums.append(
             head_row_sums(
                 attn,
-                key_visible=self._key_visible(attention_mask, attn.shape[-1]),
+                key_visible=visible,
                 query_valid=self._query_valid,
                 seq_start=self._batch.seq_start,
                 window=self.window,
@@ -171,15 +190,15 @@ class LayerReducer:
         """
         batch, heads, t, _ = query.shape
         key = _repeat_kv(key, heads)
-        visible = self._key_visible(attention_mask, key.shape[-2])
         rows_per_block = max(1, min(MAX_BLOCK_ROWS, self.block_bytes // (4 * batch * heads * key.shape[-2])))
         total = None
         for first in range(0, t, rows_per_block):
             rows = slice(first, min(first + rows_per_block, t))
             keys = rows.stop if causal else key.shape[-2]
+            visible = key_visibility(attention_mask, self._query_valid, rows, keys)  # (batch or 1, 1, rows, keys)
             sums = head_row_sums_from_logits(
-                standard_logits(query, key, attention_mask, scaling, rows, keys),
-                key_visible=visible[:, :, rows, :keys],
+                standard_logits(query, key, visible, scaling, rows, keys),
+                key_visible=visible,
                 query_valid=self._query_valid[:, rows],
                 seq_start=self._batch.seq_start,
                 window=self.window,
@@ -207,6 +226,7 @@ class AttentionKeeper:
     def __init__(self) -> None:
         self.layers: list[torch.Tensor] = []
         self.paths: dict[str, str] = {}
+        self.query_valid: torch.Tensor | None = None  # one unpadded sentence: every row is real
 
     def fits_one_block(self, query: torch.Tensor) -> bool:
         return True  # always keep the model's own weights
@@ -220,7 +240,7 @@ class AttentionKeeper:
     def is_last_wanted(self, layer: int) -> bool:
         return False
 
-    def consume(self, attn: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def consume(self, attn: torch.Tensor, visible: torch.Tensor) -> None:
         self.layers.append(attn[0].float().cpu())  # (heads, t, t)
 
 
@@ -242,12 +262,73 @@ def _eager_forward_for(module: torch.nn.Module) -> Callable:
     return _eager_by_class[cls]
 
 
-def _inspect_first_call(eager: Callable, name: str, weights: torch.Tensor, query_valid, query, key, mask, scaling):
-    """On the first call of an eager function: refuse bidirectional attention, and record whether the
-    standard maths reproduces the model's own weights (which allows the block-wise path)."""
-    rows = torch.ones(weights.shape[0], weights.shape[-2], dtype=torch.bool, device=weights.device)
-    rows = rows if query_valid is None else query_valid  # padding rows may attend anywhere: ignore them
-    above_diagonal = torch.triu(weights, diagonal=1) * rows[:, None, :, None]
+# Query rows of one sentence on which a standard eager function is checked before the block-wise path is
+# trusted: enough to see the first row (which a causal model lets see only itself) and rows across the
+# sentence, few enough that the check costs (1, heads, CHECK_ROWS, keys) whatever the sequence length.
+CHECK_ROWS = 16
+
+
+def check_rows(query_valid: torch.Tensor | None, t: int) -> tuple[int, torch.Tensor]:
+    """(sentence, query positions) to check on: up to CHECK_ROWS real rows spread over the longest sentence.
+
+    query_valid: (batch, t) bool or None (every row real). Returns the batch index and (rows,) long positions.
+    """
+    if query_valid is None:
+        sentence, positions = 0, torch.arange(t)
+    else:
+        sentence = int(query_valid.sum(-1).argmax())
+        positions = query_valid[sentence].nonzero().squeeze(-1).cpu()
+    if len(positions) > CHECK_ROWS:
+        positions = positions[torch.linspace(0, len(positions) - 1, CHECK_ROWS).round().long()]
+    return sentence, positions
+
+
+def _inspect_standard(eager: Callable, name: str, module, query, key, value, mask, kwargs, query_valid) -> None:
+    """On the first call of a standard eager function: refuse bidirectional attention, and record whether
+    our q k^T * scaling + mask softmax reproduces the model's own weights (which allows the block-wise path).
+
+    Both are judged on a few query rows of one sentence (`check_rows`), so the check's memory does not grow
+    with the square of the sequence: the model's eager function takes the rows as a shorter query.
+    """
+    sentence, positions = check_rows(query_valid, query.shape[-2])
+    one = slice(sentence, sentence + 1)
+    positions = positions.to(query.device)
+    if mask is not None and mask.shape[0] > 1:
+        mask = mask[one]
+    valid = _all_valid(query) if query_valid is None else query_valid
+    visible = key_visibility(mask, valid[one], positions, key.shape[-2])  # (1, 1, rows, keys)
+    rows_query = query[one].index_select(-2, positions)
+    _, weights = eager(module, rows_query, key[one], value[one], additive_mask(visible, query.dtype), **kwargs)
+    _check_causal(eager, name, weights, positions)
+    logits = standard_logits(
+        rows_query, _repeat_kv(key[one], query.shape[1]), visible, kwargs.get("scaling"), slice(None), key.shape[-2]
+    )
+    expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
+    _verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
+
+
+def _full_visibility(mask, query: torch.Tensor, key: torch.Tensor, query_valid) -> torch.Tensor:
+    """(batch or 1, 1, t, keys) bool for every query row: what the eager path needs."""
+    valid = _all_valid(query) if query_valid is None else query_valid
+    return key_visibility(mask, valid, slice(None), key.shape[-2])
+
+
+def _all_valid(query: torch.Tensor) -> torch.Tensor:
+    """(batch, t) all True: every row real (a batch without padding)."""
+    return torch.ones(query.shape[0], query.shape[-2], dtype=torch.bool, device=query.device)
+
+
+def _check_causal(eager: Callable, name: str, weights: torch.Tensor, positions: torch.Tensor, rows=None) -> None:
+    """Refuse a model whose weights (batch, heads, len(positions), keys) reach keys after their query.
+
+    positions: (len(positions),) the query position of each row; rows: (batch, len(positions)) bool, the
+    rows to judge (padding rows may attend anywhere), or None for all.
+    """
+    later = torch.arange(weights.shape[-1], device=weights.device)[None, :] > positions[:, None]  # (rows, keys)
+    above_diagonal = weights * later
+    if rows is not None:
+        above_diagonal = above_diagonal * rows[:, None, :, None]
     # `> 0`, not `max() == 0`: a NaN row (float16 overflow) is not attention to later tokens.
     _causal[eager] = not bool((above_diagonal > 0).any())
     if not _causal[eager]:
@@ -255,12 +336,40 @@ def _inspect_first_call(eager: Callable, name: str, weights: torch.Tensor, query
             f"{name} lets tokens attend to later tokens (bidirectional attention, an encoder?); "
             "headscope measures causal language models"
         )
-    _verified[eager] = False
+
+
+def _measured_layer(consumer, eager: Callable, name: str, module, query, key, value, mask, kwargs):
+    """The layer's output, with its attention probabilities handed to `consumer` on the way.
+
+    mask: what our registered mask function built: (batch or 1, 1, t, t) bool, or None for causal attention
+    without padding. sdpa takes it as it is; the model's eager function gets the additive form it expects.
+    """
+    query_valid = consumer.query_valid
+    if eager not in _causal and _standard_source[eager]:
+        _inspect_standard(eager, name, module, query, key, value, mask, kwargs, query_valid)
+    if _verified.get(eager) and not consumer.fits_one_block(query):
+        output, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+        consumer.consume_blocks(query, key, mask, kwargs.get("scaling"), causal=_causal[eager])
+        consumer.paths[name] = "blockwise (sdpa output, probabilities by blocks of query rows)"
+        return output
+    # The full (batch, heads, t, t) weights exist on this path anyway, so a full-size mask costs no more.
+    visible = _full_visibility(mask, query, key, query_valid)
+    output, weights = eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)
+    if weights is None:
+        raise ModelLoadError(f"{name}'s eager attention returned no weights")
+    if eager not in _causal:  # a model with its own attention maths: judged on the weights it computed anyway
+        _check_causal(eager, name, weights, torch.arange(weights.shape[-2], device=weights.device), query_valid)
+    consumer.consume(weights, visible)
+    consumer.paths.setdefault(name, "eager (the model's own attention function)")
+    return output
+
+
+def _unmeasured_layer(eager: Callable, module, query, key, value, mask, kwargs, query_valid) -> torch.Tensor:
+    """A layer that is run but not measured (--layers): the fastest correct output."""
     if _standard_source[eager]:
-        logits = standard_logits(query, _repeat_kv(key, query.shape[1]), mask, scaling, slice(None), key.shape[-2])
-        expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
-        _verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+    visible = _full_visibility(mask, query, key, query_valid)
+    return eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)[0]
 
 
 def _measuring_attention(module, query, key, value, attention_mask, **kwargs):
@@ -270,30 +379,30 @@ def _measuring_attention(module, query, key, value, attention_mask, **kwargs):
         raise RuntimeError("headscope attention ran outside headscope.capture.measuring()")
     eager = _eager_forward_for(module)
     layer = consumer.next_layer()
-    name = type(module).__name__
-    if not consumer.wants(layer):
-        forward = sdpa_attention_forward if _standard_source[eager] else eager
-        output, _ = forward(module, query, key, value, attention_mask, **kwargs)
-    elif _verified.get(eager) and not consumer.fits_one_block(query):
-        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        consumer.consume_blocks(query, key, attention_mask, kwargs.get("scaling"), causal=_causal[eager])
-        consumer.paths[name] = "blockwise (sdpa output, probabilities by blocks of query rows)"
+    if consumer.wants(layer):
+        name = type(module).__name__
+        output = _measured_layer(consumer, eager, name, module, query, key, value, attention_mask, kwargs)
     else:
-        output, weights = eager(module, query, key, value, attention_mask, **kwargs)
-        if weights is None:
-            raise ModelLoadError(f"{name}'s eager attention returned no weights")
-        if eager not in _verified:
-            valid = getattr(consumer, "query_valid", None)
-            _inspect_first_call(eager, name, weights, valid, query, key, attention_mask, kwargs.get("scaling"))
-        consumer.consume(weights, attention_mask)
-        consumer.paths.setdefault(name, "eager (the model's own attention function)")
+        output = _unmeasured_layer(eager, module, query, key, value, attention_mask, kwargs, consumer.query_valid)
     if consumer.is_last_wanted(layer):
         raise _StopForward
     return output, None
 
 
+def boolean_mask(*args, **kwargs) -> torch.Tensor | None:
+    """The mask our attention name gets: sdpa's boolean one (1 byte per entry), or None for causal input
+    without padding, instead of eager's additive float one (4 bytes, always built): at 8,192 tokens that is
+    256 MiB per sentence we no longer hold. A bidirectional mask is always built, never skipped, so that
+    None means "causal" and nothing else (a skipped encoder mask would make BERT look causal).
+    A registered mask function is a must (FINDINGS pitfall 1: without one, transformers builds no causal or
+    padding mask at all).
+    """
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, _measuring_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, boolean_mask)
 
 
 @contextlib.contextmanager
