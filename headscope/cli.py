@@ -7,15 +7,47 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
 from headscope.errors import HeadscopeError
 
+
+class OneLineErrors(TyperGroup):
+    """Typer's own usage errors (a bad option value, an unknown option) as one line, like every other error.
+
+    Exit codes: 0 done, 1 an error (`Error: ...`), 2 a usage error (`Error: ...`, naming the option),
+    130 interrupted, 143 terminated.
+    """
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except TyperException as err:
+            context = getattr(err, "ctx", None)
+            # `headscope` alone raises this to show the help; Typer does not export its class.
+            if type(err).__name__ == "NoArgsIsHelpError":
+                err.show()
+            else:
+                where = f" (see {context.command_path} --help)" if context is not None else ""
+                typer.echo(f"Error: {' '.join(err.format_message().split())}{where}", err=True)
+            code = err.exit_code
+        except typer.Abort:
+            typer.echo("Aborted.", err=True)
+            code = 1
+        if not standalone_mode:
+            return code
+        sys.exit(code or 0)
+
+
 app = typer.Typer(
+    cls=OneLineErrors,
     help="Measure, classify and chart every attention head of a Hugging Face causal language model.",
     no_args_is_help=True,
     add_completion=False,
@@ -98,7 +130,7 @@ def analyze(
     model: Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")],
     corpus: Annotated[
         Path | None,
-        typer.Option(help="Sentences: .txt (one per line), .jsonl, .csv or .parquet. Default: the shipped 100."),
+        typer.Option(help="Sentences: .txt (one per line), .jsonl, .csv, .tsv or .parquet. Default: the shipped 100."),
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder. Default: reports/<model-name>.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing, non-empty output folder.")] = False,
@@ -106,7 +138,9 @@ def analyze(
         bool,
         typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues."),
     ] = False,
-    text_column: Annotated[str, typer.Option(help="Column with the sentence in .jsonl/.csv/.parquet.")] = "text",
+    text_column: Annotated[
+        str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
+    ] = None,
     encoding_errors: Annotated[
         EncodingErrors, typer.Option(help="Invalid UTF-8 in the corpus: strict (stop), replace, or skip the line.")
     ] = EncodingErrors.strict,
