@@ -30,10 +30,16 @@ class Progress:
     """Everything needed to continue after `chunks_done` chunks."""
 
     chunks_done: int = 0
+    measured_sentences: int = 0  # sentences with at least one token: each has a row per (layer, head)
     tokens: int = 0
     truncated: int = 0
     batches: int = 0
     batching: dict | None = None  # the limits the run started with, reused on resume
+    # --batch-size and --max-memory as the run started with them: a resumed run keeps them (and says so),
+    # because the batching decides the order of the float sums, and resumed tables must equal an
+    # uninterrupted run's bit for bit.
+    batch_size: int | None = None
+    max_memory: int | None = None
 
 
 class MemoryChunks:
@@ -73,7 +79,7 @@ class PartFiles:
         from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA
 
         self._write(to_arrow(sentences, SENTENCES_SCHEMA), self._part("sentences", index))
-        if sentence_heads is not None:
+        if sentence_heads is not None:  # written even when empty, so a missing part always means a lost one
             self._write(to_arrow(sentence_heads, SENTENCE_HEADS_SCHEMA), self._part("sentence_heads", index))
 
     def _write(self, table: pa.Table, path: Path) -> None:
@@ -88,31 +94,57 @@ class PartFiles:
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
         write_json({"fingerprint": self.fingerprint, "progress": asdict(progress)}, self.folder / CHECKPOINT_FILE)
 
-    def load_progress(self) -> tuple[Progress, np.ndarray | None]:
-        """The checkpoint left in the folder by an interrupted run (a fresh start if there is none)."""
+    def load_progress(self, sums_shape: tuple[int, ...], kinds: tuple[str, ...]) -> tuple[Progress, np.ndarray | None]:
+        """The checkpoint left in the folder by an interrupted run (a fresh start if there is none).
+
+        It is refused unless it is whole: from the same run (fingerprint), sums of `sums_shape`, and a part
+        file of every kind in `kinds` for every chunk it says is done.
+        """
         path = self.folder / CHECKPOINT_FILE
         if not path.is_file():
             return Progress(), None
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
+            progress = Progress(**saved["progress"])
             sums = np.load(self.folder / SUMS_FILE)
-        except (OSError, ValueError) as err:
-            raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete the folder") from None
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete that folder") from None
         if saved.get("fingerprint") != self.fingerprint:
             raise OutputError(
                 f"the checkpoint in {self.folder} is from a different run (model, corpus or settings differ); "
                 "delete that folder or run without --resume"
             )
-        return Progress(**saved["progress"]), sums
+        missing = [
+            self._part(kind, index).name
+            for index in range(progress.chunks_done)
+            for kind in kinds
+            if not self._part(kind, index).is_file()
+        ]
+        if missing or sums.shape != tuple(sums_shape):
+            problem = f"{missing[0]} is missing" if missing else f"its sums have shape {sums.shape}"
+            raise OutputError(f"the checkpoint in {self.folder} is incomplete ({problem}); delete that folder")
+        return progress, sums
 
-    def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> None:
-        """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts."""
-        parts = [self._part(kind, index) for index in range(chunks) if self._part(kind, index).exists()]
+    def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> int:
+        """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts.
+
+        Returns the number of rows written, for the caller to check against what the run measured.
+        """
+        parts = [self._part(kind, index) for index in range(chunks)]
+        rows = 0
         with atomic_path(destination) as tmp, pq.ParquetWriter(tmp, schema) as writer:
             for part in parts:
-                writer.write_table(pq.read_table(part, schema=schema))
+                try:
+                    table = pq.read_table(part, schema=schema)
+                except FileNotFoundError:
+                    raise OutputError(f"{part} is missing; the checkpoint in {self.folder} is incomplete") from None
+                except Exception as err:  # pyarrow raises several unrelated types for unreadable files
+                    raise OutputError(f"{part} is unreadable ({err}); delete {self.folder}") from None
+                writer.write_table(table)
+                rows += table.num_rows
         for part in parts:
             part.unlink()
+        return rows
 
     def discard_checkpoint(self) -> None:
         for name in (CHECKPOINT_FILE, SUMS_FILE):

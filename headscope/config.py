@@ -24,7 +24,7 @@ class RunConfig:
     trust_remote_code: bool = False  # allow a hub repo's own modelling code to run
     device: Device = "auto"  # auto: cuda if available, else mps, else cpu
     dtype: DType = "auto"  # auto: bfloat16 (float16 without bf16 support) on cuda, float16 on mps, float32 on cpu
-    text_column: str = "text"  # column holding the sentence in .jsonl / .csv / .parquet corpora
+    text_column: str | None = None  # column holding the sentence in .jsonl/.csv/.tsv/.parquet (None: "text")
     encoding_errors: str = "strict"  # invalid UTF-8 in the corpus: strict (error), replace or skip the line
     device_map: str | None = None  # accelerate device map (e.g. "auto") for models larger than one device
     max_length: int | None = None  # truncate each sentence to this many tokens; None = the model's limit
@@ -60,6 +60,11 @@ class RunConfig:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
 
 
+# Layer numbers above this are refused while parsing, before a range is expanded into a set (a range to
+# 10**10 once took 12 GB); the model's real depth is checked as soon as its config is read.
+MAX_LAYER = 9_999
+
+
 def parse_layers(text: str) -> tuple[int, ...]:
     """'0-5,10,12-13' -> (0, 1, 2, 3, 4, 5, 10, 12, 13)."""
     layers: set[int] = set()
@@ -72,6 +77,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
             raise ConfigError(f"--layers takes numbers and ranges like 0-5,10; got {text!r}") from None
         if low < 0 or high < low:
             raise ConfigError(f"--layers range {part!r} is empty or negative")
+        if high > MAX_LAYER:
+            raise ConfigError(f"--layers names layer {high}; layer numbers stop at {MAX_LAYER} (no model is that deep)")
         layers.update(range(low, high + 1))
     return tuple(sorted(layers))
 

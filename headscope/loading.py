@@ -107,35 +107,50 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def load_config(source: ModelSource, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The model's transformers config (small and fast: no weights), refused if it is not a causal LM."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source.location, **_source_kwargs(source, revision, trust_remote_code))
+    except Exception as err:  # hub, network, parsing and missing-file errors come in many types
+        raise ModelLoadError(_load_failure(source, err)) from None
+    check_causal_lm(config, source.display)
+    return config
+
+
+def _source_kwargs(source: ModelSource, revision: str | None, trust_remote_code: bool) -> dict:
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    return kwargs
+
+
 def load_model(
-    model: str,
+    model: str | ModelSource,
     *,
     device: str = "auto",
     dtype: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
     device_map: str | None = None,
+    config=None,
 ) -> LoadedModel:
     """Load the base model and tokenizer, ready for attention capture.
 
     device_map: passed to transformers (accelerate), e.g. "auto" to spread a large model over GPUs and CPU.
+    config: the model's config from `load_config`, when the caller has read it already.
     """
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoModel, AutoTokenizer
 
-    source = resolve_source(model)
+    source = model if isinstance(model, ModelSource) else resolve_source(model)
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
-    common = {"revision": revision, "trust_remote_code": trust_remote_code}
-    if source.gguf_file:
-        common["gguf_file"] = source.gguf_file
-
-    try:
-        config = AutoConfig.from_pretrained(source.location, **common)
-    except Exception as err:  # hub, network, parsing and missing-file errors come in many types
-        raise ModelLoadError(_load_failure(source, err)) from None
-    check_causal_lm(config, source.display)
+    if config is None:
+        config = load_config(source, revision=revision, trust_remote_code=trust_remote_code)
     if device_map is None:
         check_fits(config, source.display, torch_dtype, torch_device)
+    common = _source_kwargs(source, revision, trust_remote_code)
     placement = {"device_map": device_map} if device_map else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
@@ -163,6 +178,13 @@ def load_model(
         architecture=architecture_of(config),
         revision=getattr(config, "_commit_hash", None) or revision,
     )
+
+
+def model_files(source: ModelSource) -> Path | None:
+    """The local file or folder the model is read from (None for a hub id): it must outlive any run."""
+    if source.kind == "hub":
+        return None
+    return Path(source.location) / source.gguf_file if source.gguf_file else Path(source.location)
 
 
 def check_causal_lm(config, display: str) -> None:

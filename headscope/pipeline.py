@@ -23,22 +23,28 @@ from headscope.checkpoint import MemoryChunks, PartFiles, Progress
 from headscope.classify import classify_heads
 from headscope.config import RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
-from headscope.errors import ConfigError
-from headscope.loading import LoadedModel, dtype_name, load_model
+from headscope.errors import ConfigError, OutputError
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, RUN_FILE, SCHEMA_VERSION, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.loading import (
+    LoadedModel,
+    ModelSource,
+    architecture_of,
+    dtype_name,
+    load_config,
+    load_model,
+    model_files,
+    resolve_source,
+)
 from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget, tokens_per_batch
+from headscope.metrics import STATS
 from headscope.output import StagedDirectory
 from headscope.report import classification_record, draw_charts, parquet_metadata
 from headscope.reporting import NullReporter, Reporter
 from headscope.summary import layer_entropy
 from headscope.tables import (
-    EXAMPLES_FILE,
     EXAMPLES_SCHEMA,
-    HEADS_FILE,
     HEADS_SCHEMA,
-    RUN_FILE,
-    SENTENCE_HEADS_FILE,
     SENTENCE_HEADS_SCHEMA,
-    SENTENCES_FILE,
     SENTENCES_SCHEMA,
     examples_frame,
     heads_frame,
@@ -85,6 +91,7 @@ class _Measured:
     sums: np.ndarray  # (layers, heads, stats) corpus-wide sums
     layer_ids: np.ndarray  # (layers,) which model layers the sums are of
     chunks: int  # chunks of sentences the corpus was measured in
+    measured_sentences: int  # sentences with at least one token
     tokens: int
     truncated: int
     max_length: int | None  # the truncation length actually applied
@@ -123,31 +130,31 @@ def analyze(
     reporter = reporter or NullReporter()
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out)")
-    stage = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume) if out is not None else None
+    # Everything that can be refused without the model is refused before it loads (which can take minutes).
     corpus = _as_corpus(corpus, config)
-
-    started = time.perf_counter()
-    if isinstance(model, LoadedModel):
-        loaded = model
-    else:
-        reporter.stage(f"loading {model}")
-        loaded = load_model(
-            model,
-            device=config.device,
-            dtype=config.dtype,
-            revision=config.revision,
-            trust_remote_code=config.trust_remote_code,
-            device_map=config.device_map,
-        )
-    load_seconds = time.perf_counter() - started
+    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
+    stage = None
+    if out is not None:
+        stage = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus))
 
     with contextlib.ExitStack() as cleanup:  # on error the staging folder goes (or stays, with resume)
         if stage is not None:
             cleanup.enter_context(stage)
+            _report_cleaned(stage, reporter)
+        started = time.perf_counter()
+        loaded = model if isinstance(model, LoadedModel) else _load(source, config, reporter)
+        check_options(config, loaded.model.config)
+        load_seconds = time.perf_counter() - started
+
+        kinds = ("sentences", "sentence_heads") if config.sentence_heads else ("sentences",)
+        if stage is not None:
             store = PartFiles(stage.path, _fingerprint(loaded, corpus, config, padding_side), checkpoints=resume)
         else:
             store = MemoryChunks()
-        progress, sums = store.load_progress() if resume else (Progress(), None)
+        progress, sums = Progress(), None
+        if resume:
+            progress, sums = store.load_progress(_sums_shape(loaded, config), kinds)
+            config = _resumed_settings(config, progress, reporter)
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         started = time.perf_counter()
@@ -157,9 +164,13 @@ def analyze(
         started = time.perf_counter()
         if stage is not None:
             reporter.stage("writing tables")
-            store.merged("sentences", SENTENCES_SCHEMA, stage.path / SENTENCES_FILE, measured.chunks)
+            rows = store.merged("sentences", SENTENCES_SCHEMA, stage.path / SENTENCES_FILE, measured.chunks)
+            _check_rows("sentence", rows, len(corpus.sentences), store)
             if config.sentence_heads:
-                store.merged("sentence_heads", SENTENCE_HEADS_SCHEMA, stage.path / SENTENCE_HEADS_FILE, measured.chunks)
+                rows = store.merged(
+                    "sentence_heads", SENTENCE_HEADS_SCHEMA, stage.path / SENTENCE_HEADS_FILE, measured.chunks
+                )
+                _check_rows("sentence-head", rows, measured.measured_sentences * measured.sums[..., 0].size, store)
             sentences = read_table(stage.path / SENTENCES_FILE, SENTENCES_SCHEMA)
         else:
             sentences = store.sentences_table()
@@ -177,6 +188,8 @@ def analyze(
                 reporter.stage("drawing charts")
                 draw_charts(stage.path, fmt=charts)
             store.discard_checkpoint()
+    if stage is not None:
+        _report_cleaned(stage, reporter)
 
     return AnalysisResult(
         heads=heads,
@@ -186,6 +199,70 @@ def analyze(
         out_dir=stage.target if stage else None,
         _sentence_heads=store.sentence_heads_table() if stage is None else None,
     )
+
+
+def _inputs(source: ModelSource, corpus: Corpus) -> dict[str, Path]:
+    """The files a run reads, which its output folder must never replace."""
+    inputs = {"the corpus": corpus.path} if corpus.path.exists() else {}
+    files = model_files(source)
+    if files is not None:
+        inputs["the model"] = files
+    return inputs
+
+
+def _report_cleaned(stage: StagedDirectory, reporter: Reporter) -> None:
+    while stage.cleaned:
+        reporter.note(f"removed {stage.cleaned.pop(0)}, left behind by an interrupted run")
+
+
+def _load(source: ModelSource, config: RunConfig, reporter: Reporter) -> LoadedModel:
+    """Read the model's config, check the options against it, then load the weights."""
+    reporter.stage(f"loading {source.display}")
+    model_config = load_config(source, revision=config.revision, trust_remote_code=config.trust_remote_code)
+    check_options(config, model_config)
+    return load_model(
+        source,
+        config=model_config,
+        device=config.device,
+        dtype=config.dtype,
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+        device_map=config.device_map,
+    )
+
+
+def check_options(config: RunConfig, model_config) -> None:
+    """Refuse options the model cannot satisfy (layers it lacks, sentences longer than its positions)."""
+    _selected_layers(config.layers, architecture_of(model_config)["layers"])
+    limit = model_max_length(model_config)
+    if config.max_length and limit and config.max_length > limit:
+        raise ConfigError(f"--max-length {config.max_length} exceeds the model's limit of {limit} tokens")
+
+
+def _sums_shape(loaded: LoadedModel, config: RunConfig) -> tuple[int, int, int]:
+    layers = loaded.architecture["layers"] if config.layers is None else len(config.layers)
+    return (layers, loaded.architecture["heads"], len(STATS))
+
+
+def _resumed_settings(config: RunConfig, progress: Progress, reporter: Reporter) -> RunConfig:
+    """A resumed run batches as the interrupted one did; run.json then records what was really used."""
+    if progress.batching is None:  # a fresh start: remember the settings this run begins with
+        progress.batch_size, progress.max_memory = config.batch_size, config.max_memory
+        return config
+    if (progress.batch_size, progress.max_memory) != (config.batch_size, config.max_memory):
+        reporter.note(
+            f"resuming with the interrupted run's batching (--batch-size {progress.batch_size or 'auto'}, "
+            f"--max-memory {progress.max_memory or 'default'}), so that the tables equal an uninterrupted run's"
+        )
+    return dataclasses.replace(config, batch_size=progress.batch_size, max_memory=progress.max_memory)
+
+
+def _check_rows(what: str, rows: int, expected: int, store: PartFiles) -> None:
+    if rows != expected:
+        raise OutputError(
+            f"the measured parts hold {rows:,} {what} rows where the run measured {expected:,}; "
+            f"the checkpoint in {store.folder} does not add up: delete it and run again"
+        )
 
 
 def _fingerprint(loaded: LoadedModel, corpus: Corpus, config: RunConfig, padding_side: str) -> dict:
@@ -244,11 +321,8 @@ def _measure(
 
     `progress` and `totals` come from a checkpoint when resuming: chunks already done are skipped.
     """
-    limit = model_max_length(loaded.model.config)
-    limits = [x for x in (config.max_length, limit) if x is not None]
+    limits = [x for x in (config.max_length, model_max_length(loaded.model.config)) if x is not None]
     max_length = min(limits) if limits else None
-    if config.max_length and limit and config.max_length > limit:
-        raise ConfigError(f"--max-length {config.max_length} exceeds the model's limit of {limit} tokens")
     # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
     accum_dtype = torch.float32 if loaded.device.type == "mps" else torch.float64
     layer_ids = _selected_layers(config.layers, loaded.architecture["layers"])
@@ -289,8 +363,11 @@ def _measure(
                 reporter.advance(len(batch.sentence_ids), batch.n_tokens)
             reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
             store.add(
-                index, _sentence_rows(chunk, ids, cut), _sentence_head_rows(per_sentence, tokenized, layer_ids, config)
+                index,
+                _sentence_rows(chunk, ids, cut),
+                _sentence_head_rows(per_sentence, tokenized, layer_ids, loaded.architecture["heads"], config),
             )
+            progress.measured_sentences += len(tokenized)
             progress.truncated += sum(cut)
             progress.chunks_done = index + 1
             store.save_progress(progress, totals)
@@ -301,6 +378,7 @@ def _measure(
         sums=totals,
         layer_ids=layer_ids,
         chunks=len(chunk_starts),
+        measured_sentences=progress.measured_sentences,
         tokens=progress.tokens,
         truncated=progress.truncated,
         max_length=max_length,
@@ -321,15 +399,13 @@ def _sentence_rows(chunk, ids: list[list[int]], cut: list[bool]) -> pd.DataFrame
     )
 
 
-def _sentence_head_rows(per_sentence, tokenized, layer_ids, config: RunConfig) -> pd.DataFrame | None:
-    if not config.sentence_heads or not per_sentence:
+def _sentence_head_rows(per_sentence, tokenized, layer_ids, heads: int, config: RunConfig) -> pd.DataFrame | None:
+    if not config.sentence_heads:
         return None
     order = sorted(per_sentence)
+    sums = np.stack([per_sentence[i] for i in order]) if order else np.zeros((0, len(layer_ids), heads, len(STATS)))
     return sentence_heads_frame(
-        np.array(order),
-        np.array([len(tokenized[i]) for i in order]),
-        np.stack([per_sentence[i] for i in order]),
-        layer_ids,
+        np.array(order, dtype=np.int64), np.array([len(tokenized[i]) for i in order]), sums, layer_ids
     )
 
 
@@ -378,6 +454,7 @@ def _peak_memory(device: torch.device) -> dict[str, int]:
 def _run_record(loaded, corpus, config, measured, sentences, heads, load_seconds, measure_seconds) -> dict:
     source = loaded.source
     return {
+        "schema_version": SCHEMA_VERSION,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {
             "input": source.display,

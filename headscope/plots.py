@@ -167,8 +167,10 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
     """
     fig = _figure(4.6 * max(len(chosen), 1), 5.2)
     axes = np.atleast_1d(fig.subplots(1, max(len(chosen), 1)))
-    tokens = examples.drop_duplicates("query").sort_values("query")["query_token"].tolist()
-    n = len(tokens)
+    n = int(max(examples["query"].max(), examples["key"].max())) + 1
+    tokens = [""] * n
+    for query, token in examples.drop_duplicates("query")[["query", "query_token"]].itertuples(index=False):
+        tokens[query] = str(token)
     image = None
     for ax, (name, (layer, head)) in zip(axes, chosen.items(), strict=False):
         part = examples[(examples["layer"] == layer) & (examples["head"] == head)]

@@ -11,20 +11,16 @@ import pandas as pd
 from headscope.classify import HEAD_TYPES, classify_heads, most_typical
 from headscope.config import Thresholds
 from headscope.errors import ConfigError, OutputError
+from headscope.layout import CHART_FORMATS, EXAMPLES_FILE, HEADS_FILE, RUN_FILE, why_not_a_report
 from headscope.output import atomic_path
 from headscope.tables import (
-    EXAMPLES_FILE,
     EXAMPLES_SCHEMA,
-    HEADS_FILE,
     HEADS_SCHEMA,
     MEASURED_COLUMNS,
-    RUN_FILE,
     read_table,
     write_json,
     write_table,
 )
-
-CHART_FORMATS = ("png", "svg", "pdf")
 
 
 def read_run(folder: Path) -> dict:
@@ -32,13 +28,29 @@ def read_run(folder: Path) -> dict:
     if not path.is_file():
         raise OutputError(f"{path} not found; is {folder} a headscope report folder?")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise OutputError(f"cannot read {path}: {err.strerror or err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise OutputError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(run, dict):
+        raise OutputError(f"{path} is not a headscope run record (a JSON object)")
+    return run
 
 
 def read_heads(folder: Path) -> pd.DataFrame:
-    return read_table(Path(folder) / HEADS_FILE, HEADS_SCHEMA)
+    """The heads table of a report, refused unless it has one row per (layer, head)."""
+    path = Path(folder) / HEADS_FILE
+    heads = read_table(path, HEADS_SCHEMA)
+    if heads.empty:
+        raise OutputError(f"{path} has no rows; run `headscope analyze` again")
+    if heads[["layer", "head"]].isna().any().any():
+        raise OutputError(f"{path} has rows without a layer or head number")
+    repeated = heads.duplicated(["layer", "head"])
+    if repeated.any():
+        first = heads[repeated].iloc[0]
+        raise OutputError(f"{path} lists layer {first['layer']}, head {first['head']} more than once")
+    return heads
 
 
 def classification_record(classified: pd.DataFrame, thresholds: Thresholds) -> dict:
@@ -57,10 +69,10 @@ def reclassify(folder: Path, thresholds: Thresholds, *, out: Path | None = None)
     classified = classify_heads(read_heads(folder)[MEASURED_COLUMNS], thresholds)
     run["classification"] = classification_record(classified, thresholds)
     target = Path(out) if out is not None else folder
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputError(f"cannot create {target}: {err.strerror}") from None
+    _make_folder(target)
+    problem = why_not_a_report(target)
+    if problem is not None:  # classify writes heads.parquet and run.json: never over someone else's files
+        raise OutputError(f"--out {target} is not a headscope report ({problem}); choose a new or empty folder")
     if target.resolve() != folder.resolve() and (folder / EXAMPLES_FILE).is_file():
         _copy_atomically(folder / EXAMPLES_FILE, target / EXAMPLES_FILE)
     write_table(classified, target / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
@@ -75,7 +87,8 @@ def parquet_metadata(run: dict) -> dict:
 
 
 def thresholds_of(run: dict) -> Thresholds:
-    recorded = run.get("classification", {}).get("thresholds")
+    classification = run.get("classification")
+    recorded = classification.get("thresholds") if isinstance(classification, dict) else None
     try:
         return Thresholds(**recorded) if recorded else Thresholds()
     except (TypeError, ConfigError) as err:
@@ -83,9 +96,35 @@ def thresholds_of(run: dict) -> Thresholds:
 
 
 def chart_title(run: dict) -> str:
-    corpus = run.get("corpus", {})
-    name = Path(corpus.get("path", "corpus")).name
-    return f"{run['model']['input']} on {name} ({corpus.get('sentences', '?')} sentences)"
+    model, corpus = _section(run, "model"), _section(run, "corpus")
+    name = Path(str(corpus.get("path", "corpus"))).name
+    return f"{model.get('input', '?')} on {name} ({corpus.get('sentences', '?')} sentences)"
+
+
+def _section(run: dict, key: str) -> dict:
+    value = run.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def read_examples(folder: Path) -> pd.DataFrame | None:
+    """Every head's attention on the example sentence, or None when the report has none."""
+    path = Path(folder) / EXAMPLES_FILE
+    if not path.is_file():
+        return None
+    examples = read_table(path, EXAMPLES_SCHEMA)
+    positions = examples[["query", "key"]]
+    if examples.empty:
+        return None
+    if positions.isna().any().any() or (positions < 0).any().any() or (positions.max() > 4096).any():
+        raise OutputError(f"{path} is not a headscope table: query and key must be token positions")
+    return examples
+
+
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create {folder}: {err.strerror or err}") from None
 
 
 def draw_charts(folder: Path, *, fmt: str = "png", out: Path | None = None) -> list[Path]:
@@ -105,11 +144,11 @@ def draw_charts(folder: Path, *, fmt: str = "png", out: Path | None = None) -> l
         "head_types": plots.head_types_per_layer(heads, title=title),
         "classification_map": plots.classification_map(heads, thresholds, title=title),
     }
-    if (folder / EXAMPLES_FILE).is_file():
-        examples = read_table(folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+    examples = read_examples(folder)
+    if examples is not None:
         figures["examples"] = plots.example_heads(examples, most_typical(heads, thresholds), title=title)
     target = Path(out) if out is not None else folder
-    target.mkdir(parents=True, exist_ok=True)
+    _make_folder(target)
     written = []
     for name, figure in figures.items():
         path = target / f"{name}.{fmt}"

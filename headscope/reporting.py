@@ -13,6 +13,9 @@ class Reporter(Protocol):
     def stage(self, message: str) -> None:
         """A step without a measurable size has started (loading, writing...)."""
 
+    def note(self, message: str) -> None:
+        """Something the user should hear about even when not watching progress (cleaned-up leftovers...)."""
+
     def start(self, total_sentences: int) -> None:
         """Measuring starts over `total_sentences` sentences."""
 
@@ -25,6 +28,9 @@ class Reporter(Protocol):
 
 class NullReporter:
     def stage(self, message: str) -> None:
+        pass
+
+    def note(self, message: str) -> None:
         pass
 
     def start(self, total_sentences: int) -> None:
@@ -51,6 +57,9 @@ class RichReporter:
     def stage(self, message: str) -> None:
         if self.console.is_terminal:
             self.console.print(f"[dim]{message}[/dim]")
+
+    def note(self, message: str) -> None:
+        self.console.print(f"note: {message}", markup=False, highlight=False)
 
     def start(self, total_sentences: int) -> None:
         from rich.progress import (

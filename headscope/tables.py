@@ -18,11 +18,6 @@ from headscope.errors import OutputError
 from headscope.metrics import metric_means
 from headscope.output import atomic_path
 
-HEADS_FILE = "heads.parquet"
-SENTENCES_FILE = "sentences.parquet"
-SENTENCE_HEADS_FILE = "sentence_heads.parquet"
-EXAMPLES_FILE = "examples.parquet"
-RUN_FILE = "run.json"
 METADATA_KEY = b"headscope"
 
 _METRIC_COLUMNS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform")
@@ -154,20 +149,42 @@ def write_json(data: dict, path: Path) -> None:
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:
-    """Read a headscope table, checking that it has the columns `schema` promises."""
+    """Read a headscope table, checking that it has the columns `schema` promises, of their types.
+
+    Columns beyond the schema (from a newer headscope, say) are kept as they are.
+    """
     if not path.is_file():
         raise OutputError(f"{path} not found; run `headscope analyze` first")
     try:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several unrelated types for unreadable files
-        raise OutputError(f"{path} is not a readable Parquet file ({err})") from None
+        raise OutputError(f"{path} is not a readable Parquet file ({_first_line(err)})") from None
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
         raise OutputError(f"{path} is not a headscope table: columns {', '.join(missing)} are missing")
+    for field in schema:
+        column = table.column(field.name)
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                raise OutputError(
+                    f"{path} is not a headscope table: column {field.name!r} holds {column.type}, not {field.type}"
+                ) from None
+            table = table.set_column(table.schema.get_field_index(field.name), field.name, column)
     return table.to_pandas()
 
 
 def read_metadata(path: Path) -> dict:
-    """The headscope metadata stored in a Parquet file's schema ({} if none)."""
-    raw = (pq.read_schema(path).metadata or {}).get(METADATA_KEY)
-    return json.loads(raw) if raw else {}
+    """The headscope metadata stored in a Parquet file's schema ({} if none or unreadable)."""
+    try:
+        raw = (pq.read_schema(path).metadata or {}).get(METADATA_KEY)
+        metadata = json.loads(raw) if raw else {}
+    except Exception as err:  # pyarrow raises several unrelated types for unreadable files
+        raise OutputError(f"{path} is not a readable Parquet file ({_first_line(err)})") from None
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

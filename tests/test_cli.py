@@ -54,19 +54,23 @@ def test_missing_model_folder(tmp_path):
     assert result.stderr.strip() == f"Error: model folder not found: {tmp_path / 'absent'}"
 
 
-def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path):
+def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path, corpus_lines):
     out = tmp_path / "report"
-    out.mkdir()
-    (out / "heads.parquet").write_bytes(b"previous run")
-    result = runner.invoke(app, ["analyze", str(planted_gpt2), "--out", str(out)])
+    assert runner.invoke(app, ["analyze", str(planted_gpt2), "--out", str(out), "--no-charts"]).exit_code == 0
+    before = (out / "heads.parquet").read_bytes()
+    corpus = tmp_path / "other.txt"
+    corpus.write_text("\n".join(corpus_lines[:5]) + "\n")
+    result = runner.invoke(app, ["analyze", str(planted_gpt2), "--corpus", str(corpus), "--out", str(out)])
     assert result.exit_code == 1
     assert "--overwrite" in result.stderr
-    assert (out / "heads.parquet").read_bytes() == b"previous run"
+    assert (out / "heads.parquet").read_bytes() == before
 
-    result = runner.invoke(app, ["analyze", str(planted_gpt2), "--out", str(out), "--overwrite"])
+    result = runner.invoke(
+        app, ["analyze", str(planted_gpt2), "--corpus", str(corpus), "--out", str(out), "--overwrite"]
+    )
     assert result.exit_code == 0, result.output
-    assert (out / "heads.parquet").read_bytes() != b"previous run"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no staging or old folders left
+    assert (out / "heads.parquet").read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.txt", "report"]  # no staging or old folders left
 
 
 def test_bad_option_value_is_rejected(planted_gpt2):

@@ -39,6 +39,14 @@ def assert_one_line_error(result, *fragments: str, code: int = 1) -> None:
         assert fragment in message, message
 
 
+def previous_report(folder):
+    """A stand-in for an earlier report: files headscope writes and a run.json that says headscope wrote it."""
+    folder.mkdir()
+    (folder / "run.json").write_text('{"schema_version": 1}')
+    (folder / "heads.parquet").write_bytes(b"the previous run")
+    return folder
+
+
 def hidden_leftovers(folder) -> list[str]:
     return [p.name for p in folder.iterdir() if p.name.startswith(".")]
 
@@ -210,8 +218,7 @@ def test_classify_and_plot_explain_a_foreign_or_missing_table(tmp_path, planted_
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_path, corpus_lines, sig, code):
     out = tmp_path / "report"
-    out.mkdir()
-    (out / "heads.parquet").write_bytes(b"the previous run")
+    previous_report(out)
     corpus = tmp_path / "big.txt"
     corpus.write_text("\n".join(corpus_lines * 400) + "\n")  # 40,000 sentences: minutes of work
     process = subprocess.Popen(
@@ -239,6 +246,7 @@ def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_pa
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == code, stderr
     assert (out / "heads.parquet").read_bytes() == b"the previous run"
+    assert sorted(p.name for p in out.iterdir()) == ["heads.parquet", "run.json"]
     assert hidden_leftovers(tmp_path) == []
     assert "Traceback" not in stderr.decode()
 

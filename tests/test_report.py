@@ -14,8 +14,9 @@ import headscope
 from headscope.classify import classify_heads
 from headscope.cli import app
 from headscope.config import Thresholds
+from headscope.layout import RUN_FILE
 from headscope.report import draw_charts
-from headscope.tables import HEADS_SCHEMA, RUN_FILE, read_metadata, write_json, write_table
+from headscope.tables import HEADS_SCHEMA, read_metadata, write_json, write_table
 
 from planted import FIRST, PREVIOUS, UNIFORM
 

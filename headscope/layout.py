@@ -1,0 +1,55 @@
+"""What a report folder holds, and how to tell a folder headscope wrote from anything else.
+
+`analyze --overwrite` replaces a folder only when `why_not_a_report` finds nothing in it but the files
+named here and a run.json that headscope wrote: this list is the list of files headscope may ever delete.
+No third-party imports: the CLI checks an output folder before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SCHEMA_VERSION = 1  # of the tables and run.json; bumped when a column or key changes meaning or goes away
+
+HEADS_FILE = "heads.parquet"
+SENTENCES_FILE = "sentences.parquet"
+SENTENCE_HEADS_FILE = "sentence_heads.parquet"
+EXAMPLES_FILE = "examples.parquet"
+RUN_FILE = "run.json"
+TABLE_FILES = (HEADS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE)
+
+CHART_NAMES = ("entropy_heatmap", "layer_gradient", "head_types", "classification_map", "examples")
+CHART_FORMATS = ("png", "svg", "pdf")
+
+
+def is_report_file(name: str) -> bool:
+    """Is `name` a file that headscope writes into a report folder?"""
+    if name == RUN_FILE or name in TABLE_FILES:
+        return True
+    stem, _, extension = name.rpartition(".")
+    return stem in CHART_NAMES and extension in CHART_FORMATS
+
+
+def why_not_a_report(folder: Path) -> str | None:
+    """None when `folder` is empty or a headscope report; otherwise what makes it something else."""
+    entries = sorted(folder.iterdir())
+    if not entries:
+        return None
+    foreign = [entry.name for entry in entries if entry.is_symlink() or not entry.is_file()]
+    foreign += [entry.name for entry in entries if entry.is_file() and not is_report_file(entry.name)]
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+        return f"it holds files headscope did not write ({shown})"
+    run_file = folder / RUN_FILE
+    if not run_file.is_file():
+        return f"it has no {RUN_FILE}"
+    try:
+        run = json.loads(run_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"its {RUN_FILE} is unreadable"
+    versions = run.get("versions") if isinstance(run, dict) and isinstance(run.get("versions"), dict) else None
+    # Reports from before schema_version existed carry headscope's version instead.
+    if not isinstance(run, dict) or not ("schema_version" in run or "headscope" in (versions or {})):
+        return f"its {RUN_FILE} was not written by headscope"
+    return None
