@@ -59,7 +59,7 @@ class RichReporter:
             self.console.print(f"[dim]{message}[/dim]")
 
     def note(self, message: str) -> None:
-        self.console.print(f"note: {message}", markup=False, highlight=False)
+        self.console.print(f"note: {message}", markup=False, highlight=False, soft_wrap=True)
 
     def start(self, total_sentences: int) -> None:
         from rich.progress import (

@@ -14,42 +14,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import headscope
-from headscope.cli import app
 from headscope.errors import ModelLoadError, OutputError
 from headscope.metrics import causal_visible_keys, head_row_sums, metric_means
 
+from helpers import assert_one_line_error, hidden_leftovers, previous_report, run_cli
 from planted import build_tokenizer
-
-runner = CliRunner()
-
-
-def run_cli(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments: str, code: int = 1) -> None:
-    assert result.exit_code == code, result.output
-    message = result.stderr.strip()
-    assert message.startswith("Error: ") and "\n" not in message, message
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in message, message
-
-
-def previous_report(folder):
-    """A stand-in for an earlier report: files headscope writes and a run.json that says headscope wrote it."""
-    folder.mkdir()
-    (folder / "run.json").write_text('{"schema_version": 1}')
-    (folder / "heads.parquet").write_bytes(b"the previous run")
-    return folder
-
-
-def hidden_leftovers(folder) -> list[str]:
-    return [p.name for p in folder.iterdir() if p.name.startswith(".")]
-
 
 # ---------------------------------------------------------------- corpus
 
