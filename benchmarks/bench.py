@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 import headscope
-from headscope.batching import batches_in_order
 from headscope.capture import forward_kwargs
+from headscope.feed import batches_in_order
 from headscope.loading import load_model, quiet_transformers
-from headscope.metrics import causal_visible_keys, head_row_sums
+from headscope.masks import causal_visible_keys
+from headscope.measures.statistics import head_row_sums
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "corpora" / "english-100.txt"

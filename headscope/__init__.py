@@ -4,11 +4,21 @@ import headscope
 result = headscope.analyze("gpt2", "sentences.txt", out="reports/gpt2")
 result.heads            # one row per (layer, head)
 result.layer_entropy()  # mean entropy per layer, in nats
+
+`import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
 """
 
-from headscope.config import RunConfig
-from headscope.errors import HeadscopeError
-from headscope.loading import load_model
-from headscope.pipeline import AnalysisResult, analyze
+import importlib
 
-__all__ = ["AnalysisResult", "HeadscopeError", "RunConfig", "analyze", "load_model"]
+from headscope.config import RunConfig, Thresholds
+from headscope.errors import HeadscopeError
+
+_LAZY = {"analyze": "headscope.pipeline", "AnalysisResult": "headscope.pipeline", "load_model": "headscope.loading"}
+
+__all__ = ["AnalysisResult", "HeadscopeError", "RunConfig", "Thresholds", "analyze", "load_model"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'headscope' has no attribute {name!r}")

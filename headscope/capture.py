@@ -1,49 +1,105 @@
-"""Run batches through a model and reduce each layer's attention as soon as it exists.
+"""The attention router: run a batch through a model and hand each layer's attention to the measurements
+riding on the pass, as soon as it exists.
 
 How: we register an attention function named ``headscope`` with transformers' attention interface.
-For every layer it reduces the attention probabilities to per-(sentence, head) sums and returns no
-weights, so nothing holds more than one layer's attention (or one block of it) at a time.
+`measuring(model, measures)` switches the model to it and gives every module of that model one `Capture`
+(its own state: the measures, the current batch, which eager functions it has checked). For every layer
+the capture computes the layer's output, hands the attention probabilities to each measure that wants
+that layer (as `RowBlock`s of query rows), and returns no weights, so nothing holds more than one layer's
+attention (or one block of it) at a time.
 
 Where the probabilities come from:
 - ``eager``: the model's *own* module-level ``eager_attention_forward`` (so grouped KV heads,
   scaling, softcapping, sinks and sliding windows are the model's), which materialises the full
   (batch, heads, t, t) matrix.
-- ``blockwise``: the layer's output comes from ``sdpa`` (fast, no t x t matrix) and the probabilities
-  are recomputed block of query rows by block, bounding memory by (batch x heads x block x keys).
+- ``blockwise``: the layer's output comes from ``sdpa`` (fast, no t x t matrix) and the logits are
+  recomputed block of query rows by block, bounding memory by (batch x heads x block x keys).
   Used only when the model's eager function is, to the letter, one of the standard ones (Llama's or
-  GPT-2's: softmax(q k^T * scaling + mask)) *and* the recomputed probabilities matched the eager
-  ones on the first real call. Anything else stays on the model's own eager function.
+  GPT-2's: softmax(q k^T * scaling + mask)) *and* our recomputed probabilities matched the eager
+  ones on a few rows of the first call. Anything else stays on the model's own eager function.
 
 Two pitfalls this module exists to avoid (see FINDINGS.md):
 - a custom attention name needs a *mask* function too, or transformers builds no causal or padding
-  mask at all: we register sdpa's boolean one (see `boolean_mask`);
-- the attention function never sees the 2-D padding mask, so the reducer is told which query rows
+  mask at all: we register sdpa's boolean one (see `masks.boolean_mask`);
+- the attention function never sees the 2-D padding mask, so the capture is told which query rows
   are real before every forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
-from headscope.batching import Batch
+from headscope.config import BLOCK_BYTES
 from headscope.errors import ModelLoadError, ResourceError
-from headscope.metrics import causal_visible_keys, head_row_sums, head_row_sums_from_logits, visible_keys
+from headscope.feed import Batch
+from headscope.masks import additive_mask, boolean_mask, key_visibility
 
 ATTENTION_NAME = "headscope"
-BLOCK_BYTES = 32 * 2**20  # float32 logits per block of query rows; temporaries take a few times this
+CAPTURE_ATTRIBUTE = "_headscope_capture"  # set on every module of a model while it is being measured
 # Rows per block, at most: small blocks let causal attention skip most keys after each block's last row.
 MAX_BLOCK_ROWS = 128
+# Query rows of one sentence on which a standard eager function is checked before the block-wise path is
+# trusted: enough to see the first row (which a causal model lets see only itself) and rows across the
+# sentence, few enough that the check costs (1, heads, CHECK_ROWS, keys) whatever the sequence length.
+CHECK_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """One layer's attention for a block of consecutive query rows, for every sentence and head of a batch.
+
+    Exactly one of `weights` and `logits` is set: the model's own probabilities (eager path), or the
+    standard logits with hidden keys at the dtype's minimum (block-wise path; softmax gives the probabilities).
+    """
+
+    first_row: int  # query position of the block's first row
+    visible: torch.Tensor  # (batch or 1, 1, rows, keys) bool: the keys each row may see
+    query_valid: torch.Tensor  # (batch, rows) bool: real (non-padding) rows
+    seq_start: torch.Tensor  # (batch,) long: each sentence's first real position
+    weights: torch.Tensor | None = None  # (batch, heads, rows, keys)
+    logits: torch.Tensor | None = None  # (batch, heads, rows, keys)
+
+    def probabilities(self) -> torch.Tensor:
+        """(batch, heads, rows, keys) attention probabilities, whichever path produced the block."""
+        if self.weights is not None:
+            return self.weights
+        return torch.softmax(self.logits, dim=-1, dtype=torch.float32)
+
+
+class Measure(Protocol):
+    """A measurement riding on a forward pass. The capture calls, for every batch: `start`, then
+    `attention` once or more (one call per block of rows) for every layer `wants` says yes to, then the
+    caller collects what the measure kept (each measure has its own `finish`)."""
+
+    def start(self, batch: Batch) -> None:
+        """A batch is about to run."""
+
+    def wants(self, layer: int) -> bool:
+        """Does this measure read `layer`'s attention?"""
+
+    def last_layer(self) -> int | None:
+        """The last layer it reads (the forward pass may stop after the last one any measure reads); None: all."""
+
+    def attention(self, layer: int, block: RowBlock) -> None:
+        """Read one block of `layer`'s attention (never modify it; it is dropped after the call)."""
+
+
+class _StopForward(Exception):
+    """Raised after the last wanted layer: later layers cannot change what we measure."""
 
 
 def _normalised_source(function: Callable) -> str:
@@ -53,18 +109,24 @@ def _normalised_source(function: Callable) -> str:
 
 
 # Eager functions whose maths is exactly softmax(q k^T * scaling + mask) with repeated KV heads.
-_STANDARD_EAGER = {
-    _normalised_source(modeling_llama.eager_attention_forward),
-    _normalised_source(modeling_gpt2.eager_attention_forward),
-}
-_eager_by_class: dict[type, Callable] = {}
-_standard_source: dict[Callable, bool] = {}
-_verified: dict[Callable, bool] = {}  # eager function -> recomputed probabilities matched it
-_causal: dict[Callable, bool] = {}  # eager function -> its weights above the diagonal were exactly 0
+_STANDARD_EAGER = frozenset(
+    _normalised_source(module.eager_attention_forward) for module in (modeling_llama, modeling_gpt2)
+)
 
 
-class _StopForward(Exception):
-    """Raised after the last wanted layer: later layers cannot change what we measure."""
+@functools.cache
+def eager_function_of(cls: type) -> tuple[Callable, bool]:
+    """The `eager_attention_forward` defined next to an attention class, and whether it is a standard one.
+
+    A fact about the class's source code, the same for every instance: cached for the process.
+    """
+    function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    if function is None:
+        raise ModelLoadError(
+            f"{cls.__name__} has no eager attention function in {cls.__module__}; "
+            "headscope cannot read its attention weights"
+        )
+    return function, _normalised_source(function) in _STANDARD_EAGER
 
 
 def standard_logits(
@@ -83,35 +145,11 @@ def standard_logits(
     Returns (batch, heads, rows, keys); softmax over the last axis (in float32) gives the eager probabilities.
     """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    picked = query[..., rows, :] if isinstance(rows, slice) else query.index_select(-2, rows)
     # Scaling the (rows, head_dim) queries instead of the (rows, keys) scores: the same numbers up to
     # float rounding (verified against the eager weights), at a fraction of the memory traffic.
-    scores = torch.matmul(_rows_of(query, rows) * scaling, key[:, :, :keys].transpose(2, 3))
+    scores = torch.matmul(picked * scaling, key[:, :, :keys].transpose(2, 3))
     return scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-
-
-def _rows_of(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-    """x[..., rows, :] for a slice (a view) or a (rows,) long tensor of positions (a copy)."""
-    return x[..., rows, :] if isinstance(rows, slice) else x.index_select(-2, rows.to(x.device))
-
-
-def key_visibility(
-    attention_mask: torch.Tensor | None, query_valid: torch.Tensor, rows: slice | torch.Tensor, keys: int
-) -> torch.Tensor:
-    """Which of the first `keys` keys query rows `rows` may see, built for those rows only.
-
-    attention_mask: what the attention function received: (batch or 1, 1, t, kv) bool from our registered
-    mask function (True = visible), an additive float mask from a model that builds its own, or None
-    (plain causal attention without padding, which transformers leaves to sdpa's is_causal).
-    query_valid: (batch, t) bool. Returns (batch or 1, 1, rows, keys) bool.
-    """
-    if attention_mask is None:
-        return causal_visible_keys(query_valid, rows, keys)
-    return visible_keys(_rows_of(attention_mask[..., :keys], rows))
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask eager attention functions add to their scores: 0 where visible, the minimum elsewhere."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 def _repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
@@ -120,70 +158,101 @@ def _repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
     return key if groups == 1 else key.repeat_interleave(groups, dim=1)
 
 
-class LayerReducer:
-    """Receives one layer's attention at a time and keeps only per-(sentence, head) sums."""
+def check_rows(query_valid: torch.Tensor, t: int) -> tuple[int, torch.Tensor]:
+    """(sentence, query positions) to check on: up to CHECK_ROWS real rows spread over the longest sentence.
 
-    def __init__(
-        self,
-        *,
-        window: int,
-        accum_dtype: torch.dtype,
-        layers: Sequence[int] | None = None,
-        block_bytes: int = BLOCK_BYTES,
-    ) -> None:
-        self.window = window
-        self.accum_dtype = accum_dtype
-        self.layers = sorted(set(layers)) if layers is not None else None
+    query_valid: (batch, t) bool. Returns the batch index and (rows,) long positions.
+    """
+    sentence = int(query_valid.sum(-1).argmax())
+    positions = query_valid[sentence].nonzero().squeeze(-1).cpu()
+    if len(positions) > CHECK_ROWS:
+        positions = positions[torch.linspace(0, len(positions) - 1, CHECK_ROWS).round().long()]
+    return sentence, positions
+
+
+class Capture:
+    """The state of one `measuring` context: its measures, the batch in flight, and what it has checked
+    about each eager function (its own checks: a second model in the same process is checked again)."""
+
+    def __init__(self, measures: Sequence[Measure], *, block_bytes: int = BLOCK_BYTES) -> None:
+        self.measures = list(measures)
         self.block_bytes = block_bytes
-        self.paths: dict[str, str] = {}  # attention class -> path used, for run.json
+        self.paths: dict[str, str] = {}  # attention class -> path its probabilities took, for run.json
+        self._causal: dict[Callable, bool] = {}  # eager function -> no weight above the diagonal
+        self._verified: dict[Callable, bool] = {}  # eager function -> our logits reproduce its weights
+        lasts = [measure.last_layer() for measure in self.measures]
+        self._last_layer = None if None in lasts or not lasts else max(lasts)
         self._batch: Batch | None = None
         self._query_valid: torch.Tensor | None = None
         self._layer = -1
-        self._layer_sums: list[torch.Tensor] = []
-
-    @property
-    def query_valid(self) -> torch.Tensor | None:
-        """(batch, t) bool, True on real tokens of the current batch."""
-        return self._query_valid
 
     def start(self, batch: Batch) -> None:
         self._batch = batch
         self._query_valid = batch.attention_mask.bool()
         self._layer = -1
-        self._layer_sums = []
+        for measure in self.measures:
+            measure.start(batch)
 
-    def next_layer(self) -> int:
+    def attend(self, module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor, None]:
+        """The attention function of every layer: its output, with its attention handed to the measures.
+
+        query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim); mask: what
+        `boolean_mask` built, (batch or 1, 1, t, t) bool, or None for causal attention without padding.
+        """
+        if self._batch is None:
+            raise RuntimeError("Capture.attend ran outside a batch (call start first)")
         self._layer += 1
-        return self._layer
+        layer = self._layer
+        eager, standard = eager_function_of(type(module))
+        readers = [measure for measure in self.measures if measure.wants(layer)]
+        if not readers:
+            output = self._unmeasured(eager, standard, module, query, key, value, mask, kwargs)
+        else:
+            output = self._measured(readers, layer, eager, standard, module, query, key, value, mask, kwargs)
+        if self._last_layer is not None and layer >= self._last_layer:
+            raise _StopForward
+        return output, None
 
-    def wants(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-    def is_last_wanted(self, layer: int) -> bool:
-        return self.layers is not None and layer >= self.layers[-1]
-
-    def fits_one_block(self, query: torch.Tensor) -> bool:
+    def _fits_one_block(self, query: torch.Tensor) -> bool:
         """Is the whole (batch, heads, t, t) matrix within the block budget? Then the eager weights are cheapest."""
         batch, heads, t, _ = query.shape
         return 4 * batch * heads * t * t <= self.block_bytes
 
-    def consume(self, attn: torch.Tensor, visible: torch.Tensor) -> None:
-        """attn: (batch, heads, t, t) probabilities; visible: (batch or 1, 1, t, t) bool, the keys each row may see."""
-        self._layer_sums.append(
-            head_row_sums(
-                attn,
-                key_visible=visible,
-                query_valid=self._query_valid,
-                seq_start=self._batch.seq_start,
-                window=self.window,
-                accum_dtype=self.accum_dtype,
-                # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
-                mass_tolerance=1e-3 if attn.dtype == torch.float32 else 2e-2,
-            )
-        )
+    def _visibility(self, mask, rows, keys: int) -> torch.Tensor:
+        return key_visibility(mask, self._query_valid, rows, keys)
 
-    def consume_blocks(self, query, key, attention_mask, scaling, *, causal: bool) -> None:
-        """Recompute the logits block of query rows by block and reduce each block.
+    def _measured(self, readers, layer, eager, standard, module, query, key, value, mask, kwargs) -> torch.Tensor:
+        name = type(module).__name__
+        if standard and eager not in self._causal:
+            self._inspect_standard(eager, name, module, query, key, value, mask, kwargs)
+        if self._verified.get(eager) and not self._fits_one_block(query):
+            output, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+            self._blocks(readers, layer, query, key, mask, kwargs.get("scaling"), causal=self._causal[eager])
+            self.paths[name] = "blockwise (sdpa output, probabilities by blocks of query rows)"
+            return output
+        # The full (batch, heads, t, t) weights exist on this path anyway, so a full-size mask costs no more.
+        visible = self._visibility(mask, slice(None), key.shape[-2])
+        output, weights = eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)
+        if weights is None:
+            raise ModelLoadError(f"{name}'s eager attention returned no weights")
+        if eager not in self._causal:  # a model with its own attention maths: judged on the weights it computed
+            rows = torch.arange(weights.shape[-2], device=weights.device)
+            self._check_causal(eager, name, weights, rows, real=self._query_valid)
+        block = RowBlock(0, visible, self._query_valid, self._batch.seq_start, weights=weights)
+        for measure in readers:
+            measure.attention(layer, block)
+        self.paths.setdefault(name, "eager (the model's own attention function)")
+        return output
+
+    def _unmeasured(self, eager, standard, module, query, key, value, mask, kwargs) -> torch.Tensor:
+        """A layer no measure reads (--layers): the fastest correct output."""
+        if standard:
+            return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+        visible = self._visibility(mask, slice(None), key.shape[-2])
+        return eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)[0]
+
+    def _blocks(self, readers, layer, query, key, mask, scaling, *, causal: bool) -> None:
+        """Recompute the logits block of query rows by block and hand each block to the readers.
 
         With causal attention the rows of a block ending at position r see no key after r, so only
         keys < r are computed: about half the work of the full matrix.
@@ -191,237 +260,93 @@ class LayerReducer:
         batch, heads, t, _ = query.shape
         key = _repeat_kv(key, heads)
         rows_per_block = max(1, min(MAX_BLOCK_ROWS, self.block_bytes // (4 * batch * heads * key.shape[-2])))
-        total = None
         for first in range(0, t, rows_per_block):
             rows = slice(first, min(first + rows_per_block, t))
             keys = rows.stop if causal else key.shape[-2]
-            visible = key_visibility(attention_mask, self._query_valid, rows, keys)  # (batch or 1, 1, rows, keys)
-            sums = head_row_sums_from_logits(
-                standard_logits(query, key, visible, scaling, rows, keys),
-                key_visible=visible,
-                query_valid=self._query_valid[:, rows],
-                seq_start=self._batch.seq_start,
-                window=self.window,
-                row_offset=first,
-                accum_dtype=self.accum_dtype,
-            )
-            total = sums if total is None else total + sums
-        self._layer_sums.append(total)
+            visible = self._visibility(mask, rows, keys)  # (batch or 1, 1, rows, keys)
+            logits = standard_logits(query, key, visible, scaling, rows, keys)
+            block = RowBlock(first, visible, self._query_valid[:, rows], self._batch.seq_start, logits=logits)
+            for measure in readers:
+                measure.attention(layer, block)
 
-    def finish(self) -> torch.Tensor:
-        """Sums of the batch, (wanted layers, batch, heads, stats), moved to the CPU in one transfer."""
-        if not self._layer_sums:
-            raise ModelLoadError(
-                "the model never called an attention function headscope can read (no attention layers?)"
-            )
-        sums = torch.stack(self._layer_sums).cpu()
-        self._batch = None
-        self._layer_sums = []
-        return sums
+    def _inspect_standard(self, eager, name, module, query, key, value, mask, kwargs) -> None:
+        """On the first call of a standard eager function: refuse bidirectional attention, and record
+        whether our q k^T * scaling + mask softmax reproduces the model's own weights (which allows the
+        block-wise path).
 
-
-class AttentionKeeper:
-    """Keeps every layer's attention of a one-sentence batch, for the example charts (small by design)."""
-
-    def __init__(self) -> None:
-        self.layers: list[torch.Tensor] = []
-        self.paths: dict[str, str] = {}
-        self.query_valid: torch.Tensor | None = None  # one unpadded sentence: every row is real
-
-    def fits_one_block(self, query: torch.Tensor) -> bool:
-        return True  # always keep the model's own weights
-
-    def next_layer(self) -> int:
-        return len(self.layers)
-
-    def wants(self, layer: int) -> bool:
-        return True
-
-    def is_last_wanted(self, layer: int) -> bool:
-        return False
-
-    def consume(self, attn: torch.Tensor, visible: torch.Tensor) -> None:
-        self.layers.append(attn[0].float().cpu())  # (heads, t, t)
-
-
-_active: LayerReducer | AttentionKeeper | None = None
-
-
-def _eager_forward_for(module: torch.nn.Module) -> Callable:
-    """The `eager_attention_forward` defined next to the attention module's class."""
-    cls = type(module)
-    if cls not in _eager_by_class:
-        function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
-        if function is None:
-            raise ModelLoadError(
-                f"{cls.__name__} has no eager attention function in {cls.__module__}; "
-                "headscope cannot read its attention weights"
-            )
-        _eager_by_class[cls] = function
-        _standard_source[function] = _normalised_source(function) in _STANDARD_EAGER
-    return _eager_by_class[cls]
-
-
-# Query rows of one sentence on which a standard eager function is checked before the block-wise path is
-# trusted: enough to see the first row (which a causal model lets see only itself) and rows across the
-# sentence, few enough that the check costs (1, heads, CHECK_ROWS, keys) whatever the sequence length.
-CHECK_ROWS = 16
-
-
-def check_rows(query_valid: torch.Tensor | None, t: int) -> tuple[int, torch.Tensor]:
-    """(sentence, query positions) to check on: up to CHECK_ROWS real rows spread over the longest sentence.
-
-    query_valid: (batch, t) bool or None (every row real). Returns the batch index and (rows,) long positions.
-    """
-    if query_valid is None:
-        sentence, positions = 0, torch.arange(t)
-    else:
-        sentence = int(query_valid.sum(-1).argmax())
-        positions = query_valid[sentence].nonzero().squeeze(-1).cpu()
-    if len(positions) > CHECK_ROWS:
-        positions = positions[torch.linspace(0, len(positions) - 1, CHECK_ROWS).round().long()]
-    return sentence, positions
-
-
-def _inspect_standard(eager: Callable, name: str, module, query, key, value, mask, kwargs, query_valid) -> None:
-    """On the first call of a standard eager function: refuse bidirectional attention, and record whether
-    our q k^T * scaling + mask softmax reproduces the model's own weights (which allows the block-wise path).
-
-    Both are judged on a few query rows of one sentence (`check_rows`), so the check's memory does not grow
-    with the square of the sequence: the model's eager function takes the rows as a shorter query.
-    """
-    sentence, positions = check_rows(query_valid, query.shape[-2])
-    one = slice(sentence, sentence + 1)
-    positions = positions.to(query.device)
-    if mask is not None and mask.shape[0] > 1:
-        mask = mask[one]
-    valid = _all_valid(query) if query_valid is None else query_valid
-    visible = key_visibility(mask, valid[one], positions, key.shape[-2])  # (1, 1, rows, keys)
-    rows_query = query[one].index_select(-2, positions)
-    _, weights = eager(module, rows_query, key[one], value[one], additive_mask(visible, query.dtype), **kwargs)
-    _check_causal(eager, name, weights, positions)
-    logits = standard_logits(
-        rows_query, _repeat_kv(key[one], query.shape[1]), visible, kwargs.get("scaling"), slice(None), key.shape[-2]
-    )
-    expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
-    _verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
-
-
-def _full_visibility(mask, query: torch.Tensor, key: torch.Tensor, query_valid) -> torch.Tensor:
-    """(batch or 1, 1, t, keys) bool for every query row: what the eager path needs."""
-    valid = _all_valid(query) if query_valid is None else query_valid
-    return key_visibility(mask, valid, slice(None), key.shape[-2])
-
-
-def _all_valid(query: torch.Tensor) -> torch.Tensor:
-    """(batch, t) all True: every row real (a batch without padding)."""
-    return torch.ones(query.shape[0], query.shape[-2], dtype=torch.bool, device=query.device)
-
-
-def _check_causal(eager: Callable, name: str, weights: torch.Tensor, positions: torch.Tensor, rows=None) -> None:
-    """Refuse a model whose weights (batch, heads, len(positions), keys) reach keys after their query.
-
-    positions: (len(positions),) the query position of each row; rows: (batch, len(positions)) bool, the
-    rows to judge (padding rows may attend anywhere), or None for all.
-    """
-    later = torch.arange(weights.shape[-1], device=weights.device)[None, :] > positions[:, None]  # (rows, keys)
-    above_diagonal = weights * later
-    if rows is not None:
-        above_diagonal = above_diagonal * rows[:, None, :, None]
-    # `> 0`, not `max() == 0`: a NaN row (float16 overflow) is not attention to later tokens.
-    _causal[eager] = not bool((above_diagonal > 0).any())
-    if not _causal[eager]:
-        raise ModelLoadError(
-            f"{name} lets tokens attend to later tokens (bidirectional attention, an encoder?); "
-            "headscope measures causal language models"
+        Both are judged on a few query rows of one sentence (`check_rows`), so the check's memory does not
+        grow with the square of the sequence: the model's eager function takes the rows as a shorter query.
+        """
+        sentence, positions = check_rows(self._query_valid, query.shape[-2])
+        one = slice(sentence, sentence + 1)
+        positions = positions.to(query.device)
+        mask = mask[one] if mask is not None and mask.shape[0] > 1 else mask
+        visible = key_visibility(mask, self._query_valid[one], positions, key.shape[-2])  # (1, 1, rows, keys)
+        rows_query = query[one].index_select(-2, positions)
+        _, weights = eager(module, rows_query, key[one], value[one], additive_mask(visible, query.dtype), **kwargs)
+        self._check_causal(eager, name, weights, positions)
+        logits = standard_logits(
+            rows_query, _repeat_kv(key[one], query.shape[1]), visible, kwargs.get("scaling"), slice(None), key.shape[-2]
         )
+        expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
+        self._verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
+
+    def _check_causal(self, eager, name: str, weights, positions, real: torch.Tensor | None = None) -> None:
+        """Refuse a model whose weights (batch, heads, len(positions), keys) reach keys after their query.
+
+        positions: (len(positions),) the query position of each row; real: (batch, len(positions)) bool, the
+        rows to judge (padding rows may attend anywhere), or None when every row given is real.
+        """
+        later = torch.arange(weights.shape[-1], device=weights.device)[None, :] > positions[:, None]  # (rows, keys)
+        above_diagonal = weights * later
+        if real is not None:
+            above_diagonal = above_diagonal * real[:, None, :, None]
+        # `> 0`, not `max() == 0`: a NaN row (float16 overflow) is not attention to later tokens.
+        self._causal[eager] = not bool((above_diagonal > 0).any())
+        if not self._causal[eager]:
+            raise ModelLoadError(
+                f"{name} lets tokens attend to later tokens (bidirectional attention, an encoder?); "
+                "headscope measures causal language models"
+            )
 
 
-def _measured_layer(consumer, eager: Callable, name: str, module, query, key, value, mask, kwargs):
-    """The layer's output, with its attention probabilities handed to `consumer` on the way.
-
-    mask: what our registered mask function built: (batch or 1, 1, t, t) bool, or None for causal attention
-    without padding. sdpa takes it as it is; the model's eager function gets the additive form it expects.
-    """
-    query_valid = consumer.query_valid
-    if eager not in _causal and _standard_source[eager]:
-        _inspect_standard(eager, name, module, query, key, value, mask, kwargs, query_valid)
-    if _verified.get(eager) and not consumer.fits_one_block(query):
-        output, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-        consumer.consume_blocks(query, key, mask, kwargs.get("scaling"), causal=_causal[eager])
-        consumer.paths[name] = "blockwise (sdpa output, probabilities by blocks of query rows)"
-        return output
-    # The full (batch, heads, t, t) weights exist on this path anyway, so a full-size mask costs no more.
-    visible = _full_visibility(mask, query, key, query_valid)
-    output, weights = eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)
-    if weights is None:
-        raise ModelLoadError(f"{name}'s eager attention returned no weights")
-    if eager not in _causal:  # a model with its own attention maths: judged on the weights it computed anyway
-        _check_causal(eager, name, weights, torch.arange(weights.shape[-2], device=weights.device), query_valid)
-    consumer.consume(weights, visible)
-    consumer.paths.setdefault(name, "eager (the model's own attention function)")
-    return output
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """The function registered with transformers: route the call to the capture of the module's model."""
+    capture = getattr(module, CAPTURE_ATTRIBUTE, None)
+    if capture is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention ran outside headscope.capture.measuring()")
+    return capture.attend(module, query, key, value, attention_mask, **kwargs)
 
 
-def _unmeasured_layer(eager: Callable, module, query, key, value, mask, kwargs, query_valid) -> torch.Tensor:
-    """A layer that is run but not measured (--layers): the fastest correct output."""
-    if _standard_source[eager]:
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
-    visible = _full_visibility(mask, query, key, query_valid)
-    return eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)[0]
-
-
-def _measuring_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention-interface entry: compute the layer's output, reduce its probabilities, return no weights."""
-    consumer = _active
-    if consumer is None:
-        raise RuntimeError("headscope attention ran outside headscope.capture.measuring()")
-    eager = _eager_forward_for(module)
-    layer = consumer.next_layer()
-    if consumer.wants(layer):
-        name = type(module).__name__
-        output = _measured_layer(consumer, eager, name, module, query, key, value, attention_mask, kwargs)
-    else:
-        output = _unmeasured_layer(eager, module, query, key, value, attention_mask, kwargs, consumer.query_valid)
-    if consumer.is_last_wanted(layer):
-        raise _StopForward
-    return output, None
-
-
-def boolean_mask(*args, **kwargs) -> torch.Tensor | None:
-    """The mask our attention name gets: sdpa's boolean one (1 byte per entry), or None for causal input
-    without padding, instead of eager's additive float one (4 bytes, always built): at 8,192 tokens that is
-    256 MiB per sentence we no longer hold. A bidirectional mask is always built, never skipped, so that
-    None means "causal" and nothing else (a skipped encoder mask would make BERT look causal).
-    A registered mask function is a must (FINDINGS pitfall 1: without one, transformers builds no causal or
-    padding mask at all).
-    """
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
-
-
-AttentionInterface.register(ATTENTION_NAME, _measuring_attention)
+AttentionInterface.register(ATTENTION_NAME, _attention)
 AttentionMaskInterface.register(ATTENTION_NAME, boolean_mask)
 
 
 @contextlib.contextmanager
-def measuring(model: torch.nn.Module, consumer: LayerReducer | AttentionKeeper) -> Iterator[None]:
-    """Switch `model` to the measuring attention for the duration of the block, then restore it."""
-    global _active
+def measuring(
+    model: torch.nn.Module, measures: Sequence[Measure], *, block_bytes: int = BLOCK_BYTES
+) -> Iterator[Capture]:
+    """Switch `model` to the measuring attention, with a capture of its own, for the duration of the block."""
     if not type(model)._can_set_attn_implementation():
         raise ModelLoadError(
             f"{type(model).__name__} does not route attention through transformers' attention interface; "
             "headscope cannot capture its attention"
         )
+    capture = Capture(measures, block_bytes=block_bytes)
+    modules = list(model.modules())
+    if any(hasattr(module, CAPTURE_ATTRIBUTE) for module in modules):
+        raise RuntimeError("this model is already being measured (measuring() does not nest)")
     previous = model.config._attn_implementation
+    for module in modules:
+        setattr(module, CAPTURE_ATTRIBUTE, capture)
     model.set_attn_implementation(ATTENTION_NAME)
-    _active = consumer
     try:
-        yield
+        yield capture
     finally:
-        _active = None
         model.set_attn_implementation(previous)
+        for module in modules:
+            delattr(module, CAPTURE_ATTRIBUTE)
 
 
 def forward_kwargs(model: torch.nn.Module, batch: Batch) -> dict:
@@ -432,23 +357,18 @@ def forward_kwargs(model: torch.nn.Module, batch: Batch) -> dict:
     return kwargs
 
 
-def _forward(model: torch.nn.Module, batch: Batch) -> None:
-    with torch.inference_mode(), contextlib.suppress(_StopForward):
-        model(**forward_kwargs(model, batch))
-
-
-def measure_batch(model: torch.nn.Module, reducer: LayerReducer, batch: Batch) -> torch.Tensor:
-    """One forward pass under `measuring`; returns (wanted layers, batch, heads, stats) sums on the CPU."""
-    reducer.start(batch)
+def forward(model: torch.nn.Module, capture: Capture, batch: Batch) -> None:
+    """One forward pass of `batch` under `capture` (inside `measuring`); the measures keep what they read."""
+    capture.start(batch)
     try:
-        _forward(model, batch)
+        with torch.inference_mode(), contextlib.suppress(_StopForward):
+            model(**forward_kwargs(model, batch))
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(batch) from err
     except RuntimeError as err:
         if "can't allocate memory" not in str(err):  # the CPU allocator's own wording
             raise
         raise _out_of_memory(batch) from err
-    return reducer.finish()
 
 
 def _out_of_memory(batch: Batch) -> ResourceError:
@@ -457,13 +377,3 @@ def _out_of_memory(batch: Batch) -> ResourceError:
         f"out of memory on a batch of {sentences} sentences x {tokens} tokens; "
         "lower --max-memory or --batch-size, or cut sentences with --max-length"
     )
-
-
-def sentence_attention(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """All layers' attention of a one-sentence batch: (layers, heads, t, t) on the CPU."""
-    if len(batch.sentence_ids) != 1:
-        raise ValueError("sentence_attention takes a batch of exactly one sentence")
-    keeper = AttentionKeeper()
-    with measuring(model, keeper):
-        _forward(model, batch)
-    return torch.stack(keeper.layers)

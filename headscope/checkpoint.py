@@ -1,9 +1,10 @@
-"""Where measured chunks go until the report is complete: memory, or part files with resumable checkpoints.
+"""Where measured chunks go until the report is complete: part files, and resumable checkpoints.
 
-With an output folder, every chunk of sentences (RunConfig.chunk_sentences) leaves two part files in the
-staging folder, and with --resume also a checkpoint of the corpus-wide sums after it. The parts are merged
-into the final tables at the end. A resumed run restores the sums bit for bit and reuses the batching
-limits of the first run, so it produces exactly the tables an uninterrupted run would have.
+Every chunk of sentences (RunConfig.chunk_sentences) leaves two part files in the run's work folder (the
+staging folder of the report, or a temporary one), and with --resume also a checkpoint of the corpus-wide
+sums after it. The parts are merged into the final tables at the end, so no per-sentence table is ever
+whole in memory. A resumed run restores the sums bit for bit and reuses the batching limits of the first
+run, so it produces exactly the tables an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
 from headscope.output import atomic_path
-from headscope.tables import to_arrow, write_json
+from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA, to_arrow, write_json
 
 CHECKPOINT_FILE = "checkpoint.json"
 SUMS_FILE = "checkpoint-sums.npy"
@@ -31,37 +32,19 @@ class Progress:
 
     chunks_done: int = 0
     measured_sentences: int = 0  # sentences with at least one token: each has a row per (layer, head)
+    empty_sentences: int = 0  # sentences the tokenizer turned into no token at all
     tokens: int = 0
     truncated: int = 0
     batches: int = 0
+    # The example chart's sentence so far, as (fewer than 2 tokens, distance from the ideal length, sentence
+    # id): the smallest wins, so the choice streams and survives a resume.
+    example: list[int] | None = None
     batching: dict | None = None  # the limits the run started with, reused on resume
     # --batch-size and --max-memory as the run started with them: a resumed run keeps them (and says so),
     # because the batching decides the order of the float sums, and resumed tables must equal an
     # uninterrupted run's bit for bit.
     batch_size: int | None = None
     max_memory: int | None = None
-
-
-class MemoryChunks:
-    """Keeps measured chunks in memory (the Python API without an output folder)."""
-
-    def __init__(self) -> None:
-        self.sentences: list[pd.DataFrame] = []
-        self.sentence_heads: list[pd.DataFrame] = []
-
-    def add(self, index: int, sentences: pd.DataFrame, sentence_heads: pd.DataFrame | None) -> None:
-        self.sentences.append(sentences)
-        if sentence_heads is not None:
-            self.sentence_heads.append(sentence_heads)
-
-    def save_progress(self, progress: Progress, sums: np.ndarray | None) -> None:
-        pass
-
-    def sentences_table(self) -> pd.DataFrame:
-        return pd.concat(self.sentences, ignore_index=True)
-
-    def sentence_heads_table(self) -> pd.DataFrame | None:
-        return pd.concat(self.sentence_heads, ignore_index=True) if self.sentence_heads else None
 
 
 class PartFiles:
@@ -76,8 +59,6 @@ class PartFiles:
         return self.folder / f"{kind}.part-{index:06d}.parquet"
 
     def add(self, index: int, sentences: pd.DataFrame, sentence_heads: pd.DataFrame | None) -> None:
-        from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA
-
         self._write(to_arrow(sentences, SENTENCES_SCHEMA), self._part("sentences", index))
         if sentence_heads is not None:  # written even when empty, so a missing part always means a lost one
             self._write(to_arrow(sentence_heads, SENTENCE_HEADS_SCHEMA), self._part("sentence_heads", index))
@@ -86,7 +67,7 @@ class PartFiles:
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
 
-    def save_progress(self, progress: Progress, sums: np.ndarray | None) -> None:
+    def save_progress(self, progress: Progress, sums: np.ndarray) -> None:
         if not self.checkpoints:
             return
         with atomic_path(self.folder / SUMS_FILE) as tmp, open(tmp, "wb") as handle:
@@ -94,7 +75,7 @@ class PartFiles:
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
         write_json({"fingerprint": self.fingerprint, "progress": asdict(progress)}, self.folder / CHECKPOINT_FILE)
 
-    def load_progress(self, sums_shape: tuple[int, ...], kinds: tuple[str, ...]) -> tuple[Progress, np.ndarray | None]:
+    def load_progress(self, sums_shape: tuple[int, ...], kinds: tuple[str, ...]) -> tuple[Progress, np.ndarray]:
         """The checkpoint left in the folder by an interrupted run (a fresh start if there is none).
 
         It is refused unless it is whole: from the same run (fingerprint), sums of `sums_shape`, and a part
@@ -102,7 +83,7 @@ class PartFiles:
         """
         path = self.folder / CHECKPOINT_FILE
         if not path.is_file():
-            return Progress(), None
+            return Progress(), np.zeros(sums_shape)
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             progress = Progress(**saved["progress"])

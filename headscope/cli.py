@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
+from headscope.config import CHART_FORMATS, DEVICES, DTYPES, ENCODING_ERRORS, RunConfig, Thresholds
 from headscope.errors import HeadscopeError
 
 
@@ -55,30 +56,18 @@ app = typer.Typer(
 )
 
 
-class DeviceChoice(str, Enum):
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-    mps = "mps"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum of the values config.py allows: Typer shows and checks them; they are written there once."""
+    return Enum(name, {value: value for value in values}, type=str)
 
 
-class DTypeChoice(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class EncodingErrors(str, Enum):
-    strict = "strict"
-    replace = "replace"
-    skip = "skip"
-
-
-class ChartFormat(str, Enum):
-    png = "png"
-    svg = "svg"
-    pdf = "pdf"
+DeviceChoice = _choices("DeviceChoice", DEVICES)
+DTypeChoice = _choices("DTypeChoice", DTYPES)
+EncodingErrors = _choices("EncodingErrors", ENCODING_ERRORS)
+ChartFormat = _choices("ChartFormat", CHART_FORMATS)
+DEFAULTS, THRESHOLDS = RunConfig(), Thresholds()
+DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
+DEFAULT_ENCODING_ERRORS = EncodingErrors(DEFAULTS.encoding_errors)
 
 
 # Options shared by several commands, declared once.
@@ -90,6 +79,7 @@ CopyMaxNormEntropy = Annotated[
 ]
 BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
 Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
+DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
 
 
 @app.callback()
@@ -143,20 +133,20 @@ def analyze(
     ] = None,
     encoding_errors: Annotated[
         EncodingErrors, typer.Option(help="Invalid UTF-8 in the corpus: strict (stop), replace, or skip the line.")
-    ] = EncodingErrors.strict,
+    ] = DEFAULT_ENCODING_ERRORS,
     revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")] = False,
     device_map: Annotated[
         str | None, typer.Option(help="Spread a large model over devices (accelerate), e.g. auto.")
     ] = None,
-    device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DeviceChoice.auto,
+    device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DEFAULT_DEVICE,
     dtype: Annotated[
         DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
-    ] = DTypeChoice.auto,
+    ] = DEFAULT_DTYPE,
     max_length: Annotated[
-        int | None, typer.Option(min=1, help="Truncate sentences to this many tokens (counted in run.json).")
-    ] = None,
-    window: Annotated[int, typer.Option(min=0, help="Diagonal metric: mass within +-WINDOW of the query.")] = 2,
+        int | None, typer.Option(help="Truncate sentences to this many tokens (counted in run.json).")
+    ] = DEFAULTS.max_length,
+    window: Annotated[int, typer.Option(help="Diagonal metric: mass within +-WINDOW of the query.")] = DEFAULTS.window,
     batch_size: Annotated[
         str, typer.Option(help="Sentences per forward pass, or auto: as many as --max-memory allows (up to 256).")
     ] = "auto",
@@ -169,15 +159,15 @@ def analyze(
     ] = None,
     sentence_heads: Annotated[
         bool, typer.Option(help="Also write per-(sentence, layer, head) metrics (large for big corpora).")
-    ] = True,
+    ] = DEFAULTS.sentence_heads,
     charts: Annotated[bool, typer.Option(help="Draw the charts after measuring.")] = True,
-    chart_format: Format = ChartFormat.png,
-    local_min_locality: LocalMinLocality = 0.5,
-    copy_max_norm_entropy: CopyMaxNormEntropy = 0.3,
-    broad_min_norm_entropy: BroadMinNormEntropy = 0.7,
+    chart_format: Format = DEFAULT_FORMAT,
+    local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
+    copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
+    broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
-    from headscope.config import RunConfig, Thresholds, parse_batch_size, parse_bytes, parse_layers
+    from headscope.config import parse_batch_size, parse_bytes, parse_layers
     from headscope.loading import quiet_transformers, resolve_source
     from headscope.pipeline import analyze as run_analysis
     from headscope.reporting import RichReporter
@@ -223,13 +213,12 @@ def classify(
     out: Annotated[
         Path | None, typer.Option(help="Write the re-labelled heads.parquet and run.json here instead of in place.")
     ] = None,
-    local_min_locality: LocalMinLocality = 0.5,
-    copy_max_norm_entropy: CopyMaxNormEntropy = 0.3,
-    broad_min_norm_entropy: BroadMinNormEntropy = 0.7,
+    local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
+    copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
+    broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
 ) -> None:
     """Re-label the heads of REPORT as local, copy, broad or mixed, with other thresholds (no model needed)."""
-    from headscope.config import Thresholds
-    from headscope.report import reclassify
+    from headscope.report.folder import reclassify
 
     with user_errors():
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
@@ -242,13 +231,13 @@ def classify(
 def plot(
     report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
     out: Annotated[Path | None, typer.Option(help="Folder for the charts (default: REPORT).")] = None,
-    chart_format: Format = ChartFormat.png,
+    chart_format: Format = DEFAULT_FORMAT,
 ) -> None:
     """Draw the charts of REPORT from its tables (no model needed)."""
-    from headscope.report import draw_charts
+    from headscope.report.folder import plot_report
 
     with user_errors():
-        written = draw_charts(report, fmt=chart_format.value, out=out)
+        written = plot_report(report, fmt=chart_format.value, out=out)
     for path in written:
         typer.echo(f"wrote {path}")
 
@@ -301,18 +290,10 @@ def _print_type_counts(classified, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from headscope.classify import HEAD_TYPES, type_counts
-    from headscope.summary import depth_bands
+    from headscope.labels import HEAD_TYPES, type_counts
+    from headscope.summary import layer_bands
 
-    n_layers = int(classified["layer"].max()) + 1
-    early, late = depth_bands(n_layers)
-    bands = {f"layers {early.start}-{early.stop - 1}": early}
-    if late.start > early.stop:
-        bands[f"layers {early.stop}-{late.start - 1}"] = range(early.stop, late.start)
-    if late.start >= early.stop:
-        bands[f"layers {late.start}-{late.stop - 1}"] = late
-    bands["all layers"] = range(n_layers)
-    counts = type_counts(classified, bands)
+    counts = type_counts(classified, layer_bands(int(classified["layer"].max()) + 1))
     table = Table(title=title)
     table.add_column("layers")
     for name in HEAD_TYPES:

@@ -1,4 +1,5 @@
-"""Run settings: one frozen dataclass, every field documented."""
+"""Run settings and head-type thresholds: frozen dataclasses, every field documented, every default and
+every list of choices written here once (the CLI derives its defaults and choices from them)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu", "mps")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+ENCODING_ERRORS: tuple[str, ...] = ("strict", "replace", "skip")
+PADDING_SIDES: tuple[str, ...] = ("right", "left")
+CHART_FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
+# float32 logits of one block of query rows; a layer's attention larger than this is reduced block by block
+# (temporaries take a few times this).
+BLOCK_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -26,12 +33,13 @@ class RunConfig:
     dtype: DType = "auto"  # auto: bfloat16 (float16 without bf16 support) on cuda, float16 on mps, float32 on cpu
     text_column: str | None = None  # column holding the sentence in .jsonl/.csv/.tsv/.parquet (None: "text")
     encoding_errors: str = "strict"  # invalid UTF-8 in the corpus: strict (error), replace or skip the line
+    padding_side: str = "right"  # where batches are padded; changes no number (tested), kept to prove it
     device_map: str | None = None  # accelerate device map (e.g. "auto") for models larger than one device
     max_length: int | None = None  # truncate each sentence to this many tokens; None = the model's limit
     window: int = 2  # diagonal metric: mass within +-window positions of the query
     batch_size: int | None = None  # sentences per forward pass; None (auto) = as many as max_memory allows
     max_memory: int | None = None  # bytes for activations and attention; None = half the free device memory
-    block_bytes: int = 32 * 2**20  # attention larger than this per layer is reduced in blocks of query rows
+    block_bytes: int = BLOCK_BYTES  # attention larger than this per layer is reduced in blocks of query rows
     layers: tuple[int, ...] | None = None  # measure only these layers; None = all
     sentence_heads: bool = True  # also write per-(sentence, layer, head) metrics
     chunk_sentences: int = 4096  # sentences tokenized and length-sorted together; bounds host memory
@@ -41,6 +49,12 @@ class RunConfig:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.encoding_errors not in ENCODING_ERRORS:
+            raise ConfigError(
+                f"--encoding-errors must be one of {', '.join(ENCODING_ERRORS)}; got {self.encoding_errors!r}"
+            )
+        if self.padding_side not in PADDING_SIDES:
+            raise ConfigError(f"padding_side must be one of {', '.join(PADDING_SIDES)}; got {self.padding_side!r}")
         if self.window < 0:
             raise ConfigError(f"--window must be 0 or more; got {self.window}")
         if self.batch_size is not None and self.batch_size < 1:

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from headscope.config import ENCODING_ERRORS
 from headscope.errors import CorpusError
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "english-100.txt"
@@ -31,9 +32,6 @@ class Sentence:
     sentence_id: int  # 0-based, in file order, counting only kept sentences
     line: int  # 1-based line (row) in the source file
     text: str
-
-
-ENCODING_ERRORS = ("strict", "replace", "skip")
 
 
 @dataclass(frozen=True)

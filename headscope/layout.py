@@ -2,13 +2,15 @@
 
 `analyze --overwrite` replaces a folder only when `why_not_a_report` finds nothing in it but the files
 named here and a run.json that headscope wrote: this list is the list of files headscope may ever delete.
-No third-party imports: the CLI checks an output folder before anything heavy is loaded.
+No third-party imports: an output folder is checked before anything heavy is loaded.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from headscope.config import CHART_FORMATS
 
 SCHEMA_VERSION = 1  # of the tables and run.json; bumped when a column or key changes meaning or goes away
 
@@ -20,7 +22,6 @@ RUN_FILE = "run.json"
 TABLE_FILES = (HEADS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE)
 
 CHART_NAMES = ("entropy_heatmap", "layer_gradient", "head_types", "classification_map", "examples")
-CHART_FORMATS = ("png", "svg", "pdf")
 
 
 def is_report_file(name: str) -> bool:

@@ -1,45 +1,49 @@
-"""analyze(): load, measure, write. The one entry point the CLI (and notebooks) call."""
+"""analyze(): measure -> tables -> write. The one entry point the CLI (and notebooks) call.
+
+One path for every run: the corpus streams through the model chunk by chunk (`measure` keeps only the
+per-head sums and the few facts needed later, and hands each chunk's per-sentence rows to part files);
+then the tables are built (the small ones in memory, the per-sentence ones merged from their parts) and
+written into the run's work folder, with the run record and the charts drawn from the frames in hand. With
+`out`, the work folder is the report's staging folder, published at the end; without, a temporary folder
+whose per-sentence tables are read back into the result.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
-import platform
-import resource
-import sys
-import time
-from dataclasses import dataclass
-from importlib import metadata
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from headscope.batching import batches_in_order, collate
-from headscope.capture import LayerReducer, measure_batch, measuring, sentence_attention
-from headscope.checkpoint import MemoryChunks, PartFiles, Progress
-from headscope.classify import classify_heads
-from headscope.config import RunConfig, Thresholds
+from headscope.capture import forward, measuring
+from headscope.checkpoint import PartFiles, Progress
+from headscope.config import CHART_FORMATS, RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
 from headscope.errors import ConfigError, OutputError
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, RUN_FILE, SCHEMA_VERSION, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.feed import batches_in_order, collate, model_max_length, token_labels, tokenize_sentences
+from headscope.labels import classify_heads
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.loading import (
     LoadedModel,
     ModelSource,
     architecture_of,
-    dtype_name,
     load_config,
     load_model,
     model_files,
     resolve_source,
 )
+from headscope.measures.example import ExampleAttention
+from headscope.measures.statistics import AttentionStatistics
 from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget, tokens_per_batch
-from headscope.metrics import STATS
 from headscope.output import StagedDirectory
-from headscope.report import classification_record, draw_charts, parquet_metadata
+from headscope.record import Timings, fingerprint, run_record
 from headscope.reporting import NullReporter, Reporter
+from headscope.stats import STATS
 from headscope.summary import layer_entropy
 from headscope.tables import (
     EXAMPLES_SCHEMA,
@@ -48,12 +52,12 @@ from headscope.tables import (
     SENTENCES_SCHEMA,
     examples_frame,
     heads_frame,
+    parquet_metadata,
     read_table,
     sentence_heads_frame,
     write_json,
     write_table,
 )
-from headscope.tokenization import model_max_length, token_labels, tokenize_sentences
 
 EXAMPLE_TOKENS = 14  # the example chart uses the corpus sentence closest to this length (legible labels)
 # ... cut to at most this many tokens: the example keeps every head's (t, t) attention, which must stay small
@@ -66,20 +70,26 @@ class AnalysisResult:
     """What `analyze` measured, as DataFrames (the same tables it writes)."""
 
     heads: pd.DataFrame  # one row per (layer, head), with its head type
-    sentences: pd.DataFrame  # one row per sentence
     run: dict  # everything run.json holds
     examples: pd.DataFrame  # every head's attention on one corpus sentence (long-form)
     out_dir: Path | None = None  # where the tables were written, if anywhere
-    _sentence_heads: pd.DataFrame | None = None
+    _tables: dict[str, pd.DataFrame | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def sentences(self) -> pd.DataFrame:
+        """One row per sentence (read from the report on first use: it can be large)."""
+        return self._table(SENTENCES_FILE, SENTENCES_SCHEMA)
 
     @property
     def sentence_heads(self) -> pd.DataFrame | None:
-        """One row per (sentence, layer, head); read from disk on first use when it was streamed there."""
-        if self._sentence_heads is None and self.out_dir is not None:
-            path = self.out_dir / SENTENCE_HEADS_FILE
-            if path.exists():
-                self._sentence_heads = read_table(path, SENTENCE_HEADS_SCHEMA)
-        return self._sentence_heads
+        """One row per (sentence, layer, head), or None when the run skipped it (read on first use)."""
+        return self._table(SENTENCE_HEADS_FILE, SENTENCE_HEADS_SCHEMA)
+
+    def _table(self, name: str, schema) -> pd.DataFrame | None:
+        if name not in self._tables:
+            path = self.out_dir / name if self.out_dir is not None else None
+            self._tables[name] = read_table(path, schema) if path is not None and path.exists() else None
+        return self._tables[name]
 
     def layer_entropy(self) -> pd.Series:
         """Mean entropy per layer (nats): the seed analysis's layer-depth gradient."""
@@ -87,15 +97,14 @@ class AnalysisResult:
 
 
 @dataclass
-class _Measured:
+class Measured:
+    """What `measure` keeps of a whole corpus: sums and a few facts; the per-sentence rows went to parts."""
+
     sums: np.ndarray  # (layers, heads, stats) corpus-wide sums
     layer_ids: np.ndarray  # (layers,) which model layers the sums are of
     chunks: int  # chunks of sentences the corpus was measured in
-    measured_sentences: int  # sentences with at least one token
-    tokens: int
-    truncated: int
+    progress: Progress  # counts: sentences measured, empty, tokens, truncated, batches; the example sentence
     max_length: int | None  # the truncation length actually applied
-    batching: dict  # limits used and number of batches
     attention_paths: dict  # attention class -> how its probabilities were read
 
 
@@ -108,21 +117,21 @@ def analyze(
     resume: bool = False,
     config: RunConfig | None = None,
     thresholds: Thresholds | None = None,
-    charts: str | None = "png",
+    charts: str | None = CHART_FORMATS[0],
     reporter: Reporter | None = None,
-    padding_side: str = "right",
     **options,
 ) -> AnalysisResult:
     """Measure every attention head of `model` on `corpus`.
 
     model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model
     corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
-    out:     folder to write the tables, run.json and charts into (nothing is written when None)
-    overwrite: replace a non-empty `out` (only once the new report is complete)
+    out:     folder to write the tables, run.json and charts into (nothing is kept when None)
+    overwrite: replace `out` if it holds a headscope report (only once the new report is complete)
     resume:  checkpoint after every chunk of sentences and continue from the checkpoint an interrupted
              run with the same model, corpus and settings left behind (needs `out`)
     thresholds: head-type rule (default: Thresholds())
-    charts:  chart format written with the tables (png, svg, pdf), or None for no charts
+    charts:  chart format written with the tables (png, svg, pdf), or None for no charts (always none
+             without `out`)
     options: any RunConfig field, e.g. ``window=3`` or ``batch_size=8``
     """
     config = dataclasses.replace(config or RunConfig(), **options)
@@ -133,72 +142,174 @@ def analyze(
     # Everything that can be refused without the model is refused before it loads (which can take minutes).
     corpus = _as_corpus(corpus, config)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    stage = None
     if out is not None:
-        stage = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus))
+        work = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus))
+    timings = Timings()
 
-    with contextlib.ExitStack() as cleanup:  # on error the staging folder goes (or stays, with resume)
-        if stage is not None:
-            cleanup.enter_context(stage)
-            _report_cleaned(stage, reporter)
-        started = time.perf_counter()
-        loaded = model if isinstance(model, LoadedModel) else _load(source, config, reporter)
-        check_options(config, loaded.model.config)
-        load_seconds = time.perf_counter() - started
-
-        kinds = ("sentences", "sentence_heads") if config.sentence_heads else ("sentences",)
-        if stage is not None:
-            store = PartFiles(stage.path, _fingerprint(loaded, corpus, config, padding_side), checkpoints=resume)
+    with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)
+        if out is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-")))
         else:
-            store = MemoryChunks()
-        progress, sums = Progress(), None
-        if resume:
-            progress, sums = store.load_progress(_sums_shape(loaded, config), kinds)
-            config = _resumed_settings(config, progress, reporter)
+            folder = stack.enter_context(work).path
+            _report_cleaned(work, reporter)
+        with timings.phase("load"):
+            loaded = model if isinstance(model, LoadedModel) else _load(source, config, reporter)
+            check_options(config, loaded.model.config)
+
+        parts = PartFiles(folder, fingerprint(loaded, corpus, config), checkpoints=resume)
+        kinds = ("sentences", "sentence_heads") if config.sentence_heads else ("sentences",)
+        progress, sums = parts.load_progress(_sums_shape(loaded, config), kinds) if resume else (Progress(), None)
+        config = _resumed_settings(config, progress, reporter) if resume else config
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
-        started = time.perf_counter()
-        measured = _measure(loaded, corpus, config, reporter, store, progress, sums, padding_side)
-        measure_seconds = time.perf_counter() - started
+        with timings.phase("measure"):
+            measured = measure(loaded, corpus, config, parts, progress, sums, reporter)
 
-        started = time.perf_counter()
-        if stage is not None:
+        with timings.phase("write"):
             reporter.stage("writing tables")
-            rows = store.merged("sentences", SENTENCES_SCHEMA, stage.path / SENTENCES_FILE, measured.chunks)
-            _check_rows("sentence", rows, len(corpus.sentences), store)
-            if config.sentence_heads:
-                rows = store.merged(
-                    "sentence_heads", SENTENCE_HEADS_SCHEMA, stage.path / SENTENCE_HEADS_FILE, measured.chunks
-                )
-                _check_rows("sentence-head", rows, measured.measured_sentences * measured.sums[..., 0].size, store)
-            sentences = read_table(stage.path / SENTENCES_FILE, SENTENCES_SCHEMA)
-        else:
-            sentences = store.sentences_table()
-        measured_heads = heads_frame(measured.sums, loaded.architecture["kv_heads"], measured.layer_ids)
-        heads = classify_heads(measured_heads, thresholds)
-        examples = _example_attention(loaded, corpus, sentences, measured.max_length, padding_side)
-        run = _run_record(loaded, corpus, config, measured, sentences, heads, load_seconds, measure_seconds)
-        run["classification"] = classification_record(heads, thresholds)
-        if stage is not None:
-            write_table(heads, stage.path / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
-            write_table(examples, stage.path / EXAMPLES_FILE, EXAMPLES_SCHEMA)
-            run["timings"]["write_seconds"] = round(time.perf_counter() - started, 3)
-            write_json(run, stage.path / RUN_FILE)
-            if charts:
-                reporter.stage("drawing charts")
-                draw_charts(stage.path, fmt=charts)
-            store.discard_checkpoint()
-    if stage is not None:
-        _report_cleaned(stage, reporter)
+            _merge_parts(parts, folder, measured, corpus, config)
+            heads = classify_heads(
+                heads_frame(measured.sums, loaded.architecture["kv_heads"], measured.layer_ids), thresholds
+            )
+            examples = example_attention(loaded, corpus, measured, config)
+            write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+        run = run_record(loaded, corpus, config, measured, heads, thresholds, timings)
+        write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
+        write_json(run, folder / RUN_FILE)
+        if charts and out is not None:
+            from headscope.report.charts import draw_charts  # matplotlib only when charts are drawn
+            from headscope.report.folder import chart_title
 
-    return AnalysisResult(
-        heads=heads,
-        sentences=sentences,
-        run=run,
-        examples=examples,
-        out_dir=stage.target if stage else None,
-        _sentence_heads=store.sentence_heads_table() if stage is None else None,
+            reporter.stage("drawing charts")
+            draw_charts(heads, examples, thresholds, title=chart_title(run), folder=folder, fmt=charts)
+        parts.discard_checkpoint()
+        # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
+        in_memory = {} if out is not None else _read_per_sentence_tables(folder)
+    if out is not None:
+        _report_cleaned(work, reporter)
+    out_dir = work.target if out is not None else None
+    return AnalysisResult(heads=heads, run=run, examples=examples, out_dir=out_dir, _tables=in_memory)
+
+
+def _read_per_sentence_tables(folder: Path) -> dict[str, pd.DataFrame | None]:
+    tables = {SENTENCES_FILE: SENTENCES_SCHEMA, SENTENCE_HEADS_FILE: SENTENCE_HEADS_SCHEMA}
+    return {
+        name: read_table(folder / name, schema) if (folder / name).exists() else None for name, schema in tables.items()
+    }
+
+
+def measure(
+    loaded: LoadedModel,
+    corpus: Corpus,
+    config: RunConfig,
+    parts: PartFiles,
+    progress: Progress,
+    totals: np.ndarray | None,
+    reporter: Reporter,
+) -> Measured:
+    """Stream the corpus through the model chunk by chunk; keep only stat sums, hand rows to `parts`.
+
+    `progress` and `totals` come from a checkpoint when resuming: chunks already done are skipped.
+    """
+    limits = [x for x in (config.max_length, model_max_length(loaded.model.config)) if x is not None]
+    max_length = min(limits) if limits else None
+    # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
+    accum_dtype = torch.float32 if loaded.device.type == "mps" else torch.float64
+    layer_ids = _selected_layers(config.layers, loaded.architecture["layers"])
+    totals = np.zeros(_sums_shape(loaded, config)) if totals is None else totals
+    statistics = AttentionStatistics(
+        window=config.window, accum_dtype=accum_dtype, layers=None if config.layers is None else layer_ids
     )
+    progress.batching = progress.batching or _batch_limits(loaded, config)
+
+    reporter.start(len(corpus.sentences))
+    chunk_starts = range(0, len(corpus.sentences), config.chunk_sentences)
+    with measuring(loaded.model, [statistics], block_bytes=config.block_bytes) as capture:
+        for index, first in enumerate(chunk_starts):
+            chunk = corpus.sentences[first : first + config.chunk_sentences]
+            if index < progress.chunks_done:  # measured before the interruption
+                reporter.advance(len(chunk), 0)
+                continue
+            ids, cut = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk], max_length)
+            tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
+            per_sentence: dict[int, np.ndarray] = {}
+            for batch in batches_in_order(
+                tokenized,
+                max_sentences=progress.batching["max_sentences"],
+                max_tokens=progress.batching["max_tokens"],
+                padding_side=config.padding_side,
+                device=loaded.device,
+            ):
+                forward(loaded.model, capture, batch)
+                sums = statistics.finish().numpy()  # (layers, batch, heads, stats)
+                totals = totals + sums.sum(axis=1)
+                for column, sentence_id in enumerate(batch.sentence_ids):
+                    per_sentence[sentence_id] = sums[:, column]
+                progress.tokens += batch.n_tokens
+                progress.batches += 1
+                reporter.advance(len(batch.sentence_ids), batch.n_tokens)
+            reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
+            parts.add(
+                index,
+                _sentence_rows(chunk, ids, cut),
+                _sentence_head_rows(per_sentence, tokenized, layer_ids, totals.shape, config),
+            )
+            _count_chunk(progress, chunk, ids, cut)
+            progress.chunks_done = index + 1
+            parts.save_progress(progress, totals)
+    reporter.finish()
+    if progress.tokens == 0:
+        raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
+    return Measured(
+        sums=totals,
+        layer_ids=layer_ids,
+        chunks=len(chunk_starts),
+        progress=progress,
+        max_length=max_length,
+        attention_paths=dict(capture.paths),
+    )
+
+
+def _count_chunk(progress: Progress, chunk, ids: list[list[int]], cut: list[bool]) -> None:
+    """Add a measured chunk's counts to `progress`, and keep the best example sentence so far."""
+    lengths = [len(row) for row in ids]
+    progress.measured_sentences += sum(n > 0 for n in lengths)
+    progress.empty_sentences += sum(n == 0 for n in lengths)
+    progress.truncated += sum(cut)
+    for sentence, n in zip(chunk, lengths, strict=True):
+        # Prefer sentences of 2 tokens or more, then the length closest to EXAMPLE_TOKENS, then the first.
+        candidate = [int(n < 2), abs(n - EXAMPLE_TOKENS), sentence.sentence_id]
+        if n > 0 and (progress.example is None or candidate < progress.example):
+            progress.example = candidate
+
+
+def example_attention(loaded: LoadedModel, corpus: Corpus, measured: Measured, config: RunConfig) -> pd.DataFrame:
+    """Every head's attention on the example sentence (the one closest to EXAMPLE_TOKENS tokens, ties: first)."""
+    sentence_id = measured.progress.example[2]
+    cut = min(EXAMPLE_MAX_TOKENS, measured.max_length or EXAMPLE_MAX_TOKENS)
+    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], cut)
+    batch = collate([sentence_id], ids, padding_side=config.padding_side, device=loaded.device)
+    keeper = ExampleAttention()
+    with measuring(loaded.model, [keeper], block_bytes=config.block_bytes) as capture:
+        forward(loaded.model, capture, batch)
+    return examples_frame(sentence_id, token_labels(loaded.tokenizer, ids[0]), keeper.finish().numpy())
+
+
+def _merge_parts(parts: PartFiles, folder: Path, measured: Measured, corpus: Corpus, config: RunConfig) -> None:
+    """The per-sentence tables from their parts, checked against what the run measured."""
+    rows = parts.merged("sentences", SENTENCES_SCHEMA, folder / SENTENCES_FILE, measured.chunks)
+    _check_rows("sentence", rows, len(corpus.sentences), parts)
+    if config.sentence_heads:
+        rows = parts.merged("sentence_heads", SENTENCE_HEADS_SCHEMA, folder / SENTENCE_HEADS_FILE, measured.chunks)
+        _check_rows("sentence-head", rows, measured.progress.measured_sentences * measured.sums[..., 0].size, parts)
+
+
+def _check_rows(what: str, rows: int, expected: int, parts: PartFiles) -> None:
+    if rows != expected:
+        raise OutputError(
+            f"the measured parts hold {rows:,} {what} rows where the run measured {expected:,}; "
+            f"the checkpoint in {parts.folder} does not add up: delete it and run again"
+        )
 
 
 def _inputs(source: ModelSource, corpus: Corpus) -> dict[str, Path]:
@@ -257,47 +368,6 @@ def _resumed_settings(config: RunConfig, progress: Progress, reporter: Reporter)
     return dataclasses.replace(config, batch_size=progress.batch_size, max_memory=progress.max_memory)
 
 
-def _check_rows(what: str, rows: int, expected: int, store: PartFiles) -> None:
-    if rows != expected:
-        raise OutputError(
-            f"the measured parts hold {rows:,} {what} rows where the run measured {expected:,}; "
-            f"the checkpoint in {store.folder} does not add up: delete it and run again"
-        )
-
-
-def _fingerprint(loaded: LoadedModel, corpus: Corpus, config: RunConfig, padding_side: str) -> dict:
-    """What must match for a checkpoint to be continued: everything that changes a number.
-
-    Batch size and memory budget are left out: a resumed run reuses the first run's batching limits.
-    """
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("batch_size", "max_memory", "device_map")}
-    source = loaded.source
-    return {
-        "model": [source.kind, source.location, source.gguf_file, loaded.revision],
-        "corpus_sha256": corpus.sha256,
-        "device": loaded.device.type,
-        "dtype": dtype_name(loaded.dtype),
-        "padding_side": padding_side,
-        "settings": settings,
-    }
-
-
-def _example_attention(
-    loaded: LoadedModel, corpus: Corpus, all_sentences: pd.DataFrame, max_length: int | None, padding_side: str
-) -> pd.DataFrame:
-    """Every head's attention on the corpus sentence closest to EXAMPLE_TOKENS tokens (ties: first)."""
-    sentences = all_sentences[all_sentences["n_tokens"] >= 2]
-    if sentences.empty:
-        sentences = all_sentences[all_sentences["n_tokens"] >= 1]
-    distance = (sentences["n_tokens"] - EXAMPLE_TOKENS).abs()
-    sentence_id = int(sentences.loc[distance.idxmin(), "sentence_id"])
-    cut = min(EXAMPLE_MAX_TOKENS, max_length or EXAMPLE_MAX_TOKENS)
-    ids, _ = tokenize_sentences(loaded.tokenizer, [corpus.sentences[sentence_id].text], cut)
-    batch = collate([sentence_id], ids, padding_side=padding_side, device=loaded.device)
-    attention = sentence_attention(loaded.model, batch).numpy()
-    return examples_frame(sentence_id, token_labels(loaded.tokenizer, ids[0]), attention)
-
-
 def _as_corpus(corpus, config: RunConfig) -> Corpus:
     if isinstance(corpus, Corpus):
         return corpus
@@ -305,86 +375,6 @@ def _as_corpus(corpus, config: RunConfig) -> Corpus:
         return corpus_from_texts(corpus)
     path = corpus if corpus is not None else default_corpus_path()
     return read_corpus(path, text_column=config.text_column, encoding_errors=config.encoding_errors)
-
-
-def _measure(
-    loaded: LoadedModel,
-    corpus: Corpus,
-    config: RunConfig,
-    reporter: Reporter,
-    store: MemoryChunks | PartFiles,
-    progress: Progress,
-    totals: np.ndarray | None,
-    padding_side: str,
-) -> _Measured:
-    """Stream the corpus through the model chunk by chunk; keep only stat sums, hand rows to `store`.
-
-    `progress` and `totals` come from a checkpoint when resuming: chunks already done are skipped.
-    """
-    limits = [x for x in (config.max_length, model_max_length(loaded.model.config)) if x is not None]
-    max_length = min(limits) if limits else None
-    # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
-    accum_dtype = torch.float32 if loaded.device.type == "mps" else torch.float64
-    layer_ids = _selected_layers(config.layers, loaded.architecture["layers"])
-    reducer = LayerReducer(
-        window=config.window,
-        accum_dtype=accum_dtype,
-        layers=None if config.layers is None else layer_ids,
-        block_bytes=config.block_bytes,
-    )
-    progress.batching = progress.batching or _batch_limits(loaded, config)
-    limits = progress.batching
-
-    reporter.start(len(corpus.sentences))
-    chunk_starts = range(0, len(corpus.sentences), config.chunk_sentences)
-    with measuring(loaded.model, reducer):
-        for index, first in enumerate(chunk_starts):
-            chunk = corpus.sentences[first : first + config.chunk_sentences]
-            if index < progress.chunks_done:  # measured before the interruption
-                reporter.advance(len(chunk), 0)
-                continue
-            ids, cut = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk], max_length)
-            tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
-            per_sentence: dict[int, np.ndarray] = {}
-            for batch in batches_in_order(
-                tokenized,
-                max_sentences=limits["max_sentences"],
-                max_tokens=limits["max_tokens"],
-                padding_side=padding_side,
-                device=loaded.device,
-            ):
-                sums = measure_batch(loaded.model, reducer, batch).numpy()  # (layers, batch, heads, stats)
-                batch_total = sums.sum(axis=1)
-                totals = batch_total if totals is None else totals + batch_total
-                for column, sentence_id in enumerate(batch.sentence_ids):
-                    per_sentence[sentence_id] = sums[:, column]
-                progress.tokens += batch.n_tokens
-                progress.batches += 1
-                reporter.advance(len(batch.sentence_ids), batch.n_tokens)
-            reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
-            store.add(
-                index,
-                _sentence_rows(chunk, ids, cut),
-                _sentence_head_rows(per_sentence, tokenized, layer_ids, loaded.architecture["heads"], config),
-            )
-            progress.measured_sentences += len(tokenized)
-            progress.truncated += sum(cut)
-            progress.chunks_done = index + 1
-            store.save_progress(progress, totals)
-    reporter.finish()
-    if totals is None:
-        raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
-    return _Measured(
-        sums=totals,
-        layer_ids=layer_ids,
-        chunks=len(chunk_starts),
-        measured_sentences=progress.measured_sentences,
-        tokens=progress.tokens,
-        truncated=progress.truncated,
-        max_length=max_length,
-        batching={**limits, "batches": progress.batches},
-        attention_paths=dict(reducer.paths),
-    )
 
 
 def _sentence_rows(chunk, ids: list[list[int]], cut: list[bool]) -> pd.DataFrame:
@@ -399,14 +389,13 @@ def _sentence_rows(chunk, ids: list[list[int]], cut: list[bool]) -> pd.DataFrame
     )
 
 
-def _sentence_head_rows(per_sentence, tokenized, layer_ids, heads: int, config: RunConfig) -> pd.DataFrame | None:
+def _sentence_head_rows(per_sentence, tokenized, layer_ids, shape, config: RunConfig) -> pd.DataFrame | None:
     if not config.sentence_heads:
         return None
     order = sorted(per_sentence)
-    sums = np.stack([per_sentence[i] for i in order]) if order else np.zeros((0, len(layer_ids), heads, len(STATS)))
-    return sentence_heads_frame(
-        np.array(order, dtype=np.int64), np.array([len(tokenized[i]) for i in order]), sums, layer_ids
-    )
+    sums = np.stack([per_sentence[i] for i in order]) if order else np.zeros((0, *shape))
+    lengths = np.array([len(tokenized[i]) for i in order], dtype=np.int64)
+    return sentence_heads_frame(np.array(order, dtype=np.int64), lengths, sums, layer_ids)
 
 
 def _selected_layers(requested: tuple[int, ...] | None, n_layers: int) -> np.ndarray:
@@ -429,70 +418,4 @@ def _batch_limits(loaded: LoadedModel, config: RunConfig) -> dict:
         "max_sentences": config.batch_size or MAX_AUTO_SENTENCES,
         "max_tokens": tokens_per_batch(budget, per_token, config.block_bytes),
         "memory_budget_bytes": budget,
-    }
-
-
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for package in ("headscope", "torch", "transformers", "tokenizers", "gguf", "pandas", "pyarrow"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions
-
-
-def _peak_memory(device: torch.device) -> dict[str, int]:
-    # ru_maxrss is KiB on Linux, bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    peaks = {"peak_rss_bytes": int(rss)}
-    if device.type == "cuda":
-        peaks["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    return peaks
-
-
-def _run_record(loaded, corpus, config, measured, sentences, heads, load_seconds, measure_seconds) -> dict:
-    source = loaded.source
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {
-            "input": source.display,
-            "kind": source.kind,
-            "location": source.location,
-            "gguf_file": source.gguf_file,
-            "revision": loaded.revision,
-            "architecture": loaded.architecture,
-        },
-        "device": str(loaded.device),
-        "dtype": dtype_name(loaded.dtype),
-        "attention_implementation": measured.attention_paths,
-        "batching": measured.batching,
-        "corpus": {
-            "path": str(corpus.path),
-            "sha256": corpus.sha256,
-            "sentences": len(corpus.sentences),
-            "blank_lines_skipped": corpus.blank_skipped,
-            "invalid_utf8_lines": corpus.invalid_lines,
-            "tokens": measured.tokens,
-            "truncated_sentences": measured.truncated,
-            "max_length": measured.max_length,
-            "empty_sentences": int((sentences["n_tokens"] == 0).sum()),
-        },
-        "settings": config.to_dict(),
-        "versions": _versions(),
-        "timings": {
-            "load_seconds": round(load_seconds, 3),
-            "measure_seconds": round(measure_seconds, 3),
-            "write_seconds": None,
-            "tokens_per_second": round(measured.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
-            **_peak_memory(loaded.device),
-        },
-        "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
-        "numerics": {
-            "nonfinite_rows": int(heads["nonfinite_rows"].sum()),
-            "heads_with_nonfinite_rows": int((heads["nonfinite_rows"] > 0).sum()),
-            "unnormalised_rows": int(heads["unnormalised_rows"].sum()),
-            "heads_with_unnormalised_rows": int((heads["unnormalised_rows"] > 0).sum()),
-        },
     }

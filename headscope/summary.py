@@ -14,10 +14,29 @@ def depth_bands(n_layers: int) -> tuple[range, range]:
     return range(0, width), range(n_layers - width, n_layers)
 
 
+def layer_bands(n_layers: int) -> dict[str, range]:
+    """Named bands for tables of counts: early, middle (when there is one), late, and all layers."""
+    early, late = depth_bands(n_layers)
+    bands = {_band_name(early): early}
+    if late.start > early.stop:
+        middle = range(early.stop, late.start)
+        bands[_band_name(middle)] = middle
+    if late.start >= early.stop:
+        bands[_band_name(late)] = late
+    bands["all layers"] = range(n_layers)
+    return bands
+
+
+def _band_name(band: range) -> str:
+    return f"layers {band.start}-{band.stop - 1}" if len(band) > 1 else f"layer {band.start}"
+
+
 def layer_entropy(heads: pd.DataFrame) -> pd.DataFrame:
-    """Per layer: mean, min and max of the heads' mean entropy (nats)."""
+    """Per layer: mean, standard deviation (over heads, population), min and max of the heads' mean entropy."""
     grouped = heads.groupby("layer")["entropy"]
-    return pd.DataFrame({"mean": grouped.mean(), "min": grouped.min(), "max": grouped.max()})
+    return pd.DataFrame(
+        {"mean": grouped.mean(), "std": grouped.std(ddof=0), "min": grouped.min(), "max": grouped.max()}
+    )
 
 
 def covers_all_layers(heads: pd.DataFrame) -> bool:
@@ -40,6 +59,8 @@ def early_late_entropy(heads: pd.DataFrame) -> dict[str, float] | None:
     return {
         "early_layers": f"{early.start}-{early.stop - 1}",
         "late_layers": f"{late.start}-{late.stop - 1}",
+        "early_band": early,
+        "late_band": late,
         "early": early_mean,
         "late": late_mean,
         "gradient": late_mean - early_mean,

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
-from headscope.metrics import metric_means
 from headscope.output import atomic_path
+from headscope.stats import metric_means
 
 METADATA_KEY = b"headscope"
 
@@ -119,6 +119,12 @@ def examples_frame(sentence_id: int, tokens: list[str], attention: np.ndarray) -
             "weight": attention.reshape(-1).astype(np.float32),
         }
     )
+
+
+def parquet_metadata(run: dict) -> dict:
+    """The part of run.json embedded in heads.parquet's metadata (key ``headscope``)."""
+    keys = ("schema_version", "model", "corpus", "settings", "device", "dtype", "classification")
+    return {key: run[key] for key in keys if key in run}
 
 
 def _with_metadata(schema: pa.Schema, metadata: dict | None) -> pa.Schema:

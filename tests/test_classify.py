@@ -7,11 +7,12 @@ import pandas as pd
 import pytest
 import torch
 
-from headscope.batching import collate
-from headscope.classify import HEAD_TYPES, classify_heads, most_typical, type_counts
 from headscope.config import Thresholds
 from headscope.errors import ConfigError
-from headscope.metrics import causal_visible_keys, head_row_sums
+from headscope.feed import collate
+from headscope.labels import HEAD_TYPES, classify_heads, most_typical, type_counts
+from headscope.masks import causal_visible_keys
+from headscope.measures.statistics import head_row_sums
 from headscope.tables import heads_frame
 
 DEFAULT = Thresholds()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from headscope.cli import app
@@ -10,25 +15,31 @@ from headscope.cli import app
 runner = CliRunner()
 
 
-def command_names() -> list[str]:
-    return [command.name or command.callback.__name__ for command in app.registered_commands]
+COMMANDS = typer.main.get_command(app).commands
 
 
-@pytest.mark.parametrize("name", command_names())
-def test_every_command_has_help(name):
-    result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+def words(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_and_option_has_its_own_help(name):
+    """`COMMAND --help` shows the command's own summary and, for every option and argument, its own help."""
+    command = COMMANDS[name]
+    result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0
-    command = next(c for c in app.registered_commands if (c.name or c.callback.__name__) == name)
-    assert command.callback.__doc__, f"{name} has no help text"
-    summary = command.callback.__doc__.strip().splitlines()[0]
-    assert " ".join(summary.split()) in " ".join(result.output.split())
+    shown = words(result.output)
+    assert command.help and words(command.help.strip().splitlines()[0]) in shown
+    for param in command.params:
+        assert param.help, f"{name}: {param.name} has no help text"
+        assert words(param.help) in shown, f"{name} --help does not show {param.name}'s help"
 
 
-def test_top_level_help_lists_commands():
-    result = runner.invoke(app, ["--help"])
+def test_top_level_help_lists_every_command_with_its_summary():
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0
-    for name in command_names():
-        assert name in result.output
+    for name, command in COMMANDS.items():
+        assert re.search(rf"{name}\s+{re.escape(command.help.split()[0])}", result.output), name
 
 
 def test_missing_corpus_is_a_one_line_error(planted_gpt2, tmp_path):
@@ -73,10 +84,15 @@ def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.txt", "report"]  # no staging or old folders left
 
 
-def test_bad_option_value_is_rejected(planted_gpt2):
-    result = runner.invoke(app, ["analyze", str(planted_gpt2), "--window", "-1"])
-    assert result.exit_code != 0
-    assert "--window" in result.output
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--window", "-1", "--window must be 0 or more; got -1"), ("--max-length", "0", "--max-length must be 1 or more")],
+)
+def test_bad_option_value_is_rejected_before_loading(planted_gpt2, tmp_path, monkeypatch, option, value, message):
+    monkeypatch.setattr("headscope.pipeline._load", lambda *a, **k: pytest.fail("the model was loaded"))
+    result = runner.invoke(app, ["analyze", str(planted_gpt2), option, value, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith(f"Error: {message}") and "\n" not in result.stderr.strip()
 
 
 def test_python_dash_m_runs():
@@ -86,3 +102,37 @@ def test_python_dash_m_runs():
     result = subprocess.run([sys.executable, "-m", "headscope", "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0
     assert "analyze" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def small_report(planted_gpt2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "report"
+    assert runner.invoke(app, ["analyze", str(planted_gpt2), "--out", str(out), "--no-charts"]).exit_code == 0
+    return out
+
+
+def imported_modules(*args: str) -> set[str]:
+    """Top-level packages a fresh `python ARGS` imports, read from -X importtime."""
+    done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert lines, "no -X importtime output"
+    return {line.rpartition("|")[2].strip().split(".")[0] for line in lines}
+
+
+@pytest.mark.parametrize(
+    "args", [["-c", "import headscope"], ["-m", "headscope", "--help"], ["-m", "headscope", "analyze", "--help"]]
+)
+def test_help_and_import_never_load_torch(args):
+    heavy = imported_modules(*args) & {"torch", "transformers", "matplotlib"}
+    assert not heavy, f"{' '.join(args)} imported {sorted(heavy)}"
+
+
+@pytest.mark.parametrize("command", [["classify"], ["plot", "--format", "svg"]])
+def test_commands_on_a_finished_report_never_load_torch(small_report, tmp_path, command):
+    import shutil
+
+    report = tmp_path / "report"
+    shutil.copytree(small_report, report)
+    heavy = imported_modules("-m", "headscope", command[0], str(report), *command[1:]) & {"torch", "transformers"}
+    assert not heavy, f"headscope {command[0]} imported {sorted(heavy)}"

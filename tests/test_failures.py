@@ -17,7 +17,10 @@ import torch
 
 import headscope
 from headscope.errors import ModelLoadError, OutputError
-from headscope.metrics import causal_visible_keys, head_row_sums, metric_means
+from headscope.masks import causal_visible_keys
+from headscope.measures.statistics import head_row_sums
+from headscope.report.folder import read_run
+from headscope.stats import metric_means
 
 from helpers import assert_one_line_error, hidden_leftovers, previous_report, run_cli
 from planted import build_tokenizer
@@ -41,7 +44,7 @@ def test_invalid_utf8_can_be_replaced_or_skipped(planted_gpt2, tmp_path):
         result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--encoding-errors", mode)
         assert result.exit_code == 0, result.output
         assert pd.read_parquet(out / "sentences.parquet")["text"].tolist() == expected
-        assert headscope.report.read_run(out)["corpus"]["invalid_utf8_lines"] == 1
+        assert read_run(out)["corpus"]["invalid_utf8_lines"] == 1
 
 
 def test_a_long_line_is_truncated_not_dropped(planted_gpt2, tmp_path):
@@ -128,7 +131,7 @@ def test_out_of_memory_during_a_batch(planted_gpt2, tmp_path, monkeypatch):
     def exhausted(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr("headscope.capture._forward", exhausted)
+    monkeypatch.setattr("headscope.capture.forward_kwargs", exhausted)  # inside the forward pass
     assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", tmp_path / "o"), "out of memory on a batch")
     assert hidden_leftovers(tmp_path) == []
 
@@ -298,8 +301,9 @@ def test_a_million_line_corpus_is_streamed_in_chunks(tmp_path, corpus_lines, mon
     result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--no-charts", "--no-sentence-heads")
     assert result.exit_code == 0, result.output
     *chunks, example_sentence = largest_chunk  # the last call tokenizes the example chart's one sentence
-    assert max(chunks) == 4096 and len(chunks) == 245 and example_sentence == 1  # ceil(1,000,000 / 4,096)
-    run = headscope.report.read_run(out)
+    size = headscope.RunConfig().chunk_sentences
+    assert max(chunks) == size and len(chunks) == -(-1_000_000 // size) and example_sentence == 1
+    run = read_run(out)
     assert run["corpus"]["sentences"] == 1_000_000
     per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
     assert run["corpus"]["tokens"] == int(per_sentence.sum())
@@ -345,10 +349,10 @@ def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp
     """float16 overflow, simulated: the first row of head 0 turns NaN in every layer of every batch."""
     from headscope import capture
 
-    real_lookup = capture._eager_forward_for
+    real_lookup = capture.eager_function_of
 
-    def overflowing_eager(module):
-        eager = real_lookup(module)
+    def overflowing_eager(cls):
+        eager, _ = real_lookup(cls)
 
         def forward(*args, **kwargs):
             output, weights = eager(*args, **kwargs)
@@ -356,10 +360,9 @@ def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp
             weights[:, 0, 0, :] = float("nan")  # row 0: NaN also lands above the diagonal
             return output, weights
 
-        capture._standard_source[forward] = False  # an unknown function: stays on the eager path
-        return forward
+        return forward, False  # an unknown function: stays on the eager path
 
-    monkeypatch.setattr(capture, "_eager_forward_for", overflowing_eager)
+    monkeypatch.setattr(capture, "eager_function_of", overflowing_eager)
     out = tmp_path / "out"
     result = run_cli("analyze", planted_gpt2, "--out", out, "--batch-size", "1", "--no-charts")
     assert result.exit_code == 0, result.output
@@ -368,4 +371,4 @@ def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp
     assert (heads.loc[heads["head"] == 0, "nonfinite_rows"] == 100).all()  # one row per sentence, per layer
     assert (heads.loc[heads["head"] != 0, "nonfinite_rows"] == 0).all()
     assert heads["entropy"].notna().all()
-    assert headscope.report.read_run(out)["numerics"]["nonfinite_rows"] == 200
+    assert read_run(out)["numerics"]["nonfinite_rows"] == 200

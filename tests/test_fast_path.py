@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import headscope
-from headscope.batching import plan_batches
 from headscope.config import parse_batch_size, parse_bytes, parse_layers
 from headscope.errors import ConfigError
+from headscope.feed import plan_batches
 
 from planted import build_tokenizer
 from reference import corpus_means

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from headscope.classify import HEAD_TYPES
+from headscope.labels import HEAD_TYPES
 
 from helpers import run_cli, snapshot
 

@@ -10,15 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headscope.batching import collate
-from headscope.metrics import (
-    STAT_INDEX,
-    band_row_sums,
-    causal_visible_keys,
-    head_row_sums,
-    metric_means,
-    visible_keys,
-)
+from headscope.feed import collate
+from headscope.masks import causal_visible_keys, visible_keys
+from headscope.measures.statistics import band_row_sums, head_row_sums
+from headscope.stats import STAT_INDEX, metric_means
 
 from reference import corpus_means
 

@@ -11,12 +11,12 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 import headscope
-from headscope.classify import classify_heads
 from headscope.cli import app
 from headscope.config import Thresholds
+from headscope.labels import classify_heads
 from headscope.layout import RUN_FILE
-from headscope.report import draw_charts
-from headscope.tables import HEADS_SCHEMA, read_metadata, write_json, write_table
+from headscope.report.folder import plot_report
+from headscope.tables import HEADS_SCHEMA, MEASURED_COLUMNS, read_metadata, write_json, write_table
 
 from planted import FIRST, PREVIOUS, UNIFORM
 
@@ -70,7 +70,7 @@ def test_classify_in_place_changes_labels_and_keeps_the_file_readable(report):
     after = pd.read_parquet(report / "heads.parquet")
     layer0 = after[after["layer"] == 0].set_index("head")["head_type"]
     assert layer0[PREVIOUS] != "local" and layer0[FIRST] != "copy"
-    pd.testing.assert_frame_equal(after[before.columns[:12]], before[before.columns[:12]])  # measurements kept
+    pd.testing.assert_frame_equal(after[MEASURED_COLUMNS], before[MEASURED_COLUMNS])  # every measurement kept
     run = json.loads((report / RUN_FILE).read_text())
     assert run["classification"]["thresholds"]["local_min_locality"] == 1.0
     assert not [p for p in report.iterdir() if p.name.startswith(".")]
@@ -129,7 +129,7 @@ def synthetic_report(folder, layers: int, heads: int):
 def test_charts_for_every_model_shape(tmp_path, layers, heads):
     folder = tmp_path / f"m{layers}x{heads}"
     synthetic_report(folder, layers, heads)
-    written = draw_charts(folder)
+    written = plot_report(folder)
     assert [p.stem for p in written] == list(CHARTS[:4])  # no example attention without a model run
     for path in written:
         height, width = imread(path).shape[:2]

@@ -1,19 +1,24 @@
-"""Charts: a tidy DataFrame in, a matplotlib Figure out. No model code, no file I/O.
+"""Charts: a tidy DataFrame in, a matplotlib Figure out. No model code.
 
-Every function takes keyword-only options, titles its chart with `title` (model and corpus) and
-returns the Figure it drew; `headscope.report.draw_charts` saves them.
+Every chart function takes keyword-only options, titles its chart with `title` (model and corpus) and
+returns the Figure it drew; `draw_charts` draws them all from the frames in hand and saves them, for
+`analyze` (straight after measuring) and `plot` (from a report folder) alike.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from headscope.classify import HEAD_TYPES
 from headscope.config import Thresholds
-from headscope.summary import covers_all_layers, depth_bands
+from headscope.labels import HEAD_TYPES, most_typical
+from headscope.layout import CHART_NAMES
+from headscope.output import atomic_path
+from headscope.summary import early_late_entropy, layer_entropy
 
 TYPE_COLOURS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
 ANNOTATE_UP_TO = 16  # write cell values when the grid is at most this many layers and heads
@@ -67,10 +72,10 @@ def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
 
 def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
     """Mean entropy per layer with the spread across heads, and the early and late band means."""
-    by_layer = heads.groupby("layer")["entropy"]
-    layers = np.array(sorted(heads["layer"].unique()))
-    mean, std = by_layer.mean().to_numpy(), by_layer.std(ddof=0).to_numpy()
-    low, high = by_layer.min().to_numpy(), by_layer.max().to_numpy()
+    per_layer = layer_entropy(heads)
+    layers = per_layer.index.to_numpy()
+    mean, std = per_layer["mean"].to_numpy(), per_layer["std"].to_numpy()
+    low, high = per_layer["min"].to_numpy(), per_layer["max"].to_numpy()
     fig = _figure(float(np.clip(4 + 0.2 * len(layers), 7, 16)), 4.5)
     ax = fig.subplots()
     # Clipped to the min-max range: entropy is never negative, whatever mean - std says.
@@ -82,16 +87,15 @@ def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
         ax.vlines(layers, low, high, color="#4c72b0", alpha=0.3, linewidth=8, label="min-max over heads")
         ax.vlines(layers, std_low, std_high, color="#4c72b0", alpha=0.6, linewidth=8, label="mean ± std over heads")
     ax.plot(layers, mean, marker="o", markersize=3, color="#4c72b0", label="mean over heads")
-    early, late = depth_bands(len(layers))
-    # Bands need the model's full depth (not a --layers subset) and at least two distinct layers.
-    if covers_all_layers(heads) and late.start >= early.stop:
-        for band, name, colour in ((early, "early", "#2ca02c"), (late, "late", "#d62728")):
-            band_mean = float(heads.loc[heads["layer"].isin(band), "entropy"].mean())
-            ax.hlines(band_mean, band.start - 0.4, band.stop - 0.6, colors=colour, linewidth=2.5)
+    bands = early_late_entropy(heads)  # None for a --layers subset or a model too shallow for two bands
+    if bands is not None:
+        for name, colour in (("early", "#2ca02c"), ("late", "#d62728")):
+            band = bands[f"{name}_band"]
+            ax.hlines(bands[name], band.start - 0.4, band.stop - 0.6, colors=colour, linewidth=2.5)
             span = f"{band.start}-{band.stop - 1}" if len(band) > 1 else f"{band.start}"
             ax.annotate(
-                f"{name} layers {span}: {band_mean:.3f}",
-                (band.start - 0.4, band_mean),
+                f"{name} layers {span}: {bands[name]:.3f}",
+                (band.start - 0.4, bands[name]),
                 textcoords="offset points",
                 xytext=(0, 6),
                 color=colour,
@@ -186,3 +190,34 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
         fig.colorbar(image, ax=list(axes), shrink=0.6, label="attention weight")
     fig.suptitle(f"{title}\nthe most typical head of each type on one sentence")
     return fig
+
+
+def draw_charts(
+    heads: pd.DataFrame,
+    examples: pd.DataFrame | None,
+    thresholds: Thresholds,
+    *,
+    title: str,
+    folder: Path,
+    fmt: str,
+) -> list[Path]:
+    """Draw every chart into `folder` as `fmt` files (each written atomically); return their paths.
+
+    examples: every head's attention on one sentence (long-form), or None: no example chart then.
+    """
+    figures = {
+        "entropy_heatmap": lambda: entropy_heatmap(heads, title=title),
+        "layer_gradient": lambda: layer_gradient(heads, title=title),
+        "head_types": lambda: head_types_per_layer(heads, title=title),
+        "classification_map": lambda: classification_map(heads, thresholds, title=title),
+        "examples": lambda: example_heads(examples, most_typical(heads, thresholds), title=title),
+    }
+    written = []
+    for name in CHART_NAMES:
+        if name == "examples" and examples is None:
+            continue
+        path = folder / f"{name}.{fmt}"
+        with atomic_path(path) as tmp:
+            figures[name]().savefig(tmp, format=fmt, dpi=130)
+        written.append(path)
+    return written

@@ -1,4 +1,5 @@
-"""Work on a finished report folder without the model: re-classify heads, draw the charts."""
+"""A finished report folder, without the model: read its tables (every read guarded), re-label its heads,
+redraw its charts."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from headscope.classify import HEAD_TYPES, classify_heads, most_typical
-from headscope.config import Thresholds
+from headscope.config import CHART_FORMATS, Thresholds
 from headscope.errors import ConfigError, OutputError
-from headscope.layout import CHART_FORMATS, EXAMPLES_FILE, HEADS_FILE, RUN_FILE, why_not_a_report
+from headscope.labels import classification_record, classify_heads
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, RUN_FILE, why_not_a_report
 from headscope.output import atomic_path
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,
     MEASURED_COLUMNS,
+    parquet_metadata,
     read_table,
     write_json,
     write_table,
@@ -53,12 +55,6 @@ def read_heads(folder: Path) -> pd.DataFrame:
     return heads
 
 
-def classification_record(classified: pd.DataFrame, thresholds: Thresholds) -> dict:
-    """What run.json and the Parquet metadata say about the classification."""
-    counts = classified["head_type"].value_counts().reindex(HEAD_TYPES, fill_value=0)
-    return {"thresholds": thresholds.to_dict(), "counts": {name: int(n) for name, n in counts.items()}}
-
-
 def reclassify(folder: Path, thresholds: Thresholds, *, out: Path | None = None) -> pd.DataFrame:
     """Re-label the heads of `folder` with `thresholds`; write in place (atomically) or into `out`.
 
@@ -78,12 +74,6 @@ def reclassify(folder: Path, thresholds: Thresholds, *, out: Path | None = None)
     write_table(classified, target / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
     write_json(run, target / RUN_FILE)
     return classified
-
-
-def parquet_metadata(run: dict) -> dict:
-    """The part of run.json embedded in heads.parquet's metadata."""
-    keys = ("model", "corpus", "settings", "device", "dtype", "classification")
-    return {key: run[key] for key in keys if key in run}
 
 
 def thresholds_of(run: dict) -> Thresholds:
@@ -127,39 +117,18 @@ def _make_folder(folder: Path) -> None:
         raise OutputError(f"cannot create {folder}: {err.strerror or err}") from None
 
 
-def draw_charts(folder: Path, *, fmt: str = "png", out: Path | None = None) -> list[Path]:
+def plot_report(folder: Path, *, fmt: str = "png", out: Path | None = None) -> list[Path]:
     """Draw every chart of the report in `folder` (into `out`, default the same folder); return their paths."""
-    from headscope import plots  # matplotlib is imported only when charts are drawn
+    from headscope.report.charts import draw_charts  # matplotlib is imported only when charts are drawn
 
     if fmt not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {fmt!r}")
     folder = Path(folder)
     run = read_run(folder)
-    heads = read_heads(folder)
-    thresholds = thresholds_of(run)
-    title = chart_title(run)
-    figures = {
-        "entropy_heatmap": plots.entropy_heatmap(heads, title=title),
-        "layer_gradient": plots.layer_gradient(heads, title=title),
-        "head_types": plots.head_types_per_layer(heads, title=title),
-        "classification_map": plots.classification_map(heads, thresholds, title=title),
-    }
-    examples = read_examples(folder)
-    if examples is not None:
-        figures["examples"] = plots.example_heads(examples, most_typical(heads, thresholds), title=title)
+    heads, examples, thresholds = read_heads(folder), read_examples(folder), thresholds_of(run)
     target = Path(out) if out is not None else folder
     _make_folder(target)
-    written = []
-    for name, figure in figures.items():
-        path = target / f"{name}.{fmt}"
-        _save_atomically(figure, path, fmt)
-        written.append(path)
-    return written
-
-
-def _save_atomically(figure, path: Path, fmt: str) -> None:
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format=fmt, dpi=130)
+    return draw_charts(heads, examples, thresholds, title=chart_title(run), folder=target, fmt=fmt)
 
 
 def _copy_atomically(source: Path, destination: Path) -> None:

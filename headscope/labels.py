@@ -1,4 +1,4 @@
-"""Head types from the per-head table: pure functions, no model, no I/O.
+"""Head labels from the per-head table: pure functions, no model, no I/O.
 
 Types are checked in order (the first that matches wins):
     local  locality >= local_min_locality             attends to its neighbourhood
@@ -96,3 +96,9 @@ def most_typical(classified: pd.DataFrame, thresholds: Thresholds) -> dict[str, 
             best = score[name][members].astype(float).fillna(-np.inf).idxmax()
             chosen[name] = (int(classified.at[best, "layer"]), int(classified.at[best, "head"]))
     return chosen
+
+
+def classification_record(classified: pd.DataFrame, thresholds: Thresholds) -> dict:
+    """What run.json and the Parquet metadata say about the classification: the rule and its counts."""
+    counts = classified["head_type"].value_counts().reindex(HEAD_TYPES, fill_value=0)
+    return {"thresholds": thresholds.to_dict(), "counts": {name: int(n) for name, n in counts.items()}}

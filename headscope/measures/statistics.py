@@ -1,11 +1,9 @@
-"""Per-head attention statistics: pure functions, no model code.
+"""The corpus statistics measure: every attention row reduced to per-(sentence, head) sums.
 
-A layer's attention probabilities ``attn`` have shape (batch, heads, q, k).
-``head_row_sums`` reduces them to per-(sentence, head) *sums* over the valid
-query rows, one slot per entry of ``STATS``. Sums (not means) are what we keep,
-because sums over sentences add up exactly to sums over the corpus; the means
-in ``METRICS`` are taken only at the end, so every metric is a token-weighted
-mean over all non-padding query rows of all sentences.
+`AttentionStatistics` rides on the capture (see headscope.capture.Measure); the maths below it are pure
+functions on tensors. A layer's attention probabilities ``attn`` have shape (batch, heads, q, k).
+``head_row_sums`` reduces them to per-(sentence, head) *sums* over the valid query rows, one slot per entry
+of ``headscope.stats.STATS``, which turns them into means at the end.
 
 Definitions (row t of one head, A[t, s] the probability it gives key s):
     entropy          -sum_s A[t,s] ln A[t,s]                  (nats, 0 ln 0 = 0)
@@ -25,66 +23,65 @@ sinks legitimately sum to less than 1).
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
+
 import torch
 
-# Slots of the per-head sums, in order. Denominators are counted alongside.
-STATS: tuple[str, ...] = (
-    "n_rows",  # valid query rows
-    "entropy",
-    "entropy_sq",  # sum of squared row entropies, for the spread
-    "norm_entropy",
-    "norm_rows",  # rows that see at least 2 keys
-    "diagonal",
-    "diagonal_uniform",
-    "sink",
-    "prev_token",
-    "prev_rows",  # rows at position >= 1
-    "max_weight",
-    "nonfinite_rows",  # valid rows holding NaN or inf (left out of every metric)
-    "unnormalised_rows",  # finite rows whose mass is not 1 within tolerance (kept in the metrics)
-)
-STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(STATS)}
-
-# metric name -> (numerator stat, denominator stat)
-METRICS: dict[str, tuple[str, str]] = {
-    "entropy": ("entropy", "n_rows"),
-    "norm_entropy": ("norm_entropy", "norm_rows"),
-    "diagonal": ("diagonal", "n_rows"),
-    "diagonal_uniform": ("diagonal_uniform", "n_rows"),
-    "sink": ("sink", "n_rows"),
-    "prev_token": ("prev_token", "prev_rows"),
-    "max_weight": ("max_weight", "n_rows"),
-}
+from headscope.errors import ModelLoadError
+from headscope.feed import Batch
+from headscope.stats import STATS
 
 
-def visible_keys(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Which keys each query row may attend to, from the mask the attention function receives.
+class AttentionStatistics:
+    """Per-(sentence, head) sums of every row statistic in ``STATS``, for the layers asked for.
 
-    attention_mask: (batch, 1 or heads, q, k), either boolean (True = visible) or additive
-    float (0 = visible, the dtype's minimum = hidden). Returns a boolean tensor of the same shape.
+    A Measure: after each batch, `finish` returns (wanted layers, batch, heads, stats) sums on the CPU, moved
+    in one transfer (on a GPU, nothing synchronises per layer).
     """
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    # Additive masks use finfo.min (not -inf) for hidden keys; half of it is a safe cut.
-    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
+    def __init__(self, *, window: int, accum_dtype: torch.dtype, layers: Sequence[int] | None = None) -> None:
+        self.window = window
+        self.accum_dtype = accum_dtype
+        self.layers = sorted(set(layers)) if layers is not None else None
+        self._batch: Batch | None = None
+        self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, stats), summed over its blocks
 
-def causal_visible_keys(
-    query_valid: torch.Tensor, rows: slice | torch.Tensor | None = None, keys: int | None = None
-) -> torch.Tensor:
-    """Visibility for plain causal attention over right- or left-padded sequences.
+    def start(self, batch: Batch) -> None:
+        self._batch = batch
+        self._sums = {}
 
-    query_valid: (batch, t) bool, True for real tokens. rows: the query positions wanted (a slice or a
-    (rows,) long tensor; default all); keys: how many keys from the first (default t).
-    Returns (batch, 1, rows, keys) bool, built for those rows only.
-    """
-    t = query_valid.shape[-1]
-    keys = t if keys is None else keys
-    positions = torch.arange(t, device=query_valid.device)
-    queries = positions[slice(None) if rows is None else rows]  # (rows,)
-    causal = positions[None, :keys] <= queries[:, None]  # (rows, keys)
-    return causal[None, None] & query_valid[:, None, None, :keys]
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def last_layer(self) -> int | None:
+        return None if self.layers is None else self.layers[-1]
+
+    def attention(self, layer, block) -> None:
+        common = {
+            "key_visible": block.visible,
+            "query_valid": block.query_valid,
+            "seq_start": block.seq_start,
+            "window": self.window,
+            "row_offset": block.first_row,
+            "accum_dtype": self.accum_dtype,
+        }
+        if block.weights is not None:
+            # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
+            tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
+            sums = head_row_sums(block.weights, mass_tolerance=tolerance, **common)
+        else:
+            sums = head_row_sums_from_logits(block.logits, **common)
+        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
+
+    def finish(self) -> torch.Tensor:
+        """The batch's sums, (wanted layers, batch, heads, stats), in layer order, on the CPU."""
+        if not self._sums:
+            raise ModelLoadError(
+                "the model never called an attention function headscope can read (no attention layers?)"
+            )
+        sums = torch.stack([self._sums[layer] for layer in sorted(self._sums)]).cpu()
+        self._sums = {}
+        return sums
 
 
 def diagonal_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -243,26 +240,3 @@ def _sum_rows(
         "unnormalised_rows": row_sum(ones, unnormalised),
     }
     return torch.stack([columns[name] for name in STATS], dim=-1)
-
-
-def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
-    """Turn stat sums (..., len(STATS)) into metric means (...), ``entropy_std`` and the row counts.
-
-    A metric with no rows to average (e.g. prev_token of one-token sentences) is NaN.
-    """
-    sums = np.asarray(sums, dtype=np.float64)
-
-    def stat(name: str) -> np.ndarray:
-        return sums[..., STAT_INDEX[name]]
-
-    out: dict[str, np.ndarray] = {
-        name: stat(name).astype(np.int64) for name in ("n_rows", "nonfinite_rows", "unnormalised_rows")
-    }
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for metric, (numerator, denominator) in METRICS.items():
-            count = stat(denominator)
-            out[metric] = np.where(count > 0, stat(numerator) / np.where(count > 0, count, 1), np.nan)
-        n = stat("n_rows")
-        variance = stat("entropy_sq") / np.where(n > 0, n, 1) - out["entropy"] ** 2
-        out["entropy_std"] = np.where(n > 0, np.sqrt(np.clip(variance, 0.0, None)), np.nan)
-    return out

@@ -1,0 +1,123 @@
+"""The run record (run.json) and the checkpoint fingerprint: what a run was, built once from what it measured."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import platform
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import torch
+
+from headscope.labels import classification_record
+from headscope.layout import SCHEMA_VERSION
+from headscope.loading import dtype_name
+from headscope.summary import layer_entropy
+
+PACKAGES = ("headscope", "torch", "transformers", "tokenizers", "gguf", "pandas", "pyarrow")
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of a run, filled as the phases end."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - started
+
+
+def fingerprint(loaded, corpus, config) -> dict:
+    """What must match for a checkpoint to be continued: everything that changes a number.
+
+    Batch size and memory budget are left out: a resumed run reuses the first run's batching limits.
+    """
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("batch_size", "max_memory", "device_map")}
+    source = loaded.source
+    return {
+        "model": [source.kind, source.location, source.gguf_file, loaded.revision],
+        "corpus_sha256": corpus.sha256,
+        "device": loaded.device.type,
+        "dtype": dtype_name(loaded.dtype),
+        "settings": settings,
+    }
+
+
+def run_record(loaded, corpus, config, measured, heads, thresholds, timings: Timings) -> dict:
+    """Everything run.json holds about a finished run."""
+    source = loaded.source
+    progress = measured.progress
+    measure_seconds = timings.seconds.get("measure", 0.0)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "input": source.display,
+            "kind": source.kind,
+            "location": source.location,
+            "gguf_file": source.gguf_file,
+            "revision": loaded.revision,
+            "architecture": loaded.architecture,
+        },
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+        "attention_implementation": measured.attention_paths,
+        "batching": {**progress.batching, "batches": progress.batches},
+        "corpus": {
+            "path": str(corpus.path),
+            "sha256": corpus.sha256,
+            "sentences": len(corpus.sentences),
+            "blank_lines_skipped": corpus.blank_skipped,
+            "invalid_utf8_lines": corpus.invalid_lines,
+            "tokens": progress.tokens,
+            "truncated_sentences": progress.truncated,
+            "max_length": measured.max_length,
+            "empty_sentences": progress.empty_sentences,
+        },
+        "settings": config.to_dict(),
+        "versions": versions(),
+        "timings": {
+            "load_seconds": round(timings.seconds.get("load", 0.0), 3),
+            "measure_seconds": round(measure_seconds, 3),
+            "write_seconds": round(timings.seconds.get("write", 0.0), 3),
+            "tokens_per_second": round(progress.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
+            **peak_memory(loaded.device),
+        },
+        "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
+        "numerics": {
+            "nonfinite_rows": int(heads["nonfinite_rows"].sum()),
+            "heads_with_nonfinite_rows": int((heads["nonfinite_rows"] > 0).sum()),
+            "unnormalised_rows": int(heads["unnormalised_rows"].sum()),
+            "heads_with_unnormalised_rows": int((heads["unnormalised_rows"] > 0).sum()),
+        },
+        "classification": classification_record(heads, thresholds),
+    }
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peaks = {"peak_rss_bytes": int(rss)}
+    if device.type == "cuda":
+        peaks["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return peaks
