@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from typer.testing import CliRunner
 
+from headscope import pipeline
 from headscope.cli import app
 
 runner = CliRunner()
@@ -47,3 +49,36 @@ def snapshot(folder: Path, *, skip: tuple[Path, ...] = ()) -> dict[str, tuple[in
         stat = path.stat()
         state[str(path.relative_to(folder))] = (stat.st_size, stat.st_mtime_ns, path.read_bytes()[:64])
     return state
+
+
+def tiny_model_folder(folder: Path, config, model_class, corpus_lines: list[str], adjust: Callable | None = None):
+    """Save a random model of `model_class` built from `config`, with a word-level tokenizer of the corpus's
+    words, into `folder`; `adjust(model)` may hand-set weights before it is saved."""
+    import torch
+
+    from planted import build_tokenizer
+
+    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model = model_class(config)
+    if adjust is not None:
+        with torch.no_grad():
+            adjust(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def interrupt_at_chunk(monkeypatch, chunk: int) -> None:
+    """Make the next run raise KeyboardInterrupt when it starts chunk `chunk` (1-based), as Ctrl-C would."""
+    real_tokenize = pipeline.tokenize_sentences
+    calls = []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == chunk:
+            raise KeyboardInterrupt
+        return real_tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "tokenize_sentences", interrupting)

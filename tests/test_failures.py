@@ -22,7 +22,14 @@ from headscope.measures.statistics import head_row_sums
 from headscope.report.folder import read_run
 from headscope.stats import metric_means
 
-from helpers import assert_one_line_error, hidden_leftovers, previous_report, run_cli
+from helpers import (
+    assert_one_line_error,
+    hidden_leftovers,
+    interrupt_at_chunk,
+    previous_report,
+    run_cli,
+    tiny_model_folder,
+)
 from planted import build_tokenizer
 
 # ---------------------------------------------------------------- corpus
@@ -58,15 +65,6 @@ def test_a_long_line_is_truncated_not_dropped(planted_gpt2, tmp_path):
 
 
 # ---------------------------------------------------------------- models
-
-
-def tiny_model_folder(tmp_path, config, model_class, corpus_lines):
-    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    model_class(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    return tmp_path
 
 
 def test_encoder_only_model_is_refused(tmp_path, corpus_lines):
@@ -240,29 +238,19 @@ def test_loading_errors_are_headscope_errors():
 def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(
     planted_gpt2, corpus_lines, tmp_path, monkeypatch
 ):
-    from headscope import pipeline
 
     options = {"chunk_sentences": 10, "charts": None}
     whole = headscope.analyze(str(planted_gpt2), corpus_lines, out=tmp_path / "whole", **options)
 
     out = tmp_path / "resumed"
-    real_tokenize = pipeline.tokenize_sentences
-    calls = []
-
-    def interrupted_on_third_chunk(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_tokenize(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "tokenize_sentences", interrupted_on_third_chunk)
+    interrupt_at_chunk(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, **options)
     assert not out.exists()
     checkpoint = json.loads((tmp_path / ".resumed.partial" / "checkpoint.json").read_text())
     assert checkpoint["progress"]["chunks_done"] == 2
 
-    monkeypatch.setattr(pipeline, "tokenize_sentences", real_tokenize)
+    monkeypatch.undo()
     with pytest.raises(OutputError, match="from a different run"):
         headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, window=3, **options)
     resumed = headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, **options)

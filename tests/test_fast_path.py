@@ -11,7 +11,7 @@ from headscope.config import parse_batch_size, parse_bytes, parse_layers
 from headscope.errors import ConfigError
 from headscope.feed import plan_batches
 
-from planted import build_tokenizer
+from helpers import tiny_model_folder
 from reference import corpus_means
 
 METRICS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight")
@@ -103,10 +103,7 @@ def gemma2_folder(tmp_path_factory, corpus_lines):
     """A tiny random Gemma2: logit softcapping and sliding windows live in its own eager function and mask."""
     from transformers import Gemma2Config, Gemma2Model
 
-    folder = tmp_path_factory.mktemp("gemma2")
-    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
     config = Gemma2Config(
-        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -118,14 +115,12 @@ def gemma2_folder(tmp_path_factory, corpus_lines):
         query_pre_attn_scalar=16,
         max_position_embeddings=128,
     )
-    torch.manual_seed(0)
-    model = Gemma2Model(config)
-    with torch.no_grad():
-        for layer in model.layers:  # sharpen the logits so that softcapping changes them
+
+    def sharpen(model):  # larger logits, so that softcapping changes them
+        for layer in model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("gemma2"), config, Gemma2Model, corpus_lines, sharpen)
 
 
 def test_model_specific_attention_stays_on_its_own_eager_function(gemma2_folder, corpus_lines):

@@ -16,14 +16,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 import typer
 
 from headscope import pipeline
 from headscope.cli import app
 
-from helpers import assert_one_line_error, hidden_leftovers, run_cli, snapshot
-from planted import build_tokenizer
+from helpers import assert_one_line_error, hidden_leftovers, interrupt_at_chunk, run_cli, snapshot, tiny_model_folder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,9 +100,7 @@ def tiny_llama(folder: Path, corpus_lines: list[str]) -> Path:
     """A 2-layer Llama (standard eager attention, 8 heads on 4 KV heads) that takes 8,192 positions."""
     from transformers import LlamaConfig, LlamaModel
 
-    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -112,10 +108,7 @@ def tiny_llama(folder: Path, corpus_lines: list[str]) -> Path:
         num_key_value_heads=4,
         max_position_embeddings=8192,
     )
-    torch.manual_seed(0)
-    LlamaModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_model_folder(folder, config, LlamaModel, corpus_lines)
 
 
 PEAK_SCRIPT = """
@@ -288,19 +281,10 @@ def interrupted(planted_gpt2, tmp_path, corpus_lines, monkeypatch):
     corpus = tmp_path / "big.txt"
     corpus.write_text("\n".join(corpus_lines * 82) + "\n")
     out = tmp_path / "report"
-    real_tokenize = pipeline.tokenize_sentences
-    calls = []
-
-    def interrupt_third_chunk(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_tokenize(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "tokenize_sentences", interrupt_third_chunk)
+    interrupt_at_chunk(monkeypatch, 3)
     result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--resume", "--no-charts")
     assert result.exit_code == 130, result.output
-    monkeypatch.setattr(pipeline, "tokenize_sentences", real_tokenize)
+    monkeypatch.undo()
     checkpoint = tmp_path / ".report.partial"
     assert json.loads((checkpoint / "checkpoint.json").read_text())["progress"]["chunks_done"] == 2
     return corpus, out, checkpoint
