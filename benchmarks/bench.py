@@ -3,6 +3,7 @@
     python benchmarks/bench.py                      # everything, 3 interleaved repeats, CPU or CUDA
     python benchmarks/bench.py --models gpt2 --workloads long --repeats 5
     python benchmarks/bench.py --only-lengths --lengths 1024,4096,8192   # peak memory of one long sentence
+    python benchmarks/bench.py --only-costs --cost-sizes 100,10000       # what probes and intervals cost
 
 Approaches, run interleaved in one process on the same texts (each tokenizes them itself):
     floor             the base model's plain forward pass, no attention weights, with the faster of
@@ -278,13 +279,16 @@ def main() -> None:
     parser.add_argument("--only-depths", action="store_true", help="run only the memory-vs-depth check")
     parser.add_argument("--lengths", default="", help="SmolLM2 peak memory on one sentence of each length ('' skips)")
     parser.add_argument("--only-lengths", action="store_true", help="run only the memory-vs-length check")
+    parser.add_argument("--cost-sizes", default="100,10000", help="corpus sizes for --only-costs (shipped, repeated)")
+    parser.add_argument("--only-costs", action="store_true", help="run only what probes and intervals cost")
     args = parser.parse_args()
     quiet_transformers(show_progress=False)
     torch.manual_seed(0)
     results = []
     words = [w for line in CORPUS.read_text(encoding="utf-8").splitlines() for w in line.split()]
     with tempfile.TemporaryDirectory() as scratch:
-        for model_name in [] if args.only_depths or args.only_lengths else args.models.split(","):
+        only = args.only_depths or args.only_lengths or args.only_costs
+        for model_name in [] if only else args.models.split(","):
             source = str(gpt2_folder(Path(scratch) / "gpt2", 12, words)) if model_name == "gpt2" else model_name
             loaded = load_model(source, device=args.device, dtype="float32" if args.device == "cpu" else "auto")
             causal_lm = _causal_lm(loaded)
@@ -311,7 +315,9 @@ def main() -> None:
                 results.append({"model": model_name, "workload": workload, "results": measured, "note": note})
                 print(json.dumps(results[-1]), file=sys.stderr)
             del causal_lm, loaded
-        if args.depths and not args.only_lengths:
+        if args.only_costs:
+            results.append({"costs": _costs(args)})
+        if args.depths and not (args.only_lengths or args.only_costs):
             results.append({"depths": _memory_by_depth(Path(scratch), words, args)})
         if args.lengths:
             results.append({"lengths": _memory_by_length(args)})
@@ -379,6 +385,30 @@ def _memory_by_length(args) -> list[dict]:
     return rows
 
 
+def _costs(args) -> list[dict]:
+    """What the probe battery and the bootstrap intervals add to analyze: SmolLM2 on the shipped sentences
+    repeated to each size, each setting run interleaved after one warm-up, timings from run.json."""
+    loaded = load_model("smollm2", device=args.device, dtype="float32" if args.device == "cpu" else "auto")
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    settings = {"neither": {"probes": False, "bootstrap": 0}, "both": {}}
+    headscope.analyze(loaded, lines[:10], sentence_heads=False, charts=None)  # warm-up: imports, first checks
+    rows = []
+    for size in (int(n) for n in args.cost_sizes.split(",")):
+        texts = (lines * (size // len(lines) + 1))[:size]
+        for name, options in settings.items():
+            run = headscope.analyze(loaded, texts, sentence_heads=False, charts=None, **options).run
+            timings = run["timings"]
+            rows.append(
+                {
+                    "sentences": size,
+                    "setting": name,
+                    **{k: timings[k] for k in ("measure_seconds", "probe_seconds", "write_seconds", "peak_rss_bytes")},
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def _markdown(results: list[dict], args) -> str:
     lines = [
         f"Command: `python benchmarks/bench.py --models {args.models} --workloads {args.workloads} "
@@ -389,7 +419,7 @@ def _markdown(results: list[dict], args) -> str:
         "|---|---|---|---:|---:|---:|",
     ]
     for entry in results:
-        if "depths" in entry or "lengths" in entry:
+        if "depths" in entry or "lengths" in entry or "costs" in entry:
             continue
         floors = {k: v for k, v in entry["results"].items() if k.startswith("floor")}
         best = max(floors, key=lambda k: floors[k]["tokens_per_second"])
@@ -404,6 +434,19 @@ def _markdown(results: list[dict], args) -> str:
             )
         if entry["note"]:
             lines.append(f"| {entry['model']} | {entry['workload']} | transformerlens | skipped: {entry['note']} | | |")
+    costs = next((entry["costs"] for entry in results if "costs" in entry), None)
+    if costs:
+        lines += [
+            "",
+            "| sentences | probes and intervals | measuring (s) | probes (s) | writing (s) | peak RSS (MiB) |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
+        for row in costs:
+            lines.append(
+                f"| {row['sentences']:,} | {'on' if row['setting'] == 'both' else 'off'} | "
+                f"{row['measure_seconds']:.2f} | {row['probe_seconds']:.2f} | {row['write_seconds']:.2f} | "
+                f"{row['peak_rss_bytes'] / 2**20:,.0f} |"
+            )
     lengths = next((entry["lengths"] for entry in results if "lengths" in entry), None)
     if lengths:
         lines += [

@@ -23,7 +23,6 @@ from headscope.output import atomic_path
 from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA, to_arrow, write_json
 
 CHECKPOINT_FILE = "checkpoint.json"
-SUMS_FILE = "checkpoint-sums.npy"
 
 
 @dataclass
@@ -67,27 +66,33 @@ class PartFiles:
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
 
-    def save_progress(self, progress: Progress, sums: np.ndarray) -> None:
+    def save_progress(self, progress: Progress, arrays: dict[str, np.ndarray]) -> None:
+        """Checkpoint `progress` and the running sums (`arrays`: name -> array, e.g. the per-head sums)."""
         if not self.checkpoints:
             return
-        with atomic_path(self.folder / SUMS_FILE) as tmp, open(tmp, "wb") as handle:
-            np.save(handle, sums)
+        for name, array in arrays.items():
+            with atomic_path(self.folder / f"checkpoint-{name}.npy") as tmp, open(tmp, "wb") as handle:
+                np.save(handle, array)
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
-        write_json({"fingerprint": self.fingerprint, "progress": asdict(progress)}, self.folder / CHECKPOINT_FILE)
+        record = {"fingerprint": self.fingerprint, "progress": asdict(progress), "arrays": sorted(arrays)}
+        write_json(record, self.folder / CHECKPOINT_FILE)
 
-    def load_progress(self, sums_shape: tuple[int, ...], kinds: tuple[str, ...]) -> tuple[Progress, np.ndarray]:
-        """The checkpoint left in the folder by an interrupted run (a fresh start if there is none).
+    def load_progress(
+        self, shapes: dict[str, tuple[int, ...]], kinds: tuple[str, ...]
+    ) -> tuple[Progress, dict[str, np.ndarray]]:
+        """The checkpoint left in the folder by an interrupted run (a fresh start, zeros, if there is none).
 
-        It is refused unless it is whole: from the same run (fingerprint), sums of `sums_shape`, and a part
-        file of every kind in `kinds` for every chunk it says is done.
+        shapes: name -> shape of every running sum. The checkpoint is refused unless it is whole: from the
+        same run (fingerprint), every sum of its shape, and a part file of every kind in `kinds` for every
+        chunk it says is done.
         """
         path = self.folder / CHECKPOINT_FILE
         if not path.is_file():
-            return Progress(), np.zeros(sums_shape)
+            return Progress(), {name: np.zeros(shape) for name, shape in shapes.items()}
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             progress = Progress(**saved["progress"])
-            sums = np.load(self.folder / SUMS_FILE)
+            arrays = {name: np.load(self.folder / f"checkpoint-{name}.npy") for name in shapes}
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete that folder") from None
         if saved.get("fingerprint") != self.fingerprint:
@@ -101,10 +106,11 @@ class PartFiles:
             for kind in kinds
             if not self._part(kind, index).is_file()
         ]
-        if missing or sums.shape != tuple(sums_shape):
-            problem = f"{missing[0]} is missing" if missing else f"its sums have shape {sums.shape}"
+        wrong = [name for name, shape in shapes.items() if arrays[name].shape != tuple(shape)]
+        if missing or wrong:
+            problem = f"{missing[0]} is missing" if missing else f"its {wrong[0]} have shape {arrays[wrong[0]].shape}"
             raise OutputError(f"the checkpoint in {self.folder} is incomplete ({problem}); delete that folder")
-        return progress, sums
+        return progress, arrays
 
     def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> int:
         """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts.
@@ -128,5 +134,5 @@ class PartFiles:
         return rows
 
     def discard_checkpoint(self) -> None:
-        for name in (CHECKPOINT_FILE, SUMS_FILE):
-            (self.folder / name).unlink(missing_ok=True)
+        for path in [self.folder / CHECKPOINT_FILE, *self.folder.glob("checkpoint-*.npy")]:
+            path.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from headscope.config import CHART_FORMATS, DEVICES, DTYPES, ENCODING_ERRORS, RunConfig, Thresholds
+from headscope.config import CHART_FORMATS, DEVICES, DTYPES, ENCODING_ERRORS, RoleThresholds, RunConfig, Thresholds
 from headscope.errors import HeadscopeError
 
 
@@ -65,7 +65,7 @@ DeviceChoice = _choices("DeviceChoice", DEVICES)
 DTypeChoice = _choices("DTypeChoice", DTYPES)
 EncodingErrors = _choices("EncodingErrors", ENCODING_ERRORS)
 ChartFormat = _choices("ChartFormat", CHART_FORMATS)
-DEFAULTS, THRESHOLDS = RunConfig(), Thresholds()
+DEFAULTS, THRESHOLDS, ROLE_THRESHOLDS = RunConfig(), Thresholds(), RoleThresholds()
 DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
 DEFAULT_ENCODING_ERRORS = EncodingErrors(DEFAULTS.encoding_errors)
 
@@ -78,6 +78,13 @@ CopyMaxNormEntropy = Annotated[
     float, typer.Option(help="copy if entropy / ln(visible keys) <= this (checked after local).")
 ]
 BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
+RoleProbeMin = Annotated[
+    float, typer.Option(help="Role induction / duplicate-token / previous-token if that probe score >= this.")
+]
+RoleSinkRateMin = Annotated[float, typer.Option(help="Role sink if sink_rate >= this (after the probe roles).")]
+RoleOffsetShareMin = Annotated[
+    float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
+]
 Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
 DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
 
@@ -162,9 +169,25 @@ def analyze(
     ] = DEFAULTS.sentence_heads,
     charts: Annotated[bool, typer.Option(help="Draw the charts after measuring.")] = True,
     chart_format: Format = DEFAULT_FORMAT,
+    probes: Annotated[
+        bool, typer.Option(help="Run the probe battery (repeated random tokens: induction, duplicate, previous).")
+    ] = DEFAULTS.probes,
+    probe_seeds: Annotated[int, typer.Option(help="Probe sequences (one per seed).")] = DEFAULTS.probe_seeds,
+    probe_length: Annotated[
+        int, typer.Option(help="Random tokens per copy; each probe holds two copies.")
+    ] = DEFAULTS.probe_length,
+    bootstrap: Annotated[
+        int, typer.Option(help="Bootstrap replicates for the 95% intervals (0 skips them).")
+    ] = DEFAULTS.bootstrap,
+    sink_threshold: Annotated[
+        float, typer.Option(help="sink_rate counts rows whose first-token mass exceeds this.")
+    ] = DEFAULTS.sink_threshold,
     local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
     copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
     broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
+    role_probe_min: RoleProbeMin = ROLE_THRESHOLDS.probe_min,
+    role_sink_rate_min: RoleSinkRateMin = ROLE_THRESHOLDS.sink_rate_min,
+    role_offset_share_min: RoleOffsetShareMin = ROLE_THRESHOLDS.offset_share_min,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
     from headscope.config import parse_batch_size, parse_bytes, parse_layers
@@ -189,8 +212,14 @@ def analyze(
             max_memory=parse_bytes(max_memory) if max_memory else None,
             layers=parse_layers(layers) if layers else None,
             sentence_heads=sentence_heads,
+            probes=probes,
+            probe_seeds=probe_seeds,
+            probe_length=probe_length,
+            bootstrap=bootstrap,
+            sink_threshold=sink_threshold,
         )
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
+        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
         out = out or Path("reports") / resolve_source(model).slug
         result = run_analysis(
             model,
@@ -200,11 +229,12 @@ def analyze(
             resume=resume,
             config=config,
             thresholds=thresholds,
+            roles=roles,
             charts=chart_format.value if charts else None,
             reporter=reporter,
         )
     _print_summary(result)
-    _print_type_counts(result.heads, f"{result.run['model']['input']}: head types")
+    _print_label_counts(result.heads, result.run["model"]["input"])
 
 
 @app.command()
@@ -216,14 +246,18 @@ def classify(
     local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
     copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
     broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
+    role_probe_min: RoleProbeMin = ROLE_THRESHOLDS.probe_min,
+    role_sink_rate_min: RoleSinkRateMin = ROLE_THRESHOLDS.sink_rate_min,
+    role_offset_share_min: RoleOffsetShareMin = ROLE_THRESHOLDS.offset_share_min,
 ) -> None:
-    """Re-label the heads of REPORT as local, copy, broad or mixed, with other thresholds (no model needed)."""
+    """Re-label the heads of REPORT (types and roles) with other thresholds (no model needed)."""
     from headscope.report.folder import reclassify
 
     with user_errors():
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
-        classified = reclassify(report, thresholds, out=out)
-    _print_type_counts(classified, f"{report}: head types")
+        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
+        classified = reclassify(report, thresholds, roles, out=out)
+    _print_label_counts(classified, str(report))
     typer.echo(f"wrote {(out or report) / 'heads.parquet'}")
 
 
@@ -248,7 +282,7 @@ def _print_summary(result) -> None:
 
     from headscope.summary import early_late_entropy, layer_entropy
 
-    console = Console()
+    console = Console(soft_wrap=True)  # long lines stay whole, at any terminal width
     run = result.run
     arch = run["model"]["architecture"]
     table = Table(title=f"{run['model']['input']}: mean attention entropy per layer (nats)")
@@ -286,21 +320,25 @@ def _print_summary(result) -> None:
     console.print(f"wrote {result.out_dir}/")
 
 
-def _print_type_counts(classified, title: str) -> None:
+def _print_label_counts(labelled, title: str) -> None:
+    """Head types and roles, counted per layer band."""
     from rich.console import Console
     from rich.table import Table
 
-    from headscope.labels import HEAD_TYPES, type_counts
+    from headscope.labels import HEAD_TYPES, ROLES, label_counts
     from headscope.summary import layer_bands
 
-    counts = type_counts(classified, layer_bands(int(classified["layer"].max()) + 1))
-    table = Table(title=title)
-    table.add_column("layers")
-    for name in HEAD_TYPES:
-        table.add_column(name, justify="right")
-    for band, row in counts.iterrows():
-        table.add_row(band, *(str(int(row[name])) for name in HEAD_TYPES))
-    Console().print(table)
+    bands = layer_bands(int(labelled["layer"].max()) + 1)
+    console = Console()
+    for column, names, what in (("head_type", HEAD_TYPES, "head type"), ("role", ROLES, "role")):
+        counts = label_counts(labelled, column, names, bands)  # rows: bands; columns: labels
+        table = Table(title=f"{title}: heads per {what}")
+        table.add_column(what)
+        for band in counts.index:
+            table.add_column(band, justify="right")
+        for name in names:
+            table.add_row(name, *(str(int(counts.at[band, name])) for band in counts.index))
+        console.print(table)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 ENCODING_ERRORS: tuple[str, ...] = ("strict", "replace", "skip")
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 CHART_FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
+SINK_THRESHOLD = 0.3  # a row is a sink row when its mass on the first token exceeds this (Gu et al. 2024)
 # float32 logits of one block of query rows; a layer's attention larger than this is reduced block by block
 # (temporaries take a few times this).
 BLOCK_BYTES = 32 * 2**20
@@ -43,6 +44,12 @@ class RunConfig:
     layers: tuple[int, ...] | None = None  # measure only these layers; None = all
     sentence_heads: bool = True  # also write per-(sentence, layer, head) metrics
     chunk_sentences: int = 4096  # sentences tokenized and length-sorted together; bounds host memory
+    sink_threshold: float = SINK_THRESHOLD  # sink_rate counts rows (position >= 4) with more first-token mass
+    probes: bool = True  # run the probe battery (repeated random tokens) after the corpus
+    probe_seeds: int = 8  # probe sequences, one per seed 0..probe_seeds-1
+    probe_length: int = 32  # random tokens per copy; each probe sequence holds two copies (and the BOS, if any)
+    bootstrap: int = 200  # Poisson bootstrap replicates for the confidence intervals; 0 skips them
+    bootstrap_seed: int = 0  # the intervals are a pure function of this seed and the corpus
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -69,6 +76,14 @@ class RunConfig:
             raise ConfigError(f"--max-length must be 1 or more; got {self.max_length}")
         if self.chunk_sentences < 1:
             raise ConfigError(f"chunk_sentences must be 1 or more; got {self.chunk_sentences}")
+        if not 0.0 < self.sink_threshold < 1.0:
+            raise ConfigError(f"--sink-threshold must be between 0 and 1; got {self.sink_threshold}")
+        if self.probes and (self.probe_seeds < 2 or self.probe_length < 2):
+            raise ConfigError(
+                f"--probe-seeds and --probe-length must be 2 or more; got {self.probe_seeds} and {self.probe_length}"
+            )
+        if self.bootstrap < 0 or self.bootstrap == 1:
+            raise ConfigError(f"--bootstrap takes 0 (no intervals) or 2 or more replicates; got {self.bootstrap}")
 
     def to_dict(self) -> dict:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
@@ -146,6 +161,33 @@ class Thresholds:
                 f"--copy-max-norm-entropy ({self.copy_max_norm_entropy}) must be below "
                 f"--broad-min-norm-entropy ({self.broad_min_norm_entropy})"
             )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoleThresholds:
+    """The role rule's cut-offs. Roles are checked in this order, the first that matches wins:
+
+    induction        probe_induction >= probe_min
+    duplicate-token  probe_duplicate >= probe_min
+    previous-token   probe_previous >= probe_min (prev_token on the corpus when the probes were skipped)
+    sink             sink_rate >= sink_rate_min
+    positional       top_offset is a fixed offset (not "first", not "other") holding >= offset_share_min of rows
+    broad            norm_entropy >= Thresholds.broad_min_norm_entropy
+    other            anything else
+    """
+
+    probe_min: float = 0.3
+    sink_rate_min: float = 0.5
+    offset_share_min: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("probe_min", "sink_rate_min", "offset_share_min"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"--role-{name.replace('_', '-')} must be between 0 and 1; got {value}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,12 +1,22 @@
 """Head labels from the per-head table: pure functions, no model, no I/O.
 
-Types are checked in order (the first that matches wins):
+Two labels per head, each from an ordered rule (the first test that matches wins) with its evidence kept in
+a `*_reason` column.
+
+Types, the seed analysis's four (Thresholds):
     local  locality >= local_min_locality             attends to its neighbourhood
     copy   norm_entropy <= copy_max_norm_entropy      locks onto one or two tokens
     broad  norm_entropy >= broad_min_norm_entropy     spreads its attention widely
     mixed  anything else
 Locality comes first because a previous-token head is also sharply peaked (low entropy): checking
 entropy first would call it a copy head.
+
+Roles, the finer answer the literature names (RoleThresholds; the order and why is in the README):
+    induction, duplicate-token, previous-token   from the probe battery's scores
+    sink                                         sink_rate on the corpus
+    positional                                   a fixed top_offset holding most rows' largest weight
+    broad                                        norm_entropy, as for the type
+    other                                        anything else
 """
 
 from __future__ import annotations
@@ -17,10 +27,14 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from headscope.config import Thresholds
+from headscope.config import RoleThresholds, Thresholds
+from headscope.stats import OFFSET_CATEGORIES
 
 HeadType = Literal["local", "copy", "broad", "mixed"]
 HEAD_TYPES: tuple[HeadType, ...] = ("local", "copy", "broad", "mixed")
+Role = Literal["induction", "duplicate-token", "previous-token", "sink", "positional", "broad", "other"]
+ROLES: tuple[Role, ...] = ("induction", "duplicate-token", "previous-token", "sink", "positional", "broad", "other")
+FIXED_OFFSETS = tuple(category for category in OFFSET_CATEGORIES if category.isdigit())  # "0" (itself), "1", ...
 
 # type -> (test on the heads table, reason shown for heads that pass it). Order is the rule's order.
 Rule = tuple[Callable[[pd.DataFrame, Thresholds], pd.Series], Callable[[pd.Series, Thresholds], str]]
@@ -46,17 +60,65 @@ def locality(diagonal: pd.Series, diagonal_uniform: pd.Series) -> pd.Series:
     return (diagonal - diagonal_uniform) / room.where(room > 1e-12)
 
 
+def _previous_evidence(heads: pd.DataFrame) -> pd.Series:
+    """probe_previous, or the corpus's prev_token for heads the probes did not score."""
+    return heads["probe_previous"].fillna(heads["prev_token"])
+
+
+def _probe_reason(column: str):
+    def reason(row, r: RoleThresholds, t: Thresholds) -> str:
+        score, chance = getattr(row, column), getattr(row, f"{column}_chance")
+        return f"{column} {score:.3f} >= {r.probe_min} (chance {chance:.3f})"
+
+    return reason
+
+
+def _previous_reason(row, r: RoleThresholds, t: Thresholds) -> str:
+    if pd.notna(row.probe_previous):
+        return _probe_reason("probe_previous")(row, r, t)
+    return f"prev_token {row.prev_token:.3f} >= {r.probe_min} (no probes)"
+
+
+# role -> (test on the heads table, reason for heads that pass it). Order is the rule's order.
+RoleRule = tuple[
+    Callable[[pd.DataFrame, RoleThresholds, Thresholds], pd.Series],
+    Callable[[pd.Series, RoleThresholds, Thresholds], str],
+]
+ROLE_RULES: dict[Role, RoleRule] = {
+    "induction": (lambda h, r, t: h["probe_induction"] >= r.probe_min, _probe_reason("probe_induction")),
+    "duplicate-token": (lambda h, r, t: h["probe_duplicate"] >= r.probe_min, _probe_reason("probe_duplicate")),
+    "previous-token": (lambda h, r, t: _previous_evidence(h) >= r.probe_min, _previous_reason),
+    "sink": (
+        lambda h, r, t: h["sink_rate"] >= r.sink_rate_min,
+        lambda row, r, t: f"sink_rate {row.sink_rate:.3f} >= {r.sink_rate_min}",
+    ),
+    "positional": (
+        lambda h, r, t: h["top_offset"].isin(FIXED_OFFSETS) & (h["top_offset_share"] >= r.offset_share_min),
+        lambda row, r, t: f"top_offset {row.top_offset} in {row.top_offset_share:.3f} of rows >= {r.offset_share_min}",
+    ),
+    "broad": (
+        lambda h, r, t: h["norm_entropy"] >= t.broad_min_norm_entropy,
+        lambda row, r, t: f"norm_entropy {row.norm_entropy:.3f} >= {t.broad_min_norm_entropy}",
+    ),
+}
+
+
+def _first_match(tests: list[pd.Series], names: list[str], default: str) -> pd.Series:
+    """Per row, the name of the first test it passes (NaN evidence passes nothing), else `default`."""
+    label = pd.Series(default, index=tests[0].index if tests else None, dtype=object)
+    undecided = pd.Series(True, index=label.index)
+    for name, test in zip(names, tests, strict=True):
+        hit = undecided & test.fillna(False).astype(bool)
+        label[hit] = name
+        undecided &= ~hit
+    return label
+
+
 def classify_heads(heads: pd.DataFrame, thresholds: Thresholds) -> pd.DataFrame:
     """A copy of `heads` with `locality`, `head_type` and `type_reason` (the evidence) set."""
     out = heads.copy()
     out["locality"] = locality(out["diagonal"], out["diagonal_uniform"])
-    head_type = pd.Series("mixed", index=out.index, dtype=object)
-    undecided = pd.Series(True, index=out.index)
-    for name, (test, _) in RULES.items():
-        hit = undecided & test(out, thresholds).fillna(False)
-        head_type[hit] = name
-        undecided &= ~hit
-    out["head_type"] = head_type
+    out["head_type"] = _first_match([test(out, thresholds) for test, _ in RULES.values()], list(RULES), "mixed")
     out["type_reason"] = [_reason(row, thresholds) for row in out.itertuples()]
     return out
 
@@ -70,14 +132,46 @@ def _reason(row, thresholds: Thresholds) -> str:
     )
 
 
-def type_counts(classified: pd.DataFrame, bands: dict[str, range] | None = None) -> pd.DataFrame:
-    """Heads per type: overall, or per named band of layers (rows: band, columns: the four types)."""
-    bands = bands or {"all layers": range(int(classified["layer"].max()) + 1)}
+def assign_roles(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresholds) -> pd.DataFrame:
+    """A copy of `heads` with `role` and `role_reason` set."""
+    out = heads.copy()
+    tests = [test(out, roles, thresholds) for test, _ in ROLE_RULES.values()]
+    out["role"] = _first_match(tests, list(ROLE_RULES), "other")
+    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in out.itertuples()]
+    return out
+
+
+def label_heads(heads: pd.DataFrame, thresholds: Thresholds, roles: RoleThresholds) -> pd.DataFrame:
+    """Both labels: the head type (with locality) and the role, each with its reason."""
+    return assign_roles(classify_heads(heads, thresholds), roles, thresholds)
+
+
+def _role_reason(row, roles: RoleThresholds, thresholds: Thresholds) -> str:
+    if row.role in ROLE_RULES:
+        return ROLE_RULES[row.role][1](row, roles, thresholds)
+    probes = [getattr(row, f"probe_{p}") for p in ("induction", "duplicate", "previous")]
+    best = max((p for p in probes if pd.notna(p)), default=float("nan"))
+    return (
+        f"no rule matched: best probe {best:.3f}, sink_rate {row.sink_rate:.3f}, top_offset {row.top_offset} "
+        f"in {row.top_offset_share:.3f} of rows, norm_entropy {row.norm_entropy:.3f}"
+    )
+
+
+def label_counts(
+    labelled: pd.DataFrame, column: str, names: tuple[str, ...], bands: dict[str, range] | None = None
+) -> pd.DataFrame:
+    """Heads per label of `column` (head_type or role): overall, or per named band of layers."""
+    bands = bands or {"all layers": range(int(labelled["layer"].max()) + 1)}
     rows = {}
     for name, layers in bands.items():
-        in_band = classified[classified["layer"].isin(layers)]
-        rows[name] = in_band["head_type"].value_counts().reindex(HEAD_TYPES, fill_value=0)
+        in_band = labelled[labelled["layer"].isin(layers)]
+        rows[name] = in_band[column].value_counts().reindex(names, fill_value=0)
     return pd.DataFrame(rows).T
+
+
+def type_counts(classified: pd.DataFrame, bands: dict[str, range] | None = None) -> pd.DataFrame:
+    """Heads per type: overall, or per named band of layers (rows: band, columns: the four types)."""
+    return label_counts(classified, "head_type", HEAD_TYPES, bands)
 
 
 def most_typical(classified: pd.DataFrame, thresholds: Thresholds) -> dict[str, tuple[int, int]]:
@@ -98,7 +192,13 @@ def most_typical(classified: pd.DataFrame, thresholds: Thresholds) -> dict[str, 
     return chosen
 
 
-def classification_record(classified: pd.DataFrame, thresholds: Thresholds) -> dict:
-    """What run.json and the Parquet metadata say about the classification: the rule and its counts."""
-    counts = classified["head_type"].value_counts().reindex(HEAD_TYPES, fill_value=0)
-    return {"thresholds": thresholds.to_dict(), "counts": {name: int(n) for name, n in counts.items()}}
+def classification_record(labelled: pd.DataFrame, thresholds: Thresholds, roles: RoleThresholds) -> dict:
+    """What run.json and the Parquet metadata say about the labels: both rules and their counts."""
+    types = labelled["head_type"].value_counts().reindex(HEAD_TYPES, fill_value=0)
+    role_counts = labelled["role"].value_counts().reindex(ROLES, fill_value=0)
+    return {
+        "thresholds": thresholds.to_dict(),
+        "counts": {name: int(n) for name, n in types.items()},
+        "role_thresholds": roles.to_dict(),
+        "role_counts": {name: int(n) for name, n in role_counts.items()},
+    }

@@ -12,16 +12,25 @@ from pathlib import Path
 
 from headscope.config import CHART_FORMATS
 
-SCHEMA_VERSION = 1  # of the tables and run.json; bumped when a column or key changes meaning or goes away
+SCHEMA_VERSION = 2  # of the tables and run.json; bumped when a column or key is added, changes or goes away
 
 HEADS_FILE = "heads.parquet"
 SENTENCES_FILE = "sentences.parquet"
 SENTENCE_HEADS_FILE = "sentence_heads.parquet"
 EXAMPLES_FILE = "examples.parquet"
+LAYERS_FILE = "layers.parquet"
 RUN_FILE = "run.json"
-TABLE_FILES = (HEADS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE)
+TABLE_FILES = (HEADS_FILE, LAYERS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE)
 
-CHART_NAMES = ("entropy_heatmap", "layer_gradient", "head_types", "classification_map", "examples")
+CHART_NAMES = (
+    "entropy_heatmap",
+    "layer_gradient",
+    "head_types",
+    "head_roles",
+    "probe_scores",
+    "classification_map",
+    "examples",
+)
 
 
 def is_report_file(name: str) -> bool:

@@ -22,12 +22,12 @@ import torch
 
 from headscope.capture import forward, measuring
 from headscope.checkpoint import PartFiles, Progress
-from headscope.config import CHART_FORMATS, RunConfig, Thresholds
+from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
 from headscope.errors import ConfigError, OutputError
 from headscope.feed import batches_in_order, collate, model_max_length, token_labels, tokenize_sentences
-from headscope.labels import classify_heads
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.labels import label_heads
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.loading import (
     LoadedModel,
     ModelSource,
@@ -38,20 +38,23 @@ from headscope.loading import (
     resolve_source,
 )
 from headscope.measures.example import ExampleAttention
+from headscope.measures.probes import ProbeScores, ProbeSpec, probe_inputs
 from headscope.measures.statistics import AttentionStatistics
 from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget, tokens_per_batch
 from headscope.output import StagedDirectory
 from headscope.record import Timings, fingerprint, run_record
 from headscope.reporting import NullReporter, Reporter
-from headscope.stats import STATS
+from headscope.stats import STATS, Bootstrap, ProbeResult, head_intervals, layer_intervals, summarise_probes
 from headscope.summary import layer_entropy
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,
+    LAYERS_SCHEMA,
     SENTENCE_HEADS_SCHEMA,
     SENTENCES_SCHEMA,
     examples_frame,
     heads_frame,
+    layers_frame,
     parquet_metadata,
     read_table,
     sentence_heads_frame,
@@ -101,6 +104,7 @@ class Measured:
     """What `measure` keeps of a whole corpus: sums and a few facts; the per-sentence rows went to parts."""
 
     sums: np.ndarray  # (layers, heads, stats) corpus-wide sums
+    bootstrap: Bootstrap | None  # the replicate sums behind the intervals (None: --bootstrap 0)
     layer_ids: np.ndarray  # (layers,) which model layers the sums are of
     chunks: int  # chunks of sentences the corpus was measured in
     progress: Progress  # counts: sentences measured, empty, tokens, truncated, batches; the example sentence
@@ -117,6 +121,7 @@ def analyze(
     resume: bool = False,
     config: RunConfig | None = None,
     thresholds: Thresholds | None = None,
+    roles: RoleThresholds | None = None,
     charts: str | None = CHART_FORMATS[0],
     reporter: Reporter | None = None,
     **options,
@@ -130,12 +135,14 @@ def analyze(
     resume:  checkpoint after every chunk of sentences and continue from the checkpoint an interrupted
              run with the same model, corpus and settings left behind (needs `out`)
     thresholds: head-type rule (default: Thresholds())
+    roles:   role rule (default: RoleThresholds())
     charts:  chart format written with the tables (png, svg, pdf), or None for no charts (always none
              without `out`)
     options: any RunConfig field, e.g. ``window=3`` or ``batch_size=8``
     """
     config = dataclasses.replace(config or RunConfig(), **options)
     thresholds = thresholds or Thresholds()
+    roles = roles or RoleThresholds()
     reporter = reporter or NullReporter()
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out)")
@@ -158,22 +165,32 @@ def analyze(
 
         parts = PartFiles(folder, fingerprint(loaded, corpus, config), checkpoints=resume)
         kinds = ("sentences", "sentence_heads") if config.sentence_heads else ("sentences",)
-        progress, sums = parts.load_progress(_sums_shape(loaded, config), kinds) if resume else (Progress(), None)
+        progress, running = parts.load_progress(_running_shapes(loaded, config), kinds) if resume else (Progress(), {})
         config = _resumed_settings(config, progress, reporter) if resume else config
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with timings.phase("measure"):
-            measured = measure(loaded, corpus, config, parts, progress, sums, reporter)
+            measured = measure(loaded, corpus, config, parts, progress, running, reporter)
+        with timings.phase("probes"):
+            probes = run_probes(loaded, config, measured.layer_ids, reporter) if config.probes else None
 
         with timings.phase("write"):
             reporter.stage("writing tables")
             _merge_parts(parts, folder, measured, corpus, config)
-            heads = classify_heads(
-                heads_frame(measured.sums, loaded.architecture["kv_heads"], measured.layer_ids), thresholds
+            replicates = measured.bootstrap.metrics() if measured.bootstrap is not None else None
+            frame = heads_frame(
+                measured.sums,
+                loaded.architecture["kv_heads"],
+                measured.layer_ids,
+                intervals=head_intervals(replicates) if replicates else None,
+                probes=probes,
             )
+            heads = label_heads(frame, thresholds, roles)
+            layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
             examples = example_attention(loaded, corpus, measured, config)
+            write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
             write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
-        run = run_record(loaded, corpus, config, measured, heads, thresholds, timings)
+        run = run_record(loaded, corpus, config, measured, probes, heads, (thresholds, roles), timings)
         write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
         write_json(run, folder / RUN_FILE)
         if charts and out is not None:
@@ -181,7 +198,7 @@ def analyze(
             from headscope.report.folder import chart_title
 
             reporter.stage("drawing charts")
-            draw_charts(heads, examples, thresholds, title=chart_title(run), folder=folder, fmt=charts)
+            draw_charts(heads, layers, examples, thresholds, title=chart_title(run), folder=folder, fmt=charts)
         parts.discard_checkpoint()
         # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
         in_memory = {} if out is not None else _read_per_sentence_tables(folder)
@@ -204,19 +221,26 @@ def measure(
     config: RunConfig,
     parts: PartFiles,
     progress: Progress,
-    totals: np.ndarray | None,
+    running: dict[str, np.ndarray],
     reporter: Reporter,
 ) -> Measured:
-    """Stream the corpus through the model chunk by chunk; keep only stat sums, hand rows to `parts`.
+    """Stream the corpus through the model chunk by chunk; keep only stat sums (and the bootstrap's replicate
+    sums), hand the per-sentence rows to `parts`.
 
-    `progress` and `totals` come from a checkpoint when resuming: chunks already done are skipped.
+    `progress` and `running` (the sums so far) come from a checkpoint when resuming: chunks already done
+    are skipped.
     """
     limits = [x for x in (config.max_length, model_max_length(loaded.model.config)) if x is not None]
     max_length = min(limits) if limits else None
     # MPS has no float64; elsewhere float64 sums keep corpus-wide totals exact to ~1e-12.
     accum_dtype = torch.float32 if loaded.device.type == "mps" else torch.float64
     layer_ids = _selected_layers(config.layers, loaded.architecture["layers"])
-    totals = np.zeros(_sums_shape(loaded, config)) if totals is None else totals
+    shapes = _running_shapes(loaded, config)
+    totals = running.get("sums", np.zeros(shapes["sums"]))
+    bootstrap = None
+    if config.bootstrap:
+        bootstrap = Bootstrap(config.bootstrap, config.bootstrap_seed, *shapes["sums"][:2])
+        bootstrap.sums = running.get("bootstrap", bootstrap.sums)
     statistics = AttentionStatistics(
         window=config.window, accum_dtype=accum_dtype, layers=None if config.layers is None else layer_ids
     )
@@ -243,6 +267,8 @@ def measure(
                 forward(loaded.model, capture, batch)
                 sums = statistics.finish().numpy()  # (layers, batch, heads, stats)
                 totals = totals + sums.sum(axis=1)
+                if bootstrap is not None:
+                    bootstrap.add(batch.sentence_ids, sums)
                 for column, sentence_id in enumerate(batch.sentence_ids):
                     per_sentence[sentence_id] = sums[:, column]
                 progress.tokens += batch.n_tokens
@@ -256,12 +282,13 @@ def measure(
             )
             _count_chunk(progress, chunk, ids, cut)
             progress.chunks_done = index + 1
-            parts.save_progress(progress, totals)
+            parts.save_progress(progress, {"sums": totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})})
     reporter.finish()
     if progress.tokens == 0:
         raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
     return Measured(
         sums=totals,
+        bootstrap=bootstrap,
         layer_ids=layer_ids,
         chunks=len(chunk_starts),
         progress=progress,
@@ -281,6 +308,36 @@ def _count_chunk(progress: Progress, chunk, ids: list[list[int]], cut: list[bool
         candidate = [int(n < 2), abs(n - EXAMPLE_TOKENS), sentence.sentence_id]
         if n > 0 and (progress.example is None or candidate < progress.example):
             progress.example = candidate
+
+
+def run_probes(loaded: LoadedModel, config: RunConfig, layer_ids: np.ndarray, reporter: Reporter) -> ProbeResult:
+    """The probe battery (headscope.measures.probes) through the same capture as the corpus."""
+    spec = ProbeSpec(seeds=config.probe_seeds, length=config.probe_length)
+    sequences, prefix = probe_inputs(loaded.tokenizer, spec)
+    limit = model_max_length(loaded.model.config)
+    if limit is not None and len(sequences[0]) > limit:
+        raise ConfigError(
+            f"--probe-length {spec.length} makes probe sequences of {len(sequences[0])} tokens, more than the "
+            f"model's limit of {limit}; lower --probe-length"
+        )
+    reporter.stage(f"probing: {spec.seeds} sequences of {len(sequences[0])} tokens")
+    scores = ProbeScores(spec, prefix, layers=None if config.layers is None else layer_ids)
+    limits = _batch_limits(loaded, config)
+    per_seed: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    with measuring(loaded.model, [scores], block_bytes=config.block_bytes) as capture:
+        for batch in batches_in_order(
+            dict(enumerate(sequences)),
+            max_sentences=limits["max_sentences"],
+            max_tokens=limits["max_tokens"],
+            padding_side=config.padding_side,
+            device=loaded.device,
+        ):
+            forward(loaded.model, capture, batch)
+            mass, rows, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
+            for column, seed in enumerate(batch.sentence_ids):
+                per_seed[seed] = (mass[:, column], rows[column], chance[column])
+    mass, rows, chance = (np.stack([per_seed[seed][i] for seed in sorted(per_seed)]) for i in range(3))
+    return summarise_probes(mass, rows, chance, prefix, spec.repeats)
 
 
 def example_attention(loaded: LoadedModel, corpus: Corpus, measured: Measured, config: RunConfig) -> pd.DataFrame:
@@ -350,9 +407,13 @@ def check_options(config: RunConfig, model_config) -> None:
         raise ConfigError(f"--max-length {config.max_length} exceeds the model's limit of {limit} tokens")
 
 
-def _sums_shape(loaded: LoadedModel, config: RunConfig) -> tuple[int, int, int]:
+def _running_shapes(loaded: LoadedModel, config: RunConfig) -> dict[str, tuple[int, ...]]:
+    """The running sums a run keeps (and checkpoints): name -> shape."""
     layers = loaded.architecture["layers"] if config.layers is None else len(config.layers)
-    return (layers, loaded.architecture["heads"], len(STATS))
+    shapes = {"sums": (layers, loaded.architecture["heads"], len(STATS))}
+    if config.bootstrap:
+        shapes["bootstrap"] = Bootstrap.shape(config.bootstrap, layers, loaded.architecture["heads"])
+    return shapes
 
 
 def _resumed_settings(config: RunConfig, progress: Progress, reporter: Reporter) -> RunConfig:

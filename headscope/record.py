@@ -53,8 +53,8 @@ def fingerprint(loaded, corpus, config) -> dict:
     }
 
 
-def run_record(loaded, corpus, config, measured, heads, thresholds, timings: Timings) -> dict:
-    """Everything run.json holds about a finished run."""
+def run_record(loaded, corpus, config, measured, probes, heads, rules, timings: Timings) -> dict:
+    """Everything run.json holds about a finished run. rules: (Thresholds, RoleThresholds)."""
     source = loaded.source
     progress = measured.progress
     measure_seconds = timings.seconds.get("measure", 0.0)
@@ -89,6 +89,7 @@ def run_record(loaded, corpus, config, measured, heads, thresholds, timings: Tim
         "timings": {
             "load_seconds": round(timings.seconds.get("load", 0.0), 3),
             "measure_seconds": round(measure_seconds, 3),
+            "probe_seconds": round(timings.seconds.get("probes", 0.0), 3),
             "write_seconds": round(timings.seconds.get("write", 0.0), 3),
             "tokens_per_second": round(progress.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
             **peak_memory(loaded.device),
@@ -100,7 +101,17 @@ def run_record(loaded, corpus, config, measured, heads, thresholds, timings: Tim
             "unnormalised_rows": int(heads["unnormalised_rows"].sum()),
             "heads_with_unnormalised_rows": int((heads["unnormalised_rows"] > 0).sum()),
         },
-        "classification": classification_record(heads, thresholds),
+        "probes": None
+        if probes is None
+        else {
+            "seeds": config.probe_seeds,
+            "length": config.probe_length,
+            "repeats": probes.repeats,
+            "prefix_tokens": probes.prefix,
+            "chance": {pattern: round(level, 6) for pattern, level in probes.chance.items()},
+        },
+        "bootstrap": {"replicates": config.bootstrap, "seed": config.bootstrap_seed} if config.bootstrap else None,
+        "classification": classification_record(heads, *rules),
     }
 
 

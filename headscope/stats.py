@@ -1,14 +1,29 @@
-"""Numbers from per-head sums, in numpy alone (classify, plot and compare never import torch).
+"""Numbers from per-head sums, in numpy (and scipy for quantiles): classify, plot and compare never import torch.
 
 The measurements keep *sums* over attention rows, one slot per entry of ``STATS`` (see
 ``headscope.measures.statistics`` for how each is computed). Sums over sentences add up exactly to sums over
 the corpus, so the means in ``METRICS`` are taken only at the end: every metric is a token-weighted mean over
 all non-padding query rows of all sentences.
+
+Uncertainty comes from a streamed Poisson bootstrap over sentences (`Bootstrap`): every replicate weighs each
+sentence by a Poisson(1) count drawn from (seed, sentence id, replicate) alone, so the intervals do not depend
+on batching, sentence order, chunking or how the corpus is split between processes, and memory is
+O(replicates x heads) whatever the corpus size.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
+from dataclasses import dataclass
+
 import numpy as np
+
+# Rows at positions below this are left out of `sink_rate` and the top-offset evidence: a row at position p
+# sees p + 1 keys, so from position 4 on even uniform attention puts at most 1/5 on the first token.
+EVIDENCE_FROM = 4
+MAX_OFFSET = 8  # top-offset categories: the first token, offsets 0..MAX_OFFSET back, and anything else
+OFFSET_CATEGORIES: tuple[str, ...] = ("first", *(str(k) for k in range(MAX_OFFSET + 1)), "other")
 
 # Slots of the per-head sums, in order. Denominators are counted alongside.
 STATS: tuple[str, ...] = (
@@ -25,6 +40,9 @@ STATS: tuple[str, ...] = (
     "max_weight",
     "nonfinite_rows",  # valid rows holding NaN or inf (left out of every metric)
     "unnormalised_rows",  # finite rows whose mass is not 1 within tolerance (kept in the metrics)
+    "evidence_rows",  # rows at position >= EVIDENCE_FROM
+    "sink_hits",  # ... whose mass on the first token exceeds the sink threshold
+    *(f"top_{category}" for category in OFFSET_CATEGORIES),  # ... whose largest weight is on that key
 )
 STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(STATS)}
 
@@ -37,13 +55,20 @@ METRICS: dict[str, tuple[str, str]] = {
     "sink": ("sink", "n_rows"),
     "prev_token": ("prev_token", "prev_rows"),
     "max_weight": ("max_weight", "n_rows"),
+    "sink_rate": ("sink_hits", "evidence_rows"),
 }
+# Metrics with a per-head confidence interval, and the layer means that get one too.
+INTERVAL_METRICS: tuple[str, ...] = ("entropy", "norm_entropy", "sink", "diagonal")
+# The probe battery's patterns (headscope.measures.probes); each gives a probe_<pattern> column.
+PROBE_PATTERNS: tuple[str, ...] = ("induction", "duplicate", "previous")
 
 
 def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
-    """Turn stat sums (..., len(STATS)) into metric means (...), ``entropy_std`` and the row counts.
+    """Turn stat sums (..., len(STATS)) into metric means (...), ``entropy_std``, the row counts, and the
+    top-offset evidence: ``top_offset`` (the category holding most rows' largest weight, a string) and
+    ``top_offset_share`` (the share of evidence rows it holds).
 
-    A metric with no rows to average (e.g. prev_token of one-token sentences) is NaN.
+    A metric with no rows to average (e.g. prev_token of one-token sentences) is NaN (top_offset: None).
     """
     sums = np.asarray(sums, dtype=np.float64)
 
@@ -55,9 +80,142 @@ def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
     }
     with np.errstate(invalid="ignore", divide="ignore"):
         for metric, (numerator, denominator) in METRICS.items():
-            count = stat(denominator)
-            out[metric] = np.where(count > 0, stat(numerator) / np.where(count > 0, count, 1), np.nan)
+            out[metric] = ratio(stat(numerator), stat(denominator))
         n = stat("n_rows")
         variance = stat("entropy_sq") / np.where(n > 0, n, 1) - out["entropy"] ** 2
         out["entropy_std"] = np.where(n > 0, np.sqrt(np.clip(variance, 0.0, None)), np.nan)
+    counts = np.stack([stat(f"top_{category}") for category in OFFSET_CATEGORIES], axis=-1)  # (..., categories)
+    evidence = stat("evidence_rows")
+    top = counts.argmax(-1)
+    out["top_offset"] = np.where(evidence > 0, np.array(OFFSET_CATEGORIES, dtype=object)[top], None)
+    out["top_offset_share"] = ratio(np.take_along_axis(counts, top[..., None], -1)[..., 0], evidence)
     return out
+
+
+def ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator, NaN where the denominator is 0."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denominator > 0, numerator / np.where(denominator > 0, denominator, 1), np.nan)
+
+
+# ---------------------------------------------------------------- bootstrap over sentences
+
+# The (numerator, denominator) slots the intervals need, gathered from the sums in this order.
+_BOOTSTRAP_SLOTS = tuple(dict.fromkeys(slot for metric in INTERVAL_METRICS for slot in METRICS[metric]))
+_BOOTSTRAP_INDEX = [STAT_INDEX[slot] for slot in _BOOTSTRAP_SLOTS]
+# P(Poisson(1) <= k) for k = 0, 1, ...: a uniform number below entry k draws k.
+_POISSON_CDF = np.cumsum([math.exp(-1) / math.factorial(k) for k in range(20)])
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective scramble of uint64 values (wrapping arithmetic is intended)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def poisson_weights(sentence_ids: np.ndarray, replicates: int, seed: int) -> np.ndarray:
+    """(sentences, replicates) Poisson(1) counts: bootstrap weights that are a pure function of
+    (seed, sentence id, replicate), so any order or split of the corpus draws the same ones."""
+    ids = np.asarray(sentence_ids, dtype=np.uint64)[:, None]
+    columns = np.arange(replicates, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        key = _mix(_mix(np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + ids) + columns)
+    uniform = (key >> np.uint64(11)).astype(np.float64) / float(2**53)  # 53 random bits in [0, 1)
+    return np.searchsorted(_POISSON_CDF, uniform, side="right").astype(np.float64)
+
+
+class Bootstrap:
+    """Streamed Poisson bootstrap of the INTERVAL_METRICS of every head: replicate sums of their slots.
+
+    add() takes each batch's per-sentence sums; memory stays (replicates, layers, heads, slots).
+    """
+
+    def __init__(self, replicates: int, seed: int, layers: int, heads: int) -> None:
+        self.replicates, self.seed = replicates, seed
+        self.sums = np.zeros(self.shape(replicates, layers, heads))
+
+    @staticmethod
+    def shape(replicates: int, layers: int, heads: int) -> tuple[int, int, int, int]:
+        return (replicates, layers, heads, len(_BOOTSTRAP_SLOTS))
+
+    def add(self, sentence_ids, sums: np.ndarray) -> None:
+        """sentence_ids: (batch,); sums: (layers, batch, heads, len(STATS)) of those sentences."""
+        weights = poisson_weights(np.asarray(sentence_ids), self.replicates, self.seed)  # (batch, replicates)
+        picked = sums[..., _BOOTSTRAP_INDEX]  # (layers, batch, heads, slots)
+        self.sums += np.einsum("br,lbhs->rlhs", weights, picked, optimize=True)
+
+    def metrics(self) -> dict[str, np.ndarray]:
+        """Every replicate's value of each interval metric, (replicates, layers, heads)."""
+        slot = {name: i for i, name in enumerate(_BOOTSTRAP_SLOTS)}
+        return {
+            metric: ratio(self.sums[..., slot[numerator]], self.sums[..., slot[denominator]])
+            for metric, (numerator, denominator) in ((m, METRICS[m]) for m in INTERVAL_METRICS)
+        }
+
+
+def head_intervals(replicates: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per metric, the 95% percentile interval of every head, (layers, heads) each side."""
+    return {metric: percentile_interval(values) for metric, values in replicates.items()}
+
+
+def layer_intervals(replicates: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per metric, the 95% interval of each layer's mean over its heads, (layers,) each side."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a layer whose heads saw no rows: NaN
+        return {metric: percentile_interval(np.nanmean(values, axis=-1)) for metric, values in replicates.items()}
+
+
+def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """The central `level` interval of bootstrap replicates along axis 0 (replicates with NaN are skipped)."""
+    tail = 100 * (1 - level) / 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN slice (a head without rows): NaN is right
+        low, high = np.nanpercentile(replicates, [tail, 100 - tail], axis=0)
+    return low, high
+
+
+def t_interval(samples: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean and Student-t `level` interval over axis 0 (independent samples: probe seeds, say)."""
+    from scipy import stats  # only where intervals are computed: it takes ~0.6 s to import
+
+    n = samples.shape[0]
+    mean = samples.mean(axis=0)
+    if n < 2:
+        return mean, np.full_like(mean, np.nan), np.full_like(mean, np.nan)
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * samples.std(axis=0, ddof=1) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+# ---------------------------------------------------------------- probe scores
+
+
+@dataclass
+class ProbeResult:
+    """Per head, for every pattern: the score (mean over seeds), its interval, and its chance level."""
+
+    scores: dict[str, np.ndarray]  # pattern -> (layers, heads)
+    low: dict[str, np.ndarray]
+    high: dict[str, np.ndarray]
+    chance: dict[str, float]  # pattern -> chance level (the same for every head)
+    prefix: int  # tokens the tokenizer put before the random ones
+    repeats: int  # copies of the random tokens in each sequence
+
+
+def summarise_probes(mass: np.ndarray, rows: np.ndarray, chance: np.ndarray, prefix: int, repeats: int) -> ProbeResult:
+    """Scores per seed (mass / rows), then their mean and 95% t-interval over seeds.
+
+    mass: (seeds, layers, heads, patterns); rows, chance: (seeds, patterns).
+    """
+    per_seed = mass / rows[:, None, None, :]
+    mean, low, high = t_interval(per_seed)
+    chance_level = chance.sum(0) / rows.sum(0)
+    return ProbeResult(
+        scores={p: mean[..., i] for i, p in enumerate(PROBE_PATTERNS)},
+        low={p: low[..., i] for i, p in enumerate(PROBE_PATTERNS)},
+        high={p: high[..., i] for i, p in enumerate(PROBE_PATTERNS)},
+        chance={p: float(chance_level[i]) for i, p in enumerate(PROBE_PATTERNS)},
+        prefix=prefix,
+        repeats=repeats,
+    )

@@ -16,22 +16,36 @@ import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
 from headscope.output import atomic_path
-from headscope.stats import metric_means
+from headscope.stats import INTERVAL_METRICS, PROBE_PATTERNS, ProbeResult, metric_means
 
 METADATA_KEY = b"headscope"
 
 _METRIC_COLUMNS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform")
 _METRIC_COLUMNS += ("sink", "prev_token", "max_weight")
+_INTERVAL_COLUMNS = tuple(f"{m}_ci_{side}" for m in INTERVAL_METRICS for side in ("low", "high"))
+_PROBE_COLUMNS = tuple(
+    f"probe_{p}{suffix}" for p in PROBE_PATTERNS for suffix in ("", "_chance", "_ci_low", "_ci_high")
+)
 
-# One row per (layer, head): token-weighted means over the whole corpus, then the head type and the
-# evidence that decided it (see headscope.classify).
+# One row per (layer, head): token-weighted means over the whole corpus, the corpus evidence for roles, 95%
+# intervals, the probe scores, then the head type and role with the evidence that decided each (labels.py).
 HEADS_SCHEMA = pa.schema(
     [("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32()), ("n_rows", pa.int64())]
     + [("nonfinite_rows", pa.int64()), ("unnormalised_rows", pa.int64())]
     + [(name, pa.float64()) for name in _METRIC_COLUMNS]
+    + [("sink_rate", pa.float64()), ("top_offset", pa.string()), ("top_offset_share", pa.float64())]
+    + [(name, pa.float64()) for name in _INTERVAL_COLUMNS + _PROBE_COLUMNS]
     + [("locality", pa.float64()), ("head_type", pa.string()), ("type_reason", pa.string())]
+    + [("role", pa.string()), ("role_reason", pa.string())]
 )
 MEASURED_COLUMNS = HEADS_SCHEMA.names[: HEADS_SCHEMA.names.index("locality")]
+
+# One row per layer: the mean over its heads of every interval metric, with a 95% interval from the same
+# bootstrap replicates (so the layer-depth gradient comes with its uncertainty).
+LAYERS_SCHEMA = pa.schema(
+    [("layer", pa.int32()), ("heads", pa.int32())]
+    + [(f"{m}{suffix}", pa.float64()) for m in INTERVAL_METRICS for suffix in ("", "_ci_low", "_ci_high")]
+)
 
 # Every head's attention on one corpus sentence, long-form, so charts can be redrawn without the model.
 EXAMPLES_SCHEMA = pa.schema(
@@ -66,8 +80,19 @@ SENTENCE_HEADS_SCHEMA = pa.schema(
 )
 
 
-def heads_frame(sums: np.ndarray, kv_heads: int, layer_ids: np.ndarray | None = None) -> pd.DataFrame:
-    """The heads table from corpus-wide stat sums, (layers, heads, stats); `layer_ids` names the layers."""
+def heads_frame(
+    sums: np.ndarray,
+    kv_heads: int,
+    layer_ids: np.ndarray | None = None,
+    *,
+    intervals: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    probes: ProbeResult | None = None,
+) -> pd.DataFrame:
+    """The measured columns of the heads table, from corpus-wide stat sums (layers, heads, stats).
+
+    layer_ids: the model layers the sums are of; intervals: metric -> (low, high) per head, (layers, heads);
+    probes: the probe battery's scores. Columns without a value (no intervals, no probes) are NaN.
+    """
     layers, heads = sums.shape[:2]
     layer_ids = np.arange(layers) if layer_ids is None else np.asarray(layer_ids)
     means = metric_means(sums)
@@ -81,6 +106,32 @@ def heads_frame(sums: np.ndarray, kv_heads: int, layer_ids: np.ndarray | None = 
     )
     for name in ("n_rows", "nonfinite_rows", "unnormalised_rows", *_METRIC_COLUMNS):
         frame[name] = means[name].reshape(-1)
+    for name in ("sink_rate", "top_offset", "top_offset_share"):
+        frame[name] = means[name].reshape(-1)
+    missing = np.full(layers * heads, np.nan)
+    for metric in INTERVAL_METRICS:
+        low, high = (intervals or {}).get(metric, (missing, missing))
+        frame[f"{metric}_ci_low"], frame[f"{metric}_ci_high"] = np.reshape(low, -1), np.reshape(high, -1)
+    for pattern in PROBE_PATTERNS:
+        name = f"probe_{pattern}"
+        frame[name] = probes.scores[pattern].reshape(-1) if probes else missing
+        frame[f"{name}_chance"] = probes.chance[pattern] if probes else missing
+        frame[f"{name}_ci_low"] = probes.low[pattern].reshape(-1) if probes else missing
+        frame[f"{name}_ci_high"] = probes.high[pattern].reshape(-1) if probes else missing
+    return frame
+
+
+def layers_frame(heads: pd.DataFrame, intervals: dict[str, tuple[np.ndarray, np.ndarray]] | None) -> pd.DataFrame:
+    """The layers table: per layer, the mean over heads of each interval metric and its interval.
+
+    intervals: metric -> (low, high) of the layer mean, (layers,); None leaves them NaN.
+    """
+    grouped = heads.groupby("layer", sort=True)
+    frame = pd.DataFrame({"layer": grouped.size().index, "heads": grouped.size().to_numpy()})
+    for metric in INTERVAL_METRICS:
+        frame[metric] = grouped[metric].mean().to_numpy()
+        low, high = (intervals or {}).get(metric, (np.full(len(frame), np.nan),) * 2)
+        frame[f"{metric}_ci_low"], frame[f"{metric}_ci_high"] = low, high
     return frame
 
 

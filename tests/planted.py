@@ -98,3 +98,95 @@ def build_planted_gpt2(folder: Path, corpus_lines: list[str]) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# ---------------------------------------------------------------- an induction circuit
+
+IND_VOCAB = 40  # [UNK], [PAD] and 38 ordinary words w2..w39: enough for probes of up to 38 tokens
+IND_POSITIONS = 72
+IND_HEADS = 4
+CIRCUIT = 0  # the hand-set head in each layer; the others keep random weights and write nothing
+IND_BETA = 10.0
+
+
+def induction_words() -> list[str]:
+    return [f"w{i}" for i in range(2, IND_VOCAB)]
+
+
+def build_planted_induction(folder: Path) -> Path:
+    """A 2-layer GPT-2 holding an induction circuit, with a word-level tokenizer of IND_VOCAB tokens.
+
+    The residual stream has three zero-mean codes, each a +1/-1 pair of dimensions (so GPT-2's LayerNorm
+    only rescales it): the token in T = [0, 2V), the previous token in PT = [2V, 4V) (empty until layer 0
+    writes it), the position in P = [4V, 4V + 2N).
+    - layer 0, head 0 (previous-token): the query of position t looks for the key of position t - 1 (score
+      IND_BETA there, 0 elsewhere); the value is the key position's token; the output projection writes it
+      into PT, so every position now carries the token before it.
+    - layer 1, head 0 (induction): the query is the current token, the key is PT: a key matches when the
+      token before it equals the current one, i.e. the key follows an earlier occurrence of the current token.
+    The other heads keep GPT-2's random weights (near-uniform attention) and their outputs are discarded,
+    as are the MLPs (zero weights).
+    """
+    from transformers import GPT2Config, GPT2Model
+
+    vocab, positions, dim = IND_VOCAB, IND_POSITIONS, 4 * IND_VOCAB + 2 * IND_POSITIONS
+    head_dim = dim // IND_HEADS
+    assert head_dim >= max(vocab, positions)
+    tokenizer = build_tokenizer(induction_words())
+    assert len(tokenizer) == vocab
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=dim,
+        n_layer=2,
+        n_head=IND_HEADS,
+        n_inner=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = GPT2Model(config)
+    token, prev_token, position = 0, 2 * vocab, 4 * vocab  # where each code starts
+    eps = config.layer_norm_epsilon
+    c0 = 1.0 / math.sqrt(4.0 / dim + eps)  # LayerNorm's scale for token + position codes (norm^2 = 4)
+    c1 = 1.0 / math.sqrt((4.0 + 2.0 * c0**2) / dim + eps)  # ... once layer 0 added the previous token
+    q, k, v = 0, dim, 2 * dim  # offsets of the query, key and value blocks of c_attn's output
+    with torch.no_grad():
+        model.wte.weight.zero_()
+        model.wpe.weight.zero_()
+        for t in range(vocab):
+            model.wte.weight[t, token + t], model.wte.weight[t, token + vocab + t] = 1.0, -1.0
+        for p in range(positions):
+            model.wpe.weight[p, position + p], model.wpe.weight[p, position + positions + p] = 1.0, -1.0
+        for block in model.h:
+            for norm in (block.ln_1, block.ln_2):
+                norm.weight.fill_(1.0)
+                norm.bias.zero_()
+            for weight in (block.mlp.c_fc.weight, block.mlp.c_fc.bias, block.mlp.c_proj.weight, block.mlp.c_proj.bias):
+                weight.zero_()
+            block.attn.c_attn.bias.zero_()
+            block.attn.c_proj.weight.zero_()  # no head writes to the residual stream...
+            block.attn.c_proj.bias.zero_()
+            attn = block.attn.c_attn.weight  # Conv1D: (in, q|k|v out); head h owns columns h*head_dim...
+            for block_start in (q, k, v):
+                attn[:, block_start : block_start + head_dim] = 0.0
+        # Layer 0, head 0: previous token. Score IND_BETA after GPT-2's 1/sqrt(head_dim) scaling.
+        layer0 = model.h[0].attn
+        a0 = IND_BETA * math.sqrt(head_dim) / c0**2
+        for p in range(positions):
+            layer0.c_attn.weight[position + p, k + p] = 1.0
+            if p >= 1:
+                layer0.c_attn.weight[position + p, q + p - 1] = a0
+        for t in range(vocab):
+            layer0.c_attn.weight[token + t, v + t] = 1.0  # value: the key position's token
+            layer0.c_proj.weight[t, prev_token + t] = 1.0  # ...but this one: write it into PT
+            layer0.c_proj.weight[t, prev_token + vocab + t] = -1.0
+        # Layer 1, head 0: induction. Query: the current token; key: the previous-token code.
+        layer1 = model.h[1].attn
+        a1 = IND_BETA * math.sqrt(head_dim) / (c1**2 * c0)
+        for t in range(vocab):
+            layer1.c_attn.weight[token + t, q + t] = a1
+            layer1.c_attn.weight[prev_token + t, k + t] = 1.0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -49,3 +49,53 @@ def corpus_means(sentences: list[np.ndarray], window: int = 2) -> dict[str, np.n
     out["entropy_std"] = np.std(pooled["entropy"], axis=0)
     out["n_rows"] = np.full(sentences[0].shape[0], len(pooled["entropy"]))
     return out
+
+
+def role_evidence(sentences: list[np.ndarray], threshold: float = 0.3) -> dict[str, np.ndarray]:
+    """sink_rate, top_offset and top_offset_share per head, straight from the definitions.
+
+    Over rows t >= 4 of every sentence: a sink row puts more than `threshold` on key 0; a row's top key is
+    its largest weight's key when no other key ties it; "first" if that is key 0, else the offset t - key
+    when it is 0..8, else "other".
+    """
+    heads = sentences[0].shape[0]
+    sink_rows, counts = np.zeros(heads), [dict() for _ in range(heads)]
+    rows = 0
+    for attn in sentences:
+        for t in range(4, attn.shape[-1]):
+            rows += 1
+            for h in range(heads):
+                p = attn[h, t, : t + 1]
+                sink_rows[h] += p[0] > threshold
+                top = int(np.argmax(p))
+                if (p == p[top]).sum() > 1:
+                    category = "other"
+                elif top == 0:
+                    category = "first"
+                else:
+                    category = str(t - top) if t - top <= 8 else "other"
+                counts[h][category] = counts[h].get(category, 0) + 1
+    order = ["first", *map(str, range(9)), "other"]  # ties between categories: the earlier one, as headscope
+    top = [max(order, key=lambda c, h=h: (counts[h].get(c, 0), -order.index(c))) for h in range(heads)]
+    return {
+        "sink_rate": sink_rows / rows,
+        "top_offset": np.array(top, dtype=object),
+        "top_offset_share": np.array([counts[h][top[h]] / rows for h in range(heads)]),
+    }
+
+
+def probe_scores(attentions: list[np.ndarray], prefix: int, length: int) -> dict[str, np.ndarray]:
+    """Mean over seeds of each probe score, from each seed's (heads, t, t) attention, row by row.
+
+    A sequence is prefix + r + r: induction rows are the second copy (key t - length + 1), duplicate rows
+    the same (key t - length), previous rows every random row but the first (key t - 1).
+    """
+    per_seed = {name: [] for name in ("induction", "duplicate", "previous")}
+    for attn in attentions:
+        second = range(prefix + length, prefix + 2 * length)
+        per_seed["induction"].append(np.mean([attn[:, t, t - length + 1] for t in second], axis=0))
+        per_seed["duplicate"].append(np.mean([attn[:, t, t - length] for t in second], axis=0))
+        per_seed["previous"].append(
+            np.mean([attn[:, t, t - 1] for t in range(prefix + 1, prefix + 2 * length)], axis=0)
+        )
+    return {name: np.mean(values, axis=0) for name, values in per_seed.items()}

@@ -32,11 +32,11 @@ def test_every_model_is_checked_by_its_own_capture(two_loads, corpus_lines, monk
     monkeypatch.setattr(Capture, "_inspect_standard", spy)
     for loaded in two_loads:
         headscope.analyze(loaded, corpus_lines[:5], block_bytes=TINY_BLOCKS, sentence_heads=False)
-    # Each analyze opens two measuring contexts (the corpus, then the example sentence): four checks.
-    assert len(checked) == 4
+    # Each analyze opens three measuring contexts (the corpus, the probes, the example sentence): six checks.
+    assert len(checked) == 6
     for loaded in two_loads:
         modules = {id(module) for module in loaded.model.modules()}
-        assert sum(module in modules for _, module in checked) == 2
+        assert sum(module in modules for _, module in checked) == 3
 
 
 def test_measuring_leaves_the_model_as_it_found_it(two_loads, corpus_lines):

@@ -12,16 +12,26 @@ from typer.testing import CliRunner
 
 import headscope
 from headscope.cli import app
-from headscope.config import Thresholds
-from headscope.labels import classify_heads
-from headscope.layout import RUN_FILE
+from headscope.config import RoleThresholds, Thresholds
+from headscope.labels import label_heads
+from headscope.layout import CHART_NAMES, RUN_FILE
 from headscope.report.folder import plot_report
-from headscope.tables import HEADS_SCHEMA, MEASURED_COLUMNS, read_metadata, write_json, write_table
+from headscope.stats import STATS
+from headscope.tables import (
+    HEADS_SCHEMA,
+    LAYERS_SCHEMA,
+    MEASURED_COLUMNS,
+    heads_frame,
+    layers_frame,
+    read_metadata,
+    write_json,
+    write_table,
+)
 
 from planted import FIRST, PREVIOUS, UNIFORM
 
 runner = CliRunner()
-CHARTS = ("entropy_heatmap", "layer_gradient", "head_types", "classification_map", "examples")
+CHARTS = CHART_NAMES
 
 
 def words_of(lines: list[str]) -> list[str]:
@@ -66,7 +76,7 @@ def test_classify_in_place_changes_labels_and_keeps_the_file_readable(report):
         app, ["classify", str(report), "--local-min-locality", "1", "--copy-max-norm-entropy", "0.0001"]
     )
     assert result.exit_code == 0, result.output
-    assert "head types" in result.output
+    assert "heads per head type" in result.output and "heads per role" in result.output
     after = pd.read_parquet(report / "heads.parquet")
     layer0 = after[after["layer"] == 0].set_index("head")["head_type"]
     assert layer0[PREVIOUS] != "local" and layer0[FIRST] != "copy"
@@ -98,29 +108,34 @@ def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
 
 
 def synthetic_report(folder, layers: int, heads: int):
-    """A report folder with a made-up heads table of the given shape (no model)."""
+    """A report folder with made-up heads and layers tables of the given shape (no model)."""
     rng = np.random.default_rng(layers * 100 + heads)
     n = layers * heads
-    frame = pd.DataFrame(
-        {
-            "layer": np.repeat(np.arange(layers), heads),
-            "head": np.tile(np.arange(heads), layers),
-            "kv_head": np.tile(np.arange(heads), layers),
-            "n_rows": 1000,
-            "nonfinite_rows": 0,
-            "unnormalised_rows": 0,
-            "entropy": rng.uniform(0, 2.5, n) * np.linspace(1, 0.4, n),
-            "entropy_std": rng.uniform(0, 0.5, n),
-            "norm_entropy": rng.uniform(0, 1, n),
-            "diagonal": rng.uniform(0.3, 1, n),
-            "diagonal_uniform": np.full(n, 0.4),
-            "sink": rng.uniform(0, 1, n),
-            "prev_token": rng.uniform(0, 1, n),
-            "max_weight": rng.uniform(0, 1, n),
-        }
-    )
+    sums = np.zeros((layers, heads, len(STATS)))  # every measured column, then overwritten with made-up values
+    frame = heads_frame(sums, heads, intervals=None, probes=None)
+    made_up = {
+        "n_rows": 1000,
+        "entropy": rng.uniform(0, 2.5, n) * np.linspace(1, 0.4, n),
+        "entropy_std": rng.uniform(0, 0.5, n),
+        "norm_entropy": rng.uniform(0, 1, n),
+        "diagonal": rng.uniform(0.3, 1, n),
+        "diagonal_uniform": np.full(n, 0.4),
+        "sink": rng.uniform(0, 1, n),
+        "prev_token": rng.uniform(0, 1, n),
+        "max_weight": rng.uniform(0, 1, n),
+        "sink_rate": rng.uniform(0, 1, n),
+        "top_offset": rng.choice(["first", "0", "1", "2", "other"], n),
+        "top_offset_share": rng.uniform(0, 1, n),
+    }
+    for pattern in ("induction", "duplicate", "previous"):
+        made_up[f"probe_{pattern}"] = rng.uniform(0, 1, n) ** 4
+        made_up[f"probe_{pattern}_chance"] = 0.02
+    for name, values in made_up.items():
+        frame[name] = values
+    labelled = label_heads(frame, Thresholds(), RoleThresholds())
     folder.mkdir()
-    write_table(classify_heads(frame, Thresholds()), folder / "heads.parquet", HEADS_SCHEMA)
+    write_table(labelled, folder / "heads.parquet", HEADS_SCHEMA)
+    write_table(layers_frame(labelled, None), folder / "layers.parquet", LAYERS_SCHEMA)
     run = {"model": {"input": f"synthetic-{layers}x{heads}"}, "corpus": {"path": "c.txt", "sentences": 10}}
     write_json(run, folder / RUN_FILE)
 
@@ -130,7 +145,7 @@ def test_charts_for_every_model_shape(tmp_path, layers, heads):
     folder = tmp_path / f"m{layers}x{heads}"
     synthetic_report(folder, layers, heads)
     written = plot_report(folder)
-    assert [p.stem for p in written] == list(CHARTS[:4])  # no example attention without a model run
+    assert [p.stem for p in written] == [c for c in CHARTS if c != "examples"]  # no example without a model run
     for path in written:
         height, width = imread(path).shape[:2]
         assert 500 <= width <= 3200 and 400 <= height <= 3200, (path.name, width, height)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import headscope
+from headscope.measures.probes import ProbeSpec, probe_inputs
+from headscope.tables import MEASURED_COLUMNS
 
-from reference import METRIC_NAMES, corpus_means, sentence_rows
+from reference import METRIC_NAMES, corpus_means, probe_scores, role_evidence, sentence_rows
 
 pytestmark = pytest.mark.slow
 ALL_METRICS = (*METRIC_NAMES, "entropy_std")
@@ -44,6 +46,34 @@ def test_all_270_heads_match_output_attentions(batched, reference_attention):
         assert (got["n_rows"] == expected["n_rows"]).all()
 
 
+def test_role_evidence_matches_output_attentions(batched, reference_attention):
+    heads = batched.heads.sort_values(["layer", "head"])
+    for layer in (0, 7, 17, 29):
+        expected = role_evidence(reference_attention[layer])
+        got = heads[heads["layer"] == layer]
+        np.testing.assert_allclose(got["sink_rate"], expected["sink_rate"], atol=1e-9, err_msg=f"{layer}")
+        assert got["top_offset"].tolist() == expected["top_offset"].tolist(), layer
+        np.testing.assert_allclose(got["top_offset_share"], expected["top_offset_share"], atol=1e-9)
+
+
+def test_probe_scores_match_output_attentions(smollm2, batched):
+    """The probe battery, recomputed row by row from the model's own weights on the same inputs."""
+    spec = ProbeSpec(seeds=8, length=32)
+    sequences, prefix = probe_inputs(smollm2.tokenizer, spec)
+    assert prefix == 0  # SmolLM2's tokenizer adds no BOS to ordinary text
+    per_layer: list[list[np.ndarray]] = [[] for _ in range(30)]
+    with torch.inference_mode():
+        for sequence in sequences:
+            for layer, attn in enumerate(smollm2.model(torch.tensor([sequence]), output_attentions=True).attentions):
+                per_layer[layer].append(attn[0].double().numpy())
+    heads = batched.heads.sort_values(["layer", "head"])
+    for layer in range(30):
+        expected = probe_scores(per_layer[layer], prefix, spec.length)
+        got = heads[heads["layer"] == layer]
+        for pattern, values in expected.items():
+            np.testing.assert_allclose(got[f"probe_{pattern}"], values, atol=1e-5, err_msg=f"{layer} {pattern}")
+
+
 def test_per_sentence_metrics_match_output_attentions(batched, reference_attention):
     table = batched.sentence_heads
     for sentence_id in (0, 42, 86, 99):  # includes the two-token "Stop!" and a 20+ token sentence
@@ -54,10 +84,15 @@ def test_per_sentence_metrics_match_output_attentions(batched, reference_attenti
                 np.testing.assert_allclose(got[name], np.mean(rows[name], axis=0), atol=1e-5, err_msg=name)
 
 
-def test_batch_size_does_not_change_results(smollm2, shipped_corpus, batched):
+def test_batch_size_and_padding_side_do_not_change_results(smollm2, shipped_corpus, batched):
     one_at_a_time = headscope.analyze(smollm2, shipped_corpus, batch_size=1, sentence_heads=False)
-    for name in ALL_METRICS:
-        np.testing.assert_allclose(one_at_a_time.heads[name], batched.heads[name], atol=1e-5, err_msg=name)
+    left = headscope.analyze(smollm2, shipped_corpus, batch_size=7, padding_side="left", sentence_heads=False)
+    numbers = [c for c in MEASURED_COLUMNS if c not in ("layer", "head", "kv_head", "top_offset")]
+    for other in (one_at_a_time, left):
+        for name in numbers:
+            np.testing.assert_allclose(other.heads[name], batched.heads[name], atol=1e-5, err_msg=name)
+        assert other.heads["top_offset"].tolist() == batched.heads["top_offset"].tolist()
+        assert other.heads["role"].tolist() == batched.heads["role"].tolist()
 
 
 def test_grouped_query_heads_are_reported_per_query_head(batched):

@@ -14,6 +14,10 @@ Definitions (row t of one head, A[t, s] the probability it gives key s):
     sink             A[t, first position of the sentence]
     prev_token       A[t, t-1]                                 rows t >= 1
     max_weight       max_s A[t,s]
+    sink_rate        share of rows t >= 4 with A[t, first position] > sink_threshold (0.3)
+    top_offset       over rows t >= 4: where most rows put their largest weight: "first" (the first
+                     position), an offset k = t - argmax_s A[t,s] in 0..8, or "other" (further back, or
+                     a largest weight shared by several keys); top_offset_share is the share of rows it holds
 Positions are counted from the sentence's first real token, so left and right
 padding give the same numbers. Rows holding NaN or inf (float16 overflow, say) are
 counted in ``nonfinite_rows`` and left out of every metric; rows whose mass is not 1
@@ -27,9 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
+from headscope.config import SINK_THRESHOLD
 from headscope.errors import ModelLoadError
 from headscope.feed import Batch
-from headscope.stats import STATS
+from headscope.stats import EVIDENCE_FROM, MAX_OFFSET, STATS
 
 
 class AttentionStatistics:
@@ -39,8 +44,16 @@ class AttentionStatistics:
     in one transfer (on a GPU, nothing synchronises per layer).
     """
 
-    def __init__(self, *, window: int, accum_dtype: torch.dtype, layers: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        window: int,
+        accum_dtype: torch.dtype,
+        layers: Sequence[int] | None = None,
+        sink_threshold: float = SINK_THRESHOLD,
+    ) -> None:
         self.window = window
+        self.sink_threshold = sink_threshold
         self.accum_dtype = accum_dtype
         self.layers = sorted(set(layers)) if layers is not None else None
         self._batch: Batch | None = None
@@ -64,6 +77,7 @@ class AttentionStatistics:
             "window": self.window,
             "row_offset": block.first_row,
             "accum_dtype": self.accum_dtype,
+            "sink_threshold": self.sink_threshold,
         }
         if block.weights is not None:
             # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
@@ -122,6 +136,7 @@ def head_row_sums(
     row_offset: int = 0,
     accum_dtype: torch.dtype = torch.float64,
     mass_tolerance: float = 1e-3,
+    sink_threshold: float = SINK_THRESHOLD,
 ) -> torch.Tensor:
     """Per-(sentence, head) sums of every row statistic in ``STATS``, over a block of query rows.
 
@@ -131,17 +146,23 @@ def head_row_sums(
     query_valid: (batch, rows) bool, True on real (non-padding) tokens
     seq_start:   (batch,) long, index of each sentence's first real token (0 with right padding)
     window:      half-width of the diagonal band
+    sink_threshold: a row counts towards `sink_rate` when its mass on the first token exceeds this
     Returns (batch, heads, len(STATS)) in ``accum_dtype``, on attn's device. Sums over disjoint row
     blocks add up to the sums over all rows.
     """
     probs = attn.float()  # reductions in float32 at least, whatever the model dtype
+    largest = probs.amax(-1)
     per_row = {
         "entropy": torch.special.entr(probs).sum(-1),
-        "max_weight": probs.amax(-1),
+        "max_weight": largest,
         "mass": probs.sum(-1),
+        "top_key": probs.argmax(-1),
+        "top_tied": (probs == largest[..., None]).sum(-1) > 1,  # no single key holds the largest weight
         **_positional_mass(probs, seq_start, window, row_offset),
     }
-    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, mass_tolerance)
+    return _sum_rows(
+        per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, mass_tolerance, sink_threshold
+    )
 
 
 def head_row_sums_from_logits(
@@ -153,6 +174,7 @@ def head_row_sums_from_logits(
     window: int,
     row_offset: int = 0,
     accum_dtype: torch.dtype = torch.float64,
+    sink_threshold: float = SINK_THRESHOLD,
 ) -> torch.Tensor:
     """``head_row_sums(softmax(logits))``, with fewer passes over the (rows, keys) block.
 
@@ -170,9 +192,11 @@ def head_row_sums_from_logits(
         "entropy": torch.log(total) - torch.linalg.vecdot(unnormalised, shifted) / total,
         "max_weight": 1.0 / total,
         "mass": torch.ones_like(total),  # normalised by construction; overflow shows up as a non-finite total
+        "top_key": shifted.argmax(-1),
+        "top_tied": (shifted == 0).sum(-1) > 1,  # the largest logit is shifted to exactly 0
         **{name: mass / total for name, mass in _positional_mass(unnormalised, seq_start, window, row_offset).items()},
     }
-    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, 1.0)
+    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, 1.0, sink_threshold)
 
 
 def _positional_mass(
@@ -198,6 +222,7 @@ def _sum_rows(
     row_offset: int,
     accum_dtype: torch.dtype,
     mass_tolerance: float,
+    sink_threshold: float,
 ) -> torch.Tensor:
     """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(STATS))."""
     entropy = per_row["entropy"]
@@ -217,6 +242,13 @@ def _sum_rows(
     unnormalised = valid & ((mass - 1.0).abs() > mass_tolerance)
     norm_rows = valid & (n_visible >= 2)
     prev_rows = valid & (position >= 1)[:, None, :]
+    evidence = valid & (position >= EVIDENCE_FROM)[:, None, :]
+    # Where each row's largest weight sits: on the sentence's first token, or this many positions back.
+    # A row whose largest weight is shared by several keys (uniform attention) has no such place: "other".
+    tied = per_row["top_tied"]
+    on_first = ~tied & (per_row["top_key"] == seq_start[:, None, None])  # (batch, heads, rows)
+    offset = torch.arange(row_offset, row_offset + rows, device=entropy.device) - per_row["top_key"]
+    fixed = ~tied & ~on_first
 
     def row_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # `where`, not multiply: padding rows may hold anything, NaN included, and must add exactly 0.
@@ -238,5 +270,10 @@ def _sum_rows(
         "max_weight": row_sum(per_row["max_weight"], valid),
         "nonfinite_rows": row_sum(ones, nonfinite),
         "unnormalised_rows": row_sum(ones, unnormalised),
+        "evidence_rows": row_sum(ones, evidence),
+        "sink_hits": row_sum(ones, evidence & (per_row["sink"] > sink_threshold)),
+        "top_first": row_sum(ones, evidence & on_first),
+        "top_other": row_sum(ones, evidence & (tied | (fixed & (offset > MAX_OFFSET)))),
+        **{f"top_{k}": row_sum(ones, evidence & fixed & (offset == k)) for k in range(MAX_OFFSET + 1)},
     }
     return torch.stack([columns[name] for name in STATS], dim=-1)

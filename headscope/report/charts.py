@@ -15,12 +15,22 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from headscope.config import Thresholds
-from headscope.labels import HEAD_TYPES, most_typical
+from headscope.labels import HEAD_TYPES, ROLES, most_typical
 from headscope.layout import CHART_NAMES
 from headscope.output import atomic_path
+from headscope.stats import PROBE_PATTERNS
 from headscope.summary import early_late_entropy, layer_entropy
 
 TYPE_COLOURS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
+ROLE_COLOURS = {
+    "induction": "#e7298a",
+    "duplicate-token": "#66a61e",
+    "previous-token": "#1b9e77",
+    "sink": "#d95f02",
+    "positional": "#e6ab02",
+    "broad": "#7570b3",
+    "other": "#bdbdbd",
+}
 ANNOTATE_UP_TO = 16  # write cell values when the grid is at most this many layers and heads
 
 
@@ -70,9 +80,14 @@ def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
     return fig
 
 
-def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
-    """Mean entropy per layer with the spread across heads, and the early and late band means."""
+def layer_gradient(heads: pd.DataFrame, *, title: str, layers: pd.DataFrame | None = None) -> Figure:
+    """Mean entropy per layer with the spread across heads, the early and late band means, and (from the
+    layers table, when it has intervals) the 95% interval of each layer's mean."""
     per_layer = layer_entropy(heads)
+    per_layer_ci = None
+    if layers is not None and layers["entropy_ci_low"].notna().any():
+        ordered = layers.set_index("layer").reindex(per_layer.index)
+        per_layer_ci = (ordered["entropy_ci_low"].to_numpy(), ordered["entropy_ci_high"].to_numpy())
     layers = per_layer.index.to_numpy()
     mean, std = per_layer["mean"].to_numpy(), per_layer["std"].to_numpy()
     low, high = per_layer["min"].to_numpy(), per_layer["max"].to_numpy()
@@ -86,6 +101,16 @@ def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
     else:  # a band needs at least a few layers to be visible: draw ranges instead
         ax.vlines(layers, low, high, color="#4c72b0", alpha=0.3, linewidth=8, label="min-max over heads")
         ax.vlines(layers, std_low, std_high, color="#4c72b0", alpha=0.6, linewidth=8, label="mean ± std over heads")
+    if per_layer_ci is not None:
+        ax.fill_between(
+            layers,
+            per_layer_ci[0],
+            per_layer_ci[1],
+            color="#dd8452",
+            alpha=0.5,
+            linewidth=0,
+            label="95% interval of the mean (bootstrap over sentences)",
+        )
     ax.plot(layers, mean, marker="o", markersize=3, color="#4c72b0", label="mean over heads")
     bands = early_late_entropy(heads)  # None for a --layers subset or a model too shallow for two bands
     if bands is not None:
@@ -110,26 +135,54 @@ def layer_gradient(heads: pd.DataFrame, *, title: str) -> Figure:
 
 def head_types_per_layer(classified: pd.DataFrame, *, title: str) -> Figure:
     """Stacked bars: how many heads of each type every layer has."""
-    counts = (
-        classified.groupby(["layer", "head_type"])
-        .size()
-        .unstack(fill_value=0)
-        .reindex(columns=HEAD_TYPES, fill_value=0)
-    )
+    return _labels_per_layer(classified, "head_type", HEAD_TYPES, TYPE_COLOURS, title=f"{title}\nhead types per layer")
+
+
+def head_roles_per_layer(labelled: pd.DataFrame, *, title: str) -> Figure:
+    """Stacked bars: how many heads of each role every layer has."""
+    return _labels_per_layer(labelled, "role", ROLES, ROLE_COLOURS, title=f"{title}\nhead roles per layer")
+
+
+def _labels_per_layer(labelled: pd.DataFrame, column: str, names, colours: dict[str, str], *, title: str) -> Figure:
+    counts = labelled.groupby(["layer", column]).size().unstack(fill_value=0).reindex(columns=names, fill_value=0)
     layers = counts.index.to_numpy()
     fig = _figure(float(np.clip(4 + 0.2 * len(layers), 7, 16)), 4.5)
     ax = fig.subplots()
     bottom = np.zeros(len(layers))
-    for name in HEAD_TYPES:
+    for name in names:
         total = int(counts[name].sum())
-        ax.bar(layers, counts[name], bottom=bottom, color=TYPE_COLOURS[name], label=f"{name} ({total})", width=0.85)
+        ax.bar(layers, counts[name], bottom=bottom, color=colours[name], label=f"{name} ({total})", width=0.85)
         bottom += counts[name].to_numpy()
     _layer_axis(ax, layers)
     ax.set_ylabel("heads")
     ax.set_ylim(0, bottom.max() * 1.02)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="head type")
-    ax.set_title(f"{title}\nhead types per layer")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title=column.replace("_", " "))
+    ax.set_title(title)
+    return fig
+
+
+def probe_scores(heads: pd.DataFrame, *, title: str) -> Figure:
+    """One heatmap per probe pattern, layers down and heads across, on one 0-1 colour scale."""
+    layer_ids = sorted(heads["layer"].unique())
+    n_heads = heads["head"].nunique()
+    width = float(np.clip(2.5 + len(PROBE_PATTERNS) * (1.2 + 0.15 * n_heads), 9, 24))
+    fig = _figure(width, float(np.clip(2.2 + 0.16 * len(layer_ids), 4.5, 16)))
+    axes = fig.subplots(1, len(PROBE_PATTERNS), sharey=True)
+    image = None
+    for ax, pattern in zip(axes, PROBE_PATTERNS, strict=True):
+        column = f"probe_{pattern}"
+        image = ax.imshow(_grid(heads, column), cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        chance = float(heads[f"{column}_chance"].iloc[0])
+        ax.set_title(f"{pattern} (chance {chance:.3f})", fontsize=10)
+        ticks = np.arange(0, n_heads, _tick_step(n_heads, 16))
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("head")
+    rows = np.arange(0, len(layer_ids), _tick_step(len(layer_ids)))
+    axes[0].set_yticks(rows, [str(layer_ids[r]) for r in rows])
+    axes[0].set_ylabel("layer")
+    fig.colorbar(image, ax=list(axes), shrink=0.8, label="attention on the pattern's target (mean over seeds)")
+    fig.suptitle(f"{title}\nprobe scores on repeated random tokens")
     return fig
 
 
@@ -194,6 +247,7 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
 
 def draw_charts(
     heads: pd.DataFrame,
+    layers: pd.DataFrame | None,
     examples: pd.DataFrame | None,
     thresholds: Thresholds,
     *,
@@ -203,18 +257,22 @@ def draw_charts(
 ) -> list[Path]:
     """Draw every chart into `folder` as `fmt` files (each written atomically); return their paths.
 
-    examples: every head's attention on one sentence (long-form), or None: no example chart then.
+    layers: the layers table (its intervals band the layer gradient), or None; examples: every head's
+    attention on one sentence (long-form), or None. A chart without data (no probes, no example) is skipped.
     """
     figures = {
         "entropy_heatmap": lambda: entropy_heatmap(heads, title=title),
-        "layer_gradient": lambda: layer_gradient(heads, title=title),
+        "layer_gradient": lambda: layer_gradient(heads, title=title, layers=layers),
         "head_types": lambda: head_types_per_layer(heads, title=title),
+        "head_roles": lambda: head_roles_per_layer(heads, title=title),
+        "probe_scores": lambda: probe_scores(heads, title=title),
         "classification_map": lambda: classification_map(heads, thresholds, title=title),
         "examples": lambda: example_heads(examples, most_typical(heads, thresholds), title=title),
     }
+    skipped = {"examples": examples is None, "probe_scores": heads["probe_induction"].isna().all()}
     written = []
     for name in CHART_NAMES:
-        if name == "examples" and examples is None:
+        if skipped.get(name):
             continue
         path = folder / f"{name}.{fmt}"
         with atomic_path(path) as tmp:

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from headscope.config import CHART_FORMATS, Thresholds
+from headscope.config import CHART_FORMATS, RoleThresholds, Thresholds
 from headscope.errors import ConfigError, OutputError
-from headscope.labels import classification_record, classify_heads
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, RUN_FILE, why_not_a_report
+from headscope.labels import classification_record, label_heads
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, why_not_a_report
 from headscope.output import atomic_path
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,
+    LAYERS_SCHEMA,
     MEASURED_COLUMNS,
     parquet_metadata,
     read_table,
@@ -55,34 +56,48 @@ def read_heads(folder: Path) -> pd.DataFrame:
     return heads
 
 
-def reclassify(folder: Path, thresholds: Thresholds, *, out: Path | None = None) -> pd.DataFrame:
-    """Re-label the heads of `folder` with `thresholds`; write in place (atomically) or into `out`.
+def reclassify(
+    folder: Path, thresholds: Thresholds, roles: RoleThresholds | None = None, *, out: Path | None = None
+) -> pd.DataFrame:
+    """Re-label the heads of `folder` (types and roles); write in place (atomically) or into `out`.
 
-    With `out`, the new heads.parquet and run.json go there, with the example attention the charts need.
+    With `out`, the new heads.parquet and run.json go there, with the tables the charts need.
     """
     folder = Path(folder)
     run = read_run(folder)
-    classified = classify_heads(read_heads(folder)[MEASURED_COLUMNS], thresholds)
-    run["classification"] = classification_record(classified, thresholds)
+    roles = roles or RoleThresholds()
+    classified = label_heads(read_heads(folder)[MEASURED_COLUMNS], thresholds, roles)
+    run["classification"] = classification_record(classified, thresholds, roles)
     target = Path(out) if out is not None else folder
     _make_folder(target)
     problem = why_not_a_report(target)
     if problem is not None:  # classify writes heads.parquet and run.json: never over someone else's files
         raise OutputError(f"--out {target} is not a headscope report ({problem}); choose a new or empty folder")
-    if target.resolve() != folder.resolve() and (folder / EXAMPLES_FILE).is_file():
-        _copy_atomically(folder / EXAMPLES_FILE, target / EXAMPLES_FILE)
+    for name in (EXAMPLES_FILE, LAYERS_FILE):
+        if target.resolve() != folder.resolve() and (folder / name).is_file():
+            _copy_atomically(folder / name, target / name)
     write_table(classified, target / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
     write_json(run, target / RUN_FILE)
     return classified
 
 
 def thresholds_of(run: dict) -> Thresholds:
+    """The head-type thresholds a report was labelled with."""
+    return _recorded(run, "thresholds", Thresholds)
+
+
+def role_thresholds_of(run: dict) -> RoleThresholds:
+    """The role thresholds a report was labelled with."""
+    return _recorded(run, "role_thresholds", RoleThresholds)
+
+
+def _recorded(run: dict, key: str, kind):
     classification = run.get("classification")
-    recorded = classification.get("thresholds") if isinstance(classification, dict) else None
+    recorded = classification.get(key) if isinstance(classification, dict) else None
     try:
-        return Thresholds(**recorded) if recorded else Thresholds()
+        return kind(**recorded) if recorded else kind()
     except (TypeError, ConfigError) as err:
-        raise OutputError(f"run.json holds unusable classification thresholds ({err})") from None
+        raise OutputError(f"run.json holds unusable classification {key.replace('_', ' ')} ({err})") from None
 
 
 def chart_title(run: dict) -> str:
@@ -94,6 +109,12 @@ def chart_title(run: dict) -> str:
 def _section(run: dict, key: str) -> dict:
     value = run.get(key)
     return value if isinstance(value, dict) else {}
+
+
+def read_layers(folder: Path) -> pd.DataFrame | None:
+    """The layers table (per-layer means and their intervals), or None when the report has none."""
+    path = Path(folder) / LAYERS_FILE
+    return read_table(path, LAYERS_SCHEMA) if path.is_file() else None
 
 
 def read_examples(folder: Path) -> pd.DataFrame | None:
@@ -125,10 +146,10 @@ def plot_report(folder: Path, *, fmt: str = "png", out: Path | None = None) -> l
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {fmt!r}")
     folder = Path(folder)
     run = read_run(folder)
-    heads, examples, thresholds = read_heads(folder), read_examples(folder), thresholds_of(run)
+    heads, layers, examples = read_heads(folder), read_layers(folder), read_examples(folder)
     target = Path(out) if out is not None else folder
     _make_folder(target)
-    return draw_charts(heads, examples, thresholds, title=chart_title(run), folder=target, fmt=fmt)
+    return draw_charts(heads, layers, examples, thresholds_of(run), title=chart_title(run), folder=target, fmt=fmt)
 
 
 def _copy_atomically(source: Path, destination: Path) -> None:

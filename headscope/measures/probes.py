@@ -1,0 +1,181 @@
+"""The probe battery: repeated random tokens, and how much attention each head gives the keys that three
+mechanisms would pick.
+
+Inputs (`probe_inputs`), one sequence per seed s = 0, 1, ..., seeds - 1:
+    prefix + r + r        (r repeated `repeats` times, 2 by default)
+- r: `length` token ids drawn without replacement by ``numpy.random.default_rng(s).choice`` from the
+  tokenizer's *ordinary* ids: every id below ``len(tokenizer)`` that is neither a special token
+  (``all_special_ids``) nor an added token (``added_tokens_decoder``), in increasing order. Without
+  replacement, a token's only earlier occurrences are its copies in earlier repeats.
+- prefix: exactly the ids the tokenizer puts before ordinary text (its BOS, for most models), found by
+  encoding a sample sentence with and without special tokens.
+
+Scores, per head, each a mean over only the query rows where its pattern is defined (p = position in the
+sequence, P = prefix length, L = length):
+    probe_induction  rows in a repeat (p >= P + L): mass on p - kL + 1 for every earlier copy k >= 1,
+                     the token that followed each earlier occurrence of the current one
+    probe_duplicate  rows in a repeat: mass on p - kL, the earlier occurrences of the current token
+    probe_previous   rows p >= P + 1 (query and key random tokens): mass on p - 1
+Each has a chance level beside it: what uniform causal attention gives on the same rows, the number of
+target keys over the p + 1 keys a row sees. Scores are per seed first; the reported score is their mean,
+with a Student-t interval over seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from headscope.errors import ConfigError
+from headscope.feed import Batch
+from headscope.measures.statistics import diagonal_rows
+from headscope.stats import PROBE_PATTERNS
+
+SAMPLE_TEXT = "The cat sat on the mat."  # encoded once to learn which ids the tokenizer puts before text
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """The size of the battery; with the tokenizer, it fixes every input."""
+
+    seeds: int  # sequences, one per seed 0..seeds-1
+    length: int  # random tokens per copy
+    repeats: int = 2  # copies of them in each sequence
+
+    def __post_init__(self) -> None:
+        if self.seeds < 2:
+            raise ConfigError(f"--probe-seeds must be 2 or more (an interval needs two); got {self.seeds}")
+        if self.length < 2:
+            raise ConfigError(f"--probe-length must be 2 or more; got {self.length}")
+        if self.repeats < 2:
+            raise ConfigError(f"probe repeats must be 2 or more; got {self.repeats}")
+
+
+def ordinary_token_ids(tokenizer) -> np.ndarray:
+    """Every id below len(tokenizer) that is neither special nor added, in increasing order."""
+    excluded = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+    return np.array([i for i in range(len(tokenizer)) if i not in excluded], dtype=np.int64)
+
+
+def prefix_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer adds before ordinary text (a BOS, usually; none for GPT-2)."""
+    plain = tokenizer(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+    full = tokenizer(SAMPLE_TEXT, add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def probe_inputs(tokenizer, spec: ProbeSpec) -> tuple[list[list[int]], int]:
+    """One token-id sequence per seed, and the prefix length P."""
+    candidates = ordinary_token_ids(tokenizer)
+    if len(candidates) < spec.length:
+        raise ConfigError(
+            f"--probe-length {spec.length} needs that many distinct ordinary tokens; "
+            f"the tokenizer has {len(candidates)}"
+        )
+    prefix = prefix_ids(tokenizer)
+    sequences = []
+    for seed in range(spec.seeds):
+        random_part = np.random.default_rng(seed).choice(candidates, size=spec.length, replace=False).tolist()
+        sequences.append(prefix + random_part * spec.repeats)
+    return sequences, len(prefix)
+
+
+def pattern_rows(positions: torch.Tensor, prefix: int, spec: ProbeSpec) -> dict[str, tuple[torch.Tensor, list[int]]]:
+    """For each pattern: which rows it is defined on, and the key offsets (key - query) it targets.
+
+    positions: (..., rows) position of each row in its sequence. Returns pattern -> (bool mask like
+    `positions`, offsets); a row's target keys are those offsets that land at or after the prefix.
+    """
+    length, repeats = spec.length, spec.repeats
+    in_repeat = (positions >= prefix + length) & (positions < prefix + repeats * length)
+    random_rows = (positions >= prefix + 1) & (positions < prefix + repeats * length)
+    earlier = [-k * length for k in range(1, repeats)]
+    return {
+        "induction": (in_repeat, [offset + 1 for offset in earlier]),
+        "duplicate": (in_repeat, earlier),
+        "previous": (random_rows, [-1]),
+    }
+
+
+def pattern_mass(
+    probs: torch.Tensor,
+    row_offset: int,
+    seq_start: torch.Tensor,
+    query_valid: torch.Tensor,
+    prefix: int,
+    spec: ProbeSpec,
+) -> torch.Tensor:
+    """Mass on each pattern's target keys, summed over a block of rows where the pattern is defined.
+
+    probs: (batch, heads, rows, keys) probabilities of query positions row_offset .. row_offset + rows - 1;
+    query_valid: (batch, rows). Returns (batch, heads, patterns) in float64. Pure: never writes `probs`.
+    """
+    batch, heads, rows, _ = probs.shape
+    positions = torch.arange(row_offset, row_offset + rows, device=probs.device)[None, :] - seq_start[:, None]
+    sums = []
+    for pattern in PROBE_PATTERNS:
+        defined, offsets = pattern_rows(positions, prefix, spec)[pattern]
+        mass = torch.zeros(batch, heads, rows, device=probs.device)
+        for offset in offsets:
+            lands = (defined & query_valid & (positions + offset >= prefix))[:, None, :]  # the target is random
+            mass += torch.where(lands, diagonal_rows(probs, row_offset + offset), 0.0)
+        sums.append(mass.sum(-1).double())
+    return torch.stack(sums, dim=-1)
+
+
+def pattern_counts(query_valid: torch.Tensor, seq_start: torch.Tensor, prefix: int, spec: ProbeSpec):
+    """Per sequence and pattern: the rows it is defined on, and the mass uniform causal attention would put
+    on their targets (each row sees p + 1 keys). query_valid: (batch, t). Returns two (batch, patterns)."""
+    t = query_valid.shape[-1]
+    positions = torch.arange(t, device=query_valid.device)[None, :] - seq_start[:, None]  # (batch, t)
+    rows, chance = [], []
+    for pattern in PROBE_PATTERNS:
+        defined, offsets = pattern_rows(positions, prefix, spec)[pattern]
+        defined = defined & query_valid
+        targets = sum((defined & (positions + offset >= prefix)).double() for offset in offsets)
+        rows.append(defined.sum(-1).double())
+        chance.append((targets / (positions + 1).clamp(min=1)).sum(-1))
+    return torch.stack(rows, dim=-1), torch.stack(chance, dim=-1)
+
+
+class ProbeScores:
+    """A Measure for probe batches: per (sequence, layer, head), the target mass of every pattern."""
+
+    def __init__(self, spec: ProbeSpec, prefix: int, layers: Sequence[int] | None = None) -> None:
+        self.spec, self.prefix = spec, prefix
+        self.layers = sorted(set(layers)) if layers is not None else None
+        self._mass: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, patterns)
+        self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def start(self, batch: Batch) -> None:
+        self._mass = {}
+        self._counts = pattern_counts(batch.attention_mask.bool(), batch.seq_start, self.prefix, self.spec)
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def last_layer(self) -> int | None:
+        return None if self.layers is None else self.layers[-1]
+
+    def attention(self, layer: int, block) -> None:
+        mass = pattern_mass(
+            block.probabilities().float(),
+            block.first_row,
+            block.seq_start,
+            block.query_valid,
+            self.prefix,
+            self.spec,
+        )
+        self._mass[layer] = mass if layer not in self._mass else self._mass[layer] + mass
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(layers, batch, heads, patterns) target mass; (batch, patterns) rows and chance mass. On the CPU."""
+        mass = torch.stack([self._mass[layer] for layer in sorted(self._mass)]).cpu().numpy()
+        rows, chance = (x.cpu().numpy() for x in self._counts)
+        return mass, rows, chance

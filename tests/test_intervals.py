@@ -1,0 +1,97 @@
+"""How sure each number is: the streamed Poisson bootstrap over sentences, and t-intervals over probe seeds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import headscope
+from headscope.stats import STAT_INDEX, STATS, Bootstrap, head_intervals, poisson_weights, t_interval
+
+INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
+
+
+def test_poisson_weights_are_a_pure_function_of_seed_sentence_and_replicate():
+    ids = np.arange(1000)
+    weights = poisson_weights(ids, 50, seed=7)
+    assert weights.shape == (1000, 50) and (weights == np.round(weights)).all() and weights.min() == 0
+    np.testing.assert_array_equal(poisson_weights(ids[::-1], 50, seed=7), weights[::-1])  # any order
+    np.testing.assert_array_equal(poisson_weights(ids[500:], 50, seed=7), weights[500:])  # any split
+    assert not np.array_equal(poisson_weights(ids, 50, seed=8), weights)
+    many = poisson_weights(np.arange(200_000), 1, seed=0)[:, 0]
+    assert many.mean() == pytest.approx(1.0, abs=0.01) and many.var() == pytest.approx(1.0, abs=0.02)
+    assert (many == 0).mean() == pytest.approx(math.exp(-1), abs=0.005)  # P(0) of Poisson(1)
+
+
+def test_streamed_replicates_equal_the_direct_weighted_sums():
+    rng = np.random.default_rng(0)
+    sums = rng.uniform(0, 5, size=(2, 9, 3, len(STATS)))  # (layers, sentences, heads, stats)
+    ids = np.array([4, 8, 15, 16, 23, 42, 7, 1, 2])
+    streamed = Bootstrap(30, seed=3, layers=2, heads=3)
+    for part in (slice(0, 4), slice(4, 9)):  # two batches
+        streamed.add(ids[part], sums[:, part])
+    weights = poisson_weights(ids, 30, seed=3)  # (sentences, replicates)
+    for metric, values in streamed.metrics().items():
+        numerator, denominator = {
+            "entropy": ("entropy", "n_rows"),
+            "norm_entropy": ("norm_entropy", "norm_rows"),
+            "sink": ("sink", "n_rows"),
+            "diagonal": ("diagonal", "n_rows"),
+        }[metric]
+        direct = np.einsum("sr,lsh->rlh", weights, sums[..., STAT_INDEX[numerator]]) / np.einsum(
+            "sr,lsh->rlh", weights, sums[..., STAT_INDEX[denominator]]
+        )
+        np.testing.assert_allclose(values, direct, rtol=1e-12, err_msg=metric)
+
+
+def test_t_interval_on_known_numbers():
+    mean, low, high = t_interval(np.array([1.0, 2.0, 3.0, 4.0]))
+    half = 3.182446305284263 * np.std([1, 2, 3, 4], ddof=1) / 2  # t(0.975, 3) s / sqrt(4)
+    assert mean == 2.5 and low == pytest.approx(2.5 - half) and high == pytest.approx(2.5 + half)
+
+
+def test_percentile_intervals_of_a_known_replicate_set():
+    replicates = {"entropy": np.arange(1, 1002, dtype=float)[:, None, None]}  # 1..1001
+    low, high = head_intervals(replicates)["entropy"]
+    assert low[0, 0] == pytest.approx(26.0) and high[0, 0] == pytest.approx(976.0)  # 2.5th and 97.5th
+
+
+def random_sentences(corpus_lines: list[str], n: int, seed: int) -> list[str]:
+    words = [w for line in corpus_lines for w in line.split()]
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, size=rng.integers(4, 40))) for _ in range(n)]
+
+
+def test_batching_padding_and_order_change_no_interval(planted_gpt2, corpus_lines):
+    sentences = random_sentences(corpus_lines, 60, seed=1)
+    options = {"sentence_heads": False, "probes": False}
+    base = headscope.analyze(str(planted_gpt2), sentences, **options)
+    heads = base.heads
+    for variant in ({"batch_size": 1}, {"batch_size": 7, "padding_side": "left"}):
+        other = headscope.analyze(str(planted_gpt2), sentences, **options, **variant).heads
+        np.testing.assert_allclose(other[INTERVALS], heads[INTERVALS], rtol=0, atol=1e-7, err_msg=str(variant))
+    assert (heads["entropy_ci_low"] <= heads["entropy"]).all() and (heads["entropy"] <= heads["entropy_ci_high"]).all()
+    layers = base.run["layer_mean_entropy"]
+    assert len(layers) == 2
+
+
+def test_a_corpus_four_times_larger_halves_the_intervals(planted_gpt2, corpus_lines):
+    options = {"sentence_heads": False, "probes": False, "bootstrap": 400}
+    small = headscope.analyze(str(planted_gpt2), random_sentences(corpus_lines, 100, seed=2), **options).heads
+    large = headscope.analyze(str(planted_gpt2), random_sentences(corpus_lines, 400, seed=3), **options).heads
+    for metric in ("entropy", "norm_entropy", "sink", "diagonal"):
+        width = {name: (h[f"{metric}_ci_high"] - h[f"{metric}_ci_low"]) for name, h in (("s", small), ("l", large))}
+        measurable = width["s"] > 1e-6  # heads whose metric does not vary across sentences have no width
+        ratio = float(np.median(width["l"][measurable] / width["s"][measurable]))
+        assert 0.38 < ratio < 0.65, (metric, ratio)  # 1/sqrt(4) = 0.5
+
+
+def test_no_bootstrap_leaves_the_intervals_empty(planted_gpt2, corpus_lines, tmp_path):
+    result = headscope.analyze(str(planted_gpt2), corpus_lines[:10], bootstrap=0, probes=False, out=tmp_path / "r")
+    assert result.heads[INTERVALS].isna().all().all()
+    layers = pd.read_parquet(tmp_path / "r" / "layers.parquet")
+    assert layers["entropy_ci_low"].isna().all() and layers["entropy"].notna().all()
+    assert result.run["bootstrap"] is None
