@@ -98,6 +98,18 @@ class Measure(Protocol):
         """Read one block of `layer`'s attention (never modify it; it is dropped after the call)."""
 
 
+class OutputEditor(Protocol):
+    """Something that reads, and may replace, the heads' outputs of a layer: what the attention function
+    returns for every query head before the output projection mixes them, (batch, t, heads, head_dim).
+    Head importance ablates and differentiates through it."""
+
+    def start(self, batch: Batch) -> None:
+        """A batch is about to run."""
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """`layer`'s head outputs; return them, or a replacement of the same shape."""
+
+
 class _StopForward(Exception):
     """Raised after the last wanted layer: later layers cannot change what we measure."""
 
@@ -174,14 +186,26 @@ class Capture:
     """The state of one `measuring` context: its measures, the batch in flight, and what it has checked
     about each eager function (its own checks: a second model in the same process is checked again)."""
 
-    def __init__(self, measures: Sequence[Measure], *, block_bytes: int = BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        measures: Sequence[Measure],
+        *,
+        editors: Sequence[OutputEditor] = (),
+        block_bytes: int = BLOCK_BYTES,
+        first_layer: int = 0,
+    ) -> None:
+        """first_layer: the layer the first attention call of a batch belongs to (layers are numbered by
+        counting calls; a pass that skips the layers before one, as exact ablation does, says where it starts)."""
         self.measures = list(measures)
+        self.editors = list(editors)
+        self.first_layer = first_layer
         self.block_bytes = block_bytes
         self.paths: dict[str, str] = {}  # attention class -> path its probabilities took, for run.json
         self._causal: dict[Callable, bool] = {}  # eager function -> no weight above the diagonal
         self._verified: dict[Callable, bool] = {}  # eager function -> our logits reproduce its weights
         lasts = [measure.last_layer() for measure in self.measures]
-        self._last_layer = None if None in lasts or not lasts else max(lasts)
+        # Editors need the whole forward (the loss comes at the end): no early stop with any of them.
+        self._last_layer = None if None in lasts or not lasts or self.editors else max(lasts)
         self._batch: Batch | None = None
         self._query_valid: torch.Tensor | None = None
         self._layer = -1
@@ -189,9 +213,9 @@ class Capture:
     def start(self, batch: Batch) -> None:
         self._batch = batch
         self._query_valid = batch.attention_mask.bool()
-        self._layer = -1
-        for measure in self.measures:
-            measure.start(batch)
+        self._layer = self.first_layer - 1
+        for consumer in (*self.measures, *self.editors):
+            consumer.start(batch)
 
     def attend(self, module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor, None]:
         """The attention function of every layer: its output, with its attention handed to the measures.
@@ -209,6 +233,8 @@ class Capture:
             output = self._unmeasured(eager, standard, module, query, key, value, mask, kwargs)
         else:
             output = self._measured(readers, layer, eager, standard, module, query, key, value, mask, kwargs)
+        for editor in self.editors:
+            output = editor.output(layer, output)
         if self._last_layer is not None and layer >= self._last_layer:
             raise _StopForward
         return output, None
@@ -325,7 +351,12 @@ AttentionMaskInterface.register(ATTENTION_NAME, boolean_mask)
 
 @contextlib.contextmanager
 def measuring(
-    model: torch.nn.Module, measures: Sequence[Measure], *, block_bytes: int = BLOCK_BYTES
+    model: torch.nn.Module,
+    measures: Sequence[Measure],
+    *,
+    editors: Sequence[OutputEditor] = (),
+    block_bytes: int = BLOCK_BYTES,
+    first_layer: int = 0,
 ) -> Iterator[Capture]:
     """Switch `model` to the measuring attention, with a capture of its own, for the duration of the block."""
     if not type(model)._can_set_attn_implementation():
@@ -333,7 +364,7 @@ def measuring(
             f"{type(model).__name__} does not route attention through transformers' attention interface; "
             "headscope cannot capture its attention"
         )
-    capture = Capture(measures, block_bytes=block_bytes)
+    capture = Capture(measures, editors=editors, block_bytes=block_bytes, first_layer=first_layer)
     modules = list(model.modules())
     if any(hasattr(module, CAPTURE_ATTRIBUTE) for module in modules):
         raise RuntimeError("this model is already being measured (measuring() does not nest)")
@@ -357,12 +388,19 @@ def forward_kwargs(model: torch.nn.Module, batch: Batch) -> dict:
     return kwargs
 
 
-def forward(model: torch.nn.Module, capture: Capture, batch: Batch) -> None:
-    """One forward pass of `batch` under `capture` (inside `measuring`); the measures keep what they read."""
+def forward(model: torch.nn.Module, capture: Capture, batch: Batch, *, grad: bool = False):
+    """One forward pass of `batch` under `capture` (inside `measuring`); the measures keep what they read.
+
+    Returns the model's output (None when the pass stopped after the last layer any measure reads).
+    grad: build the autograd graph (for a backward pass through the editors' outputs); default: inference mode.
+    """
     capture.start(batch)
     try:
-        with torch.inference_mode(), contextlib.suppress(_StopForward):
-            model(**forward_kwargs(model, batch))
+        with torch.enable_grad() if grad else torch.inference_mode():
+            try:
+                return model(**forward_kwargs(model, batch))
+            except _StopForward:
+                return None
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(batch) from err
     except RuntimeError as err:

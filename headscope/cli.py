@@ -16,8 +16,18 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from headscope.config import CHART_FORMATS, DEVICES, DTYPES, ENCODING_ERRORS, RoleThresholds, RunConfig, Thresholds
-from headscope.errors import HeadscopeError
+from headscope.config import (
+    CHART_FORMATS,
+    COMPARE_REPLICATES,
+    DEVICES,
+    DTYPES,
+    ENCODING_ERRORS,
+    IMPORTANCE_MODES,
+    RoleThresholds,
+    RunConfig,
+    Thresholds,
+)
+from headscope.errors import ConfigError, HeadscopeError
 
 
 class OneLineErrors(TyperGroup):
@@ -65,9 +75,11 @@ DeviceChoice = _choices("DeviceChoice", DEVICES)
 DTypeChoice = _choices("DTypeChoice", DTYPES)
 EncodingErrors = _choices("EncodingErrors", ENCODING_ERRORS)
 ChartFormat = _choices("ChartFormat", CHART_FORMATS)
+ImportanceMode = _choices("ImportanceMode", IMPORTANCE_MODES)
 DEFAULTS, THRESHOLDS, ROLE_THRESHOLDS = RunConfig(), Thresholds(), RoleThresholds()
 DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
 DEFAULT_ENCODING_ERRORS = EncodingErrors(DEFAULTS.encoding_errors)
+DEFAULT_IMPORTANCE = ImportanceMode(DEFAULTS.importance)
 
 
 # Options shared by several commands, declared once.
@@ -176,6 +188,10 @@ def analyze(
     probe_length: Annotated[
         int, typer.Option(help="Random tokens per copy; each probe holds two copies.")
     ] = DEFAULTS.probe_length,
+    importance: Annotated[
+        ImportanceMode,
+        typer.Option(help="Head importance on the model's loss: fast (attribution) or exact (also ablation)."),
+    ] = DEFAULT_IMPORTANCE,
     bootstrap: Annotated[
         int, typer.Option(help="Bootstrap replicates for the 95% intervals (0 skips them).")
     ] = DEFAULTS.bootstrap,
@@ -217,6 +233,7 @@ def analyze(
             probe_length=probe_length,
             bootstrap=bootstrap,
             sink_threshold=sink_threshold,
+            importance=importance.value,
         )
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
@@ -235,6 +252,7 @@ def analyze(
         )
     _print_summary(result)
     _print_label_counts(result.heads, result.run["model"]["input"])
+    _print_most_important(result)
 
 
 @app.command()
@@ -274,6 +292,81 @@ def plot(
         written = plot_report(report, fmt=chart_format.value, out=out)
     for path in written:
         typer.echo(f"wrote {path}")
+
+
+@app.command()
+def compare(
+    a: Annotated[Path, typer.Argument(help="Report A, the baseline (a folder written by `headscope analyze`).")],
+    b: Annotated[Path, typer.Argument(help="Report B; deltas are B - A.")],
+    out: Annotated[
+        Path | None, typer.Option(help="Folder for the comparison. Default: reports/compare-<A>-vs-<B>.")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison folder.")] = False,
+    charts: Annotated[bool, typer.Option(help="Draw the comparison charts.")] = True,
+    chart_format: Format = DEFAULT_FORMAT,
+    replicates: Annotated[
+        int, typer.Option(help="Paired bootstrap replicates (same corpus in both reports).")
+    ] = COMPARE_REPLICATES,
+    seed: Annotated[int, typer.Option(help="Bootstrap seed: the intervals are a pure function of it.")] = 0,
+) -> None:
+    """Compare two reports head by head (B - A), with 95% intervals and a false-discovery-rate flag."""
+    from headscope.report.compare import compare_reports, write_comparison
+
+    with user_errors():
+        if replicates < 2:
+            raise ConfigError(f"--replicates must be 2 or more; got {replicates}")
+        comparison = compare_reports(a, b, replicates=replicates, seed=seed)
+        out = out or Path("reports") / f"compare-{a.resolve().name}-vs-{b.resolve().name}"
+        target = write_comparison(
+            comparison, out, a=a, b=b, overwrite=overwrite, fmt=chart_format.value if charts else None
+        )
+    _print_comparison(comparison)
+    typer.echo(f"wrote {target}/")
+
+
+def _print_comparison(comparison) -> None:
+    """The method, the heads that changed most and the layers where the mean entropy moved."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True)
+    record = comparison.record
+    for side in ("a", "b"):
+        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}")
+    console.print(f"method: {record['method']}")
+    if not comparison.same_grid:
+        shares = comparison.bands[comparison.bands["kind"] == "role"].pivot_table(
+            index="label", columns=["band", "report"], values="share"
+        )
+        console.print(shares.round(3).to_string())
+        return
+    heads = comparison.heads
+    counts = ", ".join(f"{metric} {n}" for metric, n in record["significant_heads"].items())
+    console.print(f"heads whose change is significant (FDR 5%): {counts} of {len(heads)}")
+    table = Table(title="the heads whose entropy changed most", box=box.SIMPLE_HEAD)
+    for name in ("head", "A", "B", "B - A", "95% interval", "sig.", "role A -> B"):
+        table.add_column(name, justify="left" if name in ("head", "role A -> B") else "right")
+    for row in heads.reindex(heads["entropy_delta"].abs().sort_values(ascending=False).index).head(10).itertuples():
+        table.add_row(
+            f"L{row.layer}H{row.head}",
+            f"{row.entropy_a:.3f}",
+            f"{row.entropy_b:.3f}",
+            f"{row.entropy_delta:+.3g}",  # significant figures: a consistent 1e-5 shift must not read 0.000
+            f"[{row.entropy_delta_ci_low:+.3g}, {row.entropy_delta_ci_high:+.3g}]",
+            "yes" if row.entropy_significant else "",
+            f"{row.role_a} -> {row.role_b}",
+        )
+    console.print(table)
+    layers = comparison.layers
+    moved = layers[layers["entropy_significant"]]
+    if len(moved):
+        console.print(
+            "layers whose mean entropy moved (FDR 5%): "
+            + ", ".join(f"{row.layer} ({row.entropy_delta:+.3g})" for row in moved.itertuples())
+        )
+    else:
+        console.print("no layer's mean entropy moved significantly (FDR 5%)")
 
 
 def _print_summary(result) -> None:
@@ -318,6 +411,31 @@ def _print_summary(result) -> None:
             f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows)."
         )
     console.print(f"wrote {result.out_dir}/")
+
+
+def _print_most_important(result) -> None:
+    """The 10 heads whose removal hurts the loss most, with their role and entropy."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from headscope.summary import importance_column, most_important
+
+    column = importance_column(result.heads)
+    if column is None:
+        return
+    importance = result.run["importance"]
+    table = Table(
+        title=f"the 10 heads the loss needs most, by {column} (clean loss {importance['clean_loss']:.4f} nats)",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
+        table.add_column(name, justify="left" if name in ("head", "role") else "right")
+    for row in most_important(result.heads).itertuples():
+        values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
+        cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
+        table.add_row(f"L{row.layer}H{row.head}", *cells, row.role, f"{row.entropy:.3f}")
+    Console().print(table)
 
 
 def _print_label_counts(labelled, title: str) -> None:

@@ -18,6 +18,8 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 ENCODING_ERRORS: tuple[str, ...] = ("strict", "replace", "skip")
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 CHART_FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
+IMPORTANCE_MODES: tuple[str, ...] = ("none", "fast", "exact")
+COMPARE_REPLICATES = 500  # paired bootstrap replicates of `compare`
 SINK_THRESHOLD = 0.3  # a row is a sink row when its mass on the first token exceeds this (Gu et al. 2024)
 # float32 logits of one block of query rows; a layer's attention larger than this is reduced block by block
 # (temporaries take a few times this).
@@ -50,6 +52,7 @@ class RunConfig:
     probe_length: int = 32  # random tokens per copy; each probe sequence holds two copies (and the BOS, if any)
     bootstrap: int = 200  # Poisson bootstrap replicates for the confidence intervals; 0 skips them
     bootstrap_seed: int = 0  # the intervals are a pure function of this seed and the corpus
+    importance: str = "none"  # head importance on the model's loss: none, fast (attribution), exact (+ ablation)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -60,6 +63,8 @@ class RunConfig:
             raise ConfigError(
                 f"--encoding-errors must be one of {', '.join(ENCODING_ERRORS)}; got {self.encoding_errors!r}"
             )
+        if self.importance not in IMPORTANCE_MODES:
+            raise ConfigError(f"--importance must be one of {', '.join(IMPORTANCE_MODES)}; got {self.importance!r}")
         if self.padding_side not in PADDING_SIDES:
             raise ConfigError(f"padding_side must be one of {', '.join(PADDING_SIDES)}; got {self.padding_side!r}")
         if self.window < 0:

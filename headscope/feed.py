@@ -90,6 +90,16 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def replicated(self, times: int) -> Batch:
+        """The batch `times` times over along the batch axis (replica r holds rows r * batch ...)."""
+        return Batch(
+            sentence_ids=self.sentence_ids * times,
+            input_ids=self.input_ids.repeat(times, 1),
+            attention_mask=self.attention_mask.repeat(times, 1),
+            position_ids=self.position_ids.repeat(times, 1),
+            seq_start=self.seq_start.repeat(times),
+        )
+
 
 MAX_PADDING = 0.2  # a batch may be at most this share padding: compute grows with padded tokens
 

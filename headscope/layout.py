@@ -28,17 +28,27 @@ CHART_NAMES = (
     "head_types",
     "head_roles",
     "probe_scores",
+    "importance_heatmap",
+    "importance_entropy",
     "classification_map",
     "examples",
 )
 
+# What `headscope compare` writes: a folder of its own, recognised by compare.json.
+COMPARE_RECORD = "compare.json"
+COMPARE_FILE = "compare.parquet"
+COMPARE_LAYERS_FILE = "compare_layers.parquet"
+COMPARE_BANDS_FILE = "compare_bands.parquet"
+COMPARE_TABLES = (COMPARE_FILE, COMPARE_LAYERS_FILE, COMPARE_BANDS_FILE)
+COMPARE_CHARTS = ("delta_heatmap", "layer_gradients", "transitions", "band_shares")
+
 
 def is_report_file(name: str) -> bool:
-    """Is `name` a file that headscope writes into a report folder?"""
-    if name == RUN_FILE or name in TABLE_FILES:
+    """Is `name` a file that headscope writes into a report (or comparison) folder?"""
+    if name in (RUN_FILE, COMPARE_RECORD) or name in TABLE_FILES or name in COMPARE_TABLES:
         return True
     stem, _, extension = name.rpartition(".")
-    return stem in CHART_NAMES and extension in CHART_FORMATS
+    return stem in CHART_NAMES + COMPARE_CHARTS and extension in CHART_FORMATS
 
 
 def why_not_a_report(folder: Path) -> str | None:
@@ -51,15 +61,15 @@ def why_not_a_report(folder: Path) -> str | None:
     if foreign:
         shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
         return f"it holds files headscope did not write ({shown})"
-    run_file = folder / RUN_FILE
-    if not run_file.is_file():
+    record = folder / RUN_FILE if (folder / RUN_FILE).is_file() else folder / COMPARE_RECORD
+    if not record.is_file():
         return f"it has no {RUN_FILE}"
     try:
-        run = json.loads(run_file.read_text(encoding="utf-8"))
+        run = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return f"its {RUN_FILE} is unreadable"
+        return f"its {record.name} is unreadable"
     versions = run.get("versions") if isinstance(run, dict) and isinstance(run.get("versions"), dict) else None
     # Reports from before schema_version existed carry headscope's version instead.
     if not isinstance(run, dict) or not ("schema_version" in run or "headscope" in (versions or {})):
-        return f"its {RUN_FILE} was not written by headscope"
+        return f"its {record.name} was not written by headscope"
     return None

@@ -1,7 +1,7 @@
 """Model and tokenizer from a hub id, a local folder or a .gguf file; device and dtype.
 
-Only the base model is loaded (``AutoModel``): the LM head is never needed to
-measure attention, and skipping it saves its (often large) output projection.
+Only the base model is loaded (``AutoModel``) unless the LM head is asked for (head importance needs the
+model's own loss): measuring attention never needs it, and skipping it saves its (often large) projection.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module  # base model (no LM head), in eval mode, on `device`
+    model: torch.nn.Module  # base model (no LM head), in eval mode, on `device`; the statistics run on it
     tokenizer: object  # a transformers tokenizer
     source: ModelSource
     device: torch.device
     dtype: torch.dtype
     architecture: dict = field(default_factory=dict)  # layers, heads, kv_heads, head_dim, model_type
     revision: str | None = None  # the commit actually loaded, when the hub tells us
+    lm: torch.nn.Module | None = None  # the causal LM around `model` (its LM head), when loaded with it
 
 
 def resolve_source(model: str) -> ModelSource:
@@ -135,13 +136,15 @@ def load_model(
     trust_remote_code: bool = False,
     device_map: str | None = None,
     config=None,
+    lm_head: bool = False,
 ) -> LoadedModel:
     """Load the base model and tokenizer, ready for attention capture.
 
     device_map: passed to transformers (accelerate), e.g. "auto" to spread a large model over GPUs and CPU.
     config: the model's config from `load_config`, when the caller has read it already.
+    lm_head: load the causal LM (`.lm`) around the base model, for its own loss (head importance).
     """
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source = model if isinstance(model, ModelSource) else resolve_source(model)
     torch_device = pick_device(device)
@@ -149,12 +152,13 @@ def load_model(
     if config is None:
         config = load_config(source, revision=revision, trust_remote_code=trust_remote_code)
     if device_map is None:
-        check_fits(config, source.display, torch_dtype, torch_device)
+        check_fits(config, source.display, torch_dtype, torch_device, lm_head=lm_head)
     common = _source_kwargs(source, revision, trust_remote_code)
     placement = {"device_map": device_map} if device_map else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
-        network = AutoModel.from_pretrained(
+        loader = AutoModelForCausalLM if lm_head else AutoModel
+        network = loader.from_pretrained(
             source.location, config=config, dtype=torch_dtype, attn_implementation="eager", **placement, **common
         )
     except (torch.OutOfMemoryError, MemoryError):
@@ -170,7 +174,8 @@ def load_model(
     else:
         torch_device = network.get_input_embeddings().weight.device  # inputs go where the embeddings are
     return LoadedModel(
-        model=network,
+        model=network.base_model if lm_head else network,
+        lm=network if lm_head else None,
         tokenizer=tokenizer,
         source=source,
         device=torch_device,
@@ -207,24 +212,25 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parameter_bytes(config, dtype: torch.dtype) -> int | None:
-    """Memory the base model's weights take in `dtype`, counted on an empty (meta) model; None if unknown."""
+def parameter_bytes(config, dtype: torch.dtype, *, lm_head: bool = False) -> int | None:
+    """Memory the weights take in `dtype` (the base model, or with its LM head), counted on an empty (meta)
+    model; None if unknown."""
     from accelerate import init_empty_weights
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForCausalLM
 
     try:
         with init_empty_weights():
-            empty = AutoModel.from_config(config)
+            empty = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
     except Exception:  # exotic or remote-code configs: no estimate, no check
         return None
     return sum(p.numel() for p in empty.parameters()) * (torch.finfo(dtype).bits // 8)
 
 
-def check_fits(config, display: str, dtype: torch.dtype, device: torch.device) -> None:
+def check_fits(config, display: str, dtype: torch.dtype, device: torch.device, *, lm_head: bool = False) -> None:
     """Refuse, before loading anything, a model whose weights alone exceed the free memory."""
     from headscope.memory import free_memory
 
-    needed = parameter_bytes(config, dtype)
+    needed = parameter_bytes(config, dtype, lm_head=lm_head)
     free = free_memory(device)
     if needed is not None and needed > 0.9 * free:
         raise ModelLoadError(

@@ -39,6 +39,15 @@ def bytes_per_token(hidden_size: int, intermediate_size: int, dtype: torch.dtype
     return element * (10 * hidden_size + 3 * intermediate_size) + 4 * 2 * hidden_size
 
 
+def importance_bytes_per_token(
+    hidden_size: int, intermediate_size: int, layers: int, vocab: int, dtype: torch.dtype, *, grad: bool
+) -> int:
+    """Memory one token needs in an importance pass: with `grad`, every layer's activations are kept for the
+    backward pass; either way the logits over the vocabulary and the loss's float32 copies of them."""
+    activations = bytes_per_token(hidden_size, intermediate_size, dtype) * (layers if grad else 1)
+    return activations + vocab * 4 * (4 if grad else 3)
+
+
 def tokens_per_batch(budget: int, per_token: int, attention_bytes: int) -> int:
     """Padded tokens one batch may hold after setting aside memory for attention blocks and their temporaries."""
     usable = budget - 4 * attention_bytes

@@ -38,9 +38,16 @@ from headscope.loading import (
     resolve_source,
 )
 from headscope.measures.example import ExampleAttention
+from headscope.measures.importance import measure_importance
 from headscope.measures.probes import ProbeScores, ProbeSpec, probe_inputs
 from headscope.measures.statistics import AttentionStatistics
-from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, default_budget, tokens_per_batch
+from headscope.memory import (
+    MAX_AUTO_SENTENCES,
+    bytes_per_token,
+    default_budget,
+    importance_bytes_per_token,
+    tokens_per_batch,
+)
 from headscope.output import StagedDirectory
 from headscope.record import Timings, fingerprint, run_record
 from headscope.reporting import NullReporter, Reporter
@@ -173,6 +180,10 @@ def analyze(
             measured = measure(loaded, corpus, config, parts, progress, running, reporter)
         with timings.phase("probes"):
             probes = run_probes(loaded, config, measured.layer_ids, reporter) if config.probes else None
+        with timings.phase("importance"):
+            importance = None
+            if config.importance != "none":
+                importance = run_importance(loaded, corpus, config, measured, reporter)
 
         with timings.phase("write"):
             reporter.stage("writing tables")
@@ -184,13 +195,14 @@ def analyze(
                 measured.layer_ids,
                 intervals=head_intervals(replicates) if replicates else None,
                 probes=probes,
+                importance=None if importance is None else importance.columns(),
             )
             heads = label_heads(frame, thresholds, roles)
             layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
             examples = example_attention(loaded, corpus, measured, config)
             write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
             write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
-        run = run_record(loaded, corpus, config, measured, probes, heads, (thresholds, roles), timings)
+        run = run_record(loaded, corpus, config, measured, (probes, importance), heads, (thresholds, roles), timings)
         write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
         write_json(run, folder / RUN_FILE)
         if charts and out is not None:
@@ -340,6 +352,50 @@ def run_probes(loaded: LoadedModel, config: RunConfig, layer_ids: np.ndarray, re
     return summarise_probes(mass, rows, chance, prefix, spec.repeats)
 
 
+def run_importance(loaded: LoadedModel, corpus: Corpus, config: RunConfig, measured: Measured, reporter: Reporter):
+    """Head importance (headscope.measures.importance) on the corpus, through the model's own LM head."""
+    if loaded.lm is None:
+        raise ConfigError(
+            "--importance needs the model's LM head; load the model with headscope.load_model(..., lm_head=True)"
+        )
+    text = loaded.model.config.get_text_config()
+    sizes = (text.hidden_size, _intermediate_size(text), loaded.architecture["layers"], text.vocab_size)
+    budget = config.max_memory or default_budget(loaded.device)
+    with_grad = importance_bytes_per_token(*sizes, loaded.dtype, grad=True)
+    without_grad = importance_bytes_per_token(*sizes, loaded.dtype, grad=False)
+    max_tokens = max(1, budget // with_grad)
+    max_sentences = config.batch_size or MAX_AUTO_SENTENCES
+
+    def batches():
+        for first in range(0, len(corpus.sentences), config.chunk_sentences):
+            chunk = corpus.sentences[first : first + config.chunk_sentences]
+            ids, _ = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk], measured.max_length)
+            tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
+            yield from batches_in_order(
+                tokenized,
+                max_sentences=max_sentences,
+                max_tokens=max_tokens,
+                padding_side=config.padding_side,
+                device=loaded.device,
+            )
+
+    exact = config.importance == "exact"
+    reporter.stage(f"importance ({config.importance}): {'attribution and ablation' if exact else 'attribution'}")
+    reporter.start(len(corpus.sentences) * (2 if exact else 1))
+    importance = measure_importance(
+        loaded.lm,
+        batches,
+        layer_ids=measured.layer_ids,
+        architecture=loaded.architecture,
+        exact=exact,
+        replicas_per_forward=lambda batch: budget // (without_grad * batch.input_ids.numel()),
+        reporter=reporter,
+        block_bytes=config.block_bytes,
+    )
+    reporter.finish()
+    return importance
+
+
 def example_attention(loaded: LoadedModel, corpus: Corpus, measured: Measured, config: RunConfig) -> pd.DataFrame:
     """Every head's attention on the example sentence (the one closest to EXAMPLE_TOKENS tokens, ties: first)."""
     sentence_id = measured.progress.example[2]
@@ -391,6 +447,7 @@ def _load(source: ModelSource, config: RunConfig, reporter: Reporter) -> LoadedM
     return load_model(
         source,
         config=model_config,
+        lm_head=config.importance != "none",
         device=config.device,
         dtype=config.dtype,
         revision=config.revision,
@@ -468,13 +525,16 @@ def _selected_layers(requested: tuple[int, ...] | None, n_layers: int) -> np.nda
     return np.array(requested)
 
 
+def _intermediate_size(text_config) -> int:
+    intermediate = getattr(text_config, "intermediate_size", None) or getattr(text_config, "n_inner", None)
+    return intermediate or 4 * text_config.hidden_size
+
+
 def _batch_limits(loaded: LoadedModel, config: RunConfig) -> dict:
     """Sentences and padded tokens per batch: the user's batch size (or up to 256), within the memory budget."""
     budget = config.max_memory or default_budget(loaded.device)
     text_config = loaded.model.config.get_text_config()
-    hidden = text_config.hidden_size
-    intermediate = getattr(text_config, "intermediate_size", None) or getattr(text_config, "n_inner", None)
-    per_token = bytes_per_token(hidden, intermediate or 4 * hidden, loaded.dtype)
+    per_token = bytes_per_token(text_config.hidden_size, _intermediate_size(text_config), loaded.dtype)
     return {
         "max_sentences": config.batch_size or MAX_AUTO_SENTENCES,
         "max_tokens": tokens_per_batch(budget, per_token, config.block_bytes),

@@ -53,8 +53,10 @@ def fingerprint(loaded, corpus, config) -> dict:
     }
 
 
-def run_record(loaded, corpus, config, measured, probes, heads, rules, timings: Timings) -> dict:
-    """Everything run.json holds about a finished run. rules: (Thresholds, RoleThresholds)."""
+def run_record(loaded, corpus, config, measured, extras, heads, rules, timings: Timings) -> dict:
+    """Everything run.json holds about a finished run. extras: (ProbeResult or None, Importance or None);
+    rules: (Thresholds, RoleThresholds)."""
+    probes, importance = extras
     source = loaded.source
     progress = measured.progress
     measure_seconds = timings.seconds.get("measure", 0.0)
@@ -90,6 +92,7 @@ def run_record(loaded, corpus, config, measured, probes, heads, rules, timings: 
             "load_seconds": round(timings.seconds.get("load", 0.0), 3),
             "measure_seconds": round(measure_seconds, 3),
             "probe_seconds": round(timings.seconds.get("probes", 0.0), 3),
+            "importance_seconds": round(timings.seconds.get("importance", 0.0), 3),
             "write_seconds": round(timings.seconds.get("write", 0.0), 3),
             "tokens_per_second": round(progress.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
             **peak_memory(loaded.device),
@@ -111,6 +114,14 @@ def run_record(loaded, corpus, config, measured, probes, heads, rules, timings: 
             "chance": {pattern: round(level, 6) for pattern, level in probes.chance.items()},
         },
         "bootstrap": {"replicates": config.bootstrap, "seed": config.bootstrap_seed} if config.bootstrap else None,
+        "importance": None
+        if importance is None
+        else {
+            "mode": importance.mode,
+            "clean_loss": round(importance.clean_loss, 6),
+            "predicted_tokens": importance.predicted_tokens,
+            "ablated_layers": [int(layer) for layer in measured.layer_ids] if importance.mode == "exact" else [],
+        },
         "classification": classification_record(heads, *rules),
     }
 

@@ -61,6 +61,8 @@ METRICS: dict[str, tuple[str, str]] = {
 INTERVAL_METRICS: tuple[str, ...] = ("entropy", "norm_entropy", "sink", "diagonal")
 # The probe battery's patterns (headscope.measures.probes); each gives a probe_<pattern> column.
 PROBE_PATTERNS: tuple[str, ...] = ("induction", "duplicate", "previous")
+# Head importance columns (headscope.measures.importance), in nats of the model's loss.
+IMPORTANCE_COLUMNS: tuple[str, ...] = ("ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean")
 
 
 def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:

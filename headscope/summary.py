@@ -5,6 +5,22 @@ from __future__ import annotations
 import pandas as pd
 
 
+def importance_column(heads: pd.DataFrame) -> str | None:
+    """The importance column to show: exact mean ablation when measured, else its first-order estimate."""
+    for column in ("ablation_mean", "attribution_mean"):
+        if column in heads and heads[column].notna().any():
+            return column
+    return None
+
+
+def most_important(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
+    """The `count` heads whose removal raises the loss most (by `importance_column`), most important first."""
+    column = importance_column(heads)
+    if column is None:
+        return heads.iloc[0:0]
+    return heads.sort_values(column, ascending=False).head(count)
+
+
 def depth_bands(n_layers: int) -> tuple[range, range]:
     """Early and late layer bands: the first and last third of the model (at least one layer each).
 

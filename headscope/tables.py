@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
 from headscope.output import atomic_path
-from headscope.stats import INTERVAL_METRICS, PROBE_PATTERNS, ProbeResult, metric_means
+from headscope.stats import IMPORTANCE_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS, ProbeResult, metric_means
 
 METADATA_KEY = b"headscope"
 
@@ -34,17 +34,19 @@ HEADS_SCHEMA = pa.schema(
     + [("nonfinite_rows", pa.int64()), ("unnormalised_rows", pa.int64())]
     + [(name, pa.float64()) for name in _METRIC_COLUMNS]
     + [("sink_rate", pa.float64()), ("top_offset", pa.string()), ("top_offset_share", pa.float64())]
-    + [(name, pa.float64()) for name in _INTERVAL_COLUMNS + _PROBE_COLUMNS]
+    + [(name, pa.float64()) for name in _INTERVAL_COLUMNS + _PROBE_COLUMNS + IMPORTANCE_COLUMNS]
     + [("locality", pa.float64()), ("head_type", pa.string()), ("type_reason", pa.string())]
     + [("role", pa.string()), ("role_reason", pa.string())]
 )
 MEASURED_COLUMNS = HEADS_SCHEMA.names[: HEADS_SCHEMA.names.index("locality")]
 
 # One row per layer: the mean over its heads of every interval metric, with a 95% interval from the same
-# bootstrap replicates (so the layer-depth gradient comes with its uncertainty).
+# bootstrap replicates (so the layer-depth gradient comes with its uncertainty), and the sum over its heads
+# of every importance column (NaN when not computed).
 LAYERS_SCHEMA = pa.schema(
     [("layer", pa.int32()), ("heads", pa.int32())]
     + [(f"{m}{suffix}", pa.float64()) for m in INTERVAL_METRICS for suffix in ("", "_ci_low", "_ci_high")]
+    + [(f"{name}_total", pa.float64()) for name in IMPORTANCE_COLUMNS]
 )
 
 # Every head's attention on one corpus sentence, long-form, so charts can be redrawn without the model.
@@ -87,11 +89,13 @@ def heads_frame(
     *,
     intervals: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
     probes: ProbeResult | None = None,
+    importance: dict[str, np.ndarray] | None = None,
 ) -> pd.DataFrame:
     """The measured columns of the heads table, from corpus-wide stat sums (layers, heads, stats).
 
     layer_ids: the model layers the sums are of; intervals: metric -> (low, high) per head, (layers, heads);
-    probes: the probe battery's scores. Columns without a value (no intervals, no probes) are NaN.
+    probes: the probe battery's scores; importance: column -> (layers, heads) for the importance columns.
+    Columns without a value (no intervals, no probes, no importance) are NaN.
     """
     layers, heads = sums.shape[:2]
     layer_ids = np.arange(layers) if layer_ids is None else np.asarray(layer_ids)
@@ -118,6 +122,9 @@ def heads_frame(
         frame[f"{name}_chance"] = probes.chance[pattern] if probes else missing
         frame[f"{name}_ci_low"] = probes.low[pattern].reshape(-1) if probes else missing
         frame[f"{name}_ci_high"] = probes.high[pattern].reshape(-1) if probes else missing
+    for name in IMPORTANCE_COLUMNS:
+        values = (importance or {}).get(name)
+        frame[name] = values.reshape(-1) if values is not None else missing
     return frame
 
 
@@ -132,6 +139,8 @@ def layers_frame(heads: pd.DataFrame, intervals: dict[str, tuple[np.ndarray, np.
         frame[metric] = grouped[metric].mean().to_numpy()
         low, high = (intervals or {}).get(metric, (np.full(len(frame), np.nan),) * 2)
         frame[f"{metric}_ci_low"], frame[f"{metric}_ci_high"] = low, high
+    for name in IMPORTANCE_COLUMNS:  # NaN stays NaN: a layer's total is unknown when its heads' are
+        frame[f"{name}_total"] = grouped[name].sum(min_count=1).to_numpy()
     return frame
 
 
@@ -196,6 +205,13 @@ def to_arrow(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
 def write_table(frame: pd.DataFrame, path: Path, schema: pa.Schema, *, metadata: dict | None = None) -> None:
     """Write `frame` to `path` atomically: a temporary sibling, then a rename."""
     table = to_arrow(frame, _with_metadata(schema, metadata))
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def write_frame(frame: pd.DataFrame, path: Path) -> None:
+    """Write a table whose columns depend on its inputs (a comparison's) atomically, types as pandas has them."""
+    table = pa.Table.from_pandas(frame, preserve_index=False)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 

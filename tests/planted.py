@@ -25,8 +25,8 @@ HEAD_DIM = N_EMBD // N_HEAD
 UNIFORM, PREVIOUS, FIRST = 0, 1, 2
 
 
-def expected_attention(head: int, n: int) -> np.ndarray:
-    """The (n, n) attention layer 0's planted `head` gives any n-token sentence."""
+def expected_attention(head: int, n: int, beta: float = BETA) -> np.ndarray:
+    """The (n, n) attention layer 0's planted `head` gives any n-token sentence (planted with `beta`)."""
     attn = np.zeros((n, n))
     for t in range(n):
         if head == UNIFORM:
@@ -36,8 +36,8 @@ def expected_attention(head: int, n: int) -> np.ndarray:
         if target < 0:  # row 0 of the previous-token head sees only itself
             attn[t, 0] = 1.0
             continue
-        attn[t, : t + 1] = 1.0 / (math.exp(BETA) + t)
-        attn[t, target] = math.exp(BETA) / (math.exp(BETA) + t)
+        attn[t, : t + 1] = 1.0 / (math.exp(beta) + t)
+        attn[t, target] = math.exp(beta) / (math.exp(beta) + t)
     return attn
 
 
@@ -55,8 +55,8 @@ def build_tokenizer(words: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]")
 
 
-def build_planted_gpt2(folder: Path, corpus_lines: list[str]) -> Path:
-    """Save the planted model and its tokenizer into `folder`; return it."""
+def build_planted_gpt2(folder: Path, corpus_lines: list[str], beta: float = BETA) -> Path:
+    """Save the planted model (scores `beta` on the planted keys) and its tokenizer into `folder`; return it."""
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import GPT2Config, GPT2Model
 
@@ -83,7 +83,7 @@ def build_planted_gpt2(folder: Path, corpus_lines: list[str]) -> Path:
         block.ln_1.weight.fill_(1.0)
         block.ln_1.bias.zero_()
         c = 1.0 / math.sqrt(2.0 / N_EMBD + config.layer_norm_epsilon)  # LayerNorm's rescaling of e_t - e_(64+t)
-        a = BETA * math.sqrt(HEAD_DIM) / c**2  # query scale giving score BETA after GPT-2's 1/sqrt(head_dim)
+        a = beta * math.sqrt(HEAD_DIM) / c**2  # query scale giving score beta after GPT-2's 1/sqrt(head_dim)
         weight = torch.zeros(N_EMBD, 3 * N_EMBD)  # Conv1D: (in, q|k|v out)
         q, k = 0, N_EMBD
         for t in range(N_POSITIONS):
@@ -187,6 +187,99 @@ def build_planted_induction(folder: Path) -> Path:
         for t in range(vocab):
             layer1.c_attn.weight[token + t, q + t] = a1
             layer1.c_attn.weight[prev_token + t, k + t] = 1.0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ---------------------------------------------------------------- one head the loss depends on
+
+COPY_VOCAB = 12  # [UNK], [PAD], w2..w11
+COPY_POSITIONS = 24
+COPY_HEADS = 4
+COPY_BETA = 30.0  # the copying head's score on itself: its weight there is 1 - t e^-30, 1 to float precision
+COPY_LOGIT = 4.0  # the logit the LM head gives the copied token (all others get 0)
+
+
+def copy_words() -> list[str]:
+    return [f"w{i}" for i in range(2, COPY_VOCAB)]
+
+
+def copy_scales() -> tuple[float, float, int]:
+    """(c0, alpha, dim): LayerNorm's scale of the token + position codes, the LM head's gain, the width."""
+    dim = 4 * COPY_VOCAB + 2 * COPY_POSITIONS
+    c0 = 1.0 / math.sqrt(4.0 / dim + 1e-5)
+    c_final = 1.0 / math.sqrt((4.0 + 2.0 * c0**2) / dim + 1e-5)  # with the copied code in the stream
+    return c0, COPY_LOGIT / (2.0 * c_final * c0), dim
+
+
+def build_planted_copier(folder: Path) -> Path:
+    """A 2-layer GPT-2 LM in which only head 0 of layer 0 carries what the next token needs.
+
+    Codes in the residual stream (each a +1/-1 pair, zero-mean): token T = [0, 2V), copy C = [2V, 4V),
+    position P = [4V, 4V + 2N). Head (0, 0) attends to its own position (score COPY_BETA) and its output
+    projection writes the token it reads into C; the untied LM head reads C alone, giving the copied token
+    logit COPY_LOGIT and every other token 0. Every other head's output projection and every MLP are zero,
+    so nothing else reaches the loss. On sentences that repeat one word, the next token is the current one:
+      clean loss per predicted token  ln(1 + (V - 1) e^-COPY_LOGIT)
+      head (0, 0) zero-ablated        ln V (every logit 0)
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab, positions = COPY_VOCAB, COPY_POSITIONS
+    c0, alpha, dim = copy_scales()
+    head_dim = dim // COPY_HEADS
+    assert head_dim >= max(vocab, positions)
+    tokenizer = build_tokenizer(copy_words())
+    assert len(tokenizer) == vocab
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=dim,
+        n_layer=2,
+        n_head=COPY_HEADS,
+        n_inner=4,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    copy, position = 2 * vocab, 4 * vocab
+    q, k, v = 0, dim, 2 * dim
+    with torch.no_grad():
+        model.transformer.wte.weight.zero_()
+        model.transformer.wpe.weight.zero_()
+        for t in range(vocab):
+            model.transformer.wte.weight[t, t], model.transformer.wte.weight[t, vocab + t] = 1.0, -1.0
+        for p in range(positions):
+            model.transformer.wpe.weight[p, position + p] = 1.0
+            model.transformer.wpe.weight[p, position + positions + p] = -1.0
+        for norm in (model.transformer.ln_f, *(n for block in model.transformer.h for n in (block.ln_1, block.ln_2))):
+            norm.weight.fill_(1.0)
+            norm.bias.zero_()
+        for block in model.transformer.h:
+            for weight in (block.mlp.c_fc.weight, block.mlp.c_fc.bias, block.mlp.c_proj.weight, block.mlp.c_proj.bias):
+                weight.zero_()
+            block.attn.c_attn.bias.zero_()
+            block.attn.c_proj.weight.zero_()
+            block.attn.c_proj.bias.zero_()
+            block.attn.c_attn.weight[:, q : q + head_dim] = 0.0  # head 0 of each layer starts blank
+            block.attn.c_attn.weight[:, k : k + head_dim] = 0.0
+            block.attn.c_attn.weight[:, v : v + head_dim] = 0.0
+        attn = model.transformer.h[0].attn
+        a = COPY_BETA * math.sqrt(head_dim) / c0**2
+        for p in range(positions):
+            attn.c_attn.weight[position + p, q + p] = a  # the query of position p looks for key p
+            attn.c_attn.weight[position + p, k + p] = 1.0
+        for t in range(vocab):
+            attn.c_attn.weight[t, v + t] = 1.0  # value: the token
+            attn.c_proj.weight[t, copy + t] = 1.0  # written into C
+            attn.c_proj.weight[t, copy + vocab + t] = -1.0
+        model.lm_head.weight.zero_()
+        for t in range(vocab):
+            model.lm_head.weight[t, copy + t] = alpha
+            model.lm_head.weight[t, copy + vocab + t] = -alpha
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

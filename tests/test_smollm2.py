@@ -100,3 +100,83 @@ def test_grouped_query_heads_are_reported_per_query_head(batched):
     assert layer0["head"].tolist() == list(range(9))
     assert layer0.groupby("kv_head")["head"].apply(list).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert batched.run["model"]["architecture"]["kv_heads"] == 3
+
+
+HANDFUL = [(0, 3), (17, 4), (29, 8)]  # (layer, head): an early head, an induction head, the last layer
+
+
+@pytest.fixture(scope="module")
+def importance(smollm2, corpus_lines):
+    layers = tuple(sorted({layer for layer, _ in HANDFUL}))
+    return headscope.analyze(
+        smollm2, corpus_lines[:12], importance="exact", layers=layers, probes=False, sentence_heads=False, batch_size=16
+    )
+
+
+def straightforward_importance(smollm2, sentences, layer, head):
+    """ablation_zero, ablation_mean, attribution_zero, attribution_mean of one head, one sentence at a time,
+    with a hook that edits the input of the layer's output projection (nothing shared with headscope)."""
+    lm, tokenizer = smollm2.lm, smollm2.tokenizer
+    dim = smollm2.architecture["head_dim"]
+    columns = slice(head * dim, (head + 1) * dim)
+    o_proj = lm.model.layers[layer].self_attn.o_proj
+    inputs = [torch.tensor([tokenizer(s)["input_ids"]]) for s in sentences]
+
+    def loss(ids, edit=None):
+        handle = o_proj.register_forward_pre_hook(edit) if edit else None
+        try:
+            logits = lm(ids).logits[0].double()
+        finally:
+            if handle:
+                handle.remove()
+        return torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+
+    seen = []
+    with torch.inference_mode():
+        clean = [loss(ids, lambda m, args: seen.append(args[0][0, :, columns].double())) for ids in inputs]
+    mean = torch.cat(seen).mean(0)  # over every position of every sentence
+    predicted = sum(ids.shape[1] - 1 for ids in inputs)
+
+    def replaced_by(vector):
+        def edit(module, args):
+            x = args[0].clone()
+            x[0, :, columns] = vector.to(x.dtype)
+            return (x,)
+
+        return edit
+
+    with torch.inference_mode():
+        zero = sum(loss(ids, replaced_by(torch.zeros(dim))) - c for ids, c in zip(inputs, clean, strict=True))
+        ablated_mean = sum(loss(ids, replaced_by(mean)) - c for ids, c in zip(inputs, clean, strict=True))
+    attribution_zero = attribution_mean = 0.0
+    kept = {}
+
+    def differentiable(module, args):
+        kept["x"] = args[0].detach().requires_grad_()
+        return (kept["x"],)
+
+    for ids in inputs:
+        with torch.enable_grad():
+            loss(ids, differentiable).backward()
+        x, g = kept["x"][0, :, columns].detach().double(), kept["x"].grad[0, :, columns].double()
+        attribution_zero += float(((0 - x) * g).sum())
+        attribution_mean += float(((mean - x) * g).sum())
+    return [float(v) / predicted for v in (zero, ablated_mean, attribution_zero, attribution_mean)]
+
+
+def test_importance_matches_a_straightforward_computation(smollm2, importance, corpus_lines):
+    heads = importance.heads.set_index(["layer", "head"])
+    for layer, head in HANDFUL:
+        expected = straightforward_importance(smollm2, corpus_lines[:12], layer, head)
+        got = heads.loc[(layer, head), ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]]
+        np.testing.assert_allclose(got[:2].to_numpy(float), expected[:2], atol=1e-4, err_msg=f"{layer} {head}")
+        np.testing.assert_allclose(got[2:].to_numpy(float), expected[2:], rtol=1e-3, atol=1e-5, err_msg="attribution")
+
+
+def test_batch_size_does_not_change_importance(smollm2, importance, corpus_lines):
+    one_at_a_time = headscope.analyze(
+        smollm2, corpus_lines[:12], importance="exact", layers=(17,), probes=False, sentence_heads=False, batch_size=1
+    )
+    columns = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
+    batched = importance.heads[importance.heads["layer"] == 17][columns].to_numpy()
+    np.testing.assert_allclose(one_at_a_time.heads[columns].to_numpy(), batched, atol=1e-5)

@@ -76,7 +76,7 @@ def probe_inputs(tokenizer, spec: ProbeSpec) -> tuple[list[list[int]], int]:
     if len(candidates) < spec.length:
         raise ConfigError(
             f"--probe-length {spec.length} needs that many distinct ordinary tokens; "
-            f"the tokenizer has {len(candidates)}"
+            f"the tokenizer has {len(candidates)}: lower --probe-length, or pass --no-probes"
         )
     prefix = prefix_ids(tokenizer)
     sequences = []

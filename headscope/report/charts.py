@@ -19,7 +19,7 @@ from headscope.labels import HEAD_TYPES, ROLES, most_typical
 from headscope.layout import CHART_NAMES
 from headscope.output import atomic_path
 from headscope.stats import PROBE_PATTERNS
-from headscope.summary import early_late_entropy, layer_entropy
+from headscope.summary import early_late_entropy, importance_column, layer_entropy
 
 TYPE_COLOURS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
 ROLE_COLOURS = {
@@ -186,6 +186,52 @@ def probe_scores(heads: pd.DataFrame, *, title: str) -> Figure:
     return fig
 
 
+def importance_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
+    """Each head's importance (nats of loss), layers down, heads across; diverging colours centred at 0."""
+    column = importance_column(heads)
+    grid = _grid(heads, column)
+    layer_ids = sorted(heads["layer"].unique())
+    n_layers, n_heads = grid.shape
+    fig = _figure(float(np.clip(2.5 + 0.42 * n_heads, 6, 22)), float(np.clip(1.5 + 0.32 * n_layers, 4, 22)))
+    ax = fig.subplots()
+    limit = float(np.nanmax(np.abs(grid))) or 1.0  # symmetric: red raises the loss, blue lowers it
+    image = ax.imshow(grid, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label=f"{column} (nats of loss)")
+    for axis, names, label in ((ax.xaxis, list(range(n_heads)), "head"), (ax.yaxis, layer_ids, "layer")):
+        ticks = np.arange(0, len(names), _tick_step(len(names)))
+        axis.set_ticks(ticks)
+        axis.set_ticklabels([str(names[t]) for t in ticks])
+        axis.set_label_text(label)
+    what = "mean ablation, exact" if column.startswith("ablation") else "mean ablation, first-order estimate"
+    ax.set_title(f"{title}\nloss increase without each head ({what})")
+    return fig
+
+
+def importance_against_entropy(heads: pd.DataFrame, *, title: str) -> Figure:
+    """Every head at (entropy, importance), coloured by role: do focused heads matter more?"""
+    column = importance_column(heads)
+    fig = _figure(8.5, 5.5)
+    ax = fig.subplots()
+    for role in ROLES:
+        members = heads[heads["role"] == role]
+        if len(members):
+            ax.scatter(
+                members["entropy"],
+                members[column],
+                s=16,
+                alpha=0.85,
+                color=ROLE_COLOURS[role],
+                label=f"{role} ({len(members)})",
+                edgecolors="none",
+            )
+    ax.axhline(0.0, color="#999999", linewidth=0.8)
+    ax.set_xlabel("mean attention entropy (nats)")
+    ax.set_ylabel(f"{column} (nats of loss)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="role")
+    ax.set_title(f"{title}\nhead importance against attention entropy")
+    return fig
+
+
 def classification_map(classified: pd.DataFrame, thresholds: Thresholds, *, title: str) -> Figure:
     """Every head at (locality, norm_entropy), coloured by type, with the rule's threshold lines."""
     fig = _figure(8.5, 5.5)
@@ -266,10 +312,18 @@ def draw_charts(
         "head_types": lambda: head_types_per_layer(heads, title=title),
         "head_roles": lambda: head_roles_per_layer(heads, title=title),
         "probe_scores": lambda: probe_scores(heads, title=title),
+        "importance_heatmap": lambda: importance_heatmap(heads, title=title),
+        "importance_entropy": lambda: importance_against_entropy(heads, title=title),
         "classification_map": lambda: classification_map(heads, thresholds, title=title),
         "examples": lambda: example_heads(examples, most_typical(heads, thresholds), title=title),
     }
-    skipped = {"examples": examples is None, "probe_scores": heads["probe_induction"].isna().all()}
+    no_importance = importance_column(heads) is None
+    skipped = {
+        "examples": examples is None,
+        "probe_scores": heads["probe_induction"].isna().all(),
+        "importance_heatmap": no_importance,
+        "importance_entropy": no_importance,
+    }
     written = []
     for name in CHART_NAMES:
         if skipped.get(name):

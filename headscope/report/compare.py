@@ -1,0 +1,369 @@
+"""Two finished reports -> what changed, head by head. Never imports torch.
+
+Same grid (the same layers x heads): every numeric measured column X of heads.parquet gives `X_a`, `X_b` and
+`X_delta` = B - A (exactly, from the two tables), with the labels of both sides beside them. For `entropy`,
+`norm_entropy`, `sink` and `diagonal` the delta gets a 95% interval, a p-value and a `significant` flag:
+- the same corpus (same sha256) is *paired*: a Poisson bootstrap over sentences, each replicate weighing a
+  sentence by the same count in A and B, streamed from both sentence_heads tables (memory O(replicates x
+  heads)); p = 2 min(share of replicate deltas <= 0, share >= 0), with +1 smoothing;
+- different corpora are *unpaired*: each report's own 95% interval gives its standard error, the delta's
+  interval is delta +- 1.96 sqrt(se_a^2 + se_b^2), and p is the normal two-sided p-value.
+`significant` controls the false discovery rate at 5% over all heads, per metric (Benjamini-Hochberg).
+
+Different grids (two models): layers are compared on relative depth, layer / (layers - 1), with the types'
+and roles' shares per third of the depth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from headscope.config import COMPARE_REPLICATES
+from headscope.errors import OutputError
+from headscope.labels import HEAD_TYPES, ROLES
+from headscope.layout import (
+    COMPARE_BANDS_FILE,
+    COMPARE_FILE,
+    COMPARE_LAYERS_FILE,
+    COMPARE_RECORD,
+    SCHEMA_VERSION,
+    SENTENCE_HEADS_FILE,
+)
+from headscope.report.folder import read_heads, read_layers, read_run
+from headscope.stats import INTERVAL_METRICS, percentile_interval, poisson_weights
+
+LEVEL = 0.95
+Z = 1.959963984540054  # the standard normal's 97.5th percentile
+FDR = 0.05
+DEPTH_BANDS = (("early", 0.0, 1 / 3), ("middle", 1 / 3, 2 / 3), ("late", 2 / 3, 1.0 + 1e-9))
+# Per-sentence weights for each interval metric: the rows its per-sentence mean averages (norm_entropy leaves
+# out the first row, which sees one key).
+ROW_OFFSET = {"entropy": 0, "norm_entropy": 1, "sink": 0, "diagonal": 0}
+LABELS = ("head_type", "role", "top_offset")
+
+
+@dataclass
+class Report:
+    """One side of a comparison, as read from its folder."""
+
+    name: str  # "A" or "B"
+    folder: Path
+    run: dict
+    heads: pd.DataFrame
+    layers: pd.DataFrame
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return int(self.heads["layer"].max()) + 1, int(self.heads["head"].max()) + 1
+
+    @property
+    def corpus_sha256(self) -> str | None:
+        corpus = self.run.get("corpus")
+        return corpus.get("sha256") if isinstance(corpus, dict) else None
+
+    @property
+    def label(self) -> str:
+        model, corpus = self.run.get("model", {}), self.run.get("corpus", {})
+        return f"{model.get('input', '?')} on {Path(str(corpus.get('path', '?'))).name}"
+
+
+@dataclass
+class Comparison:
+    """The tables `compare` writes, as DataFrames."""
+
+    record: dict  # compare.json
+    layers: pd.DataFrame  # per layer (same grid) or per (report, layer) on relative depth
+    bands: pd.DataFrame  # type and role shares per depth band, both reports
+    heads: pd.DataFrame | None = None  # compare.parquet: one row per (layer, head); same grid only
+    transitions: dict[str, pd.DataFrame] = field(default_factory=dict)  # label -> crosstab A -> B
+
+    @property
+    def same_grid(self) -> bool:
+        return self.heads is not None
+
+
+def read_report(folder: Path, name: str) -> Report:
+    """A report folder, refused with one line if it is from another schema version or lacks a table."""
+    folder = Path(folder)
+    run = read_run(folder)
+    version = run.get("schema_version")
+    if version != SCHEMA_VERSION:
+        written = f"schema version {version}" if version is not None else "an older headscope (no schema version)"
+        raise OutputError(
+            f"report {name} ({folder}) was written by {written}; compare reads schema version {SCHEMA_VERSION}: "
+            "run headscope analyze again"
+        )
+    layers = read_layers(folder)
+    if layers is None:
+        raise OutputError(f"report {name} ({folder}) has no layers.parquet; run headscope analyze again")
+    return Report(name, folder, run, read_heads(folder), layers)
+
+
+def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, seed: int = 0) -> Comparison:
+    """Compare report B against report A (deltas are B - A)."""
+    ra, rb = read_report(a, "A"), read_report(b, "B")
+    bands = band_shares(ra, rb)
+    same_grid = ra.grid == rb.grid and set(zip(ra.heads["layer"], ra.heads["head"], strict=True)) == set(
+        zip(rb.heads["layer"], rb.heads["head"], strict=True)
+    )
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "a": _identity(ra),
+        "b": _identity(rb),
+        "same_grid": same_grid,
+        "level": LEVEL,
+        "fdr": {"method": "Benjamini-Hochberg", "rate": FDR, "over": "all heads, per metric"},
+    }
+    if not same_grid:
+        record["method"] = "relative depth (different grids)"
+        return Comparison(record=record, layers=relative_depth_layers(ra, rb), bands=bands)
+
+    heads = head_deltas(ra.heads, rb.heads)
+    layer_ids = sorted(heads["layer"].unique())
+    paired = ra.corpus_sha256 is not None and ra.corpus_sha256 == rb.corpus_sha256
+    if paired and all((r.folder / SENTENCE_HEADS_FILE).is_file() for r in (ra, rb)):
+        head_stats, layer_stats = paired_intervals(ra, rb, heads, layer_ids, replicates, seed)
+        record["method"] = f"paired (the same corpus): Poisson bootstrap over sentences, {replicates} replicates"
+        record.update(replicates=replicates, seed=seed)
+    else:
+        head_stats, layer_stats = unpaired_intervals(ra, rb, heads)
+        reason = "different corpora" if not paired else "a report without sentence_heads.parquet"
+        record["method"] = f"unpaired ({reason}): normal intervals from each report's own 95% intervals"
+    for metric, (low, high, p) in head_stats.items():
+        heads[f"{metric}_delta_ci_low"], heads[f"{metric}_delta_ci_high"] = low, high
+        heads[f"{metric}_p"] = p
+        heads[f"{metric}_significant"] = benjamini_hochberg(p) <= FDR
+    layers = layer_deltas(ra, rb, layer_stats)
+    record["significant_heads"] = {m: int(heads[f"{m}_significant"].sum()) for m in INTERVAL_METRICS}
+    transitions = {
+        label: pd.crosstab(heads[f"{label}_a"], heads[f"{label}_b"]).reindex(index=names, columns=names, fill_value=0)
+        for label, names in (("head_type", HEAD_TYPES), ("role", ROLES))
+    }
+    return Comparison(record=record, layers=layers, bands=bands, heads=heads, transitions=transitions)
+
+
+def write_comparison(comparison: Comparison, out: Path, *, a: Path, b: Path, overwrite: bool, fmt: str | None) -> Path:
+    """Write the comparison's tables, compare.json and charts into `out` (staged, published atomically)."""
+    from headscope.output import StagedDirectory
+    from headscope.tables import write_frame, write_json
+
+    stage = StagedDirectory(Path(out), overwrite=overwrite, protected={"report A": Path(a), "report B": Path(b)})
+    with stage:
+        tables = {COMPARE_LAYERS_FILE: comparison.layers, COMPARE_BANDS_FILE: comparison.bands}
+        if comparison.heads is not None:
+            tables[COMPARE_FILE] = comparison.heads
+        for name, frame in tables.items():
+            write_frame(frame, stage.path / name)
+        write_json(comparison.record, stage.path / COMPARE_RECORD)
+        if fmt:
+            from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
+
+            title = f"B: {comparison.record['b']['model']} vs A: {comparison.record['a']['model']}"
+            draw_comparison(comparison, title=title, folder=stage.path, fmt=fmt)
+    return stage.target
+
+
+def _identity(report: Report) -> dict:
+    model, corpus = report.run.get("model", {}), report.run.get("corpus", {})
+    return {
+        "folder": str(report.folder),
+        "model": model.get("input"),
+        "corpus": corpus.get("path"),
+        "corpus_sha256": report.corpus_sha256,
+        "layers": report.grid[0],
+        "heads": report.grid[1],
+    }
+
+
+def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """One row per (layer, head): X_a, X_b, X_delta = B - A for every numeric column both measured, and both
+    sides' labels."""
+    a, b = a.set_index(["layer", "head"]).sort_index(), b.set_index(["layer", "head"]).sort_index()
+    out = pd.DataFrame(index=a.index)
+    numeric = [c for c in a.columns if c in b.columns and c != "kv_head" and pd.api.types.is_numeric_dtype(a[c])]
+    for column in numeric:
+        if a[column].notna().any() and b[column].notna().any():  # e.g. importance only when both have it
+            out[f"{column}_a"], out[f"{column}_b"] = a[column], b[column]
+            out[f"{column}_delta"] = b[column] - a[column]
+    for label in LABELS:
+        out[f"{label}_a"], out[f"{label}_b"] = a[label], b[label]
+    return out.reset_index()
+
+
+def _sentences(path: Path, cells: int, metrics, chunk: int = 512) -> Iterator[tuple[np.ndarray, ...]]:
+    """Complete sentences of a sentence_heads table, `chunk` at a time: (ids, n_tokens, values per metric),
+    values as (sentences, cells). Rows run sentence by sentence, (layer, head) within, as analyze writes them."""
+    columns = ["sentence_id", "n_tokens", *metrics]
+    buffered: list[pd.DataFrame] = []
+    rows = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk * cells, columns=columns):
+        buffered.append(batch.to_pandas())
+        rows += batch.num_rows
+        if rows >= chunk * cells:
+            frame = pd.concat(buffered, ignore_index=True)
+            whole = (len(frame) // cells) * cells
+            yield _shaped(frame.iloc[:whole], cells, metrics)
+            buffered, rows = [frame.iloc[whole:]], len(frame) - whole
+    frame = pd.concat(buffered, ignore_index=True) if buffered else pd.DataFrame(columns=columns)
+    if len(frame):
+        if len(frame) % cells:
+            raise OutputError(f"{path} does not hold a row for every (layer, head) of every sentence")
+        yield _shaped(frame, cells, metrics)
+
+
+def _shaped(frame: pd.DataFrame, cells: int, metrics) -> tuple[np.ndarray, ...]:
+    ids = frame["sentence_id"].to_numpy().reshape(-1, cells)
+    if (ids != ids[:, :1]).any():
+        raise OutputError("a sentence_heads table is not sorted by sentence")
+    n = frame["n_tokens"].to_numpy(float).reshape(-1, cells)[:, 0]
+    return (ids[:, 0], n, *(frame[m].to_numpy(float).reshape(-1, cells) for m in metrics))
+
+
+def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, replicates: int, seed: int):
+    """Bootstrap intervals of every head's and every layer mean's delta, resampling sentences in pairs."""
+    cells = len(heads)
+    metrics = INTERVAL_METRICS
+    sums = {side: {m: np.zeros((2, replicates, cells)) for m in metrics} for side in ("a", "b")}
+    streams = zip(
+        _sentences(ra.folder / SENTENCE_HEADS_FILE, cells, metrics),
+        _sentences(rb.folder / SENTENCE_HEADS_FILE, cells, metrics),
+        strict=True,
+    )
+    for part_a, part_b in _checked(streams):
+        if not np.array_equal(part_a[0], part_b[0]):
+            raise OutputError("the two reports' sentence_heads tables hold different sentences")
+        weights = poisson_weights(part_a[0], replicates, seed).T  # (replicates, sentences)
+        for side, part in (("a", part_a), ("b", part_b)):
+            n = part[1]
+            for metric, values in zip(metrics, part[2:], strict=True):
+                rows = np.clip(n - ROW_OFFSET[metric], 0, None)[:, None] * np.isfinite(values)  # (sentences, cells)
+                sums[side][metric][0] += weights @ (rows * np.nan_to_num(values))
+                sums[side][metric][1] += weights @ rows
+    head_stats, layer_stats = {}, {}
+    layer_of = heads["layer"].to_numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for metric in metrics:
+            ratio = {s: sums[s][metric][0] / sums[s][metric][1] for s in ("a", "b")}  # (replicates, cells)
+            delta = ratio["b"] - ratio["a"]
+            low, high = percentile_interval(delta, LEVEL)
+            head_stats[metric] = (low, high, _bootstrap_p(delta))
+            per_layer = {
+                s: np.stack([np.nanmean(ratio[s][:, layer_of == lay], axis=1) for lay in layer_ids], 1)
+                for s in ("a", "b")
+            }
+            layer_delta = per_layer["b"] - per_layer["a"]  # (replicates, layers)
+            layer_stats[metric] = (*percentile_interval(layer_delta, LEVEL), _bootstrap_p(layer_delta))
+    return head_stats, layer_stats
+
+
+def _checked(streams):
+    try:
+        yield from streams
+    except ValueError as err:
+        if "zip()" not in str(err):
+            raise
+        raise OutputError("the two reports' sentence_heads tables hold different numbers of sentences") from None
+
+
+def _bootstrap_p(delta: np.ndarray) -> np.ndarray:
+    """Two-sided bootstrap p-value of 'no change' per column of (replicates, columns) deltas (+1 smoothed)."""
+    count = delta.shape[0]
+    below, above = (delta <= 0).sum(0), (delta >= 0).sum(0)
+    return np.minimum(1.0, 2 * (np.minimum(below, above) + 1) / (count + 1))
+
+
+def unpaired_intervals(ra: Report, rb: Report, heads: pd.DataFrame):
+    """Normal intervals of each delta from the two reports' own 95% intervals (NaN where either has none)."""
+    a = ra.heads.set_index(["layer", "head"]).loc[list(zip(heads["layer"], heads["head"], strict=True))]
+    b = rb.heads.set_index(["layer", "head"]).loc[list(zip(heads["layer"], heads["head"], strict=True))]
+    head_stats = {metric: _normal_delta(a, b, metric) for metric in INTERVAL_METRICS}
+    la, lb = ra.layers.set_index("layer").sort_index(), rb.layers.set_index("layer").sort_index()
+    layer_stats = {metric: _normal_delta(la, lb, metric) for metric in INTERVAL_METRICS}
+    return head_stats, layer_stats
+
+
+def _normal_delta(a: pd.DataFrame, b: pd.DataFrame, metric: str):
+    """(low, high, p) of b - a per row, from the rows' own 95% intervals."""
+    delta = b[metric].to_numpy() - a[metric].to_numpy()
+    se_a = (a[f"{metric}_ci_high"].to_numpy() - a[f"{metric}_ci_low"].to_numpy()) / (2 * Z)
+    se_b = (b[f"{metric}_ci_high"].to_numpy() - b[f"{metric}_ci_low"].to_numpy()) / (2 * Z)
+    se = np.sqrt(se_a**2 + se_b**2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = np.abs(delta) / se
+    p = np.array([math.erfc(value / math.sqrt(2)) if np.isfinite(value) else np.nan for value in z])
+    p = np.where((se == 0) & (delta == 0), 1.0, p)  # two identical, exactly known values: no change
+    return delta - Z * se, delta + Z * se, p
+
+
+def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
+    """Benjamini-Hochberg adjusted p-values (NaN stays NaN and counts for nothing)."""
+    from scipy.stats import false_discovery_control
+
+    p = np.asarray(p, dtype=float)
+    adjusted = np.full_like(p, np.nan)
+    known = np.isfinite(p)
+    if known.any():
+        adjusted[known] = false_discovery_control(p[known], method="bh")
+    return adjusted
+
+
+def layer_deltas(ra: Report, rb: Report, layer_stats: dict) -> pd.DataFrame:
+    """Per layer: each interval metric's mean over heads in A and B, the delta and its interval."""
+    a, b = ra.layers.set_index("layer").sort_index(), rb.layers.set_index("layer").sort_index()
+    out = pd.DataFrame({"layer": a.index.to_numpy(), "relative_depth": _relative_depth(a.index, ra.grid[0])})
+    for metric in INTERVAL_METRICS:
+        for side, table in (("a", a), ("b", b)):
+            out[f"{metric}_{side}"] = table[metric].to_numpy()
+            out[f"{metric}_{side}_ci_low"] = table[f"{metric}_ci_low"].to_numpy()
+            out[f"{metric}_{side}_ci_high"] = table[f"{metric}_ci_high"].to_numpy()
+        out[f"{metric}_delta"] = b[metric].to_numpy() - a[metric].to_numpy()
+        low, high, p = layer_stats[metric]
+        out[f"{metric}_delta_ci_low"], out[f"{metric}_delta_ci_high"] = low, high
+        out[f"{metric}_significant"] = benjamini_hochberg(p) <= FDR
+    return out
+
+
+def _relative_depth(layers, n_layers: int) -> np.ndarray:
+    return np.asarray(layers, dtype=float) / max(n_layers - 1, 1)
+
+
+def relative_depth_layers(ra: Report, rb: Report) -> pd.DataFrame:
+    """Both reports' layer tables, long-form, with each layer's relative depth (layer / (layers - 1))."""
+    frames = []
+    for report in (ra, rb):
+        frame = report.layers.copy()
+        frame.insert(0, "report", report.name)
+        frame.insert(2, "relative_depth", _relative_depth(frame["layer"], report.grid[0]))
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def band_shares(ra: Report, rb: Report) -> pd.DataFrame:
+    """Share of each head type and role in each third of the depth (by relative depth), for both reports."""
+    rows = []
+    for report in (ra, rb):
+        depth = _relative_depth(report.heads["layer"], report.grid[0])
+        for band, low, high in DEPTH_BANDS:
+            members = report.heads[(depth >= low) & (depth < high)]
+            for kind, column, names in (("type", "head_type", HEAD_TYPES), ("role", "role", ROLES)):
+                counts = members[column].value_counts().reindex(names, fill_value=0)
+                for name, count in counts.items():
+                    share = count / len(members) if len(members) else np.nan
+                    rows.append(
+                        {
+                            "report": report.name,
+                            "band": band,
+                            "kind": kind,
+                            "label": name,
+                            "heads": int(count),
+                            "share": share,
+                        }
+                    )
+    return pd.DataFrame(rows)

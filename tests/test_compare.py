@@ -1,0 +1,156 @@
+"""headscope compare: deltas, paired and unpaired intervals, FDR, different grids, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from headscope.report.compare import _normal_delta, benjamini_hochberg, compare_reports
+
+from helpers import assert_one_line_error, run_cli
+from planted import FIRST, PREVIOUS, UNIFORM, build_planted_gpt2, build_planted_induction, expected_attention
+from reference import corpus_means
+
+METRICS = ("entropy", "norm_entropy", "sink", "diagonal")
+
+
+@pytest.fixture(scope="module")
+def planted_pair(tmp_path_factory, corpus_lines):
+    """Reports of two planted GPT-2s on the same corpus: layer 0's planted heads score 8 (A) and 6 (B)."""
+    root = tmp_path_factory.mktemp("pair")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(corpus_lines) + "\n")
+    reports = {}
+    for name, beta in (("a", 8.0), ("b", 6.0)):
+        model = build_planted_gpt2(root / f"model-{name}", corpus_lines, beta=beta)
+        reports[name] = root / f"report-{name}"
+        result = run_cli("analyze", model, "--corpus", corpus, "--out", reports[name], "--no-charts", "--no-probes")
+        assert result.exit_code == 0, result.output
+    return reports["a"], reports["b"], corpus
+
+
+def test_paired_intervals_find_a_known_shift(planted_pair):
+    a, b, _ = planted_pair
+    comparison = compare_reports(a, b, replicates=400)
+    assert comparison.record["method"].startswith("paired")
+    heads = comparison.heads.set_index(["layer", "head"])
+    lengths = pd.read_parquet(a / "sentences.parquet")["n_tokens"].tolist()
+    for head in (PREVIOUS, FIRST):
+        true = {beta: corpus_means([expected_attention(head, n, beta)[None] for n in lengths]) for beta in (8.0, 6.0)}
+        for metric in METRICS:
+            shift = float(true[6.0][metric][0] - true[8.0][metric][0])
+            row = heads.loc[(0, head)]
+            assert row[f"{metric}_delta"] == pytest.approx(shift, abs=1e-5), (head, metric)
+            assert row[f"{metric}_delta_ci_low"] <= shift <= row[f"{metric}_delta_ci_high"], (head, metric)
+            if abs(shift) > 1e-3:
+                assert row[f"{metric}_delta_ci_low"] * row[f"{metric}_delta_ci_high"] > 0  # excludes 0
+                assert row[f"{metric}_significant"]
+    uniform = heads.loc[(0, UNIFORM)]
+    assert uniform["entropy_delta"] == pytest.approx(0.0, abs=1e-6) and not uniform["entropy_significant"]
+
+
+def test_deltas_are_b_minus_a_for_every_column(planted_pair):
+    a, b, _ = planted_pair
+    comparison = compare_reports(a, b, replicates=50)
+    ha = pd.read_parquet(a / "heads.parquet").set_index(["layer", "head"])
+    hb = pd.read_parquet(b / "heads.parquet").set_index(["layer", "head"])
+    heads = comparison.heads.set_index(["layer", "head"])
+    deltas = [c[: -len("_delta")] for c in heads.columns if c.endswith("_delta")]
+    assert {"entropy", "sink", "sink_rate", "locality", "entropy_ci_low", "n_rows"} <= set(deltas)
+    for column in deltas:
+        np.testing.assert_array_equal(heads[f"{column}_delta"], hb[column] - ha[column], err_msg=column)
+        np.testing.assert_array_equal(heads[f"{column}_a"], ha[column])
+    assert (heads["head_type_b"] == hb["head_type"]).all() and (heads["role_a"] == ha["role"]).all()
+
+
+def test_a_report_compared_with_itself_changes_nothing(planted_pair):
+    a, _, _ = planted_pair
+    comparison = compare_reports(a, a, replicates=100)
+    heads = comparison.heads
+    for metric in METRICS:
+        assert (heads[f"{metric}_delta"] == 0).all() and not heads[f"{metric}_significant"].any()
+        assert (heads[f"{metric}_delta_ci_low"] == 0).all() and (heads[f"{metric}_delta_ci_high"] == 0).all()
+    assert not comparison.layers["entropy_significant"].any()
+    assert comparison.record["significant_heads"] == dict.fromkeys(METRICS, 0)
+
+
+def test_different_corpora_are_compared_unpaired(planted_pair, tmp_path, corpus_lines):
+    a, _, _ = planted_pair
+    model = build_planted_gpt2(tmp_path / "model", corpus_lines, beta=6.0)
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(corpus_lines[:60]) + "\n")
+    b = tmp_path / "b"
+    assert run_cli("analyze", model, "--corpus", other, "--out", b, "--no-charts", "--no-probes").exit_code == 0
+    comparison = compare_reports(a, b)
+    assert comparison.record["method"].startswith("unpaired (different corpora)")
+    row = comparison.heads.set_index(["layer", "head"]).loc[(0, PREVIOUS)]
+    assert row["entropy_delta_ci_low"] < row["entropy_delta"] < row["entropy_delta_ci_high"]
+
+
+def test_unpaired_interval_on_known_numbers():
+    a = pd.DataFrame({"entropy": [1.0], "entropy_ci_low": [0.9], "entropy_ci_high": [1.1]})
+    b = pd.DataFrame({"entropy": [1.5], "entropy_ci_low": [1.3], "entropy_ci_high": [1.7]})
+    low, high, p = _normal_delta(a, b, "entropy")
+    se = np.sqrt((0.2 / 3.919927969080108) ** 2 + (0.4 / 3.919927969080108) ** 2)
+    assert low[0] == pytest.approx(0.5 - 1.959963984540054 * se) and high[0] == pytest.approx(
+        0.5 + 1.959963984540054 * se
+    )
+    # se = sqrt(0.2^2 + 0.4^2) / (2 * 1.96) = 0.11409; z = 0.5 / se = 4.3826; two-sided p = 1.1726e-5
+    assert p[0] == pytest.approx(1.1726e-5, rel=1e-3)
+
+
+def test_benjamini_hochberg_on_known_numbers():
+    adjusted = benjamini_hochberg(np.array([0.01, 0.04, 0.03, 0.2, np.nan]))
+    np.testing.assert_allclose(adjusted[:4], [0.04, 0.16 / 3, 0.16 / 3, 0.2])
+    assert np.isnan(adjusted[4])
+
+
+def test_different_grids_compare_on_relative_depth(planted_pair, tmp_path):
+    a, _, corpus = planted_pair
+    model = build_planted_induction(tmp_path / "induction")  # 2 layers x 4 heads against 2 x 3
+    b = tmp_path / "b"
+    assert run_cli("analyze", model, "--corpus", corpus, "--out", b, "--no-charts", "--no-probes").exit_code == 0
+    comparison = compare_reports(a, b)
+    assert not comparison.same_grid and comparison.heads is None
+    layers = comparison.layers
+    assert sorted(layers["report"].unique()) == ["A", "B"] and set(layers["relative_depth"]) == {0.0, 1.0}
+    shares = comparison.bands.groupby(["report", "band", "kind"])["share"].sum(min_count=1)  # NaN: an empty band
+    np.testing.assert_allclose(shares.dropna(), 1.0)
+
+
+def test_compare_through_the_cli(planted_pair, tmp_path):
+    a, b, _ = planted_pair
+    out = tmp_path / "comparison"
+    result = run_cli("compare", a, b, "--out", out, "--replicates", "100")
+    assert result.exit_code == 0, result.output
+    assert (
+        "heads whose change is significant" in result.output and "the heads whose entropy changed most" in result.output
+    )
+    names = {p.name for p in out.iterdir()}
+    assert {"compare.parquet", "compare_layers.parquet", "compare_bands.parquet", "compare.json"} <= names
+    assert {"delta_heatmap.png", "layer_gradients.png", "transitions.png", "band_shares.png"} <= names
+    record = json.loads((out / "compare.json").read_text())
+    assert record["fdr"]["method"] == "Benjamini-Hochberg" and record["same_grid"]
+    assert_one_line_error(run_cli("compare", a, b, "--out", a, "--overwrite"), "holds report A")
+    rerun = run_cli("compare", a, b, "--out", out, "--overwrite", "--no-charts")
+    assert rerun.exit_code == 0, rerun.output  # a comparison folder is headscope's to replace
+
+
+def test_reports_of_another_schema_or_missing_tables_are_refused(planted_pair, tmp_path):
+    a, b, _ = planted_pair
+    old = tmp_path / "old"
+    shutil.copytree(a, old)
+    run = json.loads((old / "run.json").read_text())
+    run["schema_version"] = 1
+    (old / "run.json").write_text(json.dumps(run))
+    assert_one_line_error(run_cli("compare", old, b), "report A", "schema version 1", "reads schema version 2")
+    (old / "run.json").write_text(json.dumps({**run, "schema_version": 2}))
+    (old / "layers.parquet").unlink()
+    assert_one_line_error(run_cli("compare", old, b), "has no layers.parquet")
+    shutil.copy(a / "layers.parquet", old / "layers.parquet")
+    (old / "heads.parquet").unlink()
+    assert_one_line_error(run_cli("compare", b, old), "heads.parquet not found")

@@ -1,0 +1,117 @@
+"""Head importance: exact ablation and first-order attribution on the model's own loss."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import headscope
+from headscope.errors import ConfigError
+from headscope.feed import collate
+from headscope.measures.importance import token_losses
+
+from helpers import run_cli
+from planted import COPY_LOGIT, COPY_VOCAB, build_planted_copier, copy_scales, copy_words
+
+IMPORTANCE = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
+
+
+def test_token_losses_count_only_predicted_real_tokens():
+    logits = torch.zeros(2, 4, 3)
+    logits[:, :, 1] = math.log(2.0)  # p(token 1) = 2/4, p(0) = p(2) = 1/4 at every position
+    batch = collate([0, 1], [[1, 1, 0, 2], [0, 1]], padding_side="left")  # the second: 2 tokens, left-padded
+    sums, counts = token_losses(logits, batch)
+    assert counts.tolist() == [3, 1]  # T tokens predict T - 1; padding predicts and is predicted nothing
+    assert sums[0].item() == pytest.approx(-math.log(0.5) - math.log(0.25) - math.log(0.25))
+    assert sums[1].item() == pytest.approx(-math.log(0.5))  # position 3 predicts token 1 of [0, 1]
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model")
+    words = copy_words()
+    sentences = [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(40)]  # one word, repeated
+    return folder, sentences
+
+
+def hand_losses(sentences: list[str]) -> tuple[float, float, float]:
+    """Clean, zero-ablated and mean-ablated loss per predicted token, computed from the planted weights."""
+    vocab = COPY_VOCAB
+    c0, alpha, dim = copy_scales()
+    clean = math.log(1 + (vocab - 1) * math.exp(-COPY_LOGIT))
+    zero = math.log(vocab)  # the copy code is gone: every logit is 0
+    tokens = [s.split() for s in sentences]
+    ids = {word: 2 + i for i, word in enumerate(copy_words())}
+    frequency = np.zeros(vocab)  # over every real position, the last included
+    for sentence in tokens:
+        for word in sentence:
+            frequency[ids[word]] += 1
+    frequency /= frequency.sum()
+    # The mean output writes c0 * sum_v f_v (e_C+v - e_C'+v): the final LayerNorm's scale changes with it.
+    c_final = 1.0 / math.sqrt((4.0 + 2.0 * c0**2 * (frequency**2).sum()) / dim + 1e-5)
+    logits = 2 * alpha * c_final * c0 * frequency
+    log_partition = np.log(np.exp(logits).sum())
+    mean = np.mean([log_partition - logits[ids[w]] for sentence in tokens for w in sentence[:-1]])
+    return clean, zero, float(mean)
+
+
+def test_a_planted_head_is_the_only_one_the_loss_needs(copier):
+    folder, sentences = copier
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    result = headscope.analyze(loaded, sentences, importance="exact", probes=False, sentence_heads=False)
+    clean, zero, mean = hand_losses(sentences)
+    assert result.run["importance"]["clean_loss"] == pytest.approx(clean, abs=1e-6)
+    assert result.run["importance"]["predicted_tokens"] == sum(len(s.split()) - 1 for s in sentences)
+    heads = result.heads.set_index(["layer", "head"])
+    carrier = heads.loc[(0, 0)]
+    assert carrier["ablation_zero"] == pytest.approx(zero - clean, abs=1e-5)
+    assert carrier["ablation_mean"] == pytest.approx(mean - clean, abs=1e-5)
+    assert carrier["attribution_zero"] > 0 and carrier["attribution_mean"] > 0  # the right sign...
+    assert carrier["attribution_zero"] < carrier["ablation_zero"]  # ...but far short: the effect saturates
+    others = heads.drop((0, 0))
+    np.testing.assert_allclose(others[IMPORTANCE], 0.0, atol=1e-6)
+    layers = pd.DataFrame(result.heads).groupby("layer")["ablation_zero"].sum()
+    assert layers.loc[0] == pytest.approx(zero - clean, abs=1e-5)
+
+
+def test_batching_and_padding_do_not_change_importance(copier):
+    folder, sentences = copier
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    options = {"importance": "exact", "probes": False, "sentence_heads": False, "bootstrap": 0}
+    base = headscope.analyze(loaded, sentences, **options).heads
+    for variant in ({"batch_size": 1}, {"batch_size": 6, "padding_side": "left"}):
+        other = headscope.analyze(loaded, sentences, **options, **variant).heads
+        np.testing.assert_allclose(other[IMPORTANCE], base[IMPORTANCE], atol=1e-6, err_msg=str(variant))
+
+
+def test_importance_through_the_cli(copier, tmp_path):
+    folder, sentences = copier
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(sentences) + "\n")
+    out = tmp_path / "report"
+    result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--importance", "fast", "--no-probes")
+    assert result.exit_code == 0, result.output
+    assert "the 10 heads the loss needs most, by attribution_mean" in result.output
+    heads = pd.read_parquet(out / "heads.parquet")
+    assert heads[["attribution_zero", "attribution_mean"]].notna().all().all()
+    assert heads[["ablation_zero", "ablation_mean"]].isna().all().all()  # fast: no ablation
+    run = json.loads((out / "run.json").read_text())
+    assert run["importance"]["mode"] == "fast" and run["importance"]["ablated_layers"] == []
+    layers = pd.read_parquet(out / "layers.parquet")
+    assert layers["attribution_mean_total"].notna().all() and layers["ablation_mean_total"].isna().all()
+    for chart in ("importance_heatmap", "importance_entropy"):
+        assert (out / f"{chart}.png").stat().st_size > 10_000
+    plain = run_cli("analyze", folder, "--corpus", corpus, "--out", tmp_path / "plain", "--no-probes")
+    assert plain.exit_code == 0 and "loss needs most" not in plain.output
+
+
+def test_importance_needs_the_lm_head(copier):
+    folder, sentences = copier
+    base_only = headscope.load_model(str(folder), device="cpu")
+    with pytest.raises(ConfigError, match="--importance needs the model's LM head"):
+        headscope.analyze(base_only, sentences, importance="fast", probes=False)
