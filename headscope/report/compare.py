@@ -136,10 +136,12 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
         head_stats, layer_stats = unpaired_intervals(ra, rb, heads)
         reason = "different corpora" if not paired else "a report without sentence_heads.parquet"
         record["method"] = f"unpaired ({reason}): normal intervals from each report's own 95% intervals"
+    added = {}
     for metric, (low, high, p) in head_stats.items():
-        heads[f"{metric}_delta_ci_low"], heads[f"{metric}_delta_ci_high"] = low, high
-        heads[f"{metric}_p"] = p
-        heads[f"{metric}_significant"] = benjamini_hochberg(p) <= FDR
+        added[f"{metric}_delta_ci_low"], added[f"{metric}_delta_ci_high"] = low, high
+        added[f"{metric}_p"] = p
+        added[f"{metric}_significant"] = benjamini_hochberg(p) <= FDR
+    heads = pd.concat([heads, pd.DataFrame(added, index=heads.index)], axis=1)
     layers = layer_deltas(ra, rb, layer_stats)
     record["significant_heads"] = {m: int(heads[f"{m}_significant"].sum()) for m in INTERVAL_METRICS}
     transitions = {
@@ -165,7 +167,11 @@ def write_comparison(comparison: Comparison, out: Path, *, a: Path, b: Path, ove
         if fmt:
             from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
 
-            title = f"B: {comparison.record['b']['model']} vs A: {comparison.record['a']['model']}"
+            a_side, b_side = (comparison.record[side] for side in ("a", "b"))
+            title = (
+                f"B: {b_side['model']} on {Path(str(b_side['corpus'])).name} - "
+                f"A: {a_side['model']} on {Path(str(a_side['corpus'])).name}"
+            )
             draw_comparison(comparison, title=title, folder=stage.path, fmt=fmt)
     return stage.target
 
@@ -186,15 +192,15 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     """One row per (layer, head): X_a, X_b, X_delta = B - A for every numeric column both measured, and both
     sides' labels."""
     a, b = a.set_index(["layer", "head"]).sort_index(), b.set_index(["layer", "head"]).sort_index()
-    out = pd.DataFrame(index=a.index)
+    columns = {}
     numeric = [c for c in a.columns if c in b.columns and c != "kv_head" and pd.api.types.is_numeric_dtype(a[c])]
     for column in numeric:
         if a[column].notna().any() and b[column].notna().any():  # e.g. importance only when both have it
-            out[f"{column}_a"], out[f"{column}_b"] = a[column], b[column]
-            out[f"{column}_delta"] = b[column] - a[column]
+            columns[f"{column}_a"], columns[f"{column}_b"] = a[column], b[column]
+            columns[f"{column}_delta"] = b[column] - a[column]
     for label in LABELS:
-        out[f"{label}_a"], out[f"{label}_b"] = a[label], b[label]
-    return out.reset_index()
+        columns[f"{label}_a"], columns[f"{label}_b"] = a[label], b[label]
+    return pd.DataFrame(columns, index=a.index).reset_index()
 
 
 def _sentences(path: Path, cells: int, metrics, chunk: int = 512) -> Iterator[tuple[np.ndarray, ...]]:
