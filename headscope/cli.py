@@ -180,6 +180,7 @@ def analyze(
         bool, typer.Option(help="Also write per-(sentence, layer, head) metrics (large for big corpora).")
     ] = DEFAULTS.sentence_heads,
     charts: Annotated[bool, typer.Option(help="Draw the charts after measuring.")] = True,
+    page: Annotated[bool, typer.Option(help="Write report.html, the self-contained page to explore the heads.")] = True,
     chart_format: Format = DEFAULT_FORMAT,
     probes: Annotated[
         bool, typer.Option(help="Run the probe battery (repeated random tokens: induction, duplicate, previous).")
@@ -248,6 +249,7 @@ def analyze(
             thresholds=thresholds,
             roles=roles,
             charts=chart_format.value if charts else None,
+            page=page,
             reporter=reporter,
         )
     _print_summary(result)
@@ -284,12 +286,13 @@ def plot(
     report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
     out: Annotated[Path | None, typer.Option(help="Folder for the charts (default: REPORT).")] = None,
     chart_format: Format = DEFAULT_FORMAT,
+    page: Annotated[bool, typer.Option(help="Also rewrite report.html.")] = True,
 ) -> None:
-    """Draw the charts of REPORT from its tables (no model needed)."""
+    """Draw the charts and report.html of REPORT from its tables (no model needed)."""
     from headscope.report.folder import plot_report
 
     with user_errors():
-        written = plot_report(report, fmt=chart_format.value, out=out)
+        written = plot_report(report, fmt=chart_format.value, out=out, page=page)
     for path in written:
         typer.echo(f"wrote {path}")
 
@@ -303,6 +306,7 @@ def compare(
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison folder.")] = False,
     charts: Annotated[bool, typer.Option(help="Draw the comparison charts.")] = True,
+    page: Annotated[bool, typer.Option(help="Write compare.html, the self-contained page of the comparison.")] = True,
     chart_format: Format = DEFAULT_FORMAT,
     replicates: Annotated[
         int, typer.Option(help="Paired bootstrap replicates (same corpus in both reports).")
@@ -318,7 +322,7 @@ def compare(
         comparison = compare_reports(a, b, replicates=replicates, seed=seed)
         out = out or Path("reports") / f"compare-{a.resolve().name}-vs-{b.resolve().name}"
         target = write_comparison(
-            comparison, out, a=a, b=b, overwrite=overwrite, fmt=chart_format.value if charts else None
+            comparison, out, a=a, b=b, overwrite=overwrite, fmt=chart_format.value if charts else None, page=page
         )
     _print_comparison(comparison)
     typer.echo(f"wrote {target}/")

@@ -34,6 +34,9 @@ CHART_NAMES = (
     "examples",
 )
 
+PAGE_FILE = "report.html"  # the self-contained page of a report
+COMPARE_PAGE = "compare.html"
+
 # What `headscope compare` writes: a folder of its own, recognised by compare.json.
 COMPARE_RECORD = "compare.json"
 COMPARE_FILE = "compare.parquet"
@@ -45,7 +48,7 @@ COMPARE_CHARTS = ("delta_heatmap", "layer_gradients", "transitions", "band_share
 
 def is_report_file(name: str) -> bool:
     """Is `name` a file that headscope writes into a report (or comparison) folder?"""
-    if name in (RUN_FILE, COMPARE_RECORD) or name in TABLE_FILES or name in COMPARE_TABLES:
+    if name in (RUN_FILE, COMPARE_RECORD, PAGE_FILE, COMPARE_PAGE) or name in TABLE_FILES or name in COMPARE_TABLES:
         return True
     stem, _, extension = name.rpartition(".")
     return stem in CHART_NAMES + COMPARE_CHARTS and extension in CHART_FORMATS

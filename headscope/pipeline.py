@@ -27,7 +27,15 @@ from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, rea
 from headscope.errors import ConfigError, OutputError
 from headscope.feed import batches_in_order, collate, model_max_length, token_labels, tokenize_sentences
 from headscope.labels import label_heads
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.layout import (
+    EXAMPLES_FILE,
+    HEADS_FILE,
+    LAYERS_FILE,
+    PAGE_FILE,
+    RUN_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCES_FILE,
+)
 from headscope.loading import (
     LoadedModel,
     ModelSource,
@@ -130,6 +138,7 @@ def analyze(
     thresholds: Thresholds | None = None,
     roles: RoleThresholds | None = None,
     charts: str | None = CHART_FORMATS[0],
+    page: bool = True,
     reporter: Reporter | None = None,
     **options,
 ) -> AnalysisResult:
@@ -145,6 +154,7 @@ def analyze(
     roles:   role rule (default: RoleThresholds())
     charts:  chart format written with the tables (png, svg, pdf), or None for no charts (always none
              without `out`)
+    page:    write report.html, the self-contained page (only with `out`)
     options: any RunConfig field, e.g. ``window=3`` or ``batch_size=8``
     """
     config = dataclasses.replace(config or RunConfig(), **options)
@@ -211,6 +221,11 @@ def analyze(
 
             reporter.stage("drawing charts")
             draw_charts(heads, layers, examples, thresholds, title=chart_title(run), folder=folder, fmt=charts)
+        if page and out is not None:
+            from headscope.report.folder import write_report_page
+
+            reporter.stage("writing report.html")
+            write_report_page(run, heads, layers, examples, thresholds, folder / PAGE_FILE)
         parts.discard_checkpoint()
         # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
         in_memory = {} if out is not None else _read_per_sentence_tables(folder)

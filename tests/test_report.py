@@ -12,23 +12,16 @@ from typer.testing import CliRunner
 
 import headscope
 from headscope.cli import app
-from headscope.config import RoleThresholds, Thresholds
-from headscope.labels import label_heads
+from headscope.config import Thresholds
 from headscope.layout import CHART_NAMES, RUN_FILE
 from headscope.report.folder import plot_report
-from headscope.stats import STATS
 from headscope.tables import (
-    HEADS_SCHEMA,
-    LAYERS_SCHEMA,
     MEASURED_COLUMNS,
-    heads_frame,
-    layers_frame,
     read_metadata,
-    write_json,
-    write_table,
 )
 
 from planted import FIRST, PREVIOUS, UNIFORM
+from synthetic import synthetic_report
 
 runner = CliRunner()
 CHARTS = tuple(name for name in CHART_NAMES if not name.startswith("importance"))  # drawn without --importance
@@ -107,44 +100,11 @@ def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
     assert "run.json not found" in result.stderr
 
 
-def synthetic_report(folder, layers: int, heads: int):
-    """A report folder with made-up heads and layers tables of the given shape (no model)."""
-    rng = np.random.default_rng(layers * 100 + heads)
-    n = layers * heads
-    sums = np.zeros((layers, heads, len(STATS)))  # every measured column, then overwritten with made-up values
-    frame = heads_frame(sums, heads, intervals=None, probes=None)
-    made_up = {
-        "n_rows": 1000,
-        "entropy": rng.uniform(0, 2.5, n) * np.linspace(1, 0.4, n),
-        "entropy_std": rng.uniform(0, 0.5, n),
-        "norm_entropy": rng.uniform(0, 1, n),
-        "diagonal": rng.uniform(0.3, 1, n),
-        "diagonal_uniform": np.full(n, 0.4),
-        "sink": rng.uniform(0, 1, n),
-        "prev_token": rng.uniform(0, 1, n),
-        "max_weight": rng.uniform(0, 1, n),
-        "sink_rate": rng.uniform(0, 1, n),
-        "top_offset": rng.choice(["first", "0", "1", "2", "other"], n),
-        "top_offset_share": rng.uniform(0, 1, n),
-    }
-    for pattern in ("induction", "duplicate", "previous"):
-        made_up[f"probe_{pattern}"] = rng.uniform(0, 1, n) ** 4
-        made_up[f"probe_{pattern}_chance"] = 0.02
-    for name, values in made_up.items():
-        frame[name] = values
-    labelled = label_heads(frame, Thresholds(), RoleThresholds())
-    folder.mkdir()
-    write_table(labelled, folder / "heads.parquet", HEADS_SCHEMA)
-    write_table(layers_frame(labelled, None), folder / "layers.parquet", LAYERS_SCHEMA)
-    run = {"model": {"input": f"synthetic-{layers}x{heads}"}, "corpus": {"path": "c.txt", "sentences": 10}}
-    write_json(run, folder / RUN_FILE)
-
-
 @pytest.mark.parametrize(("layers", "heads"), [(12, 12), (30, 9), (1, 4), (64, 64)])
 def test_charts_for_every_model_shape(tmp_path, layers, heads):
     folder = tmp_path / f"m{layers}x{heads}"
     synthetic_report(folder, layers, heads)
-    written = plot_report(folder)
+    written = plot_report(folder, page=False)
     assert [p.stem for p in written] == [c for c in CHARTS if c != "examples"]  # no example without a model run
     for path in written:
         height, width = imread(path).shape[:2]

@@ -32,6 +32,7 @@ from headscope.layout import (
     COMPARE_BANDS_FILE,
     COMPARE_FILE,
     COMPARE_LAYERS_FILE,
+    COMPARE_PAGE,
     COMPARE_RECORD,
     SCHEMA_VERSION,
     SENTENCE_HEADS_FILE,
@@ -151,7 +152,9 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
     return Comparison(record=record, layers=layers, bands=bands, heads=heads, transitions=transitions)
 
 
-def write_comparison(comparison: Comparison, out: Path, *, a: Path, b: Path, overwrite: bool, fmt: str | None) -> Path:
+def write_comparison(
+    comparison: Comparison, out: Path, *, a: Path, b: Path, overwrite: bool, fmt: str | None, page: bool = True
+) -> Path:
     """Write the comparison's tables, compare.json and charts into `out` (staged, published atomically)."""
     from headscope.output import StagedDirectory
     from headscope.tables import write_frame, write_json
@@ -167,13 +170,17 @@ def write_comparison(comparison: Comparison, out: Path, *, a: Path, b: Path, ove
         if fmt:
             from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
 
-            a_side, b_side = (comparison.record[side] for side in ("a", "b"))
-            title = (
-                f"B: {b_side['model']} on {Path(str(b_side['corpus'])).name} - "
-                f"A: {a_side['model']} on {Path(str(a_side['corpus'])).name}"
-            )
-            draw_comparison(comparison, title=title, folder=stage.path, fmt=fmt)
+            draw_comparison(comparison, title=_title(comparison), folder=stage.path, fmt=fmt)
+        if page:
+            from headscope.report.page import compare_page, write_page  # plotly only for the page
+
+            write_page(compare_page(comparison, title=_title(comparison)), stage.path / COMPARE_PAGE)
     return stage.target
+
+
+def _title(comparison: Comparison) -> str:
+    a, b = (comparison.record[side] for side in ("a", "b"))
+    return f"B: {b['model']} on {Path(str(b['corpus'])).name} - A: {a['model']} on {Path(str(a['corpus'])).name}"
 
 
 def _identity(report: Report) -> dict:

@@ -12,7 +12,7 @@ import pandas as pd
 from headscope.config import CHART_FORMATS, RoleThresholds, Thresholds
 from headscope.errors import ConfigError, OutputError
 from headscope.labels import classification_record, label_heads
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, why_not_a_report
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, PAGE_FILE, RUN_FILE, why_not_a_report
 from headscope.output import atomic_path
 from headscope.tables import (
     EXAMPLES_SCHEMA,
@@ -138,8 +138,9 @@ def _make_folder(folder: Path) -> None:
         raise OutputError(f"cannot create {folder}: {err.strerror or err}") from None
 
 
-def plot_report(folder: Path, *, fmt: str = "png", out: Path | None = None) -> list[Path]:
-    """Draw every chart of the report in `folder` (into `out`, default the same folder); return their paths."""
+def plot_report(folder: Path, *, fmt: str = "png", out: Path | None = None, page: bool = True) -> list[Path]:
+    """Draw every chart of the report in `folder`, and its report.html (into `out`, default the same folder);
+    return their paths."""
     from headscope.report.charts import draw_charts  # matplotlib is imported only when charts are drawn
 
     if fmt not in CHART_FORMATS:
@@ -149,7 +150,20 @@ def plot_report(folder: Path, *, fmt: str = "png", out: Path | None = None) -> l
     heads, layers, examples = read_heads(folder), read_layers(folder), read_examples(folder)
     target = Path(out) if out is not None else folder
     _make_folder(target)
-    return draw_charts(heads, layers, examples, thresholds_of(run), title=chart_title(run), folder=target, fmt=fmt)
+    thresholds, title = thresholds_of(run), chart_title(run)
+    written = draw_charts(heads, layers, examples, thresholds, title=title, folder=target, fmt=fmt)
+    if page:
+        written.append(write_report_page(run, heads, layers, examples, thresholds, target / PAGE_FILE))
+    return written
+
+
+def write_report_page(run, heads, layers, examples, thresholds, path: Path) -> Path:
+    """report.html from the frames in hand (analyze) or read back (plot)."""
+    from headscope.report.page import FILES, report_page, write_page  # plotly is imported only for the page
+
+    present = tuple(name for name in FILES if (path.parent / name).exists())  # e.g. no sentence_heads.parquet
+    page = report_page(run, heads, layers, examples, thresholds, title=chart_title(run), files=present)
+    return write_page(page, path)
 
 
 def _copy_atomically(source: Path, destination: Path) -> None:

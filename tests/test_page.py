@@ -1,0 +1,215 @@
+"""report.html and compare.html, checked in a real browser: headless Chromium driven by selenium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from headscope.report.page import report_page
+
+from helpers import run_cli
+from synthetic import synthetic_report
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+needs_browser = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER),
+    reason="Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; "
+    ".ci/run does it)",
+)
+# Anything that could make the browser fetch something: a URL, a scheme-relative source, an import.
+RESOURCE = re.compile(r"https?://|(?:src|href)\s*=\s*[\"']?//|url\(\s*[\"']?//|@import", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def report(planted_gpt2, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("page") / "report"
+    assert run_cli("analyze", planted_gpt2, "--out", out, "--no-charts").exit_code == 0
+    return out
+
+
+def test_the_page_references_nothing_online(report):
+    html = (report / "report.html").read_text(encoding="utf-8")
+    assert "plotly" in html.lower() and "<script src" not in html
+    assert not RESOURCE.findall(html)
+
+
+def test_data_cannot_break_out_of_its_script():
+    heads = pd.read_parquet(Path(__file__).resolve().parent.parent / "reports/smollm2/heads.parquet")
+    heads.loc[0, "type_reason"] = "</script><script>alert(1)</script>"
+    from headscope.config import Thresholds
+
+    heads.loc[1, "type_reason"] = "see https://example.org"
+    html = report_page({"model": {"input": "<b>x</b>"}}, heads, None, None, Thresholds(), title="<b>x</b>")
+    assert html.count("<script") == html.count("</script>") == 3  # the page's own three: plotly, data, app
+    assert "alert(1)" in html and not RESOURCE.findall(html)
+    assert "<title>headscope: &lt;b&gt;x&lt;/b&gt;</title>" in html
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("no chromium")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,1400",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def open_page(browser, path: Path, timeout: float = 30.0) -> float:
+    """Open `path`, wait until its script says it is ready; return the seconds that took."""
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get_log("performance")
+    started = time.perf_counter()
+    browser.get(path.resolve().as_uri())
+    while browser.execute_script("return document.body && document.body.dataset.ready") != "true":
+        assert time.perf_counter() - started < timeout, "the page never became ready"
+        time.sleep(0.05)
+    return time.perf_counter() - started
+
+
+def console_problems(browser) -> list[str]:
+    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+
+
+def requested(browser) -> list[str]:
+    urls = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    return urls
+
+
+def cell_offset(browser, layer: int, head: int) -> tuple[int, int]:
+    """Where the heatmap draws (layer, head), as an offset from the plot's centre (selenium's origin)."""
+    return tuple(
+        int(v)
+        for v in browser.execute_script(
+            """const gd = document.getElementById('heatmap'), L = gd._fullLayout, r = gd.getBoundingClientRect();
+        return [L.xaxis._offset + L.xaxis.l2p(arguments[1]) - r.width / 2,
+                L.yaxis._offset + L.yaxis.l2p(arguments[0]) - r.height / 2];""",
+            layer,
+            head,
+        )
+    )
+
+
+@needs_browser
+def test_the_report_page_in_a_real_browser(browser, report, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    heads = pd.read_parquet(report / "heads.parquet").set_index(["layer", "head"])
+    open_page(browser, report / "report.html")
+    n_layers, n_heads = heads.index.levels[0].size, heads.index.levels[1].size
+    z = browser.execute_script("return document.getElementById('heatmap').data[0].z")
+    assert len(z) == n_layers and all(len(row) == n_heads for row in z)  # one cell per head
+    assert z[0][1] == pytest.approx(heads.loc[(0, 1), "entropy"], rel=1e-5)
+
+    plot = browser.find_element(By.ID, "heatmap")
+    ActionChains(browser).move_to_element_with_offset(plot, *cell_offset(browser, 0, 1)).perform()
+    time.sleep(0.3)
+    assert browser.find_element(By.ID, "panel-title").text == "layer 0, head 1"
+    panel = dict(line.split(" ", 1) for line in browser.find_element(By.ID, "panel-table").text.splitlines())
+    expected = heads.loc[(0, 1)]
+    assert panel["role"] == expected["role"] and panel["head_type"] == expected["head_type"]
+    assert float(panel["entropy"]) == pytest.approx(expected["entropy"], abs=1e-4)
+    assert float(panel["entropy_ci_low"]) == pytest.approx(expected["entropy_ci_low"], abs=1e-4)
+    assert float(panel["probe_previous"]) == pytest.approx(expected["probe_previous"], abs=1e-4)
+
+    ActionChains(browser).move_to_element_with_offset(plot, *cell_offset(browser, 0, 2)).click().perform()
+    time.sleep(0.5)
+    example = browser.execute_script(
+        "const g = document.getElementById('example'); return [g.layout.title.text, g.data[0].x, g.data[0].z];"
+    )
+    assert example[0].startswith("layer 0, head 2: attention on sentence")
+    tokens = pd.read_parquet(report / "examples.parquet").drop_duplicates("query")["query_token"].tolist()
+    assert [label.split(": ", 1)[1] for label in example[1]] == tokens
+    assert all(row[0] > 0.95 for row in example[2][1:])  # the first-token head: nearly all on token 0
+
+    browser.find_element(By.CSS_SELECTOR, "#metric option[value='sink']").click()
+    sink = browser.execute_script("return document.getElementById('heatmap').data[0].z")
+    assert sink[0][2] == pytest.approx(heads.loc[(0, 2), "sink"], rel=1e-5)
+
+    browser.find_element(By.XPATH, "//table[@id='heads-table']//th[text()='entropy']").click()
+    first = browser.find_element(By.CSS_SELECTOR, "#heads-table tbody tr").text.split()
+    assert float(first[5]) == pytest.approx(heads["entropy"].min(), abs=1e-4)
+    browser.find_element(By.ID, "filter").send_keys("layer 1")
+    assert browser.find_element(By.ID, "table-count").text.startswith(f"{n_heads} of {len(heads)} heads")
+
+    shot = tmp_path / "report-page.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 20_000
+    assert console_problems(browser) == []
+    assert all(url.startswith(("file:", "data:", "blob:")) for url in requested(browser)), requested(browser)
+
+
+@needs_browser
+def test_the_compare_page_in_a_real_browser(browser, report, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    out = tmp_path / "comparison"
+    assert run_cli("compare", report, report, "--out", out, "--no-charts", "--replicates", "50").exit_code == 0
+    html = (out / "compare.html").read_text(encoding="utf-8")
+    assert not RESOURCE.findall(html)
+    open_page(browser, out / "compare.html")
+    plot = browser.find_element(By.ID, "heatmap")
+    ActionChains(browser).move_to_element_with_offset(plot, *cell_offset(browser, 1, 0)).perform()
+    time.sleep(0.3)
+    assert browser.find_element(By.ID, "panel-title").text == "layer 1, head 0"
+    panel = dict(line.split(" ", 1) for line in browser.find_element(By.ID, "panel-table").text.splitlines())
+    assert float(panel["entropy_delta"]) == 0.0 and panel["entropy_significant"] == "no"
+    assert console_problems(browser) == []
+
+
+@needs_browser
+def test_a_70b_sized_page_stays_small_and_usable(browser, tmp_path):
+    """80 layers x 64 heads (Llama-70B's grid) with a 32-token example: under 15 MB, every cell there and live."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    from headscope.report.folder import plot_report
+
+    folder = tmp_path / "big"
+    synthetic_report(folder, 80, 64, example_tokens=32)
+    (page,) = plot_report(folder, fmt="png", page=True)[-1:]
+    assert page.name == "report.html" and page.stat().st_size < 15e6
+    seconds = open_page(browser, page, timeout=60)
+    print(f"80 x 64 page: {page.stat().st_size / 1e6:.1f} MB, interactive after {seconds:.1f} s")
+    z = browser.execute_script("return document.getElementById('heatmap').data[0].z")
+    assert len(z) == 80 and all(len(row) == 64 for row in z)
+    browser.set_window_size(1400, 3000)  # the whole 80-row heatmap in view, so its last cell can be clicked
+    time.sleep(0.5)  # plotly redraws a responsive plot after the resize
+    plot = browser.find_element(By.ID, "heatmap")
+    ActionChains(browser).move_to_element_with_offset(plot, *cell_offset(browser, 79, 63)).click().perform()
+    time.sleep(0.5)
+    assert browser.find_element(By.ID, "panel-title").text == "layer 79, head 63"
+    title = browser.execute_script("return document.getElementById('example').layout.title.text")
+    assert title.startswith("layer 79, head 63: attention on sentence")
+    browser.save_screenshot(str(tmp_path / "big-page.png"))
+    browser.set_window_size(1400, 1400)
+    assert console_problems(browser) == []
