@@ -7,10 +7,12 @@ each sentence's own rows, so neither the grouping nor the padding side changes a
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -31,12 +33,35 @@ def tokenize_sentences(tokenizer, texts: list[str], max_length: int | None) -> t
     those are tokenized again with truncation, letting the tokenizer keep any
     special tokens it appends.
     """
-    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    ids = _token_ids(tokenizer, texts)
     truncated = [max_length is not None and len(row) > max_length for row in ids]
     for i, cut in enumerate(truncated):
         if cut:
             ids[i] = tokenizer(texts[i], add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
     return [list(row) for row in ids], truncated
+
+
+def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """tokenizer(texts, add_special_tokens=True)["input_ids"], without its per-sentence Python overhead.
+
+    For a Rust-backed tokenizer that does not override how it encodes, transformers' call is set-up (no
+    truncation, no padding, special-token splitting) + the backend's encode_batch + a conversion of every
+    encoding into Python dicts; the conversion costs more than the encoding itself and holds the GIL. One
+    call on the first text does the same set-up, then the backend encodes the rest and only the ids are read.
+    Any other tokenizer takes the plain call.
+    """
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    plain = not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._encode_plus is not (
+        TokenizersBackend._encode_plus
+    )
+    if plain or len(texts) < 2:
+        return tokenizer(texts, add_special_tokens=True)["input_ids"]
+    first = tokenizer(texts[:1], add_special_tokens=True)["input_ids"]  # the set-up, as transformers does it
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:  # set-up left them on: do not guess
+        return tokenizer(texts, add_special_tokens=True)["input_ids"]
+    return first + [encoding.ids for encoding in backend.encode_batch(texts[1:], add_special_tokens=True)]
 
 
 def token_labels(tokenizer, ids: list[int]) -> list[str]:
@@ -85,10 +110,7 @@ class Batch:
     attention_mask: torch.Tensor  # (batch, t) long, 1 on real tokens
     position_ids: torch.Tensor  # (batch, t) long, 0 at each sentence's first real token
     seq_start: torch.Tensor  # (batch,) long, index of the first real token (0 with right padding)
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+    n_tokens: int  # real tokens, counted on the host (reading it never waits for the device)
 
     def replicated(self, times: int) -> Batch:
         """The batch `times` times over along the batch axis (replica r holds rows r * batch ...)."""
@@ -98,7 +120,23 @@ class Batch:
             attention_mask=self.attention_mask.repeat(times, 1),
             position_ids=self.position_ids.repeat(times, 1),
             seq_start=self.seq_start.repeat(times),
+            n_tokens=self.n_tokens * times,
         )
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch on `device`. From pinned host memory the copies are asynchronous (non_blocking): the host
+        goes on preparing the next batch while they run."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        tensors = (self.input_ids, self.attention_mask, self.position_ids, self.seq_start)
+        moved = (t.to(device, non_blocking=True) for t in tensors)
+        return Batch(self.sentence_ids, *moved, n_tokens=self.n_tokens)
+
+    def pinned(self) -> Batch:
+        """The batch in page-locked host memory, so that copying it to a GPU can overlap other work."""
+        tensors = (self.input_ids, self.attention_mask, self.position_ids, self.seq_start)
+        return Batch(self.sentence_ids, *(t.pin_memory() for t in tensors), n_tokens=self.n_tokens)
 
 
 MAX_PADDING = 0.2  # a batch may be at most this share padding: compute grows with padded tokens
@@ -148,23 +186,25 @@ def collate(
     """Pad `token_ids` (one list per sentence) into one batch on `device`."""
     if padding_side not in ("right", "left"):
         raise ValueError(f"padding_side must be 'right' or 'left'; got {padding_side!r}")
-    width = max(len(ids) for ids in token_ids)
-    input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(token_ids), width, dtype=torch.long)
-    seq_start = torch.zeros(len(token_ids), dtype=torch.long)
-    for row, ids in enumerate(token_ids):
-        start = 0 if padding_side == "right" else width - len(ids)
-        input_ids[row, start : start + len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        attention_mask[row, start : start + len(ids)] = 1
-        seq_start[row] = start
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return Batch(
+    lengths = np.fromiter((len(ids) for ids in token_ids), dtype=np.int64, count=len(token_ids))
+    width = int(lengths.max())
+    # Each row's real tokens: positions [start, start + length) of a row of `width`.
+    seq_start = np.zeros_like(lengths) if padding_side == "right" else width - lengths
+    columns = np.arange(width)
+    real = (columns >= seq_start[:, None]) & (columns < (seq_start + lengths)[:, None])
+    input_ids = np.zeros((len(token_ids), width), dtype=np.int64)
+    input_ids[real] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(lengths.sum()))
+    attention_mask = real.astype(np.int64)
+    position_ids = np.clip(attention_mask.cumsum(-1) - 1, 0, None)
+    batch = Batch(
         sentence_ids=list(sentence_ids),
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        seq_start=seq_start.to(device),
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        position_ids=torch.from_numpy(position_ids),
+        seq_start=torch.from_numpy(seq_start),
+        n_tokens=int(lengths.sum()),
     )
+    return batch.to(device)
 
 
 def batches_in_order(

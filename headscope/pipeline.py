@@ -57,6 +57,7 @@ from headscope.memory import (
     tokens_per_batch,
 )
 from headscope.output import StagedDirectory
+from headscope.prefetch import prefetched
 from headscope.record import Timings, fingerprint, run_record
 from headscope.reporting import NullReporter, Reporter
 from headscope.stats import STATS, Bootstrap, ProbeResult, head_intervals, layer_intervals, summarise_probes
@@ -275,40 +276,40 @@ def measure(
 
     reporter.start(len(corpus.sentences))
     chunk_starts = range(0, len(corpus.sentences), config.chunk_sentences)
+    host = _host_stream(loaded, corpus, config, max_length, progress)
     with measuring(loaded.model, [statistics], block_bytes=config.block_bytes) as capture:
-        for index, first in enumerate(chunk_starts):
-            chunk = corpus.sentences[first : first + config.chunk_sentences]
-            if index < progress.chunks_done:  # measured before the interruption
-                reporter.advance(len(chunk), 0)
+        pending = _PendingSums()
+        per_sentence: dict[int, np.ndarray] = {}
+        for chunk, batch in prefetched(host, depth=HOST_AHEAD if loaded.device.type == "cuda" else 0):
+            if chunk.skipped:  # measured before the interruption
+                reporter.advance(len(chunk.sentences), 0)
                 continue
-            ids, cut = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk], max_length)
-            tokenized = {s.sentence_id: row for s, row in zip(chunk, ids, strict=True) if row}
-            per_sentence: dict[int, np.ndarray] = {}
-            for batch in batches_in_order(
-                tokenized,
-                max_sentences=progress.batching["max_sentences"],
-                max_tokens=progress.batching["max_tokens"],
-                padding_side=config.padding_side,
-                device=loaded.device,
-            ):
-                forward(loaded.model, capture, batch)
-                sums = statistics.finish().numpy()  # (layers, batch, heads, stats)
-                totals = totals + sums.sum(axis=1)
-                if bootstrap is not None:
-                    bootstrap.add(batch.sentence_ids, sums)
-                for column, sentence_id in enumerate(batch.sentence_ids):
-                    per_sentence[sentence_id] = sums[:, column]
+            if batch is not None:
+                forward(loaded.model, capture, batch.to(loaded.device))
+                pending.add(batch.sentence_ids, statistics.finish())
                 progress.tokens += batch.n_tokens
                 progress.batches += 1
                 reporter.advance(len(batch.sentence_ids), batch.n_tokens)
-            reporter.advance(len(chunk) - len(tokenized), 0)  # sentences with no tokens
+                if pending.nbytes < PENDING_BYTES:
+                    continue
+            # The chunk ended (or its sums grew large): one transfer for all of its batches so far.
+            sentence_ids, sums = pending.take()
+            if sentence_ids:
+                totals = totals + sums.sum(axis=1)
+                if bootstrap is not None:
+                    bootstrap.add(sentence_ids, sums)
+                per_sentence.update(zip(sentence_ids, np.moveaxis(sums, 1, 0), strict=True))
+            if batch is not None:
+                continue
+            reporter.advance(len(chunk.sentences) - len(chunk.tokenized), 0)  # sentences with no tokens
             parts.add(
-                index,
-                _sentence_rows(chunk, ids, cut),
-                _sentence_head_rows(per_sentence, tokenized, layer_ids, totals.shape, config),
+                chunk.index,
+                _sentence_rows(chunk.sentences, chunk.ids, chunk.cut),
+                _sentence_head_rows(per_sentence, chunk.tokenized, layer_ids, totals.shape, config),
             )
-            _count_chunk(progress, chunk, ids, cut)
-            progress.chunks_done = index + 1
+            per_sentence = {}
+            _count_chunk(progress, chunk.sentences, chunk.ids, chunk.cut)
+            progress.chunks_done = chunk.index + 1
             parts.save_progress(progress, {"sums": totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})})
     reporter.finish()
     if progress.tokens == 0:
@@ -322,6 +323,73 @@ def measure(
         max_length=max_length,
         attention_paths=dict(capture.paths),
     )
+
+
+# Batches (and chunk ends) the host thread may prepare ahead of a GPU. On a CPU the model itself needs every
+# core and the GIL between its many small ops: a host thread there made the 20,000-sentence run of
+# benchmarks/pipeline.py 0.25 s slower (median of 10, 2 cores), so the CPU runs the host work in series.
+HOST_AHEAD = 8
+PENDING_BYTES = 64 * 2**20  # per-sentence sums held on the device before they are moved in one transfer
+
+
+@dataclass
+class HostChunk:
+    """One chunk of the corpus as the host prepared it: its sentences, token ids and truncation flags."""
+
+    index: int
+    sentences: list
+    ids: list[list[int]] = field(default_factory=list)
+    cut: list[bool] = field(default_factory=list)
+    tokenized: dict[int, list[int]] = field(default_factory=dict)  # sentence id -> ids, non-empty only
+    skipped: bool = False  # measured before an interruption (resume)
+
+
+def _host_stream(loaded: LoadedModel, corpus: Corpus, config: RunConfig, max_length, progress: Progress):
+    """The host's work, in order: for each chunk, its collated batches, then (chunk, None) when it ends.
+
+    Runs in the prefetch thread: tokenizing, planning and collating (into pinned memory for a GPU) happen
+    while the model runs the batches before.
+    """
+    pin = loaded.device.type == "cuda"
+    for index, first in enumerate(range(0, len(corpus.sentences), config.chunk_sentences)):
+        chunk = HostChunk(index, corpus.sentences[first : first + config.chunk_sentences])
+        if index < progress.chunks_done:
+            chunk.skipped = True
+            yield chunk, None
+            continue
+        chunk.ids, chunk.cut = tokenize_sentences(loaded.tokenizer, [s.text for s in chunk.sentences], max_length)
+        chunk.tokenized = {s.sentence_id: row for s, row in zip(chunk.sentences, chunk.ids, strict=True) if row}
+        for batch in batches_in_order(
+            chunk.tokenized,
+            max_sentences=progress.batching["max_sentences"],
+            max_tokens=progress.batching["max_tokens"],
+            padding_side=config.padding_side,
+        ):
+            yield chunk, batch.pinned() if pin else batch
+        yield chunk, None
+
+
+class _PendingSums:
+    """Batches' per-sentence sums still on the device, moved to the host together by `take`."""
+
+    def __init__(self) -> None:
+        self._ids: list[list[int]] = []  # per batch
+        self._sums: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def add(self, sentence_ids: list[int], sums: torch.Tensor) -> None:
+        self._ids.append(sentence_ids)
+        self._sums.append(sums)
+        self.nbytes += sums.numel() * sums.element_size()
+
+    def take(self) -> tuple[list[int], np.ndarray | None]:
+        """Every pending sentence id and its (layers, sentences, heads, stats) sums, in the order added."""
+        if not self._sums:
+            return [], None
+        moved = torch.cat(self._sums, dim=1).cpu().numpy()  # the one synchronisation
+        sentence_ids = [i for ids in self._ids for i in ids]
+        self.__init__()
+        return sentence_ids, moved
 
 
 def _count_chunk(progress: Progress, chunk, ids: list[list[int]], cut: list[bool]) -> None:

@@ -40,8 +40,8 @@ from headscope.stats import EVIDENCE_FROM, MAX_OFFSET, STATS
 class AttentionStatistics:
     """Per-(sentence, head) sums of every row statistic in ``STATS``, for the layers asked for.
 
-    A Measure: after each batch, `finish` returns (wanted layers, batch, heads, stats) sums on the CPU, moved
-    in one transfer (on a GPU, nothing synchronises per layer).
+    A Measure: after each batch, `finish` returns (wanted layers, batch, heads, stats) sums, left on the device
+    of the batch (nothing synchronises per layer or per batch; the caller moves many batches' sums at once).
     """
 
     def __init__(
@@ -88,12 +88,16 @@ class AttentionStatistics:
         self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
 
     def finish(self) -> torch.Tensor:
-        """The batch's sums, (wanted layers, batch, heads, stats), in layer order, on the CPU."""
+        """The batch's sums, (wanted layers, batch, heads, stats), in layer order, on the batch's device (with a
+        device map, each layer's small sums move there from the device its attention ran on)."""
         if not self._sums:
             raise ModelLoadError(
                 "the model never called an attention function headscope can read (no attention layers?)"
             )
-        sums = torch.stack([self._sums[layer] for layer in sorted(self._sums)]).cpu()
+        device = self._batch.input_ids.device
+        # Asynchronous only towards an accelerator: a non-blocking copy into host memory may not be done yet.
+        asynchronous = device.type != "cpu"
+        sums = torch.stack([self._sums[layer].to(device, non_blocking=asynchronous) for layer in sorted(self._sums)])
         self._sums = {}
         return sums
 
@@ -250,30 +254,30 @@ def _sum_rows(
     offset = torch.arange(row_offset, row_offset + rows, device=entropy.device) - per_row["top_key"]
     fixed = ~tied & ~on_first
 
-    def row_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # `where`, not multiply: padding rows may hold anything, NaN included, and must add exactly 0.
-        values = torch.where(mask, values, 0.0).to(accum_dtype)
-        return values.expand(batch, heads, rows).sum(-1)  # (batch, heads)
-
     ones = torch.ones_like(entropy)
     columns = {
-        "n_rows": row_sum(ones, valid),
-        "entropy": row_sum(entropy, valid),
-        "entropy_sq": row_sum(entropy.square(), valid),
-        "norm_entropy": row_sum(norm_entropy, norm_rows),
-        "norm_rows": row_sum(ones, norm_rows),
-        "diagonal": row_sum(per_row["diagonal"], valid),
-        "diagonal_uniform": row_sum(diagonal_uniform, valid),
-        "sink": row_sum(per_row["sink"], valid),
-        "prev_token": row_sum(per_row["prev_token"], prev_rows),
-        "prev_rows": row_sum(ones, prev_rows),
-        "max_weight": row_sum(per_row["max_weight"], valid),
-        "nonfinite_rows": row_sum(ones, nonfinite),
-        "unnormalised_rows": row_sum(ones, unnormalised),
-        "evidence_rows": row_sum(ones, evidence),
-        "sink_hits": row_sum(ones, evidence & (per_row["sink"] > sink_threshold)),
-        "top_first": row_sum(ones, evidence & on_first),
-        "top_other": row_sum(ones, evidence & (tied | (fixed & (offset > MAX_OFFSET)))),
-        **{f"top_{k}": row_sum(ones, evidence & fixed & (offset == k)) for k in range(MAX_OFFSET + 1)},
+        "n_rows": (ones, valid),
+        "entropy": (entropy, valid),
+        "entropy_sq": (entropy.square(), valid),
+        "norm_entropy": (norm_entropy, norm_rows),
+        "norm_rows": (ones, norm_rows),
+        "diagonal": (per_row["diagonal"], valid),
+        "diagonal_uniform": (diagonal_uniform, valid),
+        "sink": (per_row["sink"], valid),
+        "prev_token": (per_row["prev_token"], prev_rows),
+        "prev_rows": (ones, prev_rows),
+        "max_weight": (per_row["max_weight"], valid),
+        "nonfinite_rows": (ones, nonfinite),
+        "unnormalised_rows": (ones, unnormalised),
+        "evidence_rows": (ones, evidence),
+        "sink_hits": (ones, evidence & (per_row["sink"] > sink_threshold)),
+        "top_first": (ones, evidence & on_first),
+        "top_other": (ones, evidence & (tied | (fixed & (offset > MAX_OFFSET)))),
+        **{f"top_{k}": (ones, evidence & fixed & (offset == k)) for k in range(MAX_OFFSET + 1)},
     }
-    return torch.stack([columns[name] for name in STATS], dim=-1)
+    # Every column in one pass: (batch, heads, stats, rows) values and masks, summed over the rows.
+    # `where`, not multiply: padding rows may hold anything, NaN included, and must add exactly 0.
+    shape = (batch, heads, rows)
+    values = torch.stack([columns[name][0].expand(shape) for name in STATS], dim=-2)
+    masks = torch.stack([columns[name][1].expand(shape) for name in STATS], dim=-2)
+    return torch.where(masks, values, 0.0).to(accum_dtype).sum(-1)

@@ -138,7 +138,7 @@ def _examples(examples: pd.DataFrame | None) -> dict | None:
     index = {(int(r.layer), int(r.head)): i for i, r in enumerate(heads.itertuples())}
     rows = np.array([index[(int(a), int(b))] for a, b in zip(examples["layer"], examples["head"], strict=True)])
     grid[rows, examples["query"].to_numpy(), examples["key"].to_numpy()] = np.clip(
-        np.round(examples["weight"].to_numpy(float) * 255), 0, 255
+        np.round(np.nan_to_num(examples["weight"].to_numpy(float)) * 255), 0, 255
     ).astype(np.uint8)
     return {
         "sentence_id": int(examples["sentence_id"].iloc[0]),
