@@ -100,7 +100,8 @@ def main() -> None:
         assert tokens["bare"] == tokens["headscope"], tokens
 
     median = {name: statistics.median(values) for name, values in seconds.items()}
-    print(f"{args.sentences:,} sentences, {tokens['bare']:,} tokens, {loaded.device}, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"{args.sentences:,} sentences, {tokens['bare']:,} tokens, {loaded.device}, {threads} threads")
     print("| pipeline | seconds (median) | tokens/s | × bare |")
     print("|---|---:|---:|---:|")
     for name in ("bare", "headscope"):

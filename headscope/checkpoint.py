@@ -18,11 +18,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from headscope.distributed import ONE_PROCESS, Ranks
 from headscope.errors import OutputError
 from headscope.output import atomic_path
 from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA, to_arrow, write_json
-
-CHECKPOINT_FILE = "checkpoint.json"
 
 
 @dataclass
@@ -49,10 +48,14 @@ class Progress:
 class PartFiles:
     """Writes each chunk as part files in `folder`; optionally checkpoints progress after each chunk."""
 
-    def __init__(self, folder: Path, fingerprint: dict, *, checkpoints: bool) -> None:
+    def __init__(self, folder: Path, fingerprint: dict, *, checkpoints: bool, ranks: Ranks = ONE_PROCESS) -> None:
+        """ranks: in a data-parallel run each rank writes the parts of its own chunks and checkpoints its own
+        progress (files named after the rank), so that --resume continues every rank where it stopped."""
         self.folder = folder
         self.fingerprint = fingerprint
         self.checkpoints = checkpoints
+        self.ranks = ranks
+        self._checkpoint = f"checkpoint-rank{ranks.rank}" if ranks.parallel else "checkpoint"
 
     def _part(self, kind: str, index: int) -> Path:
         return self.folder / f"{kind}.part-{index:06d}.parquet"
@@ -71,11 +74,11 @@ class PartFiles:
         if not self.checkpoints:
             return
         for name, array in arrays.items():
-            with atomic_path(self.folder / f"checkpoint-{name}.npy") as tmp, open(tmp, "wb") as handle:
+            with atomic_path(self.folder / f"{self._checkpoint}-{name}.npy") as tmp, open(tmp, "wb") as handle:
                 np.save(handle, array)
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
         record = {"fingerprint": self.fingerprint, "progress": asdict(progress), "arrays": sorted(arrays)}
-        write_json(record, self.folder / CHECKPOINT_FILE)
+        write_json(record, self.folder / f"{self._checkpoint}.json")
 
     def load_progress(
         self, shapes: dict[str, tuple[int, ...]], kinds: tuple[str, ...]
@@ -86,13 +89,13 @@ class PartFiles:
         same run (fingerprint), every sum of its shape, and a part file of every kind in `kinds` for every
         chunk it says is done.
         """
-        path = self.folder / CHECKPOINT_FILE
+        path = self.folder / f"{self._checkpoint}.json"
         if not path.is_file():
             return Progress(), {name: np.zeros(shape) for name, shape in shapes.items()}
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             progress = Progress(**saved["progress"])
-            arrays = {name: np.load(self.folder / f"checkpoint-{name}.npy") for name in shapes}
+            arrays = {name: np.load(self.folder / f"{self._checkpoint}-{name}.npy") for name in shapes}
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete that folder") from None
         if saved.get("fingerprint") != self.fingerprint:
@@ -104,7 +107,7 @@ class PartFiles:
             self._part(kind, index).name
             for index in range(progress.chunks_done)
             for kind in kinds
-            if not self._part(kind, index).is_file()
+            if self.ranks.owns(index) and not self._part(kind, index).is_file()
         ]
         wrong = [name for name, shape in shapes.items() if arrays[name].shape != tuple(shape)]
         if missing or wrong:
@@ -134,5 +137,5 @@ class PartFiles:
         return rows
 
     def discard_checkpoint(self) -> None:
-        for path in [self.folder / CHECKPOINT_FILE, *self.folder.glob("checkpoint-*.npy")]:
+        for path in [*self.folder.glob("checkpoint*.json"), *self.folder.glob("checkpoint*.npy")]:  # every rank's
             path.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ Library errors (HeadscopeError) become one line `Error: ...` on stderr and exit 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from enum import Enum
@@ -117,20 +118,18 @@ def _raise_terminated(signum, frame) -> None:
 @contextlib.contextmanager
 def user_errors():
     """Turn the library's own errors into a one-line message and exit code 1; signals into 130 / 143."""
+    # Under torchrun only rank 0 speaks: every rank's failure reaches it (headscope.distributed.meet).
+    say = typer.echo if os.environ.get("RANK", "0") == "0" else (lambda *args, **kwargs: None)
     try:
         yield
     except HeadscopeError as err:
-        typer.echo(f"Error: {err}", err=True)
+        say(f"Error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        typer.echo(
-            "Interrupted; existing outputs were left as they were (--resume continues a checkpointed run).", err=True
-        )
+        say("Interrupted; existing outputs were left as they were (--resume continues a checkpointed run).", err=True)
         raise typer.Exit(130) from None
     except Terminated:
-        typer.echo(
-            "Terminated; existing outputs were left as they were (--resume continues a checkpointed run).", err=True
-        )
+        say("Terminated; existing outputs were left as they were (--resume continues a checkpointed run).", err=True)
         raise typer.Exit(143) from None
 
 
@@ -199,6 +198,13 @@ def analyze(
     sink_threshold: Annotated[
         float, typer.Option(help="sink_rate counts rows whose first-token mass exceeds this.")
     ] = DEFAULTS.sink_threshold,
+    chunk_sentences: Annotated[
+        int,
+        typer.Option(
+            help="Sentences tokenized and sorted together: the unit of host memory, checkpoints and data-parallel "
+            "work (chunk i goes to rank i % ranks)."
+        ),
+    ] = DEFAULTS.chunk_sentences,
     local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
     copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
     broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
@@ -235,6 +241,7 @@ def analyze(
             bootstrap=bootstrap,
             sink_threshold=sink_threshold,
             importance=importance.value,
+            chunk_sentences=chunk_sentences,
         )
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
@@ -252,6 +259,8 @@ def analyze(
             page=page,
             reporter=reporter,
         )
+    if result is None:  # a data-parallel rank other than 0: rank 0 reports
+        return
     _print_summary(result)
     _print_label_counts(result.heads, result.run["model"]["input"])
     _print_most_important(result)

@@ -24,6 +24,19 @@ from headscope.capture import forward, measuring
 from headscope.checkpoint import PartFiles, Progress
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
+from headscope.distributed import (
+    ONE_PROCESS,
+    PeerError,
+    Ranks,
+    all_sum,
+    broadcast,
+    gather,
+    join,
+    leave,
+    meet,
+    rank_device,
+    ranks_from_env,
+)
 from headscope.errors import ConfigError, OutputError
 from headscope.feed import batches_in_order, collate, model_max_length, token_labels, tokenize_sentences
 from headscope.labels import label_heads
@@ -43,6 +56,7 @@ from headscope.loading import (
     load_config,
     load_model,
     model_files,
+    pick_device,
     resolve_source,
 )
 from headscope.measures.example import ExampleAttention
@@ -142,8 +156,11 @@ def analyze(
     page: bool = True,
     reporter: Reporter | None = None,
     **options,
-) -> AnalysisResult:
+) -> AnalysisResult | None:
     """Measure every attention head of `model` on `corpus`.
+
+    Under torchrun (WORLD_SIZE > 1) the corpus is split between the ranks (see headscope.distributed): rank 0
+    returns the result and writes the report; the other ranks return None.
 
     model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model
     corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
@@ -164,31 +181,50 @@ def analyze(
     reporter = reporter or NullReporter()
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out)")
+    ranks = ranks_from_env()
+    if ranks.parallel:
+        _check_parallel(config, out, model)
+        config = dataclasses.replace(config, device=rank_device(ranks, config.device))
+        reporter = reporter if ranks.main else NullReporter()  # one progress bar, one summary
     # Everything that can be refused without the model is refused before it loads (which can take minutes).
     corpus = _as_corpus(corpus, config)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    if out is not None:
+    if out is not None and ranks.main:
         work = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus))
     timings = Timings()
 
     with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)
         if out is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-")))
-        else:
+        elif ranks.main:
             folder = stack.enter_context(work).path
             _report_cleaned(work, reporter)
+        if ranks.parallel:
+            join(ranks, pick_device(config.device))
+            stack.callback(leave, ranks)
+            folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
         with timings.phase("load"):
-            loaded = model if isinstance(model, LoadedModel) else _load(source, config, reporter)
-            check_options(config, loaded.model.config)
+            try:
+                loaded = model if isinstance(model, LoadedModel) else _load(source, config, reporter)
+                check_options(config, loaded.model.config)
+            except BaseException as err:
+                if ranks.parallel:
+                    meet(ranks, (0, 0), err)  # every rank stops, with this rank's message
+                raise
+            if ranks.parallel:
+                meet(ranks, (0, 0))
 
-        parts = PartFiles(folder, fingerprint(loaded, corpus, config), checkpoints=resume)
+        run_fingerprint = fingerprint(loaded, corpus, config) | ({"ranks": ranks.world} if ranks.parallel else {})
+        parts = PartFiles(folder, run_fingerprint, checkpoints=resume, ranks=ranks)
         kinds = ("sentences", "sentence_heads") if config.sentence_heads else ("sentences",)
         progress, running = parts.load_progress(_running_shapes(loaded, config), kinds) if resume else (Progress(), {})
         config = _resumed_settings(config, progress, reporter) if resume else config
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with timings.phase("measure"):
-            measured = measure(loaded, corpus, config, parts, progress, running, reporter)
+            measured = measure(loaded, corpus, config, parts, progress, running, reporter, ranks)
+        if not ranks.main:
+            return None  # rank 0 writes the report from everyone's sums and parts
         with timings.phase("probes"):
             probes = run_probes(loaded, config, measured.layer_ids, reporter) if config.probes else None
         with timings.phase("importance"):
@@ -251,6 +287,7 @@ def measure(
     progress: Progress,
     running: dict[str, np.ndarray],
     reporter: Reporter,
+    ranks: Ranks = ONE_PROCESS,
 ) -> Measured:
     """Stream the corpus through the model chunk by chunk; keep only stat sums (and the bootstrap's replicate
     sums), hand the per-sentence rows to `parts`.
@@ -272,17 +309,20 @@ def measure(
     statistics = AttentionStatistics(
         window=config.window, accum_dtype=accum_dtype, layers=None if config.layers is None else layer_ids
     )
-    progress.batching = progress.batching or _batch_limits(loaded, config)
+    # Rank 0's limits on every rank: batches decide the order of float sums, so all ranks batch alike.
+    progress.batching = progress.batching or broadcast(ranks, _batch_limits(loaded, config))
 
     reporter.start(len(corpus.sentences))
     chunk_starts = range(0, len(corpus.sentences), config.chunk_sentences)
-    host = _host_stream(loaded, corpus, config, max_length, progress)
-    with measuring(loaded.model, [statistics], block_bytes=config.block_bytes) as capture:
+    host = _host_stream(loaded, corpus, config, max_length, progress, ranks)
+    rounds = _Rounds(ranks, reporter, len(chunk_starts))
+    with measuring(loaded.model, [statistics], block_bytes=config.block_bytes) as capture, rounds:
         pending = _PendingSums()
         per_sentence: dict[int, np.ndarray] = {}
         for chunk, batch in prefetched(host, depth=HOST_AHEAD if loaded.device.type == "cuda" else 0):
             if chunk.skipped:  # measured before the interruption
                 reporter.advance(len(chunk.sentences), 0)
+                rounds.meet(len(chunk.sentences), 0)
                 continue
             if batch is not None:
                 forward(loaded.model, capture, batch.to(loaded.device))
@@ -311,7 +351,17 @@ def measure(
             _count_chunk(progress, chunk.sentences, chunk.ids, chunk.cut)
             progress.chunks_done = chunk.index + 1
             parts.save_progress(progress, {"sums": totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})})
+            rounds.meet(len(chunk.sentences), sum(len(ids) for ids in chunk.tokenized.values()))
     reporter.finish()
+    if ranks.parallel:  # every rank's share added up; float64 sums in a different order: equal within ~1e-15
+        device = loaded.device if loaded.device.type == "cuda" else torch.device("cpu")
+        totals = all_sum(ranks, totals, device)
+        if bootstrap is not None:
+            bootstrap.sums = all_sum(ranks, bootstrap.sums, device)
+        progress = _combined_progress(gather(ranks, progress), len(chunk_starts))
+        paths = {name: path for share in gather(ranks, dict(capture.paths)) for name, path in share.items()}
+    else:
+        paths = dict(capture.paths)
     if progress.tokens == 0:
         raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
     return Measured(
@@ -321,7 +371,7 @@ def measure(
         chunks=len(chunk_starts),
         progress=progress,
         max_length=max_length,
-        attention_paths=dict(capture.paths),
+        attention_paths=paths,
     )
 
 
@@ -344,7 +394,7 @@ class HostChunk:
     skipped: bool = False  # measured before an interruption (resume)
 
 
-def _host_stream(loaded: LoadedModel, corpus: Corpus, config: RunConfig, max_length, progress: Progress):
+def _host_stream(loaded: LoadedModel, corpus: Corpus, config: RunConfig, max_length, progress: Progress, ranks: Ranks):
     """The host's work, in order: for each chunk, its collated batches, then (chunk, None) when it ends.
 
     Runs in the prefetch thread: tokenizing, planning and collating (into pinned memory for a GPU) happen
@@ -352,6 +402,8 @@ def _host_stream(loaded: LoadedModel, corpus: Corpus, config: RunConfig, max_len
     """
     pin = loaded.device.type == "cuda"
     for index, first in enumerate(range(0, len(corpus.sentences), config.chunk_sentences)):
+        if not ranks.owns(index):  # another rank's
+            continue
         chunk = HostChunk(index, corpus.sentences[first : first + config.chunk_sentences])
         if index < progress.chunks_done:
             chunk.skipped = True
@@ -367,6 +419,56 @@ def _host_stream(loaded: LoadedModel, corpus: Corpus, config: RunConfig, max_len
         ):
             yield chunk, batch.pinned() if pin else batch
         yield chunk, None
+
+
+class _Rounds:
+    """A data-parallel run's meetings: one per round of chunks on every rank (see headscope.distributed), the
+    progress of the others shown on rank 0, and any rank's failure raised on all. Nothing in one process."""
+
+    def __init__(self, ranks: Ranks, reporter: Reporter, chunks: int) -> None:
+        self.ranks, self.reporter, self.left = ranks, reporter, ranks.rounds(chunks)
+
+    def meet(self, sentences: int, tokens: int, error: BaseException | None = None) -> None:
+        if not self.ranks.parallel:
+            return
+        self.left -= 1
+        all_sentences, all_tokens = meet(self.ranks, (sentences, tokens), error)
+        self.reporter.advance(all_sentences - sentences, all_tokens - tokens)  # this rank advanced its own
+
+    def __enter__(self) -> _Rounds:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if not self.ranks.parallel:
+            return
+        if error is not None:
+            if not isinstance(error, PeerError):
+                self.meet(0, 0, error)  # raises a PeerError naming this rank here and on the others
+            return
+        while self.left > 0:  # a rank with fewer chunks still meets the others every round
+            self.meet(0, 0)
+
+
+def _combined_progress(shares: list[Progress], chunks: int) -> Progress:
+    """Every rank's counts added up; the example sentence is the best over all ranks."""
+    combined = dataclasses.replace(shares[0], chunks_done=chunks)
+    for name in ("measured_sentences", "empty_sentences", "truncated", "tokens", "batches"):
+        setattr(combined, name, sum(getattr(share, name) for share in shares))
+    examples = [share.example for share in shares if share.example is not None]
+    combined.example = min(examples) if examples else None
+    return combined
+
+
+def _check_parallel(config: RunConfig, out, model) -> None:
+    """What a data-parallel run cannot do (yet), refused before anything loads."""
+    if out is None:
+        raise ConfigError("a data-parallel run (torchrun) needs --out: every rank writes its part of the tables there")
+    if isinstance(model, LoadedModel):
+        raise ConfigError("a data-parallel run loads the model on every rank: pass its name or path, not a model")
+    if config.importance != "none":
+        raise ConfigError("--importance is not split between ranks yet; run it in one process (without torchrun)")
+    if config.device_map is not None:
+        raise ConfigError("--device-map spreads one model over the devices; it cannot be combined with torchrun")
 
 
 class _PendingSums:

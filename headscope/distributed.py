@@ -1,0 +1,130 @@
+"""Data-parallel runs on torch.distributed: `torchrun --nproc-per-node N -m headscope analyze ...`.
+
+The corpus's chunks are dealt round-robin (chunk i goes to rank i % N); each rank measures its chunks on its
+own device and writes their per-sentence part files into the shared staging folder; the per-head float64
+sums (and the bootstrap's replicate sums, whose weights are a pure function of the sentence id) are added
+with all_reduce; rank 0 merges the parts and writes the report. Ranks meet once per round of chunks: there
+they add up their progress (one progress bar, on rank 0) and learn whether any rank failed, so an error on
+one rank stops every rank with that rank's message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from headscope.errors import HeadscopeError
+
+
+class PeerError(HeadscopeError):
+    """Another rank failed; its message is this error's (rank 0 prints it, the others stay quiet)."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, chunk: int) -> bool:
+        return chunk % self.world == self.rank
+
+    def rounds(self, chunks: int) -> int:
+        """Rounds of chunks: every rank meets the others this many times, whatever its share."""
+        return -(-chunks // self.world)
+
+
+ONE_PROCESS = Ranks()
+
+
+def ranks_from_env() -> Ranks:
+    """The ranks torchrun (or any launcher that sets its variables) started; one process otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return ONE_PROCESS
+    return Ranks(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def rank_device(ranks: Ranks, requested: str) -> str:
+    """Each rank on its own GPU (cuda:LOCAL_RANK) when the run is on CUDA; the request unchanged otherwise."""
+    if ranks.parallel and requested in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(ranks.local_rank)
+        return f"cuda:{ranks.local_rank}"
+    return requested
+
+
+def join(ranks: Ranks, device: torch.device) -> None:
+    """Join the process group (NCCL between GPUs, gloo on CPUs), unless the caller already did."""
+    import torch.distributed as dist
+
+    if ranks.parallel and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def leave(ranks: Ranks) -> None:
+    import torch.distributed as dist
+
+    if ranks.parallel and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast(ranks: Ranks, value):
+    """Rank 0's `value` on every rank."""
+    if not ranks.parallel:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(ranks: Ranks, value) -> list:
+    """Every rank's `value`, in rank order, on every rank."""
+    if not ranks.parallel:
+        return [value]
+    import torch.distributed as dist
+
+    values = [None] * ranks.world
+    dist.all_gather_object(values, value)
+    return values
+
+
+def all_sum(ranks: Ranks, array: np.ndarray, device: torch.device) -> np.ndarray:
+    """The sum over ranks of `array` (float64 stays float64), on every rank."""
+    if not ranks.parallel:
+        return array
+    import torch.distributed as dist
+
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.cpu().numpy()
+
+
+def meet(ranks: Ranks, counts: tuple[int, int], error: BaseException | None = None) -> tuple[int, int]:
+    """One round's meeting: every rank's (sentences, tokens) of the round added up, after checking that no
+    rank failed. A failed rank passes its error; then every rank raises a PeerError naming the first failed
+    rank and its message (chained, on that rank, to the original error), which rank 0 prints."""
+    reports = gather(ranks, (counts, None if error is None else _one_line(error)))
+    for rank, (_, message) in enumerate(reports):
+        if message is not None:
+            raise PeerError(f"rank {rank} of {ranks.world} failed: {message}") from error
+    return tuple(int(sum(report[0][i] for report in reports)) for i in range(2))
+
+
+def _one_line(error: BaseException) -> str:
+    """The error as one line; headscope's own errors are already written for users, others get their type."""
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return line if isinstance(error, HeadscopeError) else f"{type(error).__name__}: {line}".rstrip(": ")

@@ -1,0 +1,98 @@
+"""Data parallel: `torchrun --nproc-per-node 2 -m headscope analyze` on the CPU (gloo) against one process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples")
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun (installed with torch) not found")
+
+# Loaded at start-up (sitecustomize) on rank 1 only when HEADSCOPE_TEST_FAIL_AT is set: its Nth forward pass
+# fails, as a device error would. Test-only: nothing in headscope knows about it.
+FAULT = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("HEADSCOPE_TEST_FAIL_AT"):
+    import headscope.pipeline as pipeline
+    real, calls = pipeline.forward, [0]
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == int(os.environ["HEADSCOPE_TEST_FAIL_AT"]):
+            raise RuntimeError("injected device failure")
+        return real(*args, **kwargs)
+    pipeline.forward = failing
+"""
+
+
+def analyze(model: Path, out: Path, *extra: str, ranks: int = 1, env: dict | None = None):
+    # One thread per process in both runs: float32 reductions then add up in the same order everywhere,
+    # so the two runs can be compared exactly (torchrun sets OMP_NUM_THREADS=1 for its workers too).
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    options = ["--out", str(out), "--chunk-sentences", "7", "--no-charts", "--no-page", "--probe-seeds", "2", *extra]
+    if ranks == 1:
+        command = [sys.executable, "-m", "headscope", "analyze", str(model), *options]
+    else:
+        command = [TORCHRUN, f"--nproc-per-node={ranks}", "-m", "headscope", "analyze", str(model), *options]
+    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+
+
+def assert_same_tables(a: Path, b: Path) -> None:
+    for name in TABLES:
+        left, right = pd.read_parquet(a / f"{name}.parquet"), pd.read_parquet(b / f"{name}.parquet")
+        assert list(left.columns) == list(right.columns) and len(left) == len(right), name
+        numbers = left.select_dtypes("number").columns
+        np.testing.assert_allclose(
+            right[numbers].to_numpy(float), left[numbers].to_numpy(float), rtol=1e-12, atol=0, err_msg=name
+        )
+        others = [c for c in left.columns if c not in numbers]
+        pd.testing.assert_frame_equal(left[others], right[others], obj=name)
+
+
+@pytest.fixture(scope="module")
+def one_process(planted_gpt2, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "report"
+    result = analyze(planted_gpt2, out)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_two_ranks_on_gloo_equal_one_process(planted_gpt2, one_process, tmp_path):
+    out = tmp_path / "report"
+    result = analyze(planted_gpt2, out, ranks=2)
+    assert result.returncode == 0, result.stderr
+    assert_same_tables(one_process, out)
+    assert result.stdout.count("mean attention entropy per layer") == 1  # one summary: rank 0 speaks
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(f"{t}.parquet" for t in TABLES), "run.json"])
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no staging or checkpoint left
+
+
+def test_a_failure_on_one_rank_stops_both_with_one_message_and_resume_continues(planted_gpt2, one_process, tmp_path):
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(FAULT)
+    out = tmp_path / "report"
+    env = {"PYTHONPATH": str(fault), "HEADSCOPE_TEST_FAIL_AT": "4"}
+    failed = analyze(planted_gpt2, out, "--resume", ranks=2, env=env)
+    assert failed.returncode != 0
+    ours = [line for line in failed.stderr.splitlines() if line.startswith("Error:")]
+    assert ours == ["Error: rank 1 of 2 failed: RuntimeError: injected device failure"]
+    assert not out.exists()  # nothing published; the checkpoint waits in the staging folder
+
+    resumed = analyze(planted_gpt2, out, "--resume", ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_tables(one_process, out)
+
+
+def test_what_a_data_parallel_run_cannot_do_is_refused_once(planted_gpt2, tmp_path):
+    result = analyze(planted_gpt2, tmp_path / "report", "--importance", "fast", ranks=2)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert ours == ["Error: --importance is not split between ranks yet; run it in one process (without torchrun)"]
