@@ -208,11 +208,14 @@ class Capture:
         self._last_layer = None if None in lasts or not lasts or self.editors else max(lasts)
         self._batch: Batch | None = None
         self._query_valid: torch.Tensor | None = None
+        self._seq_start: torch.Tensor | None = None
+        self._placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> the two above there
         self._layer = -1
 
     def start(self, batch: Batch) -> None:
         self._batch = batch
-        self._query_valid = batch.attention_mask.bool()
+        self._query_valid, self._seq_start = batch.attention_mask.bool(), batch.seq_start
+        self._placed = {self._query_valid.device: (self._query_valid, self._seq_start)}
         self._layer = self.first_layer - 1
         for consumer in (*self.measures, *self.editors):
             consumer.start(batch)
@@ -227,6 +230,10 @@ class Capture:
             raise RuntimeError("Capture.attend ran outside a batch (call start first)")
         self._layer += 1
         layer = self._layer
+        if query.device != self._query_valid.device:  # a device map: this layer lives elsewhere; small copies
+            if query.device not in self._placed:
+                self._placed[query.device] = (self._query_valid.to(query.device), self._seq_start.to(query.device))
+            self._query_valid, self._seq_start = self._placed[query.device]
         eager, standard = eager_function_of(type(module))
         readers = [measure for measure in self.measures if measure.wants(layer)]
         if not readers:
@@ -264,7 +271,7 @@ class Capture:
         if eager not in self._causal:  # a model with its own attention maths: judged on the weights it computed
             rows = torch.arange(weights.shape[-2], device=weights.device)
             self._check_causal(eager, name, weights, rows, real=self._query_valid)
-        block = RowBlock(0, visible, self._query_valid, self._batch.seq_start, weights=weights)
+        block = RowBlock(0, visible, self._query_valid, self._seq_start, weights=weights)
         for measure in readers:
             measure.attention(layer, block)
         self.paths.setdefault(name, "eager (the model's own attention function)")
@@ -291,7 +298,7 @@ class Capture:
             keys = rows.stop if causal else key.shape[-2]
             visible = self._visibility(mask, rows, keys)  # (batch or 1, 1, rows, keys)
             logits = standard_logits(query, key, visible, scaling, rows, keys)
-            block = RowBlock(first, visible, self._query_valid[:, rows], self._batch.seq_start, logits=logits)
+            block = RowBlock(first, visible, self._query_valid[:, rows], self._seq_start, logits=logits)
             for measure in readers:
                 measure.attention(layer, block)
 

@@ -155,7 +155,14 @@ def analyze(
     revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")] = False,
     device_map: Annotated[
-        str | None, typer.Option(help="Spread a large model over devices (accelerate), e.g. auto.")
+        str | None,
+        typer.Option(
+            help="Spread a model larger than one device over the GPUs, then the CPU, then the disk (accelerate): "
+            "auto, balanced, sequential, or a .json file of module -> device."
+        ),
+    ] = None,
+    offload_folder: Annotated[
+        Path | None, typer.Option(help="With --device-map: where the layers that fit nowhere else are kept.")
     ] = None,
     device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DEFAULT_DEVICE,
     dtype: Annotated[
@@ -229,6 +236,7 @@ def analyze(
             text_column=text_column,
             encoding_errors=encoding_errors.value,
             device_map=device_map,
+            offload_folder=str(offload_folder) if offload_folder else None,
             max_length=max_length,
             window=window,
             batch_size=parse_batch_size(batch_size),

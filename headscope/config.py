@@ -26,6 +26,9 @@ SINK_THRESHOLD = 0.3  # a row is a sink row when its mass on the first token exc
 BLOCK_BYTES = 32 * 2**20
 
 
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named strategies
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything `analyze` needs besides the model and the corpus."""
@@ -37,7 +40,10 @@ class RunConfig:
     text_column: str | None = None  # column holding the sentence in .jsonl/.csv/.tsv/.parquet (None: "text")
     encoding_errors: str = "strict"  # invalid UTF-8 in the corpus: strict (error), replace or skip the line
     padding_side: str = "right"  # where batches are padded; changes no number (tested), kept to prove it
-    device_map: str | None = None  # accelerate device map (e.g. "auto") for models larger than one device
+    # Models larger than one device (accelerate): "auto", "balanced", "balanced_low_0", "sequential", a .json
+    # file or a dict {module name: device} ("disk" needs offload_folder); None = the whole model on `device`.
+    device_map: str | dict | None = None
+    offload_folder: str | None = None  # where a device map puts the layers it sends to disk
     max_length: int | None = None  # truncate each sentence to this many tokens; None = the model's limit
     window: int = 2  # diagonal metric: mass within +-window positions of the query
     batch_size: int | None = None  # sentences per forward pass; None (auto) = as many as max_memory allows
@@ -67,6 +73,12 @@ class RunConfig:
             raise ConfigError(f"--importance must be one of {', '.join(IMPORTANCE_MODES)}; got {self.importance!r}")
         if self.padding_side not in PADDING_SIDES:
             raise ConfigError(f"padding_side must be one of {', '.join(PADDING_SIDES)}; got {self.padding_side!r}")
+        named = self.device_map in DEVICE_MAPS
+        if isinstance(self.device_map, str) and not named and not Path(self.device_map).is_file():
+            raise ConfigError(
+                f"--device-map must be one of {', '.join(DEVICE_MAPS)} or a .json file of module -> device; "
+                f"got {self.device_map!r}"
+            )
         if self.window < 0:
             raise ConfigError(f"--window must be 0 or more; got {self.window}")
         if self.batch_size is not None and self.batch_size < 1:

@@ -7,6 +7,7 @@ model's own loss): measuring attention never needs it, and skipping it saves its
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from headscope.errors import ModelLoadError
+from headscope.config import DEVICE_MAPS
+from headscope.errors import ConfigError, ModelLoadError
 
 # Short names for models that ship inside a PyPI package, so they load offline.
 # alias -> (distribution to install, package folder, file pattern)
@@ -44,6 +46,7 @@ class LoadedModel:
     architecture: dict = field(default_factory=dict)  # layers, heads, kv_heads, head_dim, model_type
     revision: str | None = None  # the commit actually loaded, when the hub tells us
     lm: torch.nn.Module | None = None  # the causal LM around `model` (its LM head), when loaded with it
+    device_map: dict | None = None  # where accelerate put each module, when loaded with a device map
 
 
 def resolve_source(model: str) -> ModelSource:
@@ -134,13 +137,17 @@ def load_model(
     dtype: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
-    device_map: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | Path | None = None,
     config=None,
     lm_head: bool = False,
 ) -> LoadedModel:
     """Load the base model and tokenizer, ready for attention capture.
 
-    device_map: passed to transformers (accelerate), e.g. "auto" to spread a large model over GPUs and CPU.
+    device_map: passed to transformers (accelerate): "auto" (or "balanced", "sequential", ...) spreads a large
+        model over the GPUs, then the CPU, then (with offload_folder) the disk; a dict or a .json file names
+        each module's device. The attention of each layer is measured where that layer runs.
+    offload_folder: where the layers a device map sends to "disk" are kept.
     config: the model's config from `load_config`, when the caller has read it already.
     lm_head: load the causal LM (`.lm`) around the base model, for its own loss (head importance).
     """
@@ -153,8 +160,13 @@ def load_model(
         config = load_config(source, revision=revision, trust_remote_code=trust_remote_code)
     if device_map is None:
         check_fits(config, source.display, torch_dtype, torch_device, lm_head=lm_head)
+    else:
+        device_map = read_device_map(device_map)
+        check_fits_map(config, source.display, torch_dtype, device_map, offload_folder, lm_head=lm_head)
     common = _source_kwargs(source, revision, trust_remote_code)
     placement = {"device_map": device_map} if device_map else {}
+    if device_map and offload_folder is not None:
+        placement["offload_folder"] = str(offload_folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
         loader = AutoModelForCausalLM if lm_head else AutoModel
@@ -182,6 +194,7 @@ def load_model(
         dtype=torch_dtype,
         architecture=architecture_of(config),
         revision=getattr(config, "_commit_hash", None) or revision,
+        device_map=_plain(getattr(network, "hf_device_map", None)) if device_map else None,
     )
 
 
@@ -238,6 +251,91 @@ def check_fits(config, display: str, dtype: torch.dtype, device: torch.device, *
             f"{free / 2**30:.1f} GiB is free on {device}; try --dtype bfloat16 (half of float32), "
             "or --device-map auto to spread it over GPUs and CPU"
         )
+
+
+def read_device_map(device_map: str | dict) -> str | dict:
+    """A named strategy, or a {module: device} map given as a dict or a .json file."""
+    if isinstance(device_map, dict) or device_map in DEVICE_MAPS:
+        return device_map
+    path = Path(device_map)
+    if not path.is_file():
+        raise ConfigError(
+            f"--device-map must be one of {', '.join(DEVICE_MAPS)} or a .json file of module -> device; "
+            f"got {device_map!r}"
+        )
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--device-map {path}: not a readable JSON file ({err})") from None
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+        raise ConfigError(f"--device-map {path}: expected a JSON object of module name -> device")
+    return loaded
+
+
+def _plain(device_map: dict | None) -> dict | None:
+    """The map as JSON can hold it (devices as GPU indices or names)."""
+    if device_map is None:
+        return None
+    return {name: device if isinstance(device, int | str) else str(device) for name, device in device_map.items()}
+
+
+def check_fits_map(
+    config, display: str, dtype: torch.dtype, device_map, offload_folder, *, lm_head: bool = False
+) -> None:
+    """The memory check for a device map: per device for an explicit map, all devices together for a strategy.
+
+    Disk holds anything, but only with an offload folder; without one, a map that needs the disk is refused
+    here rather than halfway through loading.
+    """
+    from headscope.memory import free_memory
+
+    if isinstance(device_map, dict):
+        if "disk" in device_map.values() and offload_folder is None:
+            raise ConfigError("the device map sends modules to disk: give --offload-folder DIR to keep them there")
+        needed = parameter_bytes_by_module(config, dtype, device_map, lm_head=lm_head)
+        for device, nbytes in (needed or {}).items():
+            if device == "disk":
+                continue
+            where = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+            free = free_memory(where)
+            if nbytes > 0.9 * free:
+                raise ModelLoadError(
+                    f"the device map puts {nbytes / 2**30:.1f} GiB of {display}'s weights on {where}, but only "
+                    f"{free / 2**30:.1f} GiB is free there; move some modules elsewhere (or to disk)"
+                )
+        return
+    needed = parameter_bytes(config, dtype, lm_head=lm_head)
+    if needed is None or offload_folder is not None:  # the disk takes whatever does not fit
+        return
+    gpus = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    free = sum(free_memory(device) for device in gpus) + free_memory(torch.device("cpu"))
+    if needed > 0.9 * free:
+        raise ModelLoadError(
+            f"{display} needs about {needed / 2**30:.1f} GiB for its weights in {dtype_name(dtype)}, more than the "
+            f"{free / 2**30:.1f} GiB free on {len(gpus)} GPU(s) and the CPU together; add --offload-folder DIR "
+            "to keep the rest on disk, or try --dtype bfloat16"
+        )
+
+
+def parameter_bytes_by_module(config, dtype: torch.dtype, device_map: dict, *, lm_head: bool = False) -> dict | None:
+    """Bytes of weights each device of an explicit map would hold (counted on an empty model); None if unknown."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        with init_empty_weights():
+            empty = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
+    except Exception:  # exotic or remote-code configs: no estimate, no check
+        return None
+    element = torch.finfo(dtype).bits // 8
+    modules = sorted(device_map, key=len, reverse=True)  # the most specific module name first
+    per_device: dict = {}
+    for name, parameter in empty.named_parameters():
+        owner = next((m for m in modules if m == "" or name == m or name.startswith(m + ".")), None)
+        if owner is not None:
+            device = device_map[owner]
+            per_device[device] = per_device.get(device, 0) + parameter.numel() * element
+    return per_device
 
 
 def architecture_of(config) -> dict:

@@ -638,6 +638,7 @@ def _load(source: ModelSource, config: RunConfig, reporter: Reporter) -> LoadedM
         revision=config.revision,
         trust_remote_code=config.trust_remote_code,
         device_map=config.device_map,
+        offload_folder=config.offload_folder,
     )
 
 

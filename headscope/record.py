@@ -42,7 +42,8 @@ def fingerprint(loaded, corpus, config) -> dict:
 
     Batch size and memory budget are left out: a resumed run reuses the first run's batching limits.
     """
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("batch_size", "max_memory", "device_map")}
+    placement = ("batch_size", "max_memory", "device_map", "offload_folder")  # where, not what, is computed
+    settings = {k: v for k, v in config.to_dict().items() if k not in placement}
     source = loaded.source
     return {
         "model": [source.kind, source.location, source.gguf_file, loaded.revision],
@@ -70,6 +71,7 @@ def run_record(loaded, corpus, config, measured, extras, heads, rules, timings: 
             "gguf_file": source.gguf_file,
             "revision": loaded.revision,
             "architecture": loaded.architecture,
+            "device_map": loaded.device_map,  # module -> device (GPU index, cpu or disk) with --device-map
         },
         "device": str(loaded.device),
         "dtype": dtype_name(loaded.dtype),

@@ -1,0 +1,68 @@
+"""Models larger than one device: accelerate's device maps, disk offload included, measured like a plain run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import headscope
+from headscope.errors import ConfigError, ModelLoadError
+from headscope.loading import check_fits_map, load_config, load_model, resolve_source
+from headscope.memory import free_memory
+
+from helpers import assert_one_line_error, run_cli
+
+# The planted GPT-2: embeddings and layer 0 on the CPU, layer 1 kept on disk and loaded for each pass.
+OFFLOADED = {"wte": "cpu", "wpe": "cpu", "h.0": "cpu", "h.1": "disk", "ln_f": "cpu"}
+OPTIONS = {"charts": None, "page": False, "probe_seeds": 2, "bootstrap": 20}
+
+
+def test_a_layer_offloaded_to_disk_measures_like_the_plain_run(planted_gpt2, corpus_lines, tmp_path):
+    plain = headscope.analyze(str(planted_gpt2), corpus_lines, **OPTIONS)
+    loaded = load_model(str(planted_gpt2), device_map=OFFLOADED, offload_folder=tmp_path / "offload")
+    # Layer 1's weights stay on disk (read from the safetensors file for each pass): only placeholders in memory.
+    assert {p.device.type for p in loaded.model.h[1].parameters()} == {"meta"}
+    assert {p.device.type for p in loaded.model.h[0].parameters()} == {"cpu"}
+    mapped = headscope.analyze(loaded, corpus_lines, out=tmp_path / "report", **OPTIONS)
+    numbers = plain.heads.select_dtypes("number").columns
+    np.testing.assert_array_equal(mapped.heads[numbers].to_numpy(float), plain.heads[numbers].to_numpy(float))
+    pd.testing.assert_frame_equal(mapped.sentence_heads, plain.sentence_heads)
+    run = json.loads((tmp_path / "report" / "run.json").read_text())
+    assert run["model"]["device_map"] == OFFLOADED  # the map, as accelerate applied it
+    assert plain.run["model"]["device_map"] is None
+
+
+def test_a_device_map_from_a_json_file_on_the_command_line(planted_gpt2, tmp_path):
+    (tmp_path / "map.json").write_text(json.dumps(OFFLOADED))
+    out = tmp_path / "report"
+    options = ["--no-charts", "--no-page", "--no-probes", "--bootstrap", "0"]
+    result = run_cli("analyze", planted_gpt2, "--out", out, "--device-map", tmp_path / "map.json", *options)
+    assert_one_line_error(result, "give --offload-folder DIR")
+    result = run_cli(
+        "analyze", planted_gpt2, "--out", out, "--device-map", tmp_path / "map.json",
+        "--offload-folder", tmp_path / "offload", *options,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "run.json").read_text())["model"]["device_map"]["h.1"] == "disk"
+    result = run_cli("analyze", planted_gpt2, "--out", out, "--device-map", "everywhere", *options)
+    assert_one_line_error(result, "--device-map must be one of auto, balanced", "got 'everywhere'")
+
+
+def test_the_memory_check_counts_what_each_device_of_the_map_holds(planted_gpt2, monkeypatch):
+    import torch
+
+    config = load_config(resolve_source(str(planted_gpt2)))
+    check_fits_map(config, "m", torch.float32, OFFLOADED, "offload")  # fits: a few KiB on the CPU
+    monkeypatch.setattr("headscope.memory.free_memory", lambda device: 1024)  # a host with 1 KiB free
+    with pytest.raises(ModelLoadError, match=r"the device map puts .* GiB of m's weights on cpu"):
+        check_fits_map(config, "m", torch.float32, OFFLOADED, "offload")
+    check_fits_map(config, "m", torch.float32, {"": "disk"}, "offload")  # all on disk: nothing to hold
+    with pytest.raises(ModelLoadError, match="add --offload-folder DIR"):
+        check_fits_map(config, "m", torch.float32, "auto", None)  # a strategy: every device together
+    check_fits_map(config, "m", torch.float32, "auto", "offload")  # ... with the disk as the last resort
+    with pytest.raises(ConfigError, match="give --offload-folder"):
+        check_fits_map(config, "m", torch.float32, {"": "disk"}, None)
+    assert free_memory  # the real function stays importable for the loader
