@@ -37,7 +37,7 @@ import torch
 
 import headscope
 from headscope.capture import forward_kwargs
-from headscope.feed import batches_in_order
+from headscope.feed import batches_in_order, model_max_length
 from headscope.loading import load_model, quiet_transformers
 from headscope.masks import causal_visible_keys
 from headscope.measures.statistics import head_row_sums
@@ -135,15 +135,20 @@ def workloads(tokenizer, names: list[str]) -> dict[str, list[str]]:
         out["shipped"] = lines
     if "sentences" in names:
         out["sentences"] = [" ".join(rng.choice(words, size=rng.integers(4, 46))) for _ in range(2000)]
-    if "long" in names:
-        long_texts = []
-        for _ in range(16):
-            text = ""
-            while len(tokenizer(text)["input_ids"]) < 1100:
-                text += " " + " ".join(rng.permutation(lines)[:20])
-            long_texts.append(text.strip())
-        out["long"] = long_texts
+    for name, count, length in (("long", 16, 1024), ("long4096", 4, 4096)):
+        if name in names:
+            long_texts = []
+            for _ in range(count):
+                text = ""
+                while len(tokenizer(text)["input_ids"]) < length + 76:
+                    text += " " + " ".join(rng.permutation(lines)[:20])
+                long_texts.append(text.strip())
+            out[name] = long_texts
     return out
+
+
+MAX_LENGTH = {"long4096": 4096}  # tokens per text; every other workload is cut at 1,024
+BATCH = {"long": 4, "long4096": 1}  # sentences per forward pass; 16 for the short workloads
 
 
 # ---------------------------------------------------------------- approaches
@@ -271,7 +276,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,smollm2")
-    parser.add_argument("--workloads", default="shipped,sentences,long")
+    parser.add_argument("--workloads", default="shipped,sentences,long", help="also: long4096 (SmolLM2; for CUDA)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--depths", default="6,12,24", help="GPT-2 depths for the memory-vs-depth check ('' skips)")
@@ -294,17 +299,26 @@ def main() -> None:
             causal_lm = _causal_lm(loaded)
             for workload, texts in workloads(loaded.tokenizer, args.workloads.split(",")).items():
                 # Every approach starts from the text: tokenizing is part of the work.
-                def tokenize(texts=texts, tokenizer=loaded.tokenizer):
-                    return token_ids(tokenizer, texts, 1024)
+                max_length = MAX_LENGTH.get(workload, 1024)
+                if max_length > (model_max_length(loaded.model.config) or max_length):
+                    print(f"# {model_name} / {workload}: skipped, longer than the model's positions", file=sys.stderr)
+                    continue
+
+                def tokenize(texts=texts, tokenizer=loaded.tokenizer, max_length=max_length):
+                    return token_ids(tokenizer, texts, max_length)
 
                 n_tokens = sum(map(len, tokenize().values()))
-                batch_size = 4 if workload == "long" else 16
+                batch_size = BATCH.get(workload, 16)
                 runners = {
                     "floor (sdpa)": floor_runner(loaded.model, "sdpa", tokenize, batch_size),
                     "floor (eager)": floor_runner(loaded.model, "eager", tokenize, batch_size),
-                    "headscope": headscope_runner(loaded, texts, 1024, batch_size),
+                    "headscope": headscope_runner(loaded, texts, max_length, batch_size),
                     "output_attentions": output_attentions_runner(causal_lm, tokenize, batch_size),
                 }
+                if loaded.device.type == "cuda" and _flash_attention_available():
+                    runners["floor (flash)"] = floor_runner(loaded.model, "flash_attention_2", tokenize, batch_size)
+                if workload == "long4096" and loaded.device.type != "cuda":
+                    del runners["output_attentions"]  # 30 layers of (9, 4096, 4096) float32: ~18 GB of host memory
                 note = ""
                 if model_name == "gpt2":
                     tl_run, note = transformerlens_runner(loaded, tokenize, batch_size)
@@ -324,6 +338,12 @@ def main() -> None:
     print(_markdown(results, args))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def _flash_attention_available() -> bool:
+    from transformers.utils import is_flash_attn_2_available
+
+    return is_flash_attn_2_available()
 
 
 def _causal_lm(loaded):
