@@ -417,7 +417,7 @@ def cli_options() -> set[str]:
     return options
 
 
-FOREIGN_OPTIONS = {"--no-deps"}  # pip's, in the install command
+FOREIGN_OPTIONS = {"--no-deps", "--nproc-per-node", "--nnodes", "--rdzv-"}  # pip's and torchrun's
 
 
 def test_every_option_the_readme_mentions_exists():
