@@ -200,7 +200,7 @@ def report_page(
         "diverging": [c for c in DIVERGING if c in selectable],
         "files": list(files),
     }
-    return _fill(_TEMPLATE, title, data, _APP)
+    return _fill("headscope", _BODY, title, data, _APP)
 
 
 def compare_page(comparison, *, title: str) -> str:
@@ -220,12 +220,14 @@ def compare_page(comparison, *, title: str) -> str:
         },
         "selectable": selectable,
     }
-    return _fill(_COMPARE_TEMPLATE, title, data, _COMPARE_APP)
+    return _fill("headscope compare", _COMPARE_BODY, title, data, _COMPARE_APP)
 
 
-def _fill(template: str, title: str, data: dict, app: str) -> str:
+def _fill(heading: str, body: str, title: str, data: dict, app: str) -> str:
+    """The shell with a page's body, title, app (after the common script) and data."""
+    filled = _SHELL.replace("__BODY__", body).replace("__HEADING__", heading).replace("__STYLE__", _STYLE)
+    filled = filled.replace("__TITLE__", _html_escape(title)).replace("__APP__", _COMMON_APP + app)
     # The data goes in last: nothing in it can be mistaken for a placeholder.
-    filled = template.replace("__STYLE__", _STYLE).replace("__TITLE__", _html_escape(title)).replace("__APP__", app)
     return filled.replace("__PLOTLY__", _plotly_js()).replace("__DATA__", _safe_json(data))
 
 
@@ -257,15 +259,22 @@ background:#eceff1;cursor:pointer;padding:4px;text-align:right;white-space:nowra
 code,pre{background:#f5f5f5;border-radius:4px}pre{padding:8px;overflow:auto;font-size:12px}
 select,input{font-size:13px;padding:2px 4px}"""
 
-_TEMPLATE = """<!doctype html>
+# Both pages: the same head, style, plotly.js, data island and script; `_fill` puts a page's body and app in.
+_SHELL = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>headscope: __TITLE__</title>
+<title>__HEADING__: __TITLE__</title>
 <style>
 __STYLE__
 </style>
 <script>__PLOTLY__</script>
 </head><body>
-<header><h1>__TITLE__</h1><p id="run-line"></p></header>
+__BODY__
+<script id="data" type="application/json">__DATA__</script>
+<script>__APP__</script>
+</body></html>
+"""
+
+_BODY = """<header><h1>__TITLE__</h1><p id="run-line"></p></header>
 <main>
 <section><h2>The run</h2><dl id="run-details"></dl></section>
 <section><h2>Every head</h2>
@@ -286,25 +295,57 @@ its attention on the example sentence</span></p>
 heads = pd.read_parquet("heads.parquet")          # one row per (layer, head)
 heads.groupby("layer")["entropy"].mean()          # the layer-depth gradient
 heads.sort_values("probe_induction", ascending=False).head()</pre></section>
-</main>
-<script id="data" type="application/json">__DATA__</script>
-<script>__APP__</script>
-</body></html>
+</main>"""
+
+# What both pages' scripts use: the data, the number format, the heads grid, the heatmap and its selector.
+_COMMON_APP = r"""
+"use strict";
+const D = JSON.parse(document.getElementById("data").textContent);
+const CONFIG = {displaylogo: false, responsive: true, showLink: false};
+const fmt = v => v === null || v === undefined ? "-" : typeof v === "boolean" ? (v ? "yes" : "no") :
+  typeof v !== "number" ? String(v) : Number.isInteger(v) ? String(v) :
+  Math.abs(v) >= 1000 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(2) : v.toFixed(4);
+
+// Heads as a layers x heads grid: each (layer, head)'s row in the columns of H, and any column laid out on it.
+function headGrid(H) {
+  const N = H.layer.length, cell = {};  // "layer,head" -> row index
+  const layers = [...new Set(H.layer)].sort((a, b) => a - b), heads = [...new Set(H.head)].sort((a, b) => a - b);
+  for (let i = 0; i < N; i++) cell[H.layer[i] + "," + H.head[i]] = i;
+  const grid = column => {
+    const z = layers.map(() => heads.map(() => null));
+    for (let i = 0; i < N; i++) z[layers.indexOf(H.layer[i])][heads.indexOf(H.head[i])] = column[i];
+    return z;
+  };
+  return {N, layers, heads, cell, grid};
+}
+
+// The #heatmap plot of one column; diverging columns (deltas, locality) get symmetric limits around 0.
+function drawHeatmap(G, H, metric, diverging) {
+  const values = H[metric].filter(v => v !== null), limit = Math.max(...values.map(Math.abs), 1e-12);
+  const trace = {type: "heatmap", x: G.heads, y: G.layers, z: G.grid(H[metric]), hoverongaps: false,
+    colorscale: diverging ? "RdBu" : "Magma", reversescale: !diverging,
+    zmin: diverging ? -limit : undefined, zmax: diverging ? limit : undefined,
+    colorbar: {title: {text: metric}}, hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z}<extra></extra>"};
+  const layout = {margin: {t: 10, r: 10, b: 40, l: 50}, height: Math.min(900, 160 + 22 * G.layers.length),
+    xaxis: {title: {text: "head"}, dtick: G.heads.length > 32 ? 8 : 1}, yaxis: {title: {text: "layer"},
+    autorange: "reversed", dtick: G.layers.length > 32 ? 8 : 1}};
+  return Plotly.react("heatmap", [trace], layout, CONFIG);
+}
+
+// The #metric selector: one option per name, redrawing with `draw` on change.
+function fillSelect(names, draw) {
+  const select = document.getElementById("metric");
+  for (const m of names) { const o = document.createElement("option"); o.value = o.textContent = m;
+    select.appendChild(o); }
+  select.onchange = () => draw(select.value);
+}
 """
 
 _APP = r"""
-"use strict";
-const D = JSON.parse(document.getElementById("data").textContent);
-const H = D.heads, N = H.layer.length;
-const CONFIG = {displaylogo: false, responsive: true, showLink: false};
+const H = D.heads, G = headGrid(H), {N, layers, heads, cell} = G;
 const TYPE_COLOURS = {local: "#1b9e77", copy: "#d95f02", broad: "#7570b3", mixed: "#9e9e9e"};
 const ROLE_COLOURS = {"induction": "#e7298a", "duplicate-token": "#66a61e", "previous-token": "#1b9e77",
   "sink": "#d95f02", "positional": "#e6ab02", "broad": "#7570b3", "other": "#bdbdbd"};
-const layers = [...new Set(H.layer)].sort((a, b) => a - b), heads = [...new Set(H.head)].sort((a, b) => a - b);
-const cell = {};  // "layer,head" -> row index
-for (let i = 0; i < N; i++) cell[H.layer[i] + "," + H.head[i]] = i;
-const fmt = v => v === null || v === undefined ? "-" : (typeof v === "number" ? (Number.isInteger(v) ? String(v)
-  : (Math.abs(v) >= 1000 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(2) : v.toFixed(4))) : String(v));
 
 function runDetails() {
   const r = D.run, t = r.timings || {}, a = r.architecture || {};
@@ -325,24 +366,7 @@ function runDetails() {
   }
 }
 
-function grid(metric) {
-  const z = layers.map(() => heads.map(() => null));
-  for (let i = 0; i < N; i++) z[layers.indexOf(H.layer[i])][heads.indexOf(H.head[i])] = H[metric][i];
-  return z;
-}
-
-function heatmap(metric) {
-  const diverging = D.diverging.includes(metric);
-  const values = H[metric].filter(v => v !== null), limit = Math.max(...values.map(Math.abs), 1e-12);
-  const trace = {type: "heatmap", x: heads, y: layers, z: grid(metric), hoverongaps: false,
-    colorscale: diverging ? "RdBu" : "Magma", reversescale: !diverging,
-    zmin: diverging ? -limit : undefined, zmax: diverging ? limit : undefined,
-    colorbar: {title: {text: metric}}, hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z}<extra></extra>"};
-  const layout = {margin: {t: 10, r: 10, b: 40, l: 50}, height: Math.min(900, 160 + 22 * layers.length),
-    xaxis: {title: {text: "head"}, dtick: heads.length > 32 ? 8 : 1}, yaxis: {title: {text: "layer"},
-    autorange: "reversed", dtick: layers.length > 32 ? 8 : 1}};
-  return Plotly.react("heatmap", [trace], layout, CONFIG);
-}
+const heatmap = metric => drawHeatmap(G, H, metric, D.diverging.includes(metric));
 
 function panel(i) {
   const keys = ["layer", "head", "kv_head", "head_type", "type_reason", "role", "role_reason", "entropy",
@@ -489,10 +513,7 @@ function files() {
 
 function main() {
   runDetails();
-  const select = document.getElementById("metric");
-  for (const m of D.selectable) { const o = document.createElement("option"); o.value = o.textContent = m;
-    select.appendChild(o); }
-  select.onchange = () => heatmap(select.value);
+  fillSelect(D.selectable, heatmap);
   heatmap(D.selectable[0]).then(gd => {
     gd.on("plotly_hover", e => { const p = e.points[0]; panel(cell[p.y + "," + p.x]); });
     gd.on("plotly_click", e => { const p = e.points[0]; const i = cell[p.y + "," + p.x]; panel(i); example(i); });
@@ -506,15 +527,7 @@ main();
 """
 
 
-_COMPARE_TEMPLATE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>headscope compare: __TITLE__</title>
-<style>
-__STYLE__
-</style>
-<script>__PLOTLY__</script>
-</head><body>
-<header><h1>__TITLE__</h1><p id="method"></p></header>
+_COMPARE_BODY = """<header><h1>__TITLE__</h1><p id="method"></p></header>
 <main>
 <section><h2>The two reports</h2><dl id="sides"></dl></section>
 <section id="heads-section"><h2>What changed, head by head (B - A)</h2>
@@ -525,19 +538,10 @@ interval</span></p>
 <section><h2>Entropy by depth</h2><div id="gradient"></div></section>
 <section id="transitions-section"><h2>Labels in A (rows) and B (columns)</h2><div class="row" id="transitions">
 </div></section>
-</main>
-<script id="data" type="application/json">__DATA__</script>
-<script>__APP__</script>
-</body></html>
-"""
+</main>"""
 
 _COMPARE_APP = r"""
-"use strict";
-const D = JSON.parse(document.getElementById("data").textContent);
-const R = D.record, H = D.heads, CONFIG = {displaylogo: false, responsive: true, showLink: false};
-const fmt = v => v === null || v === undefined ? "-" : (typeof v === "number" ? (Number.isInteger(v) ? String(v)
-  : (Math.abs(v) < 1e-3 && v !== 0 ? v.toExponential(2) : v.toFixed(4))) : (v === true ? "yes" : v === false ?
-  "no" : String(v)));
+const R = D.record, H = D.heads;
 document.getElementById("method").textContent = R.method + "; significance: Benjamini-Hochberg, FDR 5% over all heads";
 const sides = document.getElementById("sides");
 for (const side of ["a", "b"]) {
@@ -570,19 +574,8 @@ if (!H) {
   document.getElementById("transitions-section").hidden = true;
   document.body.dataset.ready = "true";
 } else {
-  const N = H.layer.length, layers = [...new Set(H.layer)].sort((a, b) => a - b);
-  const heads = [...new Set(H.head)].sort((a, b) => a - b), cell = {};
-  for (let i = 0; i < N; i++) cell[H.layer[i] + "," + H.head[i]] = i;
-  const heatmap = metric => {
-    const z = layers.map(() => heads.map(() => null));
-    for (let i = 0; i < N; i++) z[layers.indexOf(H.layer[i])][heads.indexOf(H.head[i])] = H[metric][i];
-    const limit = Math.max(...H[metric].filter(v => v !== null).map(Math.abs), 1e-12);
-    return Plotly.react("heatmap", [{type: "heatmap", x: heads, y: layers, z: z, zmin: -limit, zmax: limit,
-      colorscale: "RdBu", colorbar: {title: {text: metric}}, hoverongaps: false,  // red: B is higher
-      hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z}<extra></extra>"}],
-      {height: Math.min(900, 160 + 22 * layers.length), margin: {t: 10}, yaxis: {autorange: "reversed",
-       title: {text: "layer"}}, xaxis: {title: {text: "head"}}}, CONFIG);
-  };
+  const G = headGrid(H), cell = G.cell;
+  const heatmap = metric => drawHeatmap(G, H, metric, true);  // every delta diverges around 0
   const panel = i => {
     const box = document.getElementById("panel"), table = document.createElement("table"), title =
       document.createElement("h3");
@@ -600,10 +593,7 @@ if (!H) {
     }
     box.replaceChildren(title, table);
   };
-  const select = document.getElementById("metric");
-  for (const m of D.selectable) { const o = document.createElement("option"); o.value = o.textContent = m;
-    select.appendChild(o); }
-  select.onchange = () => heatmap(select.value);
+  fillSelect(D.selectable, heatmap);
   heatmap(D.selectable[0]).then(gd => {
     gd.on("plotly_hover", e => panel(cell[e.points[0].y + "," + e.points[0].x]));
     document.body.dataset.ready = "true";
