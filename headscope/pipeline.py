@@ -317,8 +317,7 @@ def measure(
     host = _host_stream(loaded, corpus, config, max_length, progress, ranks)
     rounds = _Rounds(ranks, reporter, len(chunk_starts))
     with measuring(loaded.model, [statistics], block_bytes=config.block_bytes) as capture, rounds:
-        pending = _PendingSums()
-        per_sentence: dict[int, np.ndarray] = {}
+        sums = _RunningSums(totals, bootstrap)
         for chunk, batch in prefetched(host, depth=HOST_AHEAD if loaded.device.type == "cuda" else 0):
             if chunk.skipped:  # measured before the interruption
                 reporter.advance(len(chunk.sentences), 0)
@@ -326,32 +325,24 @@ def measure(
                 continue
             if batch is not None:
                 forward(loaded.model, capture, batch.to(loaded.device))
-                pending.add(batch.sentence_ids, statistics.finish())
+                sums.add(batch.sentence_ids, statistics.finish())
                 progress.tokens += batch.n_tokens
                 progress.batches += 1
                 reporter.advance(len(batch.sentence_ids), batch.n_tokens)
-                if pending.nbytes < PENDING_BYTES:
-                    continue
-            # The chunk ended (or its sums grew large): one transfer for all of its batches so far.
-            sentence_ids, sums = pending.take()
-            if sentence_ids:
-                totals = totals + sums.sum(axis=1)
-                if bootstrap is not None:
-                    bootstrap.add(sentence_ids, sums)
-                per_sentence.update(zip(sentence_ids, np.moveaxis(sums, 1, 0), strict=True))
-            if batch is not None:
                 continue
+            per_sentence = sums.end_chunk()
             reporter.advance(len(chunk.sentences) - len(chunk.tokenized), 0)  # sentences with no tokens
             parts.add(
                 chunk.index,
                 _sentence_rows(chunk.sentences, chunk.ids, chunk.cut),
-                _sentence_head_rows(per_sentence, chunk.tokenized, layer_ids, totals.shape, config),
+                _sentence_head_rows(per_sentence, chunk.tokenized, layer_ids, sums.totals.shape, config),
             )
-            per_sentence = {}
             _count_chunk(progress, chunk.sentences, chunk.ids, chunk.cut)
             progress.chunks_done = chunk.index + 1
-            parts.save_progress(progress, {"sums": totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})})
+            running = {"sums": sums.totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})}
+            parts.save_progress(progress, running)
             rounds.meet(len(chunk.sentences), sum(len(ids) for ids in chunk.tokenized.values()))
+    totals = sums.totals
     reporter.finish()
     if ranks.parallel:  # every rank's share added up; float64 sums in a different order: equal within ~1e-15
         device = loaded.device if loaded.device.type == "cuda" else torch.device("cpu")
@@ -471,27 +462,42 @@ def _check_parallel(config: RunConfig, out, model) -> None:
         raise ConfigError("--device-map spreads one model over the devices; it cannot be combined with torchrun")
 
 
-class _PendingSums:
-    """Batches' per-sentence sums still on the device, moved to the host together by `take`."""
+class _RunningSums:
+    """The corpus-wide sums, the bootstrap's, and the current chunk's per-sentence sums.
 
-    def __init__(self) -> None:
-        self._ids: list[list[int]] = []  # per batch
-        self._sums: list[torch.Tensor] = []
-        self.nbytes = 0
+    Batches' sums wait on the device and reach the host together (one synchronisation): when the chunk ends,
+    or once PENDING_BYTES of them wait.
+    """
+
+    def __init__(self, totals: np.ndarray, bootstrap: Bootstrap | None) -> None:
+        self.totals, self.bootstrap = totals, bootstrap
+        self._chunk: dict[int, np.ndarray] = {}  # sentence id -> (layers, heads, stats), moved so far
+        self._ids: list[int] = []
+        self._waiting: list[torch.Tensor] = []  # (layers, batch, heads, stats) each, on the device
+        self._bytes = 0
 
     def add(self, sentence_ids: list[int], sums: torch.Tensor) -> None:
-        self._ids.append(sentence_ids)
-        self._sums.append(sums)
-        self.nbytes += sums.numel() * sums.element_size()
+        self._ids.extend(sentence_ids)
+        self._waiting.append(sums)
+        self._bytes += sums.numel() * sums.element_size()
+        if self._bytes >= PENDING_BYTES:
+            self._move()
 
-    def take(self) -> tuple[list[int], np.ndarray | None]:
-        """Every pending sentence id and its (layers, sentences, heads, stats) sums, in the order added."""
-        if not self._sums:
-            return [], None
-        moved = torch.cat(self._sums, dim=1).cpu().numpy()  # the one synchronisation
-        sentence_ids = [i for ids in self._ids for i in ids]
-        self.__init__()
-        return sentence_ids, moved
+    def end_chunk(self) -> dict[int, np.ndarray]:
+        """The chunk's per-sentence sums; the next chunk starts empty."""
+        self._move()
+        chunk, self._chunk = self._chunk, {}
+        return chunk
+
+    def _move(self) -> None:
+        if not self._waiting:
+            return
+        moved = torch.cat(self._waiting, dim=1).cpu().numpy()  # the one synchronisation
+        self.totals = self.totals + moved.sum(axis=1)
+        if self.bootstrap is not None:
+            self.bootstrap.add(self._ids, moved)
+        self._chunk.update(zip(self._ids, np.moveaxis(moved, 1, 0), strict=True))
+        self._ids, self._waiting, self._bytes = [], [], 0
 
 
 def _count_chunk(progress: Progress, chunk, ids: list[list[int]], cut: list[bool]) -> None:
