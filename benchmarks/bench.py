@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 import headscope
-from headscope.capture import forward_kwargs
-from headscope.feed import batches_in_order, model_max_length
+from headscope.feed import batches_in_order
 from headscope.loading import load_model, quiet_transformers
 from headscope.masks import causal_visible_keys
 from headscope.measures.statistics import head_row_sums
+from headscope.plan import model_max_length
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "corpora" / "english-100.txt"
@@ -159,6 +159,16 @@ def token_ids(tokenizer, texts: list[str], max_length: int) -> dict[int, list[in
     return dict(enumerate(ids))
 
 
+def forward_kwargs(batch) -> dict:
+    """A plain forward pass's arguments, with explicit positions (as headscope passes them)."""
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "use_cache": False,
+    }
+
+
 def floor_runner(model, implementation: str, tokenize, batch_size: int) -> Callable[[], int]:
     def run() -> int:
         model.set_attn_implementation(implementation)
@@ -166,7 +176,7 @@ def floor_runner(model, implementation: str, tokenize, batch_size: int) -> Calla
         tokens = 0
         with torch.inference_mode():
             for batch in batches_in_order(ids, max_sentences=batch_size, device=model.device):
-                model(**forward_kwargs(model, batch))
+                model(**forward_kwargs(batch))
                 tokens += batch.n_tokens
         return tokens
 
@@ -201,7 +211,7 @@ def output_attentions_runner(causal_lm, tokenize, batch_size: int) -> Callable[[
         tokens = 0
         with torch.inference_mode():
             for batch in batches_in_order(ids, max_sentences=batch_size, device=causal_lm.device):
-                out = causal_lm(**forward_kwargs(causal_lm, batch), output_attentions=True)
+                out = causal_lm(**forward_kwargs(batch), output_attentions=True)
                 attention_statistics(out.attentions, batch).cpu()
                 tokens += batch.n_tokens
         return tokens

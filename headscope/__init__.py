@@ -1,9 +1,10 @@
 """headscope: measure, classify and chart every attention head of a Hugging Face causal LM.
 
 import headscope
-result = headscope.analyze("gpt2", "sentences.txt", out="reports/gpt2")
-result.heads            # one row per (layer, head)
-result.layer_entropy()  # mean entropy per layer, in nats
+report = headscope.analyze("gpt2", "sentences.txt", out="reports/gpt2")
+report.heads            # one row per (layer, head)
+report.layer_entropy()  # mean entropy per layer, in nats
+headscope.Report.open("reports/gpt2")  # the same report, read back from its folder
 
 `import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
 """
@@ -13,12 +14,14 @@ import importlib
 from headscope.config import RunConfig, Thresholds
 from headscope.errors import HeadscopeError
 
-_LAZY = {"analyze": "headscope.pipeline", "AnalysisResult": "headscope.pipeline", "load_model": "headscope.loading"}
+_LAZY = {"analyze": "headscope.pipeline", "Report": "headscope.report.report", "load_model": "headscope.loading"}
 
-__all__ = ["AnalysisResult", "HeadscopeError", "RunConfig", "Thresholds", "analyze", "load_model"]
+__all__ = ["AnalysisResult", "HeadscopeError", "Report", "RunConfig", "Thresholds", "analyze", "load_model"]
 
 
 def __getattr__(name: str):
+    if name == "AnalysisResult":  # what analyze returned before there was one Report type
+        name = "Report"
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'headscope' has no attribute {name!r}")

@@ -37,12 +37,6 @@ class Progress:
     # The example chart's sentence so far, as (fewer than 2 tokens, distance from the ideal length, sentence
     # id): the smallest wins, so the choice streams and survives a resume.
     example: list[int] | None = None
-    batching: dict | None = None  # the limits the run started with, reused on resume
-    # --batch-size and --max-memory as the run started with them: a resumed run keeps them (and says so),
-    # because the batching decides the order of the float sums, and resumed tables must equal an
-    # uninterrupted run's bit for bit.
-    batch_size: int | None = None
-    max_memory: int | None = None
 
 
 class PartFiles:
@@ -69,21 +63,29 @@ class PartFiles:
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
 
-    def save_progress(self, progress: Progress, arrays: dict[str, np.ndarray]) -> None:
-        """Checkpoint `progress` and the running sums (`arrays`: name -> array, e.g. the per-head sums)."""
+    def save_progress(self, progress: Progress, arrays: dict[str, np.ndarray], sizing: dict) -> None:
+        """Checkpoint `progress`, the running sums (`arrays`: name -> array, e.g. the per-head sums) and what
+        sized the batches (`Plan.sizing`): batches decide the order of the float sums, so a resumed run batches
+        as this one did and its tables equal an uninterrupted run's bit for bit."""
         if not self.checkpoints:
             return
         for name, array in arrays.items():
             with atomic_path(self.folder / f"{self._checkpoint}-{name}.npy") as tmp, open(tmp, "wb") as handle:
                 np.save(handle, array)
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
-        record = {"fingerprint": self.fingerprint, "progress": asdict(progress), "arrays": sorted(arrays)}
+        record = {
+            "fingerprint": self.fingerprint,
+            "progress": asdict(progress),
+            "sizing": sizing,
+            "arrays": sorted(arrays),
+        }
         write_json(record, self.folder / f"{self._checkpoint}.json")
 
     def load_progress(
         self, shapes: dict[str, tuple[int, ...]], kinds: tuple[str, ...]
-    ) -> tuple[Progress, dict[str, np.ndarray]]:
-        """The checkpoint left in the folder by an interrupted run (a fresh start, zeros, if there is none).
+    ) -> tuple[Progress, dict[str, np.ndarray], dict | None]:
+        """The checkpoint left in the folder by an interrupted run: its progress, running sums and sizing (a
+        fresh start, zeros and None, if there is none).
 
         shapes: name -> shape of every running sum. The checkpoint is refused unless it is whole: from the
         same run (fingerprint), every sum of its shape, and a part file of every kind in `kinds` for every
@@ -91,10 +93,10 @@ class PartFiles:
         """
         path = self.folder / f"{self._checkpoint}.json"
         if not path.is_file():
-            return Progress(), {name: np.zeros(shape) for name, shape in shapes.items()}
+            return Progress(), {name: np.zeros(shape) for name, shape in shapes.items()}, None
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
-            progress = Progress(**saved["progress"])
+            progress, sizing = Progress(**saved["progress"]), dict(saved["sizing"])
             arrays = {name: np.load(self.folder / f"{self._checkpoint}-{name}.npy") for name in shapes}
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete that folder") from None
@@ -113,7 +115,7 @@ class PartFiles:
         if missing or wrong:
             problem = f"{missing[0]} is missing" if missing else f"its {wrong[0]} have shape {arrays[wrong[0]].shape}"
             raise OutputError(f"the checkpoint in {self.folder} is incomplete ({problem}); delete that folder")
-        return progress, arrays
+        return progress, arrays, sizing
 
     def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> int:
         """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts.

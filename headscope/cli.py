@@ -135,6 +135,7 @@ def user_errors():
 
 @app.command()
 def analyze(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")],
     corpus: Annotated[
         Path | None,
@@ -146,24 +147,27 @@ def analyze(
         bool,
         typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues."),
     ] = False,
+    # From here to the thresholds, every option is the RunConfig field of the same name (its default there).
     text_column: Annotated[
         str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
-    ] = None,
+    ] = DEFAULTS.text_column,
     encoding_errors: Annotated[
         EncodingErrors, typer.Option(help="Invalid UTF-8 in the corpus: strict (stop), replace, or skip the line.")
     ] = DEFAULT_ENCODING_ERRORS,
-    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")] = False,
+    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = DEFAULTS.revision,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Allow the hub repo's own model code to run.")
+    ] = DEFAULTS.trust_remote_code,
     device_map: Annotated[
         str | None,
         typer.Option(
             help="Spread a model larger than one device over the GPUs, then the CPU, then the disk (accelerate): "
             "auto, balanced, sequential, or a .json file of module -> device."
         ),
-    ] = None,
+    ] = DEFAULTS.device_map,
     offload_folder: Annotated[
         Path | None, typer.Option(help="With --device-map: where the layers that fit nowhere else are kept.")
-    ] = None,
+    ] = DEFAULTS.offload_folder,
     device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DEFAULT_DEVICE,
     dtype: Annotated[
         DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
@@ -173,21 +177,22 @@ def analyze(
     ] = DEFAULTS.max_length,
     window: Annotated[int, typer.Option(help="Diagonal metric: mass within +-WINDOW of the query.")] = DEFAULTS.window,
     batch_size: Annotated[
-        str, typer.Option(help="Sentences per forward pass, or auto: as many as --max-memory allows (up to 256).")
-    ] = "auto",
+        str | None,
+        typer.Option(help="Sentences per forward pass, or auto (default): as many as --max-memory allows (<= 256)."),
+    ] = DEFAULTS.batch_size,
     max_memory: Annotated[
         str | None,
         typer.Option(help="Memory for activations and attention, e.g. 8GiB. Default: half the free device memory."),
-    ] = None,
+    ] = DEFAULTS.max_memory,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads the run may use (changes no number). Default: torch's.")
+    ] = DEFAULTS.threads,
     layers: Annotated[
         str | None, typer.Option(help="Measure only these layers, e.g. 0-5,10. Later layers are not even run.")
-    ] = None,
+    ] = DEFAULTS.layers,
     sentence_heads: Annotated[
         bool, typer.Option(help="Also write per-(sentence, layer, head) metrics (large for big corpora).")
     ] = DEFAULTS.sentence_heads,
-    charts: Annotated[bool, typer.Option(help="Draw the charts after measuring.")] = True,
-    page: Annotated[bool, typer.Option(help="Write report.html, the self-contained page to explore the heads.")] = True,
-    chart_format: Format = DEFAULT_FORMAT,
     probes: Annotated[
         bool, typer.Option(help="Run the probe battery (repeated random tokens: induction, duplicate, previous).")
     ] = DEFAULTS.probes,
@@ -202,6 +207,9 @@ def analyze(
     bootstrap: Annotated[
         int, typer.Option(help="Bootstrap replicates for the 95% intervals (0 skips them).")
     ] = DEFAULTS.bootstrap,
+    bootstrap_seed: Annotated[
+        int, typer.Option(help="Seed of the bootstrap: the intervals are a pure function of it and the corpus.")
+    ] = DEFAULTS.bootstrap_seed,
     sink_threshold: Annotated[
         float, typer.Option(help="sink_rate counts rows whose first-token mass exceeds this.")
     ] = DEFAULTS.sink_threshold,
@@ -212,6 +220,9 @@ def analyze(
             "work (chunk i goes to rank i % ranks)."
         ),
     ] = DEFAULTS.chunk_sentences,
+    charts: Annotated[bool, typer.Option(help="Draw the charts after measuring.")] = True,
+    page: Annotated[bool, typer.Option(help="Write report.html, the self-contained page to explore the heads.")] = True,
+    chart_format: Format = DEFAULT_FORMAT,
     local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
     copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
     broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
@@ -220,58 +231,39 @@ def analyze(
     role_offset_share_min: RoleOffsetShareMin = ROLE_THRESHOLDS.offset_share_min,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
-    from headscope.config import parse_batch_size, parse_bytes, parse_layers
+    from headscope.config import settings_from_command_line
     from headscope.loading import quiet_transformers, resolve_source
     from headscope.pipeline import analyze as run_analysis
     from headscope.reporting import RichReporter
 
-    reporter = RichReporter()
-    quiet_transformers(show_progress=reporter.console.is_terminal)
+    seams = ctx.obj if isinstance(ctx.obj, dict) else {}  # tests hand in their own loader or reporter
+    reporter = seams.get("reporter") or RichReporter()
+    quiet_transformers(show_progress=getattr(reporter, "console", None) is not None and reporter.console.is_terminal)
     with user_errors():
-        config = RunConfig(
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            device=device.value,
-            dtype=dtype.value,
-            text_column=text_column,
-            encoding_errors=encoding_errors.value,
-            device_map=device_map,
-            offload_folder=str(offload_folder) if offload_folder else None,
-            max_length=max_length,
-            window=window,
-            batch_size=parse_batch_size(batch_size),
-            max_memory=parse_bytes(max_memory) if max_memory else None,
-            layers=parse_layers(layers) if layers else None,
-            sentence_heads=sentence_heads,
-            probes=probes,
-            probe_seeds=probe_seeds,
-            probe_length=probe_length,
-            bootstrap=bootstrap,
-            sink_threshold=sink_threshold,
-            importance=importance.value,
-            chunk_sentences=chunk_sentences,
-        )
+        settings = settings_from_command_line(ctx.params)
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
         out = out or Path("reports") / resolve_source(model).slug
-        result = run_analysis(
+        seams = {"loader": seams["loader"]} if "loader" in seams else {}
+        report = run_analysis(
             model,
             corpus,
             out=out,
             overwrite=overwrite,
             resume=resume,
-            config=config,
+            config=settings,
             thresholds=thresholds,
             roles=roles,
             charts=chart_format.value if charts else None,
             page=page,
             reporter=reporter,
+            **seams,
         )
-    if result is None:  # a data-parallel rank other than 0: rank 0 reports
+    if report is None:  # a data-parallel rank other than 0: rank 0 reports
         return
-    _print_summary(result)
-    _print_label_counts(result.heads, result.run["model"]["input"])
-    _print_most_important(result)
+    from headscope.console import print_analysis
+
+    print_analysis(report)
 
 
 @app.command()
@@ -288,13 +280,14 @@ def classify(
     role_offset_share_min: RoleOffsetShareMin = ROLE_THRESHOLDS.offset_share_min,
 ) -> None:
     """Re-label the heads of REPORT (types and roles) with other thresholds (no model needed)."""
-    from headscope.report.folder import reclassify
+    from headscope.console import print_label_counts
+    from headscope.report.write import reclassify
 
     with user_errors():
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
-        classified = reclassify(report, thresholds, roles, out=out)
-    _print_label_counts(classified, str(report))
+        relabelled = reclassify(report, thresholds, roles, out=out)
+    print_label_counts(relabelled, str(report))
     typer.echo(f"wrote {(out or report) / 'heads.parquet'}")
 
 
@@ -306,7 +299,7 @@ def plot(
     page: Annotated[bool, typer.Option(help="Also rewrite report.html.")] = True,
 ) -> None:
     """Draw the charts and report.html of REPORT from its tables (no model needed)."""
-    from headscope.report.folder import plot_report
+    from headscope.report.write import plot_report
 
     with user_errors():
         written = plot_report(report, fmt=chart_format.value, out=out, page=page)
@@ -331,7 +324,9 @@ def compare(
     seed: Annotated[int, typer.Option(help="Bootstrap seed: the intervals are a pure function of it.")] = 0,
 ) -> None:
     """Compare two reports head by head (B - A), with 95% intervals and a false-discovery-rate flag."""
-    from headscope.report.compare import compare_reports, write_comparison
+    from headscope.console import print_comparison
+    from headscope.report.compare import compare_reports
+    from headscope.report.write import write_comparison
 
     with user_errors():
         if replicates < 2:
@@ -341,143 +336,8 @@ def compare(
         target = write_comparison(
             comparison, out, a=a, b=b, overwrite=overwrite, fmt=chart_format.value if charts else None, page=page
         )
-    _print_comparison(comparison)
+    print_comparison(comparison)
     typer.echo(f"wrote {target}/")
-
-
-def _print_comparison(comparison) -> None:
-    """The method, the heads that changed most and the layers where the mean entropy moved."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(soft_wrap=True)
-    record = comparison.record
-    for side in ("a", "b"):
-        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}")
-    console.print(f"method: {record['method']}")
-    if not comparison.same_grid:
-        shares = comparison.bands[comparison.bands["kind"] == "role"].pivot_table(
-            index="label", columns=["band", "report"], values="share"
-        )
-        console.print(shares.round(3).to_string())
-        return
-    heads = comparison.heads
-    counts = ", ".join(f"{metric} {n}" for metric, n in record["significant_heads"].items())
-    console.print(f"heads whose change is significant (FDR 5%): {counts} of {len(heads)}")
-    table = Table(title="the heads whose entropy changed most", box=box.SIMPLE_HEAD)
-    for name in ("head", "A", "B", "B - A", "95% interval", "sig.", "role A -> B"):
-        table.add_column(name, justify="left" if name in ("head", "role A -> B") else "right")
-    for row in heads.reindex(heads["entropy_delta"].abs().sort_values(ascending=False).index).head(10).itertuples():
-        table.add_row(
-            f"L{row.layer}H{row.head}",
-            f"{row.entropy_a:.3f}",
-            f"{row.entropy_b:.3f}",
-            f"{row.entropy_delta:+.3g}",  # significant figures: a consistent 1e-5 shift must not read 0.000
-            f"[{row.entropy_delta_ci_low:+.3g}, {row.entropy_delta_ci_high:+.3g}]",
-            "yes" if row.entropy_significant else "",
-            f"{row.role_a} -> {row.role_b}",
-        )
-    console.print(table)
-    layers = comparison.layers
-    moved = layers[layers["entropy_significant"]]
-    if len(moved):
-        console.print(
-            "layers whose mean entropy moved (FDR 5%): "
-            + ", ".join(f"{row.layer} ({row.entropy_delta:+.3g})" for row in moved.itertuples())
-        )
-    else:
-        console.print("no layer's mean entropy moved significantly (FDR 5%)")
-
-
-def _print_summary(result) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from headscope.summary import early_late_entropy, layer_entropy
-
-    console = Console(soft_wrap=True)  # long lines stay whole, at any terminal width
-    run = result.run
-    arch = run["model"]["architecture"]
-    table = Table(title=f"{run['model']['input']}: mean attention entropy per layer (nats)")
-    table.add_column("layer", justify="right")
-    table.add_column("mean", justify="right")
-    table.add_column("min head", justify="right")
-    table.add_column("max head", justify="right")
-    for layer, row in layer_entropy(result.heads).iterrows():
-        table.add_row(str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
-    console.print(table)
-    bands = early_late_entropy(result.heads)
-    timings = run["timings"]
-    if bands is not None:
-        console.print(
-            f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
-            f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}"
-        )
-    console.print(
-        f"{run['corpus']['sentences']} sentences, {run['corpus']['tokens']} tokens "
-        f"({run['corpus']['truncated_sentences']} truncated); {arch['layers']} layers x {arch['heads']} heads "
-        f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s"
-    )
-    numerics = run["numerics"]
-    if numerics["nonfinite_rows"]:
-        console.print(
-            f"[yellow]warning:[/yellow] {numerics['nonfinite_rows']} attention rows held NaN or inf "
-            f"({numerics['heads_with_nonfinite_rows']} heads; left out of the metrics, counted in "
-            "nonfinite_rows). float16 overflow? Try --dtype bfloat16 or float32."
-        )
-    if numerics["unnormalised_rows"]:
-        console.print(
-            f"[yellow]warning:[/yellow] {numerics['unnormalised_rows']} attention rows do not sum to 1 "
-            f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows)."
-        )
-    console.print(f"wrote {result.out_dir}/")
-
-
-def _print_most_important(result) -> None:
-    """The 10 heads whose removal hurts the loss most, with their role and entropy."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    from headscope.summary import importance_column, most_important
-
-    column = importance_column(result.heads)
-    if column is None:
-        return
-    importance = result.run["importance"]
-    table = Table(
-        title=f"the 10 heads the loss needs most, by {column} (clean loss {importance['clean_loss']:.4f} nats)",
-        box=box.SIMPLE_HEAD,
-    )
-    for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
-        table.add_column(name, justify="left" if name in ("head", "role") else "right")
-    for row in most_important(result.heads).itertuples():
-        values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
-        cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
-        table.add_row(f"L{row.layer}H{row.head}", *cells, row.role, f"{row.entropy:.3f}")
-    Console().print(table)
-
-
-def _print_label_counts(labelled, title: str) -> None:
-    """Head types and roles, counted per layer band."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from headscope.labels import HEAD_TYPES, ROLES, label_counts
-    from headscope.summary import layer_bands
-
-    bands = layer_bands(int(labelled["layer"].max()) + 1)
-    console = Console()
-    for column, names, what in (("head_type", HEAD_TYPES, "head type"), ("role", ROLES, "role")):
-        counts = label_counts(labelled, column, names, bands)  # rows: bands; columns: labels
-        table = Table(title=f"{title}: heads per {what}")
-        table.add_column(what)
-        for band in counts.index:
-            table.add_column(band, justify="right")
-        for name in names:
-            table.add_row(name, *(str(int(counts.at[band, name])) for band in counts.index))
-        console.print(table)
 
 
 def main() -> None:

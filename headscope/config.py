@@ -3,8 +3,10 @@ every list of choices written here once (the CLI derives its defaults and choice
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Literal
 
@@ -59,6 +61,7 @@ class RunConfig:
     bootstrap: int = 200  # Poisson bootstrap replicates for the confidence intervals; 0 skips them
     bootstrap_seed: int = 0  # the intervals are a pure function of this seed and the corpus
     importance: str = "none"  # head importance on the model's loss: none, fast (attribution), exact (+ ablation)
+    threads: int | None = None  # CPU threads torch may use during the run; None = torch's default
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -101,9 +104,39 @@ class RunConfig:
             )
         if self.bootstrap < 0 or self.bootstrap == 1:
             raise ConfigError(f"--bootstrap takes 0 (no intervals) or 2 or more replicates; got {self.bootstrap}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be 1 or more; got {self.threads}")
 
     def to_dict(self) -> dict:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+
+
+SETTINGS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RunConfig))
+
+
+def run_settings(base: RunConfig | None = None, **options) -> RunConfig:
+    """`base` (default: RunConfig()) with `options`, RunConfig fields by name; an unknown name is refused."""
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; the options are RunConfig's fields: {', '.join(SETTINGS)}")
+    return dataclasses.replace(base or RunConfig(), **options)
+
+
+def settings_from_command_line(values: dict) -> RunConfig:
+    """RunConfig from a command's option values, by field name: choices become their values, paths strings,
+    and the options typed as text (batch size, memory, layers) are parsed. Names that are not fields are left."""
+    settings = {}
+    for name, value in values.items():
+        if name not in SETTINGS or value is None:
+            continue
+        if isinstance(value, Enum):
+            value = value.value
+        elif isinstance(value, Path):
+            value = str(value)
+        elif name in _PARSERS and isinstance(value, str):
+            value = _PARSERS[name](value)
+        settings[name] = value
+    return RunConfig(**settings)
 
 
 # Layer numbers above this are refused while parsing, before a range is expanded into a set (a range to
@@ -145,6 +178,9 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"--max-memory takes a size like 8GiB or 512MiB; got {text!r}")
     number, unit = float(match.group(1)), match.group(2)
     return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+_PARSERS = {"batch_size": parse_batch_size, "max_memory": parse_bytes, "layers": parse_layers}
 
 
 @dataclass(frozen=True)

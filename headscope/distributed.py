@@ -10,13 +10,14 @@ one rank stops every rank with that rank's message.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from headscope.errors import HeadscopeError
+from headscope.errors import ConfigError, HeadscopeError
 
 
 class PeerError(HeadscopeError):
@@ -128,3 +129,67 @@ def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = text[0] if text else ""
     return line if isinstance(error, HeadscopeError) else f"{type(error).__name__}: {line}".rstrip(": ")
+
+
+class Rounds:
+    """A data-parallel run's meetings: one per round of chunks on every rank, the progress of the others shown
+    on rank 0, and any rank's failure raised on all. Nothing in one process. Use as a context manager around
+    the corpus loop: on leaving it, a rank with fewer chunks still meets the others every round."""
+
+    def __init__(self, ranks: Ranks, reporter, chunks: int) -> None:
+        self.ranks, self.reporter, self.left = ranks, reporter, ranks.rounds(chunks)
+
+    def meet(self, sentences: int, tokens: int, error: BaseException | None = None) -> None:
+        if not self.ranks.parallel:
+            return
+        self.left -= 1
+        all_sentences, all_tokens = meet(self.ranks, (sentences, tokens), error)
+        self.reporter.advance(all_sentences - sentences, all_tokens - tokens)  # this rank advanced its own
+
+    def __enter__(self) -> Rounds:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if not self.ranks.parallel:
+            return
+        if error is not None:
+            if not isinstance(error, PeerError):
+                self.meet(0, 0, error)  # raises a PeerError naming this rank here and on the others
+            return
+        while self.left > 0:
+            self.meet(0, 0)
+
+
+def combined(ranks: Ranks, measured, device: torch.device, chunks: int):
+    """Every rank's share of a corpus pass added up, on every rank: float64 sums all-reduced (in another order
+    than one process would add them: equal within ~1e-15), counts summed, the best example sentence of all."""
+    reduce_on = device if device.type == "cuda" else torch.device("cpu")
+    bootstrap = measured.bootstrap
+    if bootstrap is not None:
+        bootstrap.sums = all_sum(ranks, bootstrap.sums, reduce_on)
+    shares = gather(ranks, measured.progress)
+    progress = dataclasses.replace(shares[0], chunks_done=chunks)
+    for name in ("measured_sentences", "empty_sentences", "truncated", "tokens", "batches"):
+        setattr(progress, name, sum(getattr(share, name) for share in shares))
+    examples = [share.example for share in shares if share.example is not None]
+    progress.example = min(examples) if examples else None
+    paths = {name: path for share in gather(ranks, measured.attention_paths) for name, path in share.items()}
+    return dataclasses.replace(
+        measured,
+        sums=all_sum(ranks, measured.sums, reduce_on),
+        bootstrap=bootstrap,
+        progress=progress,
+        attention_paths=paths,
+    )
+
+
+def check_parallel(settings, out, model_is_loaded: bool) -> None:
+    """What a data-parallel run cannot do (yet), refused before anything loads."""
+    if out is None:
+        raise ConfigError("a data-parallel run (torchrun) needs --out: every rank writes its part of the tables there")
+    if model_is_loaded:
+        raise ConfigError("a data-parallel run loads the model on every rank: pass its name or path, not a model")
+    if settings.importance != "none":
+        raise ConfigError("--importance is not split between ranks yet; run it in one process (without torchrun)")
+    if settings.device_map is not None:
+        raise ConfigError("--device-map spreads one model over the devices; it cannot be combined with torchrun")

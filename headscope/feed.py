@@ -1,8 +1,10 @@
 """The host side of a run: sentences -> token ids -> padded batches on the device.
 
-Tokenizing follows the model's own conventions (tokenizer defaults, each sentence alone). Sentences of
-similar length are batched together to keep padding (wasted compute) small; every metric is a sum over
-each sentence's own rows, so neither the grouping nor the padding side changes any number.
+`CorpusFeed` is the corpus as the model sees it: chunks of sentences, each tokenized once, that every pass
+(statistics, importance, the example sentence) batches from. Tokenizing follows the model's own conventions
+(tokenizer defaults, each sentence alone). Sentences of similar length are batched together to keep padding
+(wasted compute) small; every metric is a sum over each sentence's own rows, so neither the grouping nor the
+padding side changes any number.
 """
 
 from __future__ import annotations
@@ -15,15 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
-def model_max_length(config) -> int | None:
-    """The longest sequence the model's position scheme supports, when the config says."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(text_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+from headscope.corpus import Corpus, Sentence
 
 
 def tokenize_sentences(tokenizer, texts: list[str], max_length: int | None) -> tuple[list[list[int]], list[bool]]:
@@ -219,3 +213,70 @@ def batches_in_order(
     lengths = {k: len(v) for k, v in tokenized.items()}
     for ids in plan_batches(lengths, max_sentences=max_sentences, max_tokens=max_tokens):
         yield collate(ids, [tokenized[i] for i in ids], padding_side=padding_side, device=device)
+
+
+@dataclass
+class Chunk:
+    """One chunk of the corpus, tokenized: its sentences, their token ids and whether each was cut."""
+
+    index: int
+    sentences: list[Sentence]
+    ids: list[list[int]]  # one list per sentence, empty for a sentence the tokenizer turned into nothing
+    cut: list[bool]  # cut to the plan's max_length
+
+    @property
+    def tokenized(self) -> dict[int, list[int]]:
+        """sentence id -> token ids, for the sentences that have any."""
+        return {s.sentence_id: row for s, row in zip(self.sentences, self.ids, strict=True) if row}
+
+
+class CorpusFeed:
+    """The corpus in chunks of `chunk_sentences` (the unit of host memory, checkpoints and data-parallel work),
+    each tokenized once, and batches of them for any pass.
+
+    keep: hold every tokenized chunk for later passes (head importance reads the corpus again); otherwise a
+    chunk is tokenized when asked for and dropped by the caller.
+    """
+
+    def __init__(self, corpus: Corpus, tokenizer, *, max_length: int | None, chunk_sentences: int, keep: bool) -> None:
+        self.corpus, self.tokenizer = corpus, tokenizer
+        self.max_length, self.chunk_sentences, self.keep = max_length, chunk_sentences, keep
+        self._kept: dict[int, Chunk] = {}
+
+    def __len__(self) -> int:
+        return -(-len(self.corpus.sentences) // self.chunk_sentences)
+
+    def sentences(self, index: int) -> list[Sentence]:
+        first = index * self.chunk_sentences
+        return self.corpus.sentences[first : first + self.chunk_sentences]
+
+    def chunk(self, index: int) -> Chunk:
+        if index in self._kept:
+            return self._kept[index]
+        sentences = self.sentences(index)
+        ids, cut = tokenize_sentences(self.tokenizer, [s.text for s in sentences], self.max_length)
+        chunk = Chunk(index, sentences, ids, cut)
+        if self.keep:
+            self._kept[index] = chunk
+        return chunk
+
+    def batches(self, chunk: Chunk, *, max_sentences: int, max_tokens: int, padding_side: str) -> Iterator[Batch]:
+        """The chunk's sentences with tokens, collated into batches planned by length (on the host)."""
+        yield from batches_in_order(
+            chunk.tokenized, max_sentences=max_sentences, max_tokens=max_tokens, padding_side=padding_side
+        )
+
+    def every_batch(self, *, max_sentences: int, max_tokens: int, padding_side: str) -> Iterator[Batch]:
+        """Every chunk's batches, in order."""
+        for index in range(len(self)):
+            yield from self.batches(
+                self.chunk(index), max_sentences=max_sentences, max_tokens=max_tokens, padding_side=padding_side
+            )
+
+    def token_ids(self, sentence_id: int, max_length: int | None) -> list[int]:
+        """One sentence's ids, cut to `max_length` (and the feed's own) as the corpus pass cuts them."""
+        limits = [x for x in (max_length, self.max_length) if x is not None]
+        ids, _ = tokenize_sentences(
+            self.tokenizer, [self.corpus.sentences[sentence_id].text], min(limits) if limits else None
+        )
+        return ids[0]

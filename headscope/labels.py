@@ -27,8 +27,8 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
+from headscope.columns import OFFSET_CATEGORIES
 from headscope.config import RoleThresholds, Thresholds
-from headscope.stats import OFFSET_CATEGORIES
 
 HeadType = Literal["local", "copy", "broad", "mixed"]
 HEAD_TYPES: tuple[HeadType, ...] = ("local", "copy", "broad", "mixed")

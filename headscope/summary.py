@@ -21,26 +21,24 @@ def most_important(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
     return heads.sort_values(column, ascending=False).head(count)
 
 
-def depth_bands(n_layers: int) -> tuple[range, range]:
-    """Early and late layer bands: the first and last third of the model (at least one layer each).
+def depth_bands(depth: int) -> dict[str, range]:
+    """The one band rule: early, middle and late layers of a model `depth` layers deep.
 
-    GPT-2 small (12 layers) gives layers 0-3 and 8-11, the bands of the seed analysis.
+    early and late are the first and last third (depth // 3 layers, at least one each), middle the layers
+    between: GPT-2 small (12 layers) gives 0-3, 4-7, 8-11, the bands of the seed analysis; 13 layers give 0-3,
+    4-8, 9-12. A 2-layer model has no middle band, a 1-layer model only an early one. Bands are always of the
+    model's depth, whichever layers a run measured.
     """
-    width = max(1, n_layers // 3)
-    return range(0, width), range(n_layers - width, n_layers)
+    width = max(1, depth // 3)
+    early = range(0, min(width, depth))
+    late = range(max(depth - width, early.stop), depth)
+    return {"early": early, "middle": range(early.stop, late.start), "late": late}
 
 
-def layer_bands(n_layers: int) -> dict[str, range]:
-    """Named bands for tables of counts: early, middle (when there is one), late, and all layers."""
-    early, late = depth_bands(n_layers)
-    bands = {_band_name(early): early}
-    if late.start > early.stop:
-        middle = range(early.stop, late.start)
-        bands[_band_name(middle)] = middle
-    if late.start >= early.stop:
-        bands[_band_name(late)] = late
-    bands["all layers"] = range(n_layers)
-    return bands
+def layer_bands(depth: int) -> dict[str, range]:
+    """The bands as tables of counts name them ("layers 0-9", ...), the empty ones left out, and all layers."""
+    named = {_band_name(band): band for band in depth_bands(depth).values() if len(band)}
+    return named | {"all layers": range(depth)}
 
 
 def _band_name(band: range) -> str:
@@ -55,20 +53,15 @@ def layer_entropy(heads: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def covers_all_layers(heads: pd.DataFrame) -> bool:
-    """Are the table's layers 0..n-1 (not a --layers subset)? Early and late bands need the full depth."""
-    layers = sorted(heads["layer"].unique())
-    return layers == list(range(len(layers)))
-
-
-def early_late_entropy(heads: pd.DataFrame) -> dict[str, float] | None:
-    """Mean head entropy of the early and late bands, and late minus early (the depth gradient).
-
-    None for a table of a layer subset, or of a model too shallow to have distinct bands.
+def early_late_entropy(heads: pd.DataFrame, depth: int) -> dict[str, float] | None:
+    """Mean head entropy of the early and late bands of a `depth`-layer model, and late minus early (the
+    depth gradient). None unless every layer of both bands was measured (a --layers subset that misses one, or
+    a model too shallow for two bands).
     """
-    n_layers = int(heads["layer"].max()) + 1
-    early, late = depth_bands(n_layers)
-    if not covers_all_layers(heads) or late.start < early.stop:
+    bands = depth_bands(depth)
+    early, late = bands["early"], bands["late"]
+    measured = set(heads["layer"].unique())
+    if not len(late) or not set(early).union(late) <= measured:
         return None
     early_mean = float(heads.loc[heads["layer"].isin(early), "entropy"].mean())
     late_mean = float(heads.loc[heads["layer"].isin(late), "entropy"].mean())

@@ -14,31 +14,22 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from headscope.columns import (
+    HEADS_COLUMNS,
+    IMPORTANCE_COLUMNS,
+    INTERVAL_METRICS,
+    MEASURED_COLUMNS,
+    PER_SENTENCE,
+    PROBE_PATTERNS,
+)
 from headscope.errors import OutputError
 from headscope.output import atomic_path
-from headscope.stats import IMPORTANCE_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS, ProbeResult, metric_means
+from headscope.stats import ProbeResult, metric_means
 
 METADATA_KEY = b"headscope"
 
-_METRIC_COLUMNS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform")
-_METRIC_COLUMNS += ("sink", "prev_token", "max_weight")
-_INTERVAL_COLUMNS = tuple(f"{m}_ci_{side}" for m in INTERVAL_METRICS for side in ("low", "high"))
-_PROBE_COLUMNS = tuple(
-    f"probe_{p}{suffix}" for p in PROBE_PATTERNS for suffix in ("", "_chance", "_ci_low", "_ci_high")
-)
-
-# One row per (layer, head): token-weighted means over the whole corpus, the corpus evidence for roles, 95%
-# intervals, the probe scores, then the head type and role with the evidence that decided each (labels.py).
-HEADS_SCHEMA = pa.schema(
-    [("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32()), ("n_rows", pa.int64())]
-    + [("nonfinite_rows", pa.int64()), ("unnormalised_rows", pa.int64())]
-    + [(name, pa.float64()) for name in _METRIC_COLUMNS]
-    + [("sink_rate", pa.float64()), ("top_offset", pa.string()), ("top_offset_share", pa.float64())]
-    + [(name, pa.float64()) for name in _INTERVAL_COLUMNS + _PROBE_COLUMNS + IMPORTANCE_COLUMNS]
-    + [("locality", pa.float64()), ("head_type", pa.string()), ("type_reason", pa.string())]
-    + [("role", pa.string()), ("role_reason", pa.string())]
-)
-MEASURED_COLUMNS = HEADS_SCHEMA.names[: HEADS_SCHEMA.names.index("locality")]
+# One row per (layer, head): every column of the registry (headscope.columns), in its order.
+HEADS_SCHEMA = pa.schema([(column.name, pa.type_for_alias(column.dtype)) for column in HEADS_COLUMNS])
 
 # One row per layer: the mean over its heads of every interval metric, with a 95% interval from the same
 # bootstrap replicates (so the layer-depth gradient comes with its uncertainty), and the sum over its heads
@@ -78,7 +69,7 @@ SENTENCES_SCHEMA = pa.schema(
 # file half the size; per-sentence values need no more than 7 significant digits.
 SENTENCE_HEADS_SCHEMA = pa.schema(
     [("sentence_id", pa.int64()), ("layer", pa.int32()), ("head", pa.int32()), ("n_tokens", pa.int32())]
-    + [(name, pa.float32()) for name in _METRIC_COLUMNS]
+    + [(name, pa.float32()) for name in PER_SENTENCE]
 )
 
 
@@ -99,33 +90,27 @@ def heads_frame(
     """
     layers, heads = sums.shape[:2]
     layer_ids = np.arange(layers) if layer_ids is None else np.asarray(layer_ids)
-    means = metric_means(sums)
-    frame = pd.DataFrame(
-        {
-            "layer": np.repeat(layer_ids, heads),
-            "head": np.tile(np.arange(heads), layers),
-            # Query head h reads KV head h // (heads / kv_heads) in grouped-query attention.
-            "kv_head": np.tile(np.arange(heads) // max(heads // kv_heads, 1), layers),
-        }
-    )
-    for name in ("n_rows", "nonfinite_rows", "unnormalised_rows", *_METRIC_COLUMNS):
-        frame[name] = means[name].reshape(-1)
-    for name in ("sink_rate", "top_offset", "top_offset_share"):
-        frame[name] = means[name].reshape(-1)
+    columns = {
+        "layer": np.repeat(layer_ids, heads),
+        "head": np.tile(np.arange(heads), layers),
+        # Query head h reads KV head h // (heads / kv_heads) in grouped-query attention.
+        "kv_head": np.tile(np.arange(heads) // max(heads // kv_heads, 1), layers),
+        **{name: values.reshape(-1) for name, values in metric_means(sums).items()},
+    }
     missing = np.full(layers * heads, np.nan)
     for metric in INTERVAL_METRICS:
         low, high = (intervals or {}).get(metric, (missing, missing))
-        frame[f"{metric}_ci_low"], frame[f"{metric}_ci_high"] = np.reshape(low, -1), np.reshape(high, -1)
+        columns[f"{metric}_ci_low"], columns[f"{metric}_ci_high"] = np.reshape(low, -1), np.reshape(high, -1)
     for pattern in PROBE_PATTERNS:
         name = f"probe_{pattern}"
-        frame[name] = probes.scores[pattern].reshape(-1) if probes else missing
-        frame[f"{name}_chance"] = probes.chance[pattern] if probes else missing
-        frame[f"{name}_ci_low"] = probes.low[pattern].reshape(-1) if probes else missing
-        frame[f"{name}_ci_high"] = probes.high[pattern].reshape(-1) if probes else missing
+        columns[name] = probes.scores[pattern].reshape(-1) if probes else missing
+        columns[f"{name}_chance"] = np.full(layers * heads, probes.chance[pattern]) if probes else missing
+        columns[f"{name}_ci_low"] = probes.low[pattern].reshape(-1) if probes else missing
+        columns[f"{name}_ci_high"] = probes.high[pattern].reshape(-1) if probes else missing
     for name in IMPORTANCE_COLUMNS:
         values = (importance or {}).get(name)
-        frame[name] = values.reshape(-1) if values is not None else missing
-    return frame
+        columns[name] = values.reshape(-1) if values is not None else missing
+    return pd.DataFrame(columns)[list(MEASURED_COLUMNS)]
 
 
 def layers_frame(heads: pd.DataFrame, intervals: dict[str, tuple[np.ndarray, np.ndarray]] | None) -> pd.DataFrame:
@@ -158,7 +143,7 @@ def sentence_heads_frame(
             "n_tokens": np.repeat(n_tokens, layers * heads),
         }
     )
-    for name in _METRIC_COLUMNS:
+    for name in PER_SENTENCE:
         frame[name] = means[name].reshape(-1).astype(np.float32)
     return frame
 

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from headscope import pipeline
 from headscope.cli import app
+from headscope.reporting import NullReporter
 
 runner = CliRunner()
 
 
-def run_cli(*args):
-    return runner.invoke(app, [str(a) for a in args])
+def run_cli(*args, **seams):
+    """`headscope ARGS`; seams (a `loader` or a `reporter`, as `headscope.analyze` takes them) reach analyze."""
+    return runner.invoke(app, [str(a) for a in args], obj=seams or None)
 
 
 def assert_one_line_error(result, *fragments: str, code: int = 1) -> str:
@@ -70,15 +71,19 @@ def tiny_model_folder(folder: Path, config, model_class, corpus_lines: list[str]
     return folder
 
 
-def interrupt_at_chunk(monkeypatch, chunk: int) -> None:
-    """Make the next run raise KeyboardInterrupt when it starts chunk `chunk` (1-based), as Ctrl-C would."""
-    real_tokenize = pipeline.tokenize_sentences
-    calls = []
+class Interrupting(NullReporter):
+    """A progress reporter that presses Ctrl-C (raises KeyboardInterrupt) as soon as more than `after` sentences
+    are measured: with `after` = two chunks, on the first batch of the third."""
 
-    def interrupting(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == chunk:
+    def __init__(self, after: int) -> None:
+        self.after, self.done = after, 0
+
+    def advance(self, sentences: int, tokens: int) -> None:
+        self.done += sentences
+        if self.done > self.after:
             raise KeyboardInterrupt
-        return real_tokenize(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "tokenize_sentences", interrupting)
+
+def refuse_to_load(source, settings, model_config):
+    """A loader that fails the test: the check under test must come before the weights load."""
+    raise AssertionError("the model was loaded before the bad option was refused")

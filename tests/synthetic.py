@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from headscope.columns import STATS
 from headscope.config import RoleThresholds, Thresholds
 from headscope.labels import label_heads
 from headscope.layout import RUN_FILE
-from headscope.stats import STATS
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,

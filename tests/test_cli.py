@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from headscope.cli import app
 
+from helpers import refuse_to_load, run_cli, tiny_model_folder
+
 runner = CliRunner()
 
 
@@ -88,9 +90,8 @@ def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path,
     ("option", "value", "message"),
     [("--window", "-1", "--window must be 0 or more; got -1"), ("--max-length", "0", "--max-length must be 1 or more")],
 )
-def test_bad_option_value_is_rejected_before_loading(planted_gpt2, tmp_path, monkeypatch, option, value, message):
-    monkeypatch.setattr("headscope.pipeline._load", lambda *a, **k: pytest.fail("the model was loaded"))
-    result = runner.invoke(app, ["analyze", str(planted_gpt2), option, value, "--out", str(tmp_path / "o")])
+def test_bad_option_value_is_rejected_before_loading(planted_gpt2, tmp_path, option, value, message):
+    result = run_cli("analyze", planted_gpt2, option, value, "--out", tmp_path / "o", loader=refuse_to_load)
     assert result.exit_code == 1
     assert result.stderr.strip().startswith(f"Error: {message}") and "\n" not in result.stderr.strip()
 
@@ -136,3 +137,24 @@ def test_commands_on_a_finished_report_never_load_torch(small_report, tmp_path, 
     shutil.copytree(small_report, report)
     heavy = imported_modules("-m", "headscope", command[0], str(report), *command[1:]) & {"torch", "transformers"}
     assert not heavy, f"headscope {command[0]} imported {sorted(heavy)}"
+
+
+def test_the_summary_names_the_models_bands_whatever_layers_were_measured(tmp_path, corpus_lines):
+    """--layers 1,2 of a 6-layer model: the counts are per band of the model's six layers (0-1, 2-3, 4-5), not of
+    the three layers up to the highest one measured."""
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_embd=16, n_layer=6, n_head=2, n_positions=64)
+    model = tiny_model_folder(tmp_path / "six", config, GPT2Model, corpus_lines)
+    options = ["--out", tmp_path / "report", "--layers", "1,2", "--no-charts", "--no-page", "--no-probes"]
+    result = run_cli("analyze", model, *options)
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "all layers" in line)
+    assert re.findall(r"layers? [\d-]+", header) == ["layers 0-1", "layers 2-3", "layers 4-5"]
+
+
+def test_an_unknown_option_of_analyze_is_named(planted_gpt2, corpus_lines):
+    import headscope
+
+    with pytest.raises(headscope.HeadscopeError, match="unknown option 'typo'"):
+        headscope.analyze(str(planted_gpt2), corpus_lines[:2], typo=1, loader=refuse_to_load)

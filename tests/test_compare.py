@@ -11,9 +11,10 @@ import pytest
 
 from headscope.report.compare import _normal_delta, benjamini_hochberg, compare_reports
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli, tiny_model_folder
 from planted import FIRST, PREVIOUS, UNIFORM, build_planted_gpt2, build_planted_induction, expected_attention
 from reference import corpus_means
+from synthetic import synthetic_report
 
 METRICS = ("entropy", "norm_entropy", "sink", "diagonal")
 
@@ -120,6 +121,58 @@ def test_different_grids_compare_on_relative_depth(planted_pair, tmp_path):
     assert sorted(layers["report"].unique()) == ["A", "B"] and set(layers["relative_depth"]) == {0.0, 1.0}
     shares = comparison.bands.groupby(["report", "band", "kind"])["share"].sum(min_count=1)  # NaN: an empty band
     np.testing.assert_allclose(shares.dropna(), 1.0)
+
+
+def test_a_layer_subset_sits_at_its_depth_in_the_model(tmp_path, corpus_lines):
+    """Reports measured with --layers 0,1 of a 4-layer model (against all four layers of a 2-layer one):
+    layer 1 is a third of the way down that model, not at its end, and its heads count in the early and middle
+    bands of the model's four layers."""
+    from transformers import GPT2Config, GPT2Model
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(corpus_lines[:10]) + "\n")
+    reports = {}
+    for name, depth, layers in (("deep", 4, ["--layers", "0,1"]), ("shallow", 2, [])):
+        config = GPT2Config(n_embd=16, n_layer=depth, n_head=2, n_positions=64)
+        model = tiny_model_folder(tmp_path / name, config, GPT2Model, corpus_lines)
+        reports[name] = tmp_path / f"report-{name}"
+        options = ["--corpus", corpus, "--out", reports[name], "--no-charts", "--no-page", "--no-probes", *layers]
+        assert run_cli("analyze", model, *options).exit_code == 0
+    comparison = compare_reports(reports["deep"], reports["shallow"])
+    assert not comparison.same_grid and comparison.record["a"]["layers"] == 4
+    deep = comparison.layers[comparison.layers["report"] == "A"]
+    assert deep["relative_depth"].tolist() == [0.0, 1 / 3]
+    counted = comparison.bands[(comparison.bands["report"] == "A") & (comparison.bands["kind"] == "role")]
+    assert counted.groupby("band")["heads"].sum().to_dict() == {"early": 2, "late": 0, "middle": 2}
+
+
+@pytest.mark.parametrize(
+    ("depth", "bands"),
+    [
+        (1, ((0,), (), ())),
+        (2, ((0,), (), (1,))),
+        (12, (range(0, 4), range(4, 8), range(8, 12))),
+        (13, (range(0, 4), range(4, 9), range(9, 13))),
+        (30, (range(0, 10), range(10, 20), range(20, 30))),
+        (32, (range(0, 10), range(10, 22), range(22, 32))),
+    ],
+)
+def test_one_band_rule_for_the_summary_the_charts_and_compare(tmp_path, depth, bands):
+    """summary.depth_bands is the rule; compare's band shares and the CLI's counts take their bands from it,
+    at every depth (the two rules that existed disagreed at 13 and 32 layers)."""
+    from headscope.report.compare import band_shares
+    from headscope.report.report import Report
+    from headscope.summary import depth_bands, layer_bands
+
+    assert [tuple(band) for band in depth_bands(depth).values()] == [tuple(band) for band in bands]
+    assert list(layer_bands(depth))[-1] == "all layers" and sum(map(len, layer_bands(depth).values())) == 2 * depth
+    synthetic_report(tmp_path / "r", depth, 2)
+    report = Report.open(tmp_path / "r")
+    shares = band_shares(report, report)
+    heads = shares[(shares["report"] == "A") & (shares["kind"] == "type")].groupby("band")["heads"].sum()
+    assert heads.to_dict() == {
+        name: 2 * len(band) for name, band in zip(("early", "middle", "late"), bands, strict=True)
+    }
 
 
 def test_compare_through_the_cli(planted_pair, tmp_path):

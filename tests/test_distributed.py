@@ -16,19 +16,23 @@ TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun (installed with torch) not found")
 
-# Loaded at start-up (sitecustomize) on rank 1 only when HEADSCOPE_TEST_FAIL_AT is set: its Nth forward pass
-# fails, as a device error would. Test-only: nothing in headscope knows about it.
+# Loaded at start-up (sitecustomize) on rank 1 only when HEADSCOPE_TEST_FAIL_AT is set: the default loader
+# hands back a model whose Nth forward pass fails, as a device error would. Test-only: nothing in headscope
+# knows about it.
 FAULT = """
 import os
 if os.environ.get("RANK") == "1" and os.environ.get("HEADSCOPE_TEST_FAIL_AT"):
-    import headscope.pipeline as pipeline
-    real, calls = pipeline.forward, [0]
-    def failing(*args, **kwargs):
+    import headscope.loading as loading
+    real, calls = loading.load_for_run, [0]
+    def fail_at_nth(module, args):
         calls[0] += 1
         if calls[0] == int(os.environ["HEADSCOPE_TEST_FAIL_AT"]):
             raise RuntimeError("injected device failure")
-        return real(*args, **kwargs)
-    pipeline.forward = failing
+    def failing_loader(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        loaded.model.register_forward_pre_hook(fail_at_nth)
+        return loaded
+    loading.load_for_run = failing_loader
 """
 
 

@@ -17,15 +17,16 @@ import torch
 
 import headscope
 from headscope.errors import ModelLoadError, OutputError
+from headscope.loading import load_for_run
 from headscope.masks import causal_visible_keys
 from headscope.measures.statistics import head_row_sums
-from headscope.report.folder import read_run
+from headscope.report.report import read_run
 from headscope.stats import metric_means
 
 from helpers import (
+    Interrupting,
     assert_one_line_error,
     hidden_leftovers,
-    interrupt_at_chunk,
     previous_report,
     run_cli,
     tiny_model_folder,
@@ -125,13 +126,18 @@ def test_model_too_large_for_memory_is_refused_before_loading(planted_gpt2, tmp_
     )
 
 
-def test_out_of_memory_during_a_batch(planted_gpt2, tmp_path, monkeypatch):
-    def exhausted(*args, **kwargs):
+def test_out_of_memory_during_a_batch(planted_gpt2, tmp_path):
+    def exhausted(module, args):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr("headscope.capture.forward_kwargs", exhausted)  # inside the forward pass
-    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", tmp_path / "o"), "out of memory on a batch")
-    assert hidden_leftovers(tmp_path) == []
+    def loader(source, settings, model_config):  # the model runs out of memory inside its first layer
+        loaded = load_for_run(source, settings, model_config)
+        loaded.model.h[0].register_forward_pre_hook(exhausted)
+        return loaded
+
+    out = tmp_path / "o"
+    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", out, loader=loader), "out of memory on a batch")
+    assert hidden_leftovers(tmp_path) == [] and not out.exists()
 
 
 # ---------------------------------------------------------------- numerics
@@ -235,22 +241,17 @@ def test_loading_errors_are_headscope_errors():
         headscope.load_model("missing.gguf")
 
 
-def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(
-    planted_gpt2, corpus_lines, tmp_path, monkeypatch
-):
-
+def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(planted_gpt2, corpus_lines, tmp_path):
     options = {"chunk_sentences": 10, "charts": None}
     whole = headscope.analyze(str(planted_gpt2), corpus_lines, out=tmp_path / "whole", **options)
 
     out = tmp_path / "resumed"
-    interrupt_at_chunk(monkeypatch, 3)
-    with pytest.raises(KeyboardInterrupt):
-        headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, **options)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C in the third chunk
+        headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, reporter=Interrupting(20), **options)
     assert not out.exists()
     checkpoint = json.loads((tmp_path / ".resumed.partial" / "checkpoint.json").read_text())
     assert checkpoint["progress"]["chunks_done"] == 2
 
-    monkeypatch.undo()
     with pytest.raises(OutputError, match="from a different run"):
         headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, window=3, **options)
     resumed = headscope.analyze(str(planted_gpt2), corpus_lines, out=out, resume=True, **options)
@@ -261,11 +262,26 @@ def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(
     assert not [p.name for p in out.iterdir() if "part" in p.name or "checkpoint" in p.name]
 
 
-def test_a_million_line_corpus_is_streamed_in_chunks(tmp_path, corpus_lines, monkeypatch):
-    """1,000,000 sentences through a minute model: tokenized chunk by chunk, never all at once."""
-    from transformers import GPT2Config, GPT2Model
+class CountingTokenizer:
+    """A tokenizer that records how many texts each call of it encodes (and otherwise is the one it wraps)."""
 
-    from headscope import pipeline
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, texts, *args, **kwargs):
+        self.calls.append(1 if isinstance(texts, str) else len(texts))
+        return self.tokenizer(texts, *args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_large_corpus_is_streamed_in_chunks(tmp_path, corpus_lines):
+    """250,000 sentences through a minute model: tokenized chunk by chunk, never all at once."""
+    from transformers import GPT2Config, GPT2Model
 
     folder = tmp_path / "minute-gpt2"
     tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
@@ -274,27 +290,18 @@ def test_a_million_line_corpus_is_streamed_in_chunks(tmp_path, corpus_lines, mon
         folder
     )
     tokenizer.save_pretrained(folder)
-    corpus = tmp_path / "million.txt"
-    corpus.write_text("\n".join(corpus_lines * 10_000) + "\n")
-
-    largest_chunk = []
-    real_tokenize = pipeline.tokenize_sentences
-
-    def spy(tokenizer, texts, max_length):
-        largest_chunk.append(len(texts))
-        return real_tokenize(tokenizer, texts, max_length)
-
-    monkeypatch.setattr(pipeline, "tokenize_sentences", spy)
+    corpus = tmp_path / "large.txt"
+    corpus.write_text("\n".join(corpus_lines * 2_500) + "\n")
+    loaded = headscope.load_model(str(folder), device="cpu")
+    loaded.tokenizer = counting = CountingTokenizer(loaded.tokenizer)
     out = tmp_path / "report"
-    result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--no-charts", "--no-sentence-heads")
-    assert result.exit_code == 0, result.output
-    *chunks, example_sentence = largest_chunk  # the last call tokenizes the example chart's one sentence
+    report = headscope.analyze(loaded, corpus, out=out, charts=None, page=False, sentence_heads=False, probes=False)
+    *chunks, example_sentence = counting.calls  # the last call tokenizes the example chart's one sentence
     size = headscope.RunConfig().chunk_sentences
-    assert max(chunks) == size and len(chunks) == -(-1_000_000 // size) and example_sentence == 1
-    run = read_run(out)
-    assert run["corpus"]["sentences"] == 1_000_000
+    assert max(chunks) == size and len(chunks) == -(-250_000 // size) and example_sentence == 1
+    assert report.run["corpus"]["sentences"] == 250_000
     per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
-    assert run["corpus"]["tokens"] == int(per_sentence.sum())
+    assert report.run["corpus"]["tokens"] == int(per_sentence.sum())
 
 
 BAD_CORPORA = [
@@ -333,26 +340,17 @@ def test_messy_but_valid_text_goes_through_the_cli(planted_gpt2, tmp_path):
     assert sentences["line"].tolist() == [1, 3, 4]
 
 
-def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp_path, monkeypatch):
-    """float16 overflow, simulated: the first row of head 0 turns NaN in every layer of every batch."""
-    from headscope import capture
+def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp_path):
+    """float16 overflow, simulated by a model whose own attention maths turns the first row of head 0 to NaN."""
+    from overflowing import make_overflowing
 
-    real_lookup = capture.eager_function_of
+    def loader(source, settings, model_config):
+        loaded = load_for_run(source, settings, model_config)
+        make_overflowing(loaded.model)
+        return loaded
 
-    def overflowing_eager(cls):
-        eager, _ = real_lookup(cls)
-
-        def forward(*args, **kwargs):
-            output, weights = eager(*args, **kwargs)
-            weights = weights.clone()
-            weights[:, 0, 0, :] = float("nan")  # row 0: NaN also lands above the diagonal
-            return output, weights
-
-        return forward, False  # an unknown function: stays on the eager path
-
-    monkeypatch.setattr(capture, "eager_function_of", overflowing_eager)
     out = tmp_path / "out"
-    result = run_cli("analyze", planted_gpt2, "--out", out, "--batch-size", "1", "--no-charts")
+    result = run_cli("analyze", planted_gpt2, "--out", out, "--batch-size", "1", "--no-charts", loader=loader)
     assert result.exit_code == 0, result.output
     assert "attention rows held NaN or inf" in result.output
     heads = pd.read_parquet(out / "heads.parquet")

@@ -18,10 +18,18 @@ import pyarrow.parquet as pq
 import pytest
 import typer
 
-from headscope import pipeline
 from headscope.cli import app
+from headscope.config import RunConfig
 
-from helpers import assert_one_line_error, hidden_leftovers, interrupt_at_chunk, run_cli, snapshot, tiny_model_folder
+from helpers import (
+    Interrupting,
+    assert_one_line_error,
+    hidden_leftovers,
+    refuse_to_load,
+    run_cli,
+    snapshot,
+    tiny_model_folder,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,13 +42,9 @@ def corpus(tmp_path, corpus_lines) -> Path:
 
 
 @pytest.fixture
-def no_model_loading(monkeypatch):
-    """Fail loudly if the run gets as far as loading the model: the check under test must come first."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the bad option was refused")
-
-    monkeypatch.setattr(pipeline, "_load", refuse)
+def no_model_loading():
+    """`headscope ARGS` with a loader that fails the test: the check under test must come before the weights."""
+    return lambda *args: run_cli(*args, loader=refuse_to_load)
 
 
 # ---------------------------------------------------------------- hangs
@@ -49,19 +53,15 @@ def no_model_loading(monkeypatch):
 def test_a_huge_layer_range_is_refused_at_once(planted_gpt2, tmp_path, no_model_loading):
     started = time.perf_counter()
     assert_one_line_error(
-        run_cli("analyze", planted_gpt2, "--layers", "0-9999999999", "--out", tmp_path / "o"),
+        no_model_loading("analyze", planted_gpt2, "--layers", "0-9999999999", "--out", tmp_path / "o"),
         "--layers names layer 9999999999",
     )
     assert time.perf_counter() - started < 5
 
 
-def test_layers_beyond_the_model_are_refused_before_its_weights_load(planted_gpt2, tmp_path, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("weights loaded")
-
-    monkeypatch.setattr(pipeline, "load_model", refuse)
-    assert_one_line_error(
-        run_cli("analyze", planted_gpt2, "--layers", "0-5", "--out", tmp_path / "o"),
+def test_layers_beyond_the_model_are_refused_before_its_weights_load(planted_gpt2, tmp_path, no_model_loading):
+    assert_one_line_error(  # the model's config is read, its weights are not
+        no_model_loading("analyze", planted_gpt2, "--layers", "0-5", "--out", tmp_path / "o"),
         "--layers names layer 2, but the model has layers 0-1",
     )
     assert not (tmp_path / "o").exists() and hidden_leftovers(tmp_path) == []
@@ -151,7 +151,9 @@ def test_peak_memory_of_a_long_input_is_bounded_by_the_block_budget(tmp_path, co
 
 def test_the_model_folder_is_never_an_output_folder(planted_gpt2, tmp_path, no_model_loading):
     before = snapshot(planted_gpt2)
-    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", planted_gpt2, "--overwrite"), "holds the model")
+    assert_one_line_error(
+        no_model_loading("analyze", planted_gpt2, "--out", planted_gpt2, "--overwrite"), "holds the model"
+    )
     assert snapshot(planted_gpt2) == before
 
 
@@ -162,14 +164,16 @@ def test_overwrite_replaces_only_a_headscope_report(planted_gpt2, tmp_path, no_m
     (data / "notes.md").write_text("my notes\n")
     before = snapshot(data)
     assert_one_line_error(
-        run_cli("analyze", planted_gpt2, "--corpus", data / "corpus.txt", "--out", data, "--overwrite"),
+        no_model_loading("analyze", planted_gpt2, "--corpus", data / "corpus.txt", "--out", data, "--overwrite"),
         "holds the corpus",
     )
     other = tmp_path / "notes"
     other.mkdir()
     (other / "notes.md").write_text("my notes\n")
     assert_one_line_error(
-        run_cli("analyze", planted_gpt2, "--out", other, "--overwrite"), "is not a headscope report", "notes.md"
+        no_model_loading("analyze", planted_gpt2, "--out", other, "--overwrite"),
+        "is not a headscope report",
+        "notes.md",
     )
     assert snapshot(data) == before and (other / "notes.md").read_text() == "my notes\n"
 
@@ -178,8 +182,8 @@ def test_the_current_folder_is_refused_before_any_work(planted_gpt2, tmp_path, m
     empty = tmp_path / "here"
     empty.mkdir()
     monkeypatch.chdir(empty)
-    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", "."), "is the current folder")
-    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", ".."), "is the current folder or holds it")
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", "."), "is the current folder")
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", ".."), "is the current folder or holds it")
     assert list(empty.iterdir()) == []
 
 
@@ -206,7 +210,7 @@ def test_unusable_output_paths_are_refused_before_loading(planted_gpt2, tmp_path
     out = tmp_path / "out"
     make(out)
     target = out if out.exists() else Path("/proc/headscope-cannot-write-here")
-    assert_one_line_error(run_cli("analyze", planted_gpt2, "--out", target), message)
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", target), message)
 
 
 def headscope_process(*args) -> subprocess.Popen:
@@ -256,7 +260,7 @@ def test_two_runs_into_one_folder_cannot_both_win(planted_gpt2, tmp_path, corpus
 def test_malformed_csv_is_an_error_naming_the_line(planted_gpt2, tmp_path, content, message, no_model_loading):
     path = tmp_path / "corpus.csv"
     path.write_text(content)
-    assert_one_line_error(run_cli("analyze", planted_gpt2, "--corpus", path, "--out", tmp_path / "o"), message)
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--corpus", path, "--out", tmp_path / "o"), message)
 
 
 def test_text_column_reads_a_tsv_and_is_refused_for_plain_text(planted_gpt2, tmp_path):
@@ -276,15 +280,16 @@ def test_text_column_reads_a_tsv_and_is_refused_for_plain_text(planted_gpt2, tmp
 
 
 @pytest.fixture
-def interrupted(planted_gpt2, tmp_path, corpus_lines, monkeypatch):
-    """A --resume run over three chunks (8,200 sentences), interrupted after two."""
+def interrupted(planted_gpt2, tmp_path, corpus_lines):
+    """A --resume run over three chunks (8,200 sentences), interrupted (Ctrl-C) in the third."""
     corpus = tmp_path / "big.txt"
     corpus.write_text("\n".join(corpus_lines * 82) + "\n")
     out = tmp_path / "report"
-    interrupt_at_chunk(monkeypatch, 3)
-    result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--resume", "--no-charts")
+    ctrl_c = Interrupting(after=2 * RunConfig().chunk_sentences)
+    result = run_cli(
+        "analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--resume", "--no-charts", reporter=ctrl_c
+    )
     assert result.exit_code == 130, result.output
-    monkeypatch.undo()
     checkpoint = tmp_path / ".report.partial"
     assert json.loads((checkpoint / "checkpoint.json").read_text())["progress"]["chunks_done"] == 2
     return corpus, out, checkpoint
@@ -323,7 +328,7 @@ def test_a_parquet_corpus_with_corrupt_data_pages(planted_gpt2, tmp_path, corpus
     path.write_bytes(bytes(data))
     pq.read_schema(path)  # the footer still reads
     assert_one_line_error(
-        run_cli("analyze", planted_gpt2, "--corpus", path, "--out", tmp_path / "o"),
+        no_model_loading("analyze", planted_gpt2, "--corpus", path, "--out", tmp_path / "o"),
         "corpus.parquet: column 'text' cannot be read",
     )
 

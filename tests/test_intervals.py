@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 import headscope
-from headscope.stats import STAT_INDEX, STATS, Bootstrap, head_intervals, poisson_weights, t_interval
+from headscope.columns import STAT_INDEX, STATS
+from headscope.stats import Bootstrap, head_intervals, poisson_weights, t_interval
 
 INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
 

@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from headscope.columns import STAT_INDEX
 from headscope.feed import collate
 from headscope.masks import causal_visible_keys, visible_keys
 from headscope.measures.statistics import band_row_sums, head_row_sums
-from headscope.stats import STAT_INDEX, metric_means
+from headscope.stats import metric_means
 
 from reference import corpus_means
 

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from headscope.report.page import report_page
+from headscope.report.report import Report
 
 from helpers import run_cli
 from synthetic import synthetic_report
@@ -42,13 +43,12 @@ def test_the_page_references_nothing_online(report):
 def test_data_cannot_break_out_of_its_script():
     heads = pd.read_parquet(Path(__file__).resolve().parent.parent / "reports/smollm2/heads.parquet")
     heads.loc[0, "type_reason"] = "</script><script>alert(1)</script>"
-    from headscope.config import Thresholds
-
     heads.loc[1, "type_reason"] = "see https://example.org"
-    html = report_page({"model": {"input": "<b>x</b>"}}, heads, None, None, Thresholds(), title="<b>x</b>")
+    run = {"model": {"input": "<b>x</b>"}, "corpus": {"path": "c.txt", "sentences": 1}}
+    html = report_page(Report(run, tables={"heads.parquet": heads}))
     assert html.count("<script") == html.count("</script>") == 3  # the page's own three: plotly, data, app
     assert "alert(1)" in html and not RESOURCE.findall(html)
-    assert "<title>headscope: &lt;b&gt;x&lt;/b&gt;</title>" in html
+    assert "<title>headscope: &lt;b&gt;x&lt;/b&gt; on c.txt (1 sentences)</title>" in html
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_a_70b_sized_page_stays_small_and_usable(browser, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    from headscope.report.folder import plot_report
+    from headscope.report.write import plot_report
 
     folder = tmp_path / "big"
     synthetic_report(folder, 80, 64, example_tokens=32)

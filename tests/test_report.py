@@ -12,13 +12,11 @@ from typer.testing import CliRunner
 
 import headscope
 from headscope.cli import app
+from headscope.columns import MEASURED_COLUMNS
 from headscope.config import Thresholds
 from headscope.layout import CHART_NAMES, RUN_FILE
-from headscope.report.folder import plot_report
-from headscope.tables import (
-    MEASURED_COLUMNS,
-    read_metadata,
-)
+from headscope.report.write import plot_report
+from headscope.tables import read_metadata
 
 from planted import FIRST, PREVIOUS, UNIFORM
 from synthetic import synthetic_report
@@ -73,7 +71,9 @@ def test_classify_in_place_changes_labels_and_keeps_the_file_readable(report):
     after = pd.read_parquet(report / "heads.parquet")
     layer0 = after[after["layer"] == 0].set_index("head")["head_type"]
     assert layer0[PREVIOUS] != "local" and layer0[FIRST] != "copy"
-    pd.testing.assert_frame_equal(after[MEASURED_COLUMNS], before[MEASURED_COLUMNS])  # every measurement kept
+    pd.testing.assert_frame_equal(
+        after[list(MEASURED_COLUMNS)], before[list(MEASURED_COLUMNS)]
+    )  # every measurement kept
     run = json.loads((report / RUN_FILE).read_text())
     assert run["classification"]["thresholds"]["local_min_locality"] == 1.0
     assert not [p for p in report.iterdir() if p.name.startswith(".")]

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from headscope.columns import PROBE_PATTERNS
 from headscope.config import RoleThresholds, Thresholds
 from headscope.feed import collate
 from headscope.labels import ROLES, assign_roles
@@ -22,7 +23,7 @@ from headscope.measures.probes import (
     probe_inputs,
 )
 from headscope.measures.statistics import head_row_sums
-from headscope.stats import PROBE_PATTERNS, metric_means
+from headscope.stats import metric_means
 
 from helpers import run_cli
 from planted import build_planted_induction, build_tokenizer, induction_words

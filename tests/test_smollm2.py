@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import headscope
+from headscope.columns import MEASURED_COLUMNS
 from headscope.measures.probes import ProbeSpec, probe_inputs
-from headscope.tables import MEASURED_COLUMNS
 
 from reference import METRIC_NAMES, corpus_means, probe_scores, role_evidence, sentence_rows
 

@@ -1,10 +1,16 @@
-"""The example measure: every layer's attention of a one-sentence batch, kept whole (it is small by design)."""
+"""The example sentence: every head's attention on one short corpus sentence, kept whole (small by design)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import torch
 
-from headscope.feed import Batch
+from headscope.feed import Batch, CorpusFeed, collate, token_labels
+from headscope.tables import examples_frame
+
+# The example is cut to at most this many tokens: it keeps every head's (t, t) attention, which must stay small
+# even when every sentence of the corpus is thousands of tokens long.
+EXAMPLE_MAX_TOKENS = 32
 
 
 class ExampleAttention:
@@ -35,3 +41,12 @@ class ExampleAttention:
     def finish(self) -> torch.Tensor:
         """(layers, heads, t, t) attention of the sentence."""
         return torch.stack([self._layers[layer] for layer in sorted(self._layers)])
+
+
+def example_attention(capture, feed: CorpusFeed, sentence_id: int, *, padding_side: str, device) -> pd.DataFrame:
+    """Every head's attention on sentence `sentence_id` of the feed, cut to EXAMPLE_MAX_TOKENS, long-form."""
+    ids = feed.token_ids(sentence_id, EXAMPLE_MAX_TOKENS)
+    batch = collate([sentence_id], [ids], padding_side=padding_side, device=device)
+    keeper = ExampleAttention()
+    capture.run(batch, measures=[keeper])
+    return examples_frame(sentence_id, token_labels(feed.tokenizer, ids), keeper.finish().numpy())

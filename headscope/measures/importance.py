@@ -13,20 +13,20 @@ Definitions (the README has them too):
 
 Exact ablation is batched: each batch runs once clean, keeping every decoder layer's output; then, for each
 ablated layer, the batch is replicated along the batch axis, a different (head, replacement) in each replica,
-and the layers before the ablated one are skipped (they hand on the clean output they had).
+and the layers before the ablated one are skipped (they hand on the clean output they had). Every pass goes
+through headscope.capture, which freezes the parameters for the gradient pass and restores them after.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from headscope.capture import forward, measuring
-from headscope.feed import Batch
+from headscope.capture import replicate
+from headscope.feed import Batch, CorpusFeed
 from headscope.reporting import Reporter
 
 LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
@@ -113,63 +113,6 @@ class Ablations:
         return output
 
 
-def decoder_layers(base: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
-    """The base model's list of decoder layers (`layers` for Llama, `h` for GPT-2, ...)."""
-    for module in base.children():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n_layers:
-            return module
-    raise RuntimeError(f"{type(base).__name__} has no list of {n_layers} decoder layers")
-
-
-@contextlib.contextmanager
-def recording(layers: torch.nn.ModuleList) -> Iterator[list]:
-    """Keep every decoder layer's output of the next forward pass (detached)."""
-    outputs: list = [None] * len(layers)
-
-    def keep(index: int):
-        def hook(module, args, output):
-            outputs[index] = _detach(output)
-
-        return hook
-
-    handles = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
-    try:
-        yield outputs
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def starting_at(layers: torch.nn.ModuleList, first: int, handed_on) -> Iterator[None]:
-    """Run only layers[first:]: every layer before it returns `handed_on`, the clean input of layer `first`
-    (so the last skipped layer hands it to the first one that runs)."""
-    skipped = list(layers[:first])
-    for layer in skipped:
-        layer.forward = lambda *args, **kwargs: handed_on
-    try:
-        yield
-    finally:
-        for layer in skipped:
-            del layer.forward
-
-
-def _detach(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, tuple):
-        return tuple(_detach(v) for v in value)
-    return value
-
-
-def _replicate(value, times: int):
-    if isinstance(value, torch.Tensor):
-        return value.repeat(times, *[1] * (value.dim() - 1))
-    if isinstance(value, tuple):
-        return tuple(_replicate(v, times) for v in value)
-    return value
-
-
 @dataclass
 class Importance:
     """Per head of the measured layers: the four importance numbers (nats), and what they were measured on."""
@@ -188,42 +131,62 @@ class Importance:
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
+def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, device) -> Importance:
+    """Head importance of every measured head over the feed's corpus, through `capture` (an attached LM)."""
+    settings = plan.settings
+    exact = settings.importance == "exact"
+
+    def batches() -> Iterator[Batch]:
+        limits = plan.importance
+        for batch in feed.every_batch(
+            max_sentences=limits.max_sentences, max_tokens=limits.max_tokens, padding_side=settings.padding_side
+        ):
+            yield batch.to(device)
+
+    reporter.stage(f"importance ({settings.importance}): {'attribution and ablation' if exact else 'attribution'}")
+    reporter.start(len(feed.corpus.sentences) * (2 if exact else 1))
+    importance = measure_importance(
+        capture,
+        batches,
+        layer_ids=plan.layers,
+        heads=plan.heads,
+        head_dim=plan.architecture["head_dim"],
+        exact=exact,
+        replicas_per_forward=lambda batch: plan.replica_tokens // batch.input_ids.numel(),
+        reporter=reporter,
+    )
+    reporter.finish()
+    return importance
+
+
 def measure_importance(
-    lm: torch.nn.Module,
+    capture,
     batches: Callable[[], Iterable[Batch]],
     *,
     layer_ids: Sequence[int],
-    architecture: dict,
+    heads: int,
+    head_dim: int,
     exact: bool,
-    replicas_per_forward,
+    replicas_per_forward: Callable[[Batch], int],
     reporter: Reporter,
-    block_bytes: int,
 ) -> Importance:
     """Attribution (and with `exact`, ablation) of every head of `layer_ids` over the corpus `batches`.
 
-    batches() -> the corpus's batches afresh (called once per pass: twice with `exact`);
-    replicas_per_forward(batch) -> how many replicas of `batch` one forward pass may hold.
+    capture: an attached causal LM (headscope.capture.attached); batches() -> the corpus's batches afresh
+    (called once per pass: twice with `exact`); replicas_per_forward(batch) -> how many replicas of `batch`
+    one forward pass may hold.
     """
-    heads, head_dim = architecture["heads"], architecture["head_dim"]
     recorder = HeadOutputs(layer_ids, heads, head_dim)
     clean, tokens = 0.0, 0
-    for parameter in lm.parameters():
-        parameter.requires_grad_(False)  # gradients are wanted for head outputs only
-    embeddings = lm.get_input_embeddings()
-    handle = embeddings.register_forward_hook(lambda module, args, output: output.requires_grad_())
-    try:
-        with measuring(lm, [], editors=[recorder], block_bytes=block_bytes) as capture:
-            for batch in batches():
-                output = forward(lm, capture, batch, grad=True)
-                with torch.enable_grad():
-                    losses, counts = token_losses(output.logits, batch)
-                    losses.sum().backward()
-                recorder.collect()
-                clean += float(losses.detach().sum())
-                tokens += int(counts.sum())
-                reporter.advance(len(batch.sentence_ids), batch.n_tokens)
-    finally:
-        handle.remove()
+    for batch in batches():
+        output = capture.run(batch, editors=[recorder], grad=True)  # parameters frozen: gradients of outputs only
+        with torch.enable_grad():
+            losses, counts = token_losses(output.logits, batch)
+            losses.sum().backward()
+        recorder.collect()
+        clean += float(losses.detach().sum())
+        tokens += int(counts.sum())
+        reporter.advance(len(batch.sentence_ids), batch.n_tokens)
     means = recorder.means()
     result = Importance(
         mode="exact" if exact else "fast",
@@ -233,20 +196,18 @@ def measure_importance(
         attribution_mean=((means * recorder.sum_grad).sum(-1) - recorder.sum_output_grad) / max(tokens, 1),
     )
     if exact:
-        zero, mean = _ablate(lm, batches, layer_ids, architecture, means, replicas_per_forward, reporter, block_bytes)
+        zero, mean = _ablate(capture, batches, layer_ids, heads, means, replicas_per_forward, reporter)
         result.ablation_zero, result.ablation_mean = zero / max(tokens, 1), mean / max(tokens, 1)
     return result
 
 
-def _ablate(lm, batches, layer_ids, architecture, means, replicas_per_forward, reporter, block_bytes):
+def _ablate(capture, batches, layer_ids, heads, means, replicas_per_forward, reporter):
     """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus."""
-    heads = architecture["heads"]
-    layers = decoder_layers(lm.base_model, architecture["layers"])
     zero, mean = np.zeros((len(layer_ids), heads)), np.zeros((len(layer_ids), heads))
     plan = [(head, kind) for head in range(heads) for kind in ("zero", "mean")]
     for batch in batches():
-        with measuring(lm, [], block_bytes=block_bytes) as capture, recording(layers) as outputs:
-            clean = token_losses(forward(lm, capture, batch).logits, batch)[0].sum()
+        output, outputs = capture.run_keeping_layers(batch)
+        clean = token_losses(output.logits, batch)[0].sum()
         per_forward = max(1, replicas_per_forward(batch))
         for index, layer in enumerate(layer_ids):
             for first in range(0, len(plan), per_forward):
@@ -258,13 +219,10 @@ def _ablate(lm, batches, layer_ids, architecture, means, replicas_per_forward, r
                     ]
                 ).to(batch.input_ids.device)
                 editor = Ablations(layer, [head for head, _ in group], replacements, len(batch.sentence_ids))
-                handed_on = _replicate(outputs[layer - 1], len(group)) if layer > 0 else None
-                with (
-                    starting_at(layers, layer, handed_on),
-                    measuring(lm, [], editors=[editor], block_bytes=block_bytes, first_layer=layer) as capture,
-                ):
-                    logits = forward(lm, capture, batch.replicated(len(group))).logits
-                losses = token_losses(logits, batch.replicated(len(group)))[0].view(len(group), -1).sum(-1)
+                handed_on = replicate(outputs[layer - 1], len(group)) if layer > 0 else None
+                replicated = batch.replicated(len(group))
+                logits = capture.run(replicated, editors=[editor], start_at=layer, handed_on=handed_on).logits
+                losses = token_losses(logits, replicated)[0].view(len(group), -1).sum(-1)
                 for (head, kind), loss in zip(group, losses, strict=True):
                     target = zero if kind == "zero" else mean
                     target[index, head] += float(loss - clean)

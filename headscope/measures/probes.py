@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from headscope.columns import PROBE_PATTERNS
 from headscope.errors import ConfigError
-from headscope.feed import Batch
+from headscope.feed import Batch, batches_in_order
 from headscope.measures.statistics import diagonal_rows
-from headscope.stats import PROBE_PATTERNS
+from headscope.reporting import Reporter
+from headscope.stats import ProbeResult, summarise_probes
 
 SAMPLE_TEXT = "The cat sat on the mat."  # encoded once to learn which ids the tokenizer puts before text
 
@@ -147,9 +149,9 @@ def pattern_counts(query_valid: torch.Tensor, seq_start: torch.Tensor, prefix: i
 class ProbeScores:
     """A Measure for probe batches: per (sequence, layer, head), the target mass of every pattern."""
 
-    def __init__(self, spec: ProbeSpec, prefix: int, layers: Sequence[int] | None = None) -> None:
+    def __init__(self, spec: ProbeSpec, prefix: int, layers: Sequence[int]) -> None:
         self.spec, self.prefix = spec, prefix
-        self.layers = sorted(set(layers)) if layers is not None else None
+        self.layers = sorted(set(layers))
         self._mass: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, patterns)
         self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -158,10 +160,10 @@ class ProbeScores:
         self._counts = pattern_counts(batch.attention_mask.bool(), batch.seq_start, self.prefix, self.spec)
 
     def wants(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
+        return layer in self.layers
 
     def last_layer(self) -> int | None:
-        return None if self.layers is None else self.layers[-1]
+        return self.layers[-1]
 
     def attention(self, layer: int, block) -> None:
         mass = pattern_mass(
@@ -179,3 +181,31 @@ class ProbeScores:
         mass = torch.stack([self._mass[layer] for layer in sorted(self._mass)]).cpu().numpy()
         rows, chance = (x.cpu().numpy() for x in self._counts)
         return mass, rows, chance
+
+
+def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeResult:
+    """The probe battery of `plan` through `capture` (an attached model): one pass over its sequences."""
+    settings = plan.settings
+    spec = ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length)
+    sequences, prefix = probe_inputs(tokenizer, spec)
+    if plan.model_limit is not None and len(sequences[0]) > plan.model_limit:
+        raise ConfigError(
+            f"--probe-length {spec.length} makes probe sequences of {len(sequences[0])} tokens, more than the "
+            f"model's limit of {plan.model_limit}; lower --probe-length"
+        )
+    reporter.stage(f"probing: {spec.seeds} sequences of {len(sequences[0])} tokens")
+    scores = ProbeScores(spec, prefix, layers=plan.layers)
+    per_seed: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for batch in batches_in_order(
+        dict(enumerate(sequences)),
+        max_sentences=plan.corpus.max_sentences,
+        max_tokens=plan.corpus.max_tokens,
+        padding_side=settings.padding_side,
+        device=device,
+    ):
+        capture.run(batch, measures=[scores])
+        mass, rows, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
+        for column, seed in enumerate(batch.sentence_ids):
+            per_seed[seed] = (mass[:, column], rows[column], chance[column])
+    mass, rows, chance = (np.stack([per_seed[seed][i] for seed in sorted(per_seed)]) for i in range(3))
+    return summarise_probes(mass, rows, chance, prefix, spec.repeats)

@@ -3,7 +3,7 @@
 `AttentionStatistics` rides on the capture (see headscope.capture.Measure); the maths below it are pure
 functions on tensors. A layer's attention probabilities ``attn`` have shape (batch, heads, q, k).
 ``head_row_sums`` reduces them to per-(sentence, head) *sums* over the valid query rows, one slot per entry
-of ``headscope.stats.STATS``, which turns them into means at the end.
+of ``headscope.columns.STATS``; headscope.stats turns them into means at the end.
 
 Definitions (row t of one head, A[t, s] the probability it gives key s):
     entropy          -sum_s A[t,s] ln A[t,s]                  (nats, 0 ln 0 = 0)
@@ -31,10 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
+from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, RATIOS, STATS
 from headscope.config import SINK_THRESHOLD
 from headscope.errors import ModelLoadError
 from headscope.feed import Batch
-from headscope.stats import EVIDENCE_FROM, MAX_OFFSET, STATS
 
 
 class AttentionStatistics:
@@ -45,12 +45,7 @@ class AttentionStatistics:
     """
 
     def __init__(
-        self,
-        *,
-        window: int,
-        accum_dtype: torch.dtype,
-        layers: Sequence[int] | None = None,
-        sink_threshold: float = SINK_THRESHOLD,
+        self, *, window: int, sink_threshold: float, accum_dtype: torch.dtype, layers: Sequence[int] | None = None
     ) -> None:
         self.window = window
         self.sink_threshold = sink_threshold
@@ -58,6 +53,17 @@ class AttentionStatistics:
         self.layers = sorted(set(layers)) if layers is not None else None
         self._batch: Batch | None = None
         self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, stats), summed over its blocks
+
+    @classmethod
+    def from_plan(cls, plan) -> AttentionStatistics:
+        """The statistics a run's plan asks for: its window, sink threshold, accumulation dtype and layers."""
+        settings = plan.settings
+        return cls(
+            window=settings.window,
+            sink_threshold=settings.sink_threshold,
+            accum_dtype=plan.accumulate,
+            layers=plan.layers,
+        )
 
     def start(self, batch: Batch) -> None:
         self._batch = batch
@@ -244,8 +250,6 @@ def _sum_rows(
     nonfinite = real & ~finite  # (batch, heads, rows)
     valid = real & finite
     unnormalised = valid & ((mass - 1.0).abs() > mass_tolerance)
-    norm_rows = valid & (n_visible >= 2)
-    prev_rows = valid & (position >= 1)[:, None, :]
     evidence = valid & (position >= EVIDENCE_FROM)[:, None, :]
     # Where each row's largest weight sits: on the sentence's first token, or this many positions back.
     # A row whose largest weight is shared by several keys (uniform attention) has no such place: "other".
@@ -254,23 +258,30 @@ def _sum_rows(
     offset = torch.arange(row_offset, row_offset + rows, device=entropy.device) - per_row["top_key"]
     fixed = ~tied & ~on_first
 
+    # The rows each row count counts; a ratio's numerator is summed over its denominator's rows (columns.RATIOS).
+    counted = {
+        "n_rows": valid,
+        "norm_rows": valid & (n_visible >= 2),
+        "prev_rows": valid & (position >= 1)[:, None, :],
+        "evidence_rows": evidence,
+    }
+    row_values = {  # the numerators of columns.RATIOS, per row
+        "entropy": entropy,
+        "norm_entropy": norm_entropy,
+        "diagonal": per_row["diagonal"],
+        "diagonal_uniform": diagonal_uniform,
+        "sink": per_row["sink"],
+        "prev_token": per_row["prev_token"],
+        "max_weight": per_row["max_weight"],
+        "sink_hits": (per_row["sink"] > sink_threshold).to(entropy.dtype),
+    }
     ones = torch.ones_like(entropy)
     columns = {
-        "n_rows": (ones, valid),
-        "entropy": (entropy, valid),
+        **{count: (ones, rows) for count, rows in counted.items()},
+        **{numerator: (row_values[numerator], counted[denominator]) for numerator, denominator in RATIOS.values()},
         "entropy_sq": (entropy.square(), valid),
-        "norm_entropy": (norm_entropy, norm_rows),
-        "norm_rows": (ones, norm_rows),
-        "diagonal": (per_row["diagonal"], valid),
-        "diagonal_uniform": (diagonal_uniform, valid),
-        "sink": (per_row["sink"], valid),
-        "prev_token": (per_row["prev_token"], prev_rows),
-        "prev_rows": (ones, prev_rows),
-        "max_weight": (per_row["max_weight"], valid),
         "nonfinite_rows": (ones, nonfinite),
         "unnormalised_rows": (ones, unnormalised),
-        "evidence_rows": (ones, evidence),
-        "sink_hits": (ones, evidence & (per_row["sink"] > sink_threshold)),
         "top_first": (ones, evidence & on_first),
         "top_other": (ones, evidence & (tied | (fixed & (offset > MAX_OFFSET)))),
         **{f"top_{k}": (ones, evidence & fixed & (offset == k)) for k in range(MAX_OFFSET + 1)},

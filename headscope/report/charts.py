@@ -14,23 +14,16 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from headscope.columns import PROBE_PATTERNS
 from headscope.config import Thresholds
 from headscope.labels import HEAD_TYPES, ROLES, most_typical
 from headscope.layout import CHART_NAMES
 from headscope.output import atomic_path
-from headscope.stats import PROBE_PATTERNS
+from headscope.report import palette
+from headscope.report.report import Report
 from headscope.summary import early_late_entropy, importance_column, layer_entropy
 
-TYPE_COLOURS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
-ROLE_COLOURS = {
-    "induction": "#e7298a",
-    "duplicate-token": "#66a61e",
-    "previous-token": "#1b9e77",
-    "sink": "#d95f02",
-    "positional": "#e6ab02",
-    "broad": "#7570b3",
-    "other": "#bdbdbd",
-}
+TYPE_COLOURS, ROLE_COLOURS = palette.TYPES, palette.ROLES
 ANNOTATE_UP_TO = 16  # write cell values when the grid is at most this many layers and heads
 
 
@@ -80,9 +73,9 @@ def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
     return fig
 
 
-def layer_gradient(heads: pd.DataFrame, *, title: str, layers: pd.DataFrame | None = None) -> Figure:
-    """Mean entropy per layer with the spread across heads, the early and late band means, and (from the
-    layers table, when it has intervals) the 95% interval of each layer's mean."""
+def layer_gradient(heads: pd.DataFrame, *, title: str, depth: int, layers: pd.DataFrame | None = None) -> Figure:
+    """Mean entropy per layer with the spread across heads, the early and late band means of a `depth`-layer
+    model, and (from the layers table, when it has intervals) the 95% interval of each layer's mean."""
     per_layer = layer_entropy(heads)
     per_layer_ci = None
     if layers is not None and layers["entropy_ci_low"].notna().any():
@@ -96,25 +89,25 @@ def layer_gradient(heads: pd.DataFrame, *, title: str, layers: pd.DataFrame | No
     # Clipped to the min-max range: entropy is never negative, whatever mean - std says.
     std_low, std_high = np.maximum(mean - std, low), np.minimum(mean + std, high)
     if len(layers) >= 3:
-        ax.fill_between(layers, low, high, color="#4c72b0", alpha=0.12, label="min-max over heads")
-        ax.fill_between(layers, std_low, std_high, color="#4c72b0", alpha=0.28, label="mean ± std over heads")
+        ax.fill_between(layers, low, high, color=palette.MEAN, alpha=0.12, label="min-max over heads")
+        ax.fill_between(layers, std_low, std_high, color=palette.MEAN, alpha=0.28, label="mean ± std over heads")
     else:  # a band needs at least a few layers to be visible: draw ranges instead
-        ax.vlines(layers, low, high, color="#4c72b0", alpha=0.3, linewidth=8, label="min-max over heads")
-        ax.vlines(layers, std_low, std_high, color="#4c72b0", alpha=0.6, linewidth=8, label="mean ± std over heads")
+        ax.vlines(layers, low, high, color=palette.MEAN, alpha=0.3, linewidth=8, label="min-max over heads")
+        ax.vlines(layers, std_low, std_high, color=palette.MEAN, alpha=0.6, linewidth=8, label="mean ± std over heads")
     if per_layer_ci is not None:
         ax.fill_between(
             layers,
             per_layer_ci[0],
             per_layer_ci[1],
-            color="#dd8452",
+            color=palette.INTERVAL,
             alpha=0.5,
             linewidth=0,
             label="95% interval of the mean (bootstrap over sentences)",
         )
-    ax.plot(layers, mean, marker="o", markersize=3, color="#4c72b0", label="mean over heads")
-    bands = early_late_entropy(heads)  # None for a --layers subset or a model too shallow for two bands
+    ax.plot(layers, mean, marker="o", markersize=3, color=palette.MEAN, label="mean over heads")
+    bands = early_late_entropy(heads, depth)  # None for a --layers subset or a model too shallow for two bands
     if bands is not None:
-        for name, colour in (("early", "#2ca02c"), ("late", "#d62728")):
+        for name, colour in palette.BANDS.items():
             band = bands[f"{name}_band"]
             ax.hlines(bands[name], band.start - 0.4, band.stop - 0.6, colors=colour, linewidth=2.5)
             span = f"{band.start}-{band.stop - 1}" if len(band) > 1 else f"{band.start}"
@@ -291,35 +284,27 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
     return fig
 
 
-def draw_charts(
-    heads: pd.DataFrame,
-    layers: pd.DataFrame | None,
-    examples: pd.DataFrame | None,
-    thresholds: Thresholds,
-    *,
-    title: str,
-    folder: Path,
-    fmt: str,
-) -> list[Path]:
-    """Draw every chart into `folder` as `fmt` files (each written atomically); return their paths.
+def draw_charts(report: Report, *, folder: Path, fmt: str) -> list[Path]:
+    """Draw every chart of `report` into `folder` as `fmt` files (each written atomically); return their paths.
 
-    layers: the layers table (its intervals band the layer gradient), or None; examples: every head's
-    attention on one sentence (long-form), or None. A chart without data (no probes, no example) is skipped.
+    Its layers table (when it has intervals) bands the layer gradient; its examples give the example chart. A
+    chart without data (no probes, no importance, no example) is skipped.
     """
+    heads, title, thresholds = report.heads, report.title, report.thresholds
     figures = {
         "entropy_heatmap": lambda: entropy_heatmap(heads, title=title),
-        "layer_gradient": lambda: layer_gradient(heads, title=title, layers=layers),
+        "layer_gradient": lambda: layer_gradient(heads, title=title, depth=report.depth, layers=report.layers),
         "head_types": lambda: head_types_per_layer(heads, title=title),
         "head_roles": lambda: head_roles_per_layer(heads, title=title),
         "probe_scores": lambda: probe_scores(heads, title=title),
         "importance_heatmap": lambda: importance_heatmap(heads, title=title),
         "importance_entropy": lambda: importance_against_entropy(heads, title=title),
         "classification_map": lambda: classification_map(heads, thresholds, title=title),
-        "examples": lambda: example_heads(examples, most_typical(heads, thresholds), title=title),
+        "examples": lambda: example_heads(report.examples, most_typical(heads, thresholds), title=title),
     }
     no_importance = importance_column(heads) is None
     skipped = {
-        "examples": examples is None,
+        "examples": report.examples is None,
         "probe_scores": heads["probe_induction"].isna().all(),
         "importance_heatmap": no_importance,
         "importance_entropy": no_importance,

@@ -10,8 +10,8 @@ Same grid (the same layers x heads): every numeric measured column X of heads.pa
   interval is delta +- 1.96 sqrt(se_a^2 + se_b^2), and p is the normal two-sided p-value.
 `significant` controls the false discovery rate at 5% over all heads, per metric (Benjamini-Hochberg).
 
-Different grids (two models): layers are compared on relative depth, layer / (layers - 1), with the types'
-and roles' shares per third of the depth.
+Different grids (two models): layers are compared on relative depth, layer / (depth - 1) of each model, with
+the types' and roles' shares in each model's early, middle and late layers (summary.depth_bands).
 """
 
 from __future__ import annotations
@@ -25,54 +25,18 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from headscope.columns import DELTAS, INTERVAL_METRICS, RATIOS, ROWS_LEFT_OUT
 from headscope.config import COMPARE_REPLICATES
 from headscope.errors import OutputError
 from headscope.labels import HEAD_TYPES, ROLES
-from headscope.layout import (
-    COMPARE_BANDS_FILE,
-    COMPARE_FILE,
-    COMPARE_LAYERS_FILE,
-    COMPARE_PAGE,
-    COMPARE_RECORD,
-    SCHEMA_VERSION,
-    SENTENCE_HEADS_FILE,
-)
-from headscope.report.folder import read_heads, read_layers, read_run
-from headscope.stats import INTERVAL_METRICS, percentile_interval, poisson_weights
+from headscope.layout import SCHEMA_VERSION, SENTENCE_HEADS_FILE
+from headscope.report.report import Report
+from headscope.stats import percentile_interval, poisson_weights
 
 LEVEL = 0.95
 Z = 1.959963984540054  # the standard normal's 97.5th percentile
 FDR = 0.05
-DEPTH_BANDS = (("early", 0.0, 1 / 3), ("middle", 1 / 3, 2 / 3), ("late", 2 / 3, 1.0 + 1e-9))
-# Per-sentence weights for each interval metric: the rows its per-sentence mean averages (norm_entropy leaves
-# out the first row, which sees one key).
-ROW_OFFSET = {"entropy": 0, "norm_entropy": 1, "sink": 0, "diagonal": 0}
-LABELS = ("head_type", "role", "top_offset")
-
-
-@dataclass
-class Report:
-    """One side of a comparison, as read from its folder."""
-
-    name: str  # "A" or "B"
-    folder: Path
-    run: dict
-    heads: pd.DataFrame
-    layers: pd.DataFrame
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return int(self.heads["layer"].max()) + 1, int(self.heads["head"].max()) + 1
-
-    @property
-    def corpus_sha256(self) -> str | None:
-        corpus = self.run.get("corpus")
-        return corpus.get("sha256") if isinstance(corpus, dict) else None
-
-    @property
-    def label(self) -> str:
-        model, corpus = self.run.get("model", {}), self.run.get("corpus", {})
-        return f"{model.get('input', '?')} on {Path(str(corpus.get('path', '?'))).name}"
+LABELS = ("head_type", "role", "top_offset")  # label columns shown for both sides
 
 
 @dataclass
@@ -89,31 +53,35 @@ class Comparison:
     def same_grid(self) -> bool:
         return self.heads is not None
 
+    @property
+    def title(self) -> str:
+        a, b = (self.record[side] for side in ("a", "b"))
+        return f"B: {b['model']} on {Path(str(b['corpus'])).name} - A: {a['model']} on {Path(str(a['corpus'])).name}"
 
-def read_report(folder: Path, name: str) -> Report:
-    """A report folder, refused with one line if it is from another schema version or lacks a table."""
-    folder = Path(folder)
-    run = read_run(folder)
-    version = run.get("schema_version")
+
+def read_side(folder: Path, name: str) -> Report:
+    """One side of a comparison, refused with one line if it is from another schema version or lacks a table."""
+    report = Report.open(folder)
+    version = report.run.get("schema_version")
     if version != SCHEMA_VERSION:
         written = f"schema version {version}" if version is not None else "an older headscope (no schema version)"
         raise OutputError(
             f"report {name} ({folder}) was written by {written}; compare reads schema version {SCHEMA_VERSION}: "
             "run headscope analyze again"
         )
-    layers = read_layers(folder)
-    if layers is None:
+    if report.layers is None:
         raise OutputError(f"report {name} ({folder}) has no layers.parquet; run headscope analyze again")
-    return Report(name, folder, run, read_heads(folder), layers)
+    report.checked()
+    return report
 
 
 def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, seed: int = 0) -> Comparison:
     """Compare report B against report A (deltas are B - A)."""
-    ra, rb = read_report(a, "A"), read_report(b, "B")
+    ra, rb = read_side(a, "A"), read_side(b, "B")
     bands = band_shares(ra, rb)
-    same_grid = ra.grid == rb.grid and set(zip(ra.heads["layer"], ra.heads["head"], strict=True)) == set(
-        zip(rb.heads["layer"], rb.heads["head"], strict=True)
-    )
+    same_grid = (ra.depth, ra.head_count) == (rb.depth, rb.head_count) and set(
+        zip(ra.heads["layer"], ra.heads["head"], strict=True)
+    ) == set(zip(rb.heads["layer"], rb.heads["head"], strict=True))
     record = {
         "schema_version": SCHEMA_VERSION,
         "a": _identity(ra),
@@ -152,37 +120,6 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
     return Comparison(record=record, layers=layers, bands=bands, heads=heads, transitions=transitions)
 
 
-def write_comparison(
-    comparison: Comparison, out: Path, *, a: Path, b: Path, overwrite: bool, fmt: str | None, page: bool = True
-) -> Path:
-    """Write the comparison's tables, compare.json and charts into `out` (staged, published atomically)."""
-    from headscope.output import StagedDirectory
-    from headscope.tables import write_frame, write_json
-
-    stage = StagedDirectory(Path(out), overwrite=overwrite, protected={"report A": Path(a), "report B": Path(b)})
-    with stage:
-        tables = {COMPARE_LAYERS_FILE: comparison.layers, COMPARE_BANDS_FILE: comparison.bands}
-        if comparison.heads is not None:
-            tables[COMPARE_FILE] = comparison.heads
-        for name, frame in tables.items():
-            write_frame(frame, stage.path / name)
-        write_json(comparison.record, stage.path / COMPARE_RECORD)
-        if fmt:
-            from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
-
-            draw_comparison(comparison, title=_title(comparison), folder=stage.path, fmt=fmt)
-        if page:
-            from headscope.report.page import compare_page, write_page  # plotly only for the page
-
-            write_page(compare_page(comparison, title=_title(comparison)), stage.path / COMPARE_PAGE)
-    return stage.target
-
-
-def _title(comparison: Comparison) -> str:
-    a, b = (comparison.record[side] for side in ("a", "b"))
-    return f"B: {b['model']} on {Path(str(b['corpus'])).name} - A: {a['model']} on {Path(str(a['corpus'])).name}"
-
-
 def _identity(report: Report) -> dict:
     model, corpus = report.run.get("model", {}), report.run.get("corpus", {})
     return {
@@ -190,8 +127,8 @@ def _identity(report: Report) -> dict:
         "model": model.get("input"),
         "corpus": corpus.get("path"),
         "corpus_sha256": report.corpus_sha256,
-        "layers": report.grid[0],
-        "heads": report.grid[1],
+        "layers": report.depth,
+        "heads": report.head_count,
     }
 
 
@@ -200,7 +137,7 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     sides' labels."""
     a, b = a.set_index(["layer", "head"]).sort_index(), b.set_index(["layer", "head"]).sort_index()
     columns = {}
-    numeric = [c for c in a.columns if c in b.columns and c != "kv_head" and pd.api.types.is_numeric_dtype(a[c])]
+    numeric = [c for c in DELTAS if c in a.columns and c in b.columns]
     for column in numeric:
         if a[column].notna().any() and b[column].notna().any():  # e.g. importance only when both have it
             columns[f"{column}_a"], columns[f"{column}_b"] = a[column], b[column]
@@ -256,7 +193,8 @@ def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, rep
         for side, part in (("a", part_a), ("b", part_b)):
             n = part[1]
             for metric, values in zip(metrics, part[2:], strict=True):
-                rows = np.clip(n - ROW_OFFSET[metric], 0, None)[:, None] * np.isfinite(values)  # (sentences, cells)
+                left_out = ROWS_LEFT_OUT[RATIOS[metric][1]]
+                rows = np.clip(n - left_out, 0, None)[:, None] * np.isfinite(values)  # (sentences, cells)
                 sums[side][metric][0] += weights @ (rows * np.nan_to_num(values))
                 sums[side][metric][1] += weights @ rows
     head_stats, layer_stats = {}, {}
@@ -330,7 +268,7 @@ def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
 def layer_deltas(ra: Report, rb: Report, layer_stats: dict) -> pd.DataFrame:
     """Per layer: each interval metric's mean over heads in A and B, the delta and its interval."""
     a, b = ra.layers.set_index("layer").sort_index(), rb.layers.set_index("layer").sort_index()
-    out = pd.DataFrame({"layer": a.index.to_numpy(), "relative_depth": _relative_depth(a.index, ra.grid[0])})
+    out = pd.DataFrame({"layer": a.index.to_numpy(), "relative_depth": _relative_depth(a.index, ra.depth)})
     for metric in INTERVAL_METRICS:
         for side, table in (("a", a), ("b", b)):
             out[f"{metric}_{side}"] = table[metric].to_numpy()
@@ -348,33 +286,32 @@ def _relative_depth(layers, n_layers: int) -> np.ndarray:
 
 
 def relative_depth_layers(ra: Report, rb: Report) -> pd.DataFrame:
-    """Both reports' layer tables, long-form, with each layer's relative depth (layer / (layers - 1))."""
+    """Both reports' layer tables, long-form, with each layer's relative depth in its model (layer / (depth - 1))."""
     frames = []
-    for report in (ra, rb):
+    for name, report in (("A", ra), ("B", rb)):
         frame = report.layers.copy()
-        frame.insert(0, "report", report.name)
-        frame.insert(2, "relative_depth", _relative_depth(frame["layer"], report.grid[0]))
+        frame.insert(0, "report", name)
+        frame.insert(2, "relative_depth", _relative_depth(frame["layer"], report.depth))
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
 
 
 def band_shares(ra: Report, rb: Report) -> pd.DataFrame:
-    """Share of each head type and role in each third of the depth (by relative depth), for both reports."""
+    """Share of each head type and role in each band of each model's layers (summary.depth_bands), both reports."""
     rows = []
-    for report in (ra, rb):
-        depth = _relative_depth(report.heads["layer"], report.grid[0])
-        for band, low, high in DEPTH_BANDS:
-            members = report.heads[(depth >= low) & (depth < high)]
+    for name, report in (("A", ra), ("B", rb)):
+        for band, layers in report.bands.items():
+            members = report.heads[report.heads["layer"].isin(layers)]
             for kind, column, names in (("type", "head_type", HEAD_TYPES), ("role", "role", ROLES)):
                 counts = members[column].value_counts().reindex(names, fill_value=0)
-                for name, count in counts.items():
+                for label, count in counts.items():
                     share = count / len(members) if len(members) else np.nan
                     rows.append(
                         {
-                            "report": report.name,
+                            "report": name,
                             "band": band,
                             "kind": kind,
-                            "label": name,
+                            "label": label,
                             "heads": int(count),
                             "share": share,
                         }

@@ -10,10 +10,11 @@ from matplotlib.figure import Figure
 
 from headscope.labels import ROLES
 from headscope.output import atomic_path
-from headscope.report.charts import ROLE_COLOURS, _figure, _grid, _layer_axis, _tick_step
+from headscope.report import palette
+from headscope.report.charts import _figure, _grid, _layer_axis, _tick_step
 from headscope.report.compare import Comparison
 
-SIDES = {"a": ("A", "#4c72b0"), "b": ("B", "#dd8452")}
+SIDES = {side: (side.upper(), colour) for side, colour in palette.SIDES.items()}
 
 
 def delta_heatmap(heads: pd.DataFrame, *, title: str, metric: str = "entropy") -> Figure:
@@ -110,7 +111,7 @@ def band_shares(bands: pd.DataFrame, *, title: str) -> Figure:
                     x,
                     value,
                     bottom=bottom,
-                    color=ROLE_COLOURS[role],
+                    color=palette.ROLES[role],
                     width=0.85,
                     label=role if (i, j) == (0, 0) else None,
                 )
@@ -125,8 +126,9 @@ def band_shares(bands: pd.DataFrame, *, title: str) -> Figure:
     return fig
 
 
-def draw_comparison(comparison: Comparison, *, title: str, folder: Path, fmt: str) -> list[Path]:
+def draw_comparison(comparison: Comparison, *, folder: Path, fmt: str) -> list[Path]:
     """Every comparison chart into `folder` (the per-head ones only for the same grid); return their paths."""
+    title = comparison.title
     figures = {
         "layer_gradients": lambda: layer_gradients(comparison, title=title),
         "band_shares": lambda: band_shares(comparison.bands, title=title),

@@ -1,0 +1,192 @@
+"""Every column of the heads table, declared once.
+
+A column says where its number comes from (the row sums it is a ratio of, or the step that fills it), its
+type, and where else it appears: the per-sentence table, a bootstrap interval, the page's selector, compare's
+deltas. stats.py (sums -> means), tables.py (schemas), report/page.py and report/compare.py derive their lists
+from here. A new corpus metric is one entry here plus its per-row value in measures/statistics.py.
+
+No third-party imports: commands that only read reports import this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Rows at positions below this are left out of `sink_rate` and the top-offset evidence: a row at position p
+# sees p + 1 keys, so from position 4 on even uniform attention puts at most 1/5 on the first token.
+EVIDENCE_FROM = 4
+MAX_OFFSET = 8  # top-offset categories: the first token, offsets 0..MAX_OFFSET back, and anything else
+OFFSET_CATEGORIES: tuple[str, ...] = ("first", *(str(k) for k in range(MAX_OFFSET + 1)), "other")
+# The probe battery's patterns (headscope.measures.probes); each gives a probe_<pattern> column.
+PROBE_PATTERNS: tuple[str, ...] = ("induction", "duplicate", "previous")
+
+# Row sums that count rows (denominators), and how many of a sentence's n rows each leaves out in a causal
+# model: the first row sees one key (no normalised entropy) and has no previous token.
+ROWS_LEFT_OUT: dict[str, int] = {"n_rows": 0, "norm_rows": 1, "prev_rows": 1, "evidence_rows": EVIDENCE_FROM}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str  # Arrow type name: int32, int64, float64, string
+    about: str  # what the value is, in one line (the page shows it)
+    sums: tuple[str, str] | None = None  # a token-weighted mean of row values: (numerator, denominator) row sums
+    slots: tuple[str, ...] = ()  # other row sums it is derived from (stats.DERIVED says how)
+    interval: bool = False  # with a 95% bootstrap interval: <name>_ci_low, <name>_ci_high
+    per_sentence: bool = False  # also a column of sentence_heads.parquet (float32)
+    shown: bool = False  # offered by the page's colour selector
+    diverging: bool = False  # signed around 0: diverging colours on symmetric limits
+
+    @property
+    def numeric(self) -> bool:
+        return self.dtype != "string"
+
+
+def _probe_columns(pattern: str) -> tuple[Column, ...]:
+    what = {"induction": "the token after an earlier copy", "duplicate": "earlier copies of the token"}.get(
+        pattern, "the previous token"
+    )
+    name = f"probe_{pattern}"
+    return (
+        Column(name, "float64", f"mass on {what}, on repeated random tokens (mean over seeds)", shown=True),
+        Column(f"{name}_chance", "float64", f"what uniform attention gives {name}"),
+        Column(f"{name}_ci_low", "float64", f"{name}: 95% t-interval over seeds, low end"),
+        Column(f"{name}_ci_high", "float64", f"{name}: 95% t-interval over seeds, high end"),
+    )
+
+
+_IMPORTANCE = {
+    "ablation_zero": "loss increase (nats) with the head's output set to 0, exact",
+    "ablation_mean": "loss increase (nats) with the head's output set to its corpus mean, exact",
+    "attribution_zero": "first-order estimate of ablation_zero",
+    "attribution_mean": "first-order estimate of ablation_mean",
+}
+
+# In the heads table's order, the intervals, probes and labels spliced in by HEADS_COLUMNS below.
+MEASURED: tuple[Column, ...] = (
+    Column("layer", "int32", "layer number"),
+    Column("head", "int32", "query head number"),
+    Column("kv_head", "int32", "the key/value head it reads (grouped-query attention)"),
+    Column("n_rows", "int64", "query rows averaged (tokens)", slots=("n_rows",)),
+    Column("nonfinite_rows", "int64", "rows holding NaN or inf, left out of every metric", slots=("nonfinite_rows",)),
+    Column("unnormalised_rows", "int64", "rows whose mass is not 1 within 1e-3", slots=("unnormalised_rows",)),
+    Column(
+        "entropy",
+        "float64",
+        "-sum A ln A per row (nats)",
+        sums=("entropy", "n_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "entropy_std", "float64", "standard deviation of the row entropies", slots=("entropy_sq",), per_sentence=True
+    ),
+    Column(
+        "norm_entropy",
+        "float64",
+        "row entropy / ln(visible keys): 1 uniform, 0 one-hot",
+        sums=("norm_entropy", "norm_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "diagonal",
+        "float64",
+        "mass within +-window positions of the query",
+        sums=("diagonal", "n_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "diagonal_uniform",
+        "float64",
+        "what diagonal would be under uniform attention",
+        sums=("diagonal_uniform", "n_rows"),
+        per_sentence=True,
+    ),
+    Column(
+        "sink",
+        "float64",
+        "mass on the sentence's first token",
+        sums=("sink", "n_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "prev_token",
+        "float64",
+        "mass on the previous token",
+        sums=("prev_token", "prev_rows"),
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "max_weight",
+        "float64",
+        "largest weight of the row",
+        sums=("max_weight", "n_rows"),
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "sink_rate",
+        "float64",
+        "share of rows (position >= 4) whose first-token mass exceeds --sink-threshold",
+        sums=("sink_hits", "evidence_rows"),
+        shown=True,
+    ),
+    Column(
+        "top_offset",
+        "string",
+        "where most rows put their largest weight: first, an offset 0-8 back, or other",
+        slots=("evidence_rows", *(f"top_{category}" for category in OFFSET_CATEGORIES)),
+    ),
+    Column("top_offset_share", "float64", "share of rows that top_offset holds", shown=True),
+)
+
+LABELS: tuple[Column, ...] = (
+    Column("locality", "float64", "(diagonal - diagonal_uniform) / (1 - diagonal_uniform)", shown=True, diverging=True),
+    Column("head_type", "string", "local, copy, broad or mixed"),
+    Column("type_reason", "string", "the evidence that decided the head type"),
+    Column("role", "string", "induction, duplicate-token, previous-token, sink, positional, broad or other"),
+    Column("role_reason", "string", "the evidence that decided the role"),
+)
+
+INTERVAL_METRICS: tuple[str, ...] = tuple(c.name for c in MEASURED if c.interval)
+IMPORTANCE_COLUMNS: tuple[str, ...] = tuple(_IMPORTANCE)
+
+
+def _interval_columns() -> tuple[Column, ...]:
+    return tuple(
+        Column(f"{name}_ci_{side}", "float64", f"{name}: 95% bootstrap interval over sentences, {side} end")
+        for name in INTERVAL_METRICS
+        for side in ("low", "high")
+    )
+
+
+# Every column of heads.parquet, in order.
+HEADS_COLUMNS: tuple[Column, ...] = (
+    *MEASURED,
+    *_interval_columns(),
+    *(column for pattern in PROBE_PATTERNS for column in _probe_columns(pattern)),
+    *(Column(name, "float64", about, shown=True, diverging=True) for name, about in _IMPORTANCE.items()),
+    *LABELS,
+)
+COLUMNS: dict[str, Column] = {column.name: column for column in HEADS_COLUMNS}
+# What analyze measures (everything before the labels): classify keeps these and re-derives the rest.
+MEASURED_COLUMNS: tuple[str, ...] = tuple(c.name for c in HEADS_COLUMNS if c not in LABELS)
+IDS: tuple[str, ...] = ("layer", "head", "kv_head")
+# The numeric columns compare gives as X_a, X_b and X_delta.
+DELTAS: tuple[str, ...] = tuple(c.name for c in HEADS_COLUMNS if c.numeric and c.name not in IDS)
+COUNTS: tuple[str, ...] = tuple(c.name for c in MEASURED if c.dtype == "int64")  # row counts, as integers
+PER_SENTENCE: tuple[str, ...] = tuple(c.name for c in MEASURED if c.per_sentence)
+# metric -> (numerator, denominator) row sums
+RATIOS: dict[str, tuple[str, str]] = {c.name: c.sums for c in MEASURED if c.sums is not None}
+# The row sums the statistics keep per (sentence, head), in order: every numerator and denominator, then the
+# other slots, each once.
+STATS: tuple[str, ...] = tuple(dict.fromkeys(slot for c in MEASURED for slot in (*(c.sums or ()), *c.slots)))
+STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(STATS)}

@@ -1,0 +1,140 @@
+"""What the commands print: rich tables of a report and of a comparison. Never imports torch.
+
+Everything from a report or a model (names, paths, tokens, reasons) is printed as text, never as rich markup.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from headscope.labels import HEAD_TYPES, ROLES, label_counts
+from headscope.report.report import Report
+from headscope.summary import early_late_entropy, importance_column, layer_bands, layer_entropy, most_important
+
+
+def _console() -> Console:
+    return Console(soft_wrap=True, highlight=False)  # long lines stay whole, at any terminal width
+
+
+def print_analysis(report: Report) -> None:
+    """Per-layer entropy, the depth gradient, the run's counts and warnings; labels per band; the heads the
+    loss needs most (when importance was measured)."""
+    console = _console()
+    run = report.run
+    arch = run["model"]["architecture"]
+    table = Table(title=Text(f"{run['model']['input']}: mean attention entropy per layer (nats)"))
+    for name in ("layer", "mean", "min head", "max head"):
+        table.add_column(name, justify="right")
+    for layer, row in layer_entropy(report.heads).iterrows():
+        table.add_row(str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
+    console.print(table)
+    bands = early_late_entropy(report.heads, report.depth)
+    timings = run["timings"]
+    if bands is not None:
+        console.print(
+            f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
+            f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}",
+            markup=False,
+        )
+    console.print(
+        f"{run['corpus']['sentences']} sentences, {run['corpus']['tokens']} tokens "
+        f"({run['corpus']['truncated_sentences']} truncated); {arch['layers']} layers x {arch['heads']} heads "
+        f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s",
+        markup=False,
+    )
+    numerics = run["numerics"]
+    if numerics["nonfinite_rows"]:
+        console.print(
+            f"warning: {numerics['nonfinite_rows']} attention rows held NaN or inf "
+            f"({numerics['heads_with_nonfinite_rows']} heads; left out of the metrics, counted in "
+            "nonfinite_rows). float16 overflow? Try --dtype bfloat16 or float32.",
+            markup=False,
+        )
+    if numerics["unnormalised_rows"]:
+        console.print(
+            f"warning: {numerics['unnormalised_rows']} attention rows do not sum to 1 "
+            f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows).",
+            markup=False,
+        )
+    console.print(f"wrote {report.folder}/", markup=False)
+    print_label_counts(report, run["model"]["input"])
+    _print_most_important(report)
+
+
+def _print_most_important(report: Report) -> None:
+    """The 10 heads whose removal hurts the loss most, with their role and entropy."""
+    heads = report.heads
+    column = importance_column(heads)
+    if column is None:
+        return
+    importance = report.run["importance"]
+    table = Table(
+        title=Text(f"the 10 heads the loss needs most, by {column} (clean loss {importance['clean_loss']:.4f} nats)"),
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
+        table.add_column(name, justify="left" if name in ("head", "role") else "right")
+    for row in most_important(heads).itertuples():
+        values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
+        cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
+        table.add_row(f"L{row.layer}H{row.head}", *cells, row.role, f"{row.entropy:.3f}")
+    _console().print(table)
+
+
+def print_label_counts(report: Report, title: str) -> None:
+    """Head types and roles, counted per band of the model's layers."""
+    bands = layer_bands(report.depth)
+    console = _console()
+    for column, names, what in (("head_type", HEAD_TYPES, "head type"), ("role", ROLES, "role")):
+        counts = label_counts(report.heads, column, names, bands)  # rows: bands; columns: labels
+        table = Table(title=Text(f"{title}: heads per {what}"))
+        table.add_column(what)
+        for band in counts.index:
+            table.add_column(band, justify="right")
+        for name in names:
+            table.add_row(name, *(str(int(counts.at[band, name])) for band in counts.index))
+        console.print(table)
+
+
+def print_comparison(comparison) -> None:
+    """The method, the heads that changed most and the layers where the mean entropy moved."""
+    console = _console()
+    record = comparison.record
+    for side in ("a", "b"):
+        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}", markup=False)
+    console.print(f"method: {record['method']}", markup=False)
+    if not comparison.same_grid:
+        shares = comparison.bands[comparison.bands["kind"] == "role"].pivot_table(
+            index="label", columns=["band", "report"], values="share"
+        )
+        console.print(shares.round(3).to_string(), markup=False)
+        return
+    heads = comparison.heads
+    counts = ", ".join(f"{metric} {n}" for metric, n in record["significant_heads"].items())
+    console.print(f"heads whose change is significant (FDR 5%): {counts} of {len(heads)}")
+    table = Table(title="the heads whose entropy changed most", box=box.SIMPLE_HEAD)
+    for name in ("head", "A", "B", "B - A", "95% interval", "sig.", "role A -> B"):
+        table.add_column(name, justify="left" if name in ("head", "role A -> B") else "right")
+    for row in heads.reindex(heads["entropy_delta"].abs().sort_values(ascending=False).index).head(10).itertuples():
+        table.add_row(
+            f"L{row.layer}H{row.head}",
+            f"{row.entropy_a:.3f}",
+            f"{row.entropy_b:.3f}",
+            f"{row.entropy_delta:+.3g}",  # significant figures: a consistent 1e-5 shift must not read 0.000
+            f"[{row.entropy_delta_ci_low:+.3g}, {row.entropy_delta_ci_high:+.3g}]",
+            "yes" if row.entropy_significant else "",
+            f"{row.role_a} -> {row.role_b}",
+        )
+    console.print(table)
+    layers = comparison.layers
+    moved = layers[layers["entropy_significant"]]
+    if len(moved):
+        console.print(
+            "layers whose mean entropy moved (FDR 5%): "
+            + ", ".join(f"{row.layer} ({row.entropy_delta:+.3g})" for row in moved.itertuples())
+        )
+    else:
+        console.print("no layer's mean entropy moved significantly (FDR 5%)")

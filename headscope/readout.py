@@ -1,0 +1,245 @@
+"""How one layer's attention probabilities are read, and its output computed.
+
+- ``eager``: the model's *own* module-level ``eager_attention_forward`` (so grouped KV heads, scaling,
+  softcapping, sinks and sliding windows are the model's), which materialises the full (batch, heads, t, t)
+  matrix.
+- ``blockwise``: the layer's output comes from ``sdpa`` (fast, no t x t matrix) and the logits are recomputed
+  block of query rows by block, bounding memory by (batch x heads x block x keys). Used only when the model's
+  eager function is, to the letter, one of the standard ones (Llama's or GPT-2's: softmax(q k^T * scaling +
+  mask)) *and* our recomputed probabilities matched the eager ones on a few rows of the first call. Anything
+  else stays on the model's own eager function.
+
+A `Readout` belongs to one capture: what it has checked about each eager function (causal? do our logits
+reproduce its weights?) is its own, so a second model in the same process is checked again.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.gpt2 import modeling_gpt2
+from transformers.models.llama import modeling_llama
+
+from headscope.errors import ModelLoadError
+from headscope.masks import additive_mask, key_visibility
+
+# Rows per block, at most: small blocks let causal attention skip most keys after each block's last row.
+MAX_BLOCK_ROWS = 128
+# Query rows of one sentence on which a standard eager function is checked before the block-wise path is
+# trusted: enough to see the first row (which a causal model lets see only itself) and rows across the
+# sentence, few enough that the check costs (1, heads, CHECK_ROWS, keys) whatever the sequence length.
+CHECK_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """One layer's attention for a block of consecutive query rows, for every sentence and head of a batch.
+
+    Exactly one of `weights` and `logits` is set: the model's own probabilities (eager path), or the
+    standard logits with hidden keys at the dtype's minimum (block-wise path; softmax gives the probabilities).
+    """
+
+    first_row: int  # query position of the block's first row
+    visible: torch.Tensor  # (batch or 1, 1, rows, keys) bool: the keys each row may see
+    query_valid: torch.Tensor  # (batch, rows) bool: real (non-padding) rows
+    seq_start: torch.Tensor  # (batch,) long: each sentence's first real position
+    weights: torch.Tensor | None = None  # (batch, heads, rows, keys)
+    logits: torch.Tensor | None = None  # (batch, heads, rows, keys)
+
+    def probabilities(self) -> torch.Tensor:
+        """(batch, heads, rows, keys) attention probabilities, whichever path produced the block."""
+        if self.weights is not None:
+            return self.weights
+        return torch.softmax(self.logits, dim=-1, dtype=torch.float32)
+
+
+def _normalised_source(function: Callable) -> str:
+    source = inspect.getsource(function)
+    source = re.sub(r"#[^\n]*", "", source)  # comments
+    return re.sub(r"\s+", "", source)
+
+
+# Eager functions whose maths is exactly softmax(q k^T * scaling + mask) with repeated KV heads.
+_STANDARD_EAGER = frozenset(
+    _normalised_source(module.eager_attention_forward) for module in (modeling_llama, modeling_gpt2)
+)
+
+
+@functools.cache
+def eager_function_of(cls: type) -> tuple[Callable, bool]:
+    """The `eager_attention_forward` defined next to an attention class, and whether it is a standard one.
+
+    A fact about the class's source code, the same for every instance: cached for the process.
+    """
+    function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    if function is None:
+        raise ModelLoadError(
+            f"{cls.__name__} has no eager attention function in {cls.__module__}; "
+            "headscope cannot read its attention weights"
+        )
+    return function, _normalised_source(function) in _STANDARD_EAGER
+
+
+def standard_logits(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float | None,
+    rows: slice | torch.Tensor,
+    keys: int,
+) -> torch.Tensor:
+    """q k^T * scaling, hidden keys at the dtype's minimum, for query rows `rows` and the first `keys` keys,
+    as the standard eager functions compute them.
+
+    query: (batch, heads, t, head_dim); key: (batch, heads, t, head_dim) with KV heads already repeated;
+    visible: (batch or 1, 1, rows, keys) bool from `key_visibility`; rows: a slice or (rows,) long positions.
+    Returns (batch, heads, rows, keys); softmax over the last axis (in float32) gives the eager probabilities.
+    """
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    picked = query[..., rows, :] if isinstance(rows, slice) else query.index_select(-2, rows)
+    # Scaling the (rows, head_dim) queries instead of the (rows, keys) scores: the same numbers up to
+    # float rounding (verified against the eager weights), at a fraction of the memory traffic.
+    scores = torch.matmul(picked * scaling, key[:, :, :keys].transpose(2, 3))
+    return scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+
+
+def repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv_heads, keys, d) -> (batch, heads, keys, d): query head h reads KV head h // groups."""
+    groups = heads // key.shape[1]
+    return key if groups == 1 else key.repeat_interleave(groups, dim=1)
+
+
+def check_rows(query_valid: torch.Tensor, t: int) -> tuple[int, torch.Tensor]:
+    """(sentence, query positions) to check on: up to CHECK_ROWS real rows spread over the longest sentence.
+
+    query_valid: (batch, t) bool. Returns the batch index and (rows,) long positions.
+    """
+    sentence = int(query_valid.sum(-1).argmax())
+    positions = query_valid[sentence].nonzero().squeeze(-1).cpu()
+    if len(positions) > CHECK_ROWS:
+        positions = positions[torch.linspace(0, len(positions) - 1, CHECK_ROWS).round().long()]
+    return sentence, positions
+
+
+class Readout:
+    """Computes attention layers for one capture: their output, and their probabilities for the readers.
+
+    The capture sets `query_valid` ((batch, t) bool) and `seq_start` ((batch,) long) of the batch in flight, on
+    the device of the layer about to run.
+    """
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.query_valid: torch.Tensor | None = None  # set by the capture for each layer, on its device
+        self.seq_start: torch.Tensor | None = None
+        self.paths: dict[str, str] = {}  # attention class -> the path its probabilities took, for run.json
+        self._causal: dict[Callable, bool] = {}  # eager function -> no weight above the diagonal
+        self._verified: dict[Callable, bool] = {}  # eager function -> our logits reproduce its weights
+
+    def unread(self, module, query, key, value, mask, kwargs) -> torch.Tensor:
+        """A layer nobody reads: the fastest correct output."""
+        eager, standard = eager_function_of(type(module))
+        if standard:
+            return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+        visible = key_visibility(mask, self.query_valid, slice(None), key.shape[-2])
+        return eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)[0]
+
+    def read(self, readers: Sequence, layer: int, module, query, key, value, mask, kwargs) -> torch.Tensor:
+        """The layer's output; its probabilities go to every reader's `attention(layer, block)`.
+
+        query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim); mask: what
+        `masks.boolean_mask` built, (batch or 1, 1, t, t) bool, or None for causal attention without padding.
+        """
+        eager, standard = eager_function_of(type(module))
+        name = type(module).__name__
+        if standard and eager not in self._causal:
+            self._inspect_standard(eager, name, module, query, key, value, mask, kwargs)
+        if self._verified.get(eager) and not self._fits_one_block(query):
+            output, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+            self._blocks(readers, layer, query, key, mask, kwargs.get("scaling"), causal=self._causal[eager])
+            self.paths[name] = "blockwise (sdpa output, probabilities by blocks of query rows)"
+            return output
+        # The full (batch, heads, t, t) weights exist on this path anyway, so a full-size mask costs no more.
+        visible = key_visibility(mask, self.query_valid, slice(None), key.shape[-2])
+        output, weights = eager(module, query, key, value, additive_mask(visible, query.dtype), **kwargs)
+        if weights is None:
+            raise ModelLoadError(f"{name}'s eager attention returned no weights")
+        if eager not in self._causal:  # a model with its own attention maths: judged on the weights it computed
+            rows = torch.arange(weights.shape[-2], device=weights.device)
+            self._check_causal(eager, name, weights, rows, real=self.query_valid)
+        block = RowBlock(0, visible, self.query_valid, self.seq_start, weights=weights)
+        for reader in readers:
+            reader.attention(layer, block)
+        self.paths.setdefault(name, "eager (the model's own attention function)")
+        return output
+
+    def _fits_one_block(self, query: torch.Tensor) -> bool:
+        """Is the whole (batch, heads, t, t) matrix within the block budget? Then the eager weights are cheapest."""
+        batch, heads, t, _ = query.shape
+        return 4 * batch * heads * t * t <= self.block_bytes
+
+    def _blocks(self, readers, layer, query, key, mask, scaling, *, causal: bool) -> None:
+        """Recompute the logits block of query rows by block and hand each block to the readers.
+
+        With causal attention the rows of a block ending at position r see no key after r, so only
+        keys < r are computed: about half the work of the full matrix.
+        """
+        batch, heads, t, _ = query.shape
+        key = repeat_kv(key, heads)
+        rows_per_block = max(1, min(MAX_BLOCK_ROWS, self.block_bytes // (4 * batch * heads * key.shape[-2])))
+        for first in range(0, t, rows_per_block):
+            rows = slice(first, min(first + rows_per_block, t))
+            keys = rows.stop if causal else key.shape[-2]
+            visible = key_visibility(mask, self.query_valid, rows, keys)  # (batch or 1, 1, rows, keys)
+            logits = standard_logits(query, key, visible, scaling, rows, keys)
+            block = RowBlock(first, visible, self.query_valid[:, rows], self.seq_start, logits=logits)
+            for reader in readers:
+                reader.attention(layer, block)
+
+    def _inspect_standard(self, eager, name, module, query, key, value, mask, kwargs) -> None:
+        """On the first call of a standard eager function: refuse bidirectional attention, and record
+        whether our q k^T * scaling + mask softmax reproduces the model's own weights (which allows the
+        block-wise path).
+
+        Both are judged on a few query rows of one sentence (`check_rows`), so the check's memory does not
+        grow with the square of the sequence: the model's eager function takes the rows as a shorter query.
+        """
+        sentence, positions = check_rows(self.query_valid, query.shape[-2])
+        one = slice(sentence, sentence + 1)
+        positions = positions.to(query.device)
+        mask = mask[one] if mask is not None and mask.shape[0] > 1 else mask
+        visible = key_visibility(mask, self.query_valid[one], positions, key.shape[-2])  # (1, 1, rows, keys)
+        rows_query = query[one].index_select(-2, positions)
+        _, weights = eager(module, rows_query, key[one], value[one], additive_mask(visible, query.dtype), **kwargs)
+        self._check_causal(eager, name, weights, positions)
+        logits = standard_logits(
+            rows_query, repeat_kv(key[one], query.shape[1]), visible, kwargs.get("scaling"), slice(None), key.shape[-2]
+        )
+        expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
+        self._verified[eager] = bool((weights.float() - expected).abs().max() <= tolerance)
+
+    def _check_causal(self, eager, name: str, weights, positions, real: torch.Tensor | None = None) -> None:
+        """Refuse a model whose weights (batch, heads, len(positions), keys) reach keys after their query.
+
+        positions: (len(positions),) the query position of each row; real: (batch, len(positions)) bool, the
+        rows to judge (padding rows may attend anywhere), or None when every row given is real.
+        """
+        later = torch.arange(weights.shape[-1], device=weights.device)[None, :] > positions[:, None]  # (rows, keys)
+        above_diagonal = weights * later
+        if real is not None:
+            above_diagonal = above_diagonal * real[:, None, :, None]
+        # `> 0`, not `max() == 0`: a NaN row (float16 overflow) is not attention to later tokens.
+        self._causal[eager] = not bool((above_diagonal > 0).any())
+        if not self._causal[eager]:
+            raise ModelLoadError(
+                f"{name} lets tokens attend to later tokens (bidirectional attention, an encoder?); "
+                "headscope measures causal language models"
+            )

@@ -1,0 +1,222 @@
+"""A finished report: its run record, its tables (read when first used, every read guarded) and what they imply
+(the model's depth and its bands, the thresholds it was labelled with, its title). `analyze` returns one;
+`plot`, `classify`, `compare` and the page read one. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import pandas as pd
+
+from headscope.columns import MEASURED_COLUMNS
+from headscope.config import RoleThresholds, Thresholds
+from headscope.errors import ConfigError, OutputError
+from headscope.labels import classification_record, label_heads
+from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.summary import depth_bands, layer_entropy
+from headscope.tables import (
+    EXAMPLES_SCHEMA,
+    HEADS_SCHEMA,
+    LAYERS_SCHEMA,
+    SENTENCE_HEADS_SCHEMA,
+    SENTENCES_SCHEMA,
+    read_table,
+)
+
+
+class Report:
+    """A report, from its folder (`Report.open`) or from the frames a run has in hand.
+
+    heads            one row per (layer, head): the measurements, the head type and role
+    layers           one row per layer (None for a report without it)
+    examples         every head's attention on the example sentence, long-form (None without one)
+    sentences        one row per corpus sentence (None when not kept)
+    sentence_heads   one row per (sentence, layer, head) (None when the run skipped it)
+    run              everything run.json holds
+    """
+
+    def __init__(
+        self, run: dict, *, folder: Path | None = None, tables: Mapping[str, pd.DataFrame | None] | None = None
+    ) -> None:
+        self.run = run
+        self.folder = Path(folder) if folder is not None else None
+        self._tables: dict[str, pd.DataFrame | None] = dict(tables or {})
+
+    @classmethod
+    def open(cls, folder: Path | str) -> Report:
+        """The report in `folder` (its run.json read now, its tables when first used)."""
+        folder = Path(folder)
+        return cls(read_run(folder), folder=folder)
+
+    @property
+    def heads(self) -> pd.DataFrame:
+        return self._table(HEADS_FILE)
+
+    @property
+    def layers(self) -> pd.DataFrame | None:
+        return self._table(LAYERS_FILE)
+
+    @property
+    def examples(self) -> pd.DataFrame | None:
+        return self._table(EXAMPLES_FILE)
+
+    @property
+    def sentences(self) -> pd.DataFrame | None:
+        return self._table(SENTENCES_FILE)
+
+    @property
+    def sentence_heads(self) -> pd.DataFrame | None:
+        return self._table(SENTENCE_HEADS_FILE)
+
+    @property
+    def out_dir(self) -> Path | None:
+        """The folder the report was written to (None for a run without --out); the same as `folder`."""
+        return self.folder
+
+    def _table(self, name: str) -> pd.DataFrame | None:
+        if name not in self._tables:
+            if self.folder is None:
+                return None
+            self._tables[name] = _READERS[name](self.folder / name)
+        return self._tables[name]
+
+    @property
+    def depth(self) -> int:
+        """The model's number of layers (run.json's architecture), whichever layers the report measured."""
+        architecture = _section(_section(self.run, "model"), "architecture")
+        layers = architecture.get("layers")
+        measured = int(self.heads["layer"].max()) + 1
+        return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers >= measured else measured
+
+    @property
+    def head_count(self) -> int:
+        return int(self.heads["head"].max()) + 1
+
+    @property
+    def bands(self) -> dict[str, range]:
+        """early, middle, late layers of the model (summary.depth_bands)."""
+        return depth_bands(self.depth)
+
+    @property
+    def thresholds(self) -> Thresholds:
+        """The head-type thresholds the report was labelled with."""
+        return _recorded(self.run, "thresholds", Thresholds)
+
+    @property
+    def role_thresholds(self) -> RoleThresholds:
+        """The role thresholds the report was labelled with."""
+        return _recorded(self.run, "role_thresholds", RoleThresholds)
+
+    @property
+    def title(self) -> str:
+        """'model on corpus.txt (N sentences)', for charts and pages."""
+        corpus = _section(self.run, "corpus")
+        return f"{self.label} ({corpus.get('sentences', '?')} sentences)"
+
+    @property
+    def label(self) -> str:
+        """'model on corpus.txt'."""
+        model, corpus = _section(self.run, "model"), _section(self.run, "corpus")
+        return f"{model.get('input', '?')} on {Path(str(corpus.get('path', 'corpus'))).name}"
+
+    @property
+    def corpus_sha256(self) -> str | None:
+        return _section(self.run, "corpus").get("sha256")
+
+    def tables(self, *names: str) -> dict[str, pd.DataFrame | None]:
+        """The tables of these file names, read now if they were not in hand."""
+        return {name: self._table(name) for name in names}
+
+    def checked(self) -> Report:
+        """Read the heads, layers and examples now (every read is checked), so that a bad table stops a command
+        before it writes anything."""
+        for name in (HEADS_FILE, LAYERS_FILE, EXAMPLES_FILE):
+            self._table(name)
+        return self
+
+    def layer_entropy(self) -> pd.Series:
+        """Mean entropy per layer (nats): the seed analysis's layer-depth gradient."""
+        return layer_entropy(self.heads)["mean"]
+
+    def relabelled(self, thresholds: Thresholds, roles: RoleThresholds) -> Report:
+        """The same report with its heads labelled again (types and roles), and run.json saying how."""
+        heads = label_heads(self.heads[list(MEASURED_COLUMNS)], thresholds, roles)
+        run = {**self.run, "classification": classification_record(heads, thresholds, roles)}
+        tables = {HEADS_FILE: heads, LAYERS_FILE: self.layers, EXAMPLES_FILE: self.examples}
+        return Report(run, folder=self.folder, tables=tables)
+
+
+def read_run(folder: Path) -> dict:
+    path = Path(folder) / RUN_FILE
+    if not path.is_file():
+        raise OutputError(f"{path} not found; is {folder} a headscope report folder?")
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise OutputError(f"cannot read {path}: {err.strerror or err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise OutputError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(run, dict):
+        raise OutputError(f"{path} is not a headscope run record (a JSON object)")
+    return run
+
+
+def _read_heads(path: Path) -> pd.DataFrame:
+    """The heads table, refused unless it has one row per (layer, head)."""
+    heads = read_table(path, HEADS_SCHEMA)
+    if heads.empty:
+        raise OutputError(f"{path} has no rows; run `headscope analyze` again")
+    if heads[["layer", "head"]].isna().any().any():
+        raise OutputError(f"{path} has rows without a layer or head number")
+    if (heads[["layer", "head"]] < 0).any().any():
+        raise OutputError(f"{path} has negative layer or head numbers")
+    repeated = heads.duplicated(["layer", "head"])
+    if repeated.any():
+        first = heads[repeated].iloc[0]
+        raise OutputError(f"{path} lists layer {first['layer']}, head {first['head']} more than once")
+    return heads
+
+
+def _read_examples(path: Path) -> pd.DataFrame | None:
+    """Every head's attention on the example sentence, or None when the report has none."""
+    if not path.is_file():
+        return None
+    examples = read_table(path, EXAMPLES_SCHEMA)
+    positions = examples[["query", "key"]]
+    if examples.empty:
+        return None
+    if positions.isna().any().any() or (positions < 0).any().any() or (positions.max() > 4096).any():
+        raise OutputError(f"{path} is not a headscope table: query and key must be token positions")
+    return examples
+
+
+def _optional(schema):
+    def read(path: Path) -> pd.DataFrame | None:
+        return read_table(path, schema) if path.is_file() else None
+
+    return read
+
+
+_READERS = {
+    HEADS_FILE: _read_heads,
+    LAYERS_FILE: _optional(LAYERS_SCHEMA),
+    EXAMPLES_FILE: _read_examples,
+    SENTENCES_FILE: _optional(SENTENCES_SCHEMA),
+    SENTENCE_HEADS_FILE: _optional(SENTENCE_HEADS_SCHEMA),
+}
+
+
+def _section(run: dict, key: str) -> dict:
+    value = run.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _recorded(run: dict, key: str, kind):
+    recorded = _section(run, "classification").get(key)
+    try:
+        return kind(**recorded) if recorded else kind()
+    except (TypeError, ConfigError) as err:
+        raise OutputError(f"run.json holds unusable classification {key.replace('_', ' ')} ({err})") from None
