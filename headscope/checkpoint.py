@@ -63,10 +63,10 @@ class PartFiles:
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
 
-    def save_progress(self, progress: Progress, arrays: dict[str, np.ndarray], sizing: dict) -> None:
-        """Checkpoint `progress`, the running sums (`arrays`: name -> array, e.g. the per-head sums) and what
-        sized the batches (`Plan.sizing`): batches decide the order of the float sums, so a resumed run batches
-        as this one did and its tables equal an uninterrupted run's bit for bit."""
+    def save_progress(self, progress: Progress, arrays: dict[str, np.ndarray], plan: dict) -> None:
+        """Checkpoint `progress`, the running sums (`arrays`: name -> array, e.g. the per-head sums) and the plan
+        (`Plan.record`): batches decide the order of the float sums, so a resumed run batches as this one did
+        and its tables equal an uninterrupted run's bit for bit."""
         if not self.checkpoints:
             return
         for name, array in arrays.items():
@@ -76,7 +76,7 @@ class PartFiles:
         record = {
             "fingerprint": self.fingerprint,
             "progress": asdict(progress),
-            "sizing": sizing,
+            "plan": plan,
             "arrays": sorted(arrays),
         }
         write_json(record, self.folder / f"{self._checkpoint}.json")
@@ -84,7 +84,7 @@ class PartFiles:
     def load_progress(
         self, shapes: dict[str, tuple[int, ...]], kinds: tuple[str, ...]
     ) -> tuple[Progress, dict[str, np.ndarray], dict | None]:
-        """The checkpoint left in the folder by an interrupted run: its progress, running sums and sizing (a
+        """The checkpoint left in the folder by an interrupted run: its progress, running sums and plan (a
         fresh start, zeros and None, if there is none).
 
         shapes: name -> shape of every running sum. The checkpoint is refused unless it is whole: from the
@@ -96,7 +96,7 @@ class PartFiles:
             return Progress(), {name: np.zeros(shape) for name, shape in shapes.items()}, None
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
-            progress, sizing = Progress(**saved["progress"]), dict(saved["sizing"])
+            progress, plan = Progress(**saved["progress"]), dict(saved["plan"])
             arrays = {name: np.load(self.folder / f"{self._checkpoint}-{name}.npy") for name in shapes}
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete that folder") from None
@@ -115,7 +115,7 @@ class PartFiles:
         if missing or wrong:
             problem = f"{missing[0]} is missing" if missing else f"its {wrong[0]} have shape {arrays[wrong[0]].shape}"
             raise OutputError(f"the checkpoint in {self.folder} is incomplete ({problem}); delete that folder")
-        return progress, arrays, sizing
+        return progress, arrays, plan
 
     def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> int:
         """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts.

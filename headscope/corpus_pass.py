@@ -90,7 +90,7 @@ def measure_corpus(
             _count_chunk(progress, chunk)
             progress.chunks_done = chunk.index + 1
             running = {"sums": sums.totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})}
-            parts.save_progress(progress, running, plan.sizing)
+            parts.save_progress(progress, running, plan.record())
             rounds.meet(len(chunk.sentences), sum(len(ids) for ids in tokenized.values()))
     reporter.finish()
     measured = Measured(sums.totals, bootstrap, progress, dict(capture.paths))

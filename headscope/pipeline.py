@@ -28,7 +28,7 @@ from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Threshold
 from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
 from headscope.corpus_pass import measure_corpus
 from headscope.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
-from headscope.errors import ConfigError
+from headscope.errors import ConfigError, OutputError
 from headscope.feed import CorpusFeed
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.loading import LoadedModel, ModelSource, load_config, load_for_run, model_files, pick_device
@@ -200,18 +200,24 @@ def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Report
     """The checkpoint's progress and sums, and the plan batched as the interrupted run was (so that the tables
     equal an uninterrupted run's bit for bit; run.json then records what was really used)."""
     kinds = ("sentences", "sentence_heads") if plan.settings.sentence_heads else ("sentences",)
-    progress, running, sizing = parts.load_progress(plan.running_shapes, kinds)
-    if sizing is None or sizing == plan.sizing:
+    progress, running, saved = parts.load_progress(plan.running_shapes, kinds)
+    if saved is None:
         return progress, running, plan
-    reporter.note(
-        f"resuming with the interrupted run's batching (--batch-size {sizing['batch_size'] or 'auto'}, "
-        f"--max-memory {sizing['max_memory'] or 'default'}), so that the tables equal an uninterrupted run's"
-    )
-    return (
-        progress,
-        running,
-        resized(plan, sizing, loaded.model.config, dtype=loaded.dtype, device_type=loaded.device.type),
-    )
+    sizing = saved.get("sizing") or {}
+    if sizing != plan.sizing:
+        facts = {"dtype": loaded.dtype, "device_type": loaded.device.type}
+        plan = resized(plan, sizing, loaded.model.config, **facts)
+        reporter.note(
+            f"resuming with the interrupted run's batching (--batch-size {sizing['batch_size'] or 'auto'}, "
+            f"--max-memory {sizing['max_memory'] or 'default'}), so that the tables equal an uninterrupted run's"
+        )
+    if plan.record() != saved:
+        differ = sorted(key for key in saved.keys() | plan.record().keys() if saved.get(key) != plan.record().get(key))
+        raise OutputError(
+            f"the checkpoint in {parts.folder} was planned differently ({', '.join(differ)}: the model changed?); "
+            "delete that folder or run without --resume"
+        )
+    return progress, running, plan
 
 
 def _inputs(source: ModelSource, corpus: Corpus) -> dict[str, Path]:

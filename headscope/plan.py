@@ -2,10 +2,11 @@
 
 `resolve_plan` is the one place a setting is turned into what the code uses: which layers are measured and how
 deep the model is, how long a sentence may be, what the running sums accumulate in and their shapes, how many
-sentences and tokens each kind of pass may batch, and the layer bands. Every pass reads the plan; the
-checkpoint keeps what sized its batches (`Plan.sizing`), so a resumed run (or another rank) resolves the same
-plan again. Measures build themselves from it (`AttentionStatistics.from_plan`, ...), so no option can be
-dropped on the way.
+sentences and tokens each kind of pass may batch, and the layer bands. Every pass reads the plan, and measures
+build themselves from it (`AttentionStatistics.from_plan`, ...), so no option can be dropped on the way.
+Another rank resolves the same plan from rank 0's sizing (`Plan.sizing`). The checkpoint keeps the plan
+(`Plan.record`): a resumed run, batched as the interrupted one was, must resolve it again exactly, or the
+checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -80,7 +81,21 @@ class Plan:
         }
 
     def record(self) -> dict:
-        """The batching as run.json reports it."""
+        """The plan as JSON: the checkpoint keeps it, and a resumed run must resolve exactly this again."""
+        return {
+            "layers": list(self.layers),
+            "depth": self.depth,
+            "heads": self.heads,
+            "max_length": self.max_length,
+            "accumulate": str(self.accumulate).removeprefix("torch."),
+            "sizing": self.sizing,
+            "corpus": dataclasses.asdict(self.corpus),
+            "importance": dataclasses.asdict(self.importance),
+            "replica_tokens": self.replica_tokens,
+        }
+
+    def batching(self) -> dict:
+        """The corpus pass's batching, as run.json reports it."""
         return {
             "max_sentences": self.corpus.max_sentences,
             "max_tokens": self.corpus.max_tokens,

@@ -76,7 +76,7 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
         "device": str(loaded.device),
         "dtype": dtype_name(loaded.dtype),
         "attention_implementation": measured.attention_paths,
-        "batching": {**plan.record(), "batches": progress.batches},
+        "batching": {**plan.batching(), "batches": progress.batches},
         "corpus": {
             "path": str(corpus.path),
             "sha256": corpus.sha256,

@@ -305,6 +305,20 @@ def test_a_checkpoint_with_a_part_missing_is_refused(planted_gpt2, interrupted):
     assert not out.exists()
 
 
+def test_a_checkpoint_planned_for_another_model_is_refused(planted_gpt2, interrupted):
+    """The checkpoint keeps the resolved plan; a resume that resolves another one (here: the checkpoint says the
+    model was 24 layers deep) is refused, not continued with sums of another shape or meaning."""
+    corpus, out, checkpoint = interrupted
+    record = json.loads((checkpoint / "checkpoint.json").read_text())
+    record["plan"]["depth"] = 24
+    (checkpoint / "checkpoint.json").write_text(json.dumps(record))
+    assert_one_line_error(
+        run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--resume"),
+        "was planned differently (depth: the model changed?)",
+    )
+    assert not out.exists()
+
+
 def test_a_resumed_run_records_the_batching_it_used(planted_gpt2, interrupted):
     corpus, out, _ = interrupted
     result = run_cli(
