@@ -97,6 +97,8 @@ class PartFiles:
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             progress, plan = Progress(**saved["progress"]), dict(saved["plan"])
+            if set(plan["sizing"]) != {"batch_size", "max_memory", "memory_budget"}:
+                raise KeyError("sizing")
             arrays = {name: np.load(self.folder / f"{self._checkpoint}-{name}.npy") for name in shapes}
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise OutputError(f"the checkpoint in {self.folder} is unreadable ({err}); delete that folder") from None

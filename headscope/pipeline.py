@@ -203,14 +203,14 @@ def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Report
     progress, running, saved = parts.load_progress(plan.running_shapes, kinds)
     if saved is None:
         return progress, running, plan
-    sizing = saved.get("sizing") or {}
-    if sizing != plan.sizing:
-        facts = {"dtype": loaded.dtype, "device_type": loaded.device.type}
-        plan = resized(plan, sizing, loaded.model.config, **facts)
+    sizing, settings = saved.get("sizing") or {}, plan.settings
+    if (sizing.get("batch_size"), sizing.get("max_memory")) != (settings.batch_size, settings.max_memory):
         reporter.note(
-            f"resuming with the interrupted run's batching (--batch-size {sizing['batch_size'] or 'auto'}, "
-            f"--max-memory {sizing['max_memory'] or 'default'}), so that the tables equal an uninterrupted run's"
+            f"resuming with the interrupted run's batching (--batch-size {sizing.get('batch_size') or 'auto'}, "
+            f"--max-memory {sizing.get('max_memory') or 'default'}), so that the tables equal an uninterrupted run's"
         )
+    if sizing != plan.sizing:  # the memory free at the start decided the batches too
+        plan = resized(plan, sizing, loaded.model.config, dtype=loaded.dtype, device_type=loaded.device.type)
     if plan.record() != saved:
         differ = sorted(key for key in saved.keys() | plan.record().keys() if saved.get(key) != plan.record().get(key))
         raise OutputError(
