@@ -33,6 +33,7 @@ class Progress:
     empty_sentences: int = 0  # sentences the tokenizer turned into no token at all
     tokens: int = 0
     truncated: int = 0
+    capped: int = 0  # ... of them so long that their text was cut before tokenizing (feed.char_limit)
     batches: int = 0
     # The example chart's sentence so far, as (fewer than 2 tokens, distance from the ideal length, sentence
     # id): the smallest wins, so the choice streams and survives a resume.
@@ -75,6 +76,7 @@ class PartFiles:
         # The JSON goes last: a checkpoint counts only once its sums are on disk.
         record = {
             "fingerprint": self.fingerprint,
+            "ranks": self.ranks.world,
             "progress": asdict(progress),
             "plan": plan,
             "arrays": sorted(arrays),
@@ -92,6 +94,7 @@ class PartFiles:
         chunk it says is done.
         """
         path = self.folder / f"{self._checkpoint}.json"
+        self._check_ranks(path)
         if not path.is_file():
             return Progress(), {name: np.zeros(shape) for name, shape in shapes.items()}, None
         try:
@@ -118,6 +121,23 @@ class PartFiles:
             problem = f"{missing[0]} is missing" if missing else f"its {wrong[0]} have shape {arrays[wrong[0]].shape}"
             raise OutputError(f"the checkpoint in {self.folder} is incomplete ({problem}); delete that folder")
         return progress, arrays, plan
+
+    def _check_ranks(self, path: Path) -> None:
+        """Refuse, on every rank alike, a checkpoint written by another number of processes: its chunks were dealt
+        among them, and each rank continues only its own."""
+        found = [path] if path.is_file() else sorted(self.folder.glob("checkpoint*.json"))
+        if not found:
+            return
+        try:
+            written = json.loads(found[0].read_text(encoding="utf-8")).get("ranks", 1)
+        except (OSError, ValueError, AttributeError):
+            return  # unreadable: load_progress says so
+        if written != self.ranks.world:
+            how = "one process (no torchrun)" if written == 1 else f"torchrun --nproc-per-node {written}"
+            raise OutputError(
+                f"the checkpoint in {self.folder} was written by {written} process(es), and this run has "
+                f"{self.ranks.world}: resume it as it was started ({how}), or delete that folder"
+            )
 
     def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> int:
         """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts.

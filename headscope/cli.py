@@ -115,11 +115,30 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
+def _say(message: str, *, err: bool = False) -> None:
+    """Print a line (control characters escaped); under torchrun only rank 0 speaks: every rank's failure
+    reaches it (headscope.distributed.meet)."""
+    from headscope.reporting import printable
+
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(printable(message), err=err)
+
+
+@contextlib.contextmanager
+def usage_errors(ctx: typer.Context):
+    """Option values the settings refuse (out of range, inconsistent) are usage errors: one line naming the
+    option and where its help is, exit code 2, like Typer's own."""
+    try:
+        yield
+    except ConfigError as err:
+        _say(f"Error: {err} (see headscope {ctx.info_name} --help)", err=True)
+        raise typer.Exit(2) from None
+
+
 @contextlib.contextmanager
 def user_errors():
     """Turn the library's own errors into a one-line message and exit code 1; signals into 130 / 143."""
-    # Under torchrun only rank 0 speaks: every rank's failure reaches it (headscope.distributed.meet).
-    say = typer.echo if os.environ.get("RANK", "0") == "0" else (lambda *args, **kwargs: None)
+    say = _say
     try:
         yield
     except HeadscopeError as err:
@@ -239,10 +258,11 @@ def analyze(
     seams = ctx.obj if isinstance(ctx.obj, dict) else {}  # tests hand in their own loader or reporter
     reporter = seams.get("reporter") or RichReporter()
     quiet_transformers(show_progress=getattr(reporter, "console", None) is not None and reporter.console.is_terminal)
-    with user_errors():
+    with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
+    with user_errors():
         out = out or Path("reports") / resolve_source(model).slug
         seams = {"loader": seams["loader"]} if "loader" in seams else {}
         report = run_analysis(
@@ -268,10 +288,12 @@ def analyze(
 
 @app.command()
 def classify(
+    ctx: typer.Context,
     report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
     out: Annotated[
-        Path | None, typer.Option(help="Write the re-labelled heads.parquet and run.json here instead of in place.")
+        Path | None, typer.Option(help="Write the re-labelled report into this new folder instead of in place.")
     ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace a report at --out (one classify --out wrote).")] = False,
     local_min_locality: LocalMinLocality = THRESHOLDS.local_min_locality,
     copy_max_norm_entropy: CopyMaxNormEntropy = THRESHOLDS.copy_max_norm_entropy,
     broad_min_norm_entropy: BroadMinNormEntropy = THRESHOLDS.broad_min_norm_entropy,
@@ -283,18 +305,20 @@ def classify(
     from headscope.console import print_label_counts
     from headscope.report.write import reclassify
 
-    with user_errors():
+    with usage_errors(ctx):
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
-        relabelled = reclassify(report, thresholds, roles, out=out)
+    with user_errors():
+        relabelled = reclassify(report, thresholds, roles, out=out, overwrite=overwrite)
     print_label_counts(relabelled, str(report))
-    typer.echo(f"wrote {(out or report) / 'heads.parquet'}")
+    _say(f"wrote {(out or report) / 'heads.parquet'}")
 
 
 @app.command()
 def plot(
     report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
-    out: Annotated[Path | None, typer.Option(help="Folder for the charts (default: REPORT).")] = None,
+    out: Annotated[Path | None, typer.Option(help="A new folder for the charts (default: REPORT itself).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace the charts an earlier plot --out drew there.")] = False,
     chart_format: Format = DEFAULT_FORMAT,
     page: Annotated[bool, typer.Option(help="Also rewrite report.html.")] = True,
 ) -> None:
@@ -302,42 +326,51 @@ def plot(
     from headscope.report.write import plot_report
 
     with user_errors():
-        written = plot_report(report, fmt=chart_format.value, out=out, page=page)
-    for path in written:
-        typer.echo(f"wrote {path}")
+        written, failed = plot_report(report, fmt=chart_format.value, out=out, page=page, overwrite=overwrite)
+        for path in written:
+            _say(f"wrote {path}")
+        if failed:
+            raise HeadscopeError(f"could not draw {', '.join(failed)}")
 
 
 @app.command()
 def compare(
+    ctx: typer.Context,
     a: Annotated[Path, typer.Argument(help="Report A, the baseline (a folder written by `headscope analyze`).")],
     b: Annotated[Path, typer.Argument(help="Report B; deltas are B - A.")],
     out: Annotated[
         Path | None, typer.Option(help="Folder for the comparison. Default: reports/compare-<A>-vs-<B>.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison folder.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison folder (and nothing else).")] = False,
     charts: Annotated[bool, typer.Option(help="Draw the comparison charts.")] = True,
     page: Annotated[bool, typer.Option(help="Write compare.html, the self-contained page of the comparison.")] = True,
     chart_format: Format = DEFAULT_FORMAT,
     replicates: Annotated[
-        int, typer.Option(help="Paired bootstrap replicates (same corpus in both reports).")
+        int, typer.Option(help="Paired bootstrap replicates (same sentences in both reports), 2 to 100,000.")
     ] = COMPARE_REPLICATES,
-    seed: Annotated[int, typer.Option(help="Bootstrap seed: the intervals are a pure function of it.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Bootstrap seed (0 to 2**64 - 1): the intervals are a pure function of it.")
+    ] = 0,
 ) -> None:
     """Compare two reports head by head (B - A), with 95% intervals and a false-discovery-rate flag."""
+    from headscope.config import check_replicates, check_seed
     from headscope.console import print_comparison
     from headscope.report.compare import compare_reports
     from headscope.report.write import write_comparison
 
+    with usage_errors(ctx):
+        check_replicates("--replicates", replicates)
+        check_seed("--seed", seed)
     with user_errors():
-        if replicates < 2:
-            raise ConfigError(f"--replicates must be 2 or more; got {replicates}")
         comparison = compare_reports(a, b, replicates=replicates, seed=seed)
         out = out or Path("reports") / f"compare-{a.resolve().name}-vs-{b.resolve().name}"
-        target = write_comparison(
+        target, failed = write_comparison(
             comparison, out, a=a, b=b, overwrite=overwrite, fmt=chart_format.value if charts else None, page=page
         )
     print_comparison(comparison)
-    typer.echo(f"wrote {target}/")
+    if failed:
+        _say(f"warning: could not draw {', '.join(failed)}; the tables are written", err=True)
+    _say(f"wrote {target}/")
 
 
 def main() -> None:

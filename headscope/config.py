@@ -26,6 +26,11 @@ SINK_THRESHOLD = 0.3  # a row is a sink row when its mass on the first token exc
 # float32 logits of one block of query rows; a layer's attention larger than this is reduced block by block
 # (temporaries take a few times this).
 BLOCK_BYTES = 32 * 2**20
+# Counts above these are refused outright (before anything loads): more gains nothing a user could see, and the
+# memory they would take is checked against the budget besides.
+MAX_REPLICATES = 100_000  # --bootstrap, compare --replicates
+MAX_PROBE_SEEDS = 10_000  # --probe-seeds: 10,000 sequences of 2 x 32 tokens already take minutes on a GPU
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers (the bootstrap's counter-based hash)
 
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named strategies
@@ -102,8 +107,11 @@ class RunConfig:
             raise ConfigError(
                 f"--probe-seeds and --probe-length must be 2 or more; got {self.probe_seeds} and {self.probe_length}"
             )
-        if self.bootstrap < 0 or self.bootstrap == 1:
-            raise ConfigError(f"--bootstrap takes 0 (no intervals) or 2 or more replicates; got {self.bootstrap}")
+        if self.probe_seeds > MAX_PROBE_SEEDS:
+            raise ConfigError(f"--probe-seeds takes at most {MAX_PROBE_SEEDS:,} sequences; got {self.probe_seeds:,}")
+        if self.bootstrap != 0:
+            check_replicates("--bootstrap", self.bootstrap, zero="0 (no intervals) or ")
+        check_seed("--bootstrap-seed", self.bootstrap_seed)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be 1 or more; got {self.threads}")
 
@@ -112,6 +120,17 @@ class RunConfig:
 
 
 SETTINGS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RunConfig))
+
+
+def check_replicates(option: str, value: int, *, zero: str = "") -> None:
+    """Bootstrap replicates: 2 to MAX_REPLICATES (`zero` says what 0 means where it is allowed)."""
+    if not 2 <= value <= MAX_REPLICATES:
+        raise ConfigError(f"{option} takes {zero}2 to {MAX_REPLICATES:,} replicates; got {value:,}")
+
+
+def check_seed(option: str, value: int) -> None:
+    if not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{option} takes a whole number from 0 to 2**64 - 1; got {value}")
 
 
 def run_settings(base: RunConfig | None = None, **options) -> RunConfig:

@@ -12,11 +12,27 @@ from rich.text import Text
 
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
 from headscope.report.report import Report
+from headscope.reporting import printable
 from headscope.summary import early_late_entropy, importance_column, layer_bands, layer_entropy, most_important
 
 
+class _Plain(Console):
+    """A console that prints text as text: no markup (a path with "[/x]" in it is a name, not a style) and no raw
+    control characters (a model's config may hold terminal escapes); long lines stay whole at any width."""
+
+    def __init__(self) -> None:
+        super().__init__(soft_wrap=True, highlight=False, markup=False)
+
+    def print(self, *objects, **kwargs) -> None:
+        super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
 def _console() -> Console:
-    return Console(soft_wrap=True, highlight=False)  # long lines stay whole, at any terminal width
+    return _Plain()
+
+
+def _title(text: str) -> Text:
+    return Text(printable(text))
 
 
 def print_analysis(report: Report) -> None:
@@ -25,7 +41,7 @@ def print_analysis(report: Report) -> None:
     console = _console()
     run = report.run
     arch = run["model"]["architecture"]
-    table = Table(title=Text(f"{run['model']['input']}: mean attention entropy per layer (nats)"))
+    table = Table(title=_title(f"{run['model']['input']}: mean attention entropy per layer (nats)"))
     for name in ("layer", "mean", "min head", "max head"):
         table.add_column(name, justify="right")
     for layer, row in layer_entropy(report.heads).iterrows():
@@ -37,13 +53,17 @@ def print_analysis(report: Report) -> None:
         console.print(
             f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
             f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}",
-            markup=False,
         )
+    corpus = run["corpus"]
+    capped = (
+        f", {corpus['cut_before_tokenizing']} so long they were cut before tokenizing"
+        if corpus.get("cut_before_tokenizing")
+        else ""
+    )
     console.print(
-        f"{run['corpus']['sentences']} sentences, {run['corpus']['tokens']} tokens "
-        f"({run['corpus']['truncated_sentences']} truncated); {arch['layers']} layers x {arch['heads']} heads "
+        f"{corpus['sentences']} sentences, {corpus['tokens']} tokens "
+        f"({corpus['truncated_sentences']} truncated{capped}); {arch['layers']} layers x {arch['heads']} heads "
         f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s",
-        markup=False,
     )
     numerics = run["numerics"]
     if numerics["nonfinite_rows"]:
@@ -51,15 +71,13 @@ def print_analysis(report: Report) -> None:
             f"warning: {numerics['nonfinite_rows']} attention rows held NaN or inf "
             f"({numerics['heads_with_nonfinite_rows']} heads; left out of the metrics, counted in "
             "nonfinite_rows). float16 overflow? Try --dtype bfloat16 or float32.",
-            markup=False,
         )
     if numerics["unnormalised_rows"]:
         console.print(
             f"warning: {numerics['unnormalised_rows']} attention rows do not sum to 1 "
             f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows).",
-            markup=False,
         )
-    console.print(f"wrote {report.folder}/", markup=False)
+    console.print(f"wrote {report.folder}/")
     print_label_counts(report, run["model"]["input"])
     _print_most_important(report)
 
@@ -72,7 +90,7 @@ def _print_most_important(report: Report) -> None:
         return
     importance = report.run["importance"]
     table = Table(
-        title=Text(f"the 10 heads the loss needs most, by {column} (clean loss {importance['clean_loss']:.4f} nats)"),
+        title=_title(f"the 10 heads the loss needs most, by {column} (clean loss {importance['clean_loss']:.4f} nats)"),
         box=box.SIMPLE_HEAD,
     )
     for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
@@ -90,7 +108,7 @@ def print_label_counts(report: Report, title: str) -> None:
     console = _console()
     for column, names, what in (("head_type", HEAD_TYPES, "head type"), ("role", ROLES, "role")):
         counts = label_counts(report.heads, column, names, bands)  # rows: bands; columns: labels
-        table = Table(title=Text(f"{title}: heads per {what}"))
+        table = Table(title=_title(f"{title}: heads per {what}"))
         table.add_column(what)
         for band in counts.index:
             table.add_column(band, justify="right")
@@ -104,13 +122,19 @@ def print_comparison(comparison) -> None:
     console = _console()
     record = comparison.record
     for side in ("a", "b"):
-        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}", markup=False)
-    console.print(f"method: {record['method']}", markup=False)
+        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}")
+    console.print(f"method: {record['method']}")
+    differ = record.get("settings_differ") or {}
+    if differ:
+        console.print(
+            "note: the reports were measured with settings that change what the numbers mean: "
+            + "; ".join(f"{name} {a} (A) vs {b} (B)" for name, (a, b) in differ.items())
+        )
     if not comparison.same_grid:
         shares = comparison.bands[comparison.bands["kind"] == "role"].pivot_table(
             index="label", columns=["band", "report"], values="share"
         )
-        console.print(shares.round(3).to_string(), markup=False)
+        console.print(shares.round(3).to_string())
         return
     heads = comparison.heads
     counts = ", ".join(f"{metric} {n}" for metric, n in record["significant_heads"].items())

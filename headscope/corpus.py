@@ -25,6 +25,7 @@ from headscope.errors import CorpusError
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "english-100.txt"
 _LINE_BREAK = re.compile(rb"\r\n|\n|\r")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def read_corpus(path: str | Path, *, text_column: str | None = None, encoding_er
         else:
             records = text_lines
 
-    sentences, blank = _keep_sentences(records)
+    sentences, blank = _keep_sentences(records, path, encoding_errors, invalid)
     if not sentences:
         raise CorpusError(f"corpus has no sentences (only blank lines or empty file): {path}")
     return Corpus(
@@ -104,12 +105,25 @@ def read_corpus(path: str | Path, *, text_column: str | None = None, encoding_er
     )
 
 
-def _keep_sentences(records) -> tuple[list[Sentence], int]:
-    """Strip every (line, text) record; number the non-blank ones, count the blank ones."""
+def _keep_sentences(records, path: Path, encoding_errors: str, invalid: list[int]) -> tuple[list[Sentence], int]:
+    """Strip every (line, text) record; number the non-blank ones, count the blank ones. Text that is not
+    Unicode text (a lone surrogate, which a JSON escape such as "\\ud800" can make) is handled like invalid UTF-8:
+    an error naming the line, or replaced or skipped as `encoding_errors` says (counted in `invalid`)."""
     sentences: list[Sentence] = []
     blank = 0
     for line, text in records:
         text = text.strip()
+        surrogate = _SURROGATE.search(text)
+        if surrogate:
+            if encoding_errors == "strict":
+                raise CorpusError(
+                    f"{path}:{line}: a lone surrogate ({surrogate.group()!r}) at column {surrogate.start() + 1} is "
+                    "not a character (half of an escaped pair?); --encoding-errors replace or skip goes on"
+                )
+            invalid.append(line)
+            if encoding_errors == "skip":
+                continue
+            text = _SURROGATE.sub("\ufffd", text)
         if text:
             sentences.append(Sentence(sentence_id=len(sentences), line=line, text=text))
         else:
@@ -240,7 +254,7 @@ def _first_line(err: Exception) -> str:
 
 def corpus_from_texts(texts: list[str], *, name: str = "<texts>") -> Corpus:
     """A corpus from sentences already in memory (notebooks, tests); `line` is the 1-based list index."""
-    sentences, blank = _keep_sentences(enumerate(texts, start=1))
+    sentences, blank = _keep_sentences(enumerate(texts, start=1), Path(name), "strict", [])
     if not sentences:
         raise CorpusError("the list of texts holds no non-blank sentence")
     digest = hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()

@@ -167,6 +167,7 @@ def _count_chunk(progress: Progress, chunk: Chunk) -> None:
     progress.measured_sentences += sum(n > 0 for n in lengths)
     progress.empty_sentences += sum(n == 0 for n in lengths)
     progress.truncated += sum(chunk.cut)
+    progress.capped += chunk.capped
     for sentence, n in zip(chunk.sentences, lengths, strict=True):
         # Prefer sentences of 2 tokens or more, then the length closest to EXAMPLE_TOKENS, then the first.
         candidate = [int(n < 2), abs(n - EXAMPLE_TOKENS), sentence.sentence_id]

@@ -169,7 +169,7 @@ def combined(ranks: Ranks, measured, device: torch.device, chunks: int):
         bootstrap.sums = all_sum(ranks, bootstrap.sums, reduce_on)
     shares = gather(ranks, measured.progress)
     progress = dataclasses.replace(shares[0], chunks_done=chunks)
-    for name in ("measured_sentences", "empty_sentences", "truncated", "tokens", "batches"):
+    for name in ("measured_sentences", "empty_sentences", "truncated", "capped", "tokens", "batches"):
         setattr(progress, name, sum(getattr(share, name) for share in shares))
     examples = [share.example for share in shares if share.example is not None]
     progress.example = min(examples) if examples else None

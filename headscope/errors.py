@@ -27,3 +27,9 @@ class ConfigError(HeadscopeError):
 
 class ResourceError(HeadscopeError):
     """The run needs more memory (or disk) than there is."""
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its message's first line, or its type when it has none."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__

@@ -20,19 +20,34 @@ import torch
 from headscope.corpus import Corpus, Sentence
 
 
-def tokenize_sentences(tokenizer, texts: list[str], max_length: int | None) -> tuple[list[list[int]], list[bool]]:
+def tokenize_sentences(
+    tokenizer, texts: list[str], max_length: int | None, *, max_chars: int | None = None
+) -> tuple[list[list[int]], list[bool]]:
     """Token ids of each text (add_special_tokens=True) and whether it was cut to `max_length`.
 
     Sentences are tokenized untruncated first, so we know which ones were cut; only
     those are tokenized again with truncation, letting the tokenizer keep any
-    special tokens it appends.
+    special tokens it appends. A text longer than `max_chars` is cut to that many characters first
+    (`char_limit`: it would be cut to max_length tokens anyway), so a 100 MB line costs no more than a long one.
     """
+    if max_chars is not None:
+        texts = [text[:max_chars] for text in texts]
     ids = _token_ids(tokenizer, texts)
     truncated = [max_length is not None and len(row) > max_length for row in ids]
     for i, cut in enumerate(truncated):
         if cut:
             ids[i] = tokenizer(texts[i], add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
     return [list(row) for row in ids], truncated
+
+
+def char_limit(tokenizer, max_length: int | None) -> int | None:
+    """Characters a text may keep and still give the same first `max_length` tokens, with room to spare: no
+    token covers more characters than the longest entry of the vocabulary, so a text longer than
+    max_length x longest has more than max_length tokens, and its first ones lie well before the cut."""
+    if max_length is None:
+        return None
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return 2 * (max_length + 1) * max(longest, 1)
 
 
 def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -223,6 +238,7 @@ class Chunk:
     sentences: list[Sentence]
     ids: list[list[int]]  # one list per sentence, empty for a sentence the tokenizer turned into nothing
     cut: list[bool]  # cut to the plan's max_length
+    capped: int = 0  # sentences so long that their text was cut to the feed's max_chars before tokenizing
 
     @property
     def tokenized(self) -> dict[int, list[int]]:
@@ -241,6 +257,7 @@ class CorpusFeed:
     def __init__(self, corpus: Corpus, tokenizer, *, max_length: int | None, chunk_sentences: int, keep: bool) -> None:
         self.corpus, self.tokenizer = corpus, tokenizer
         self.max_length, self.chunk_sentences, self.keep = max_length, chunk_sentences, keep
+        self.max_chars = char_limit(tokenizer, max_length)
         self._kept: dict[int, Chunk] = {}
 
     def __len__(self) -> int:
@@ -254,8 +271,10 @@ class CorpusFeed:
         if index in self._kept:
             return self._kept[index]
         sentences = self.sentences(index)
-        ids, cut = tokenize_sentences(self.tokenizer, [s.text for s in sentences], self.max_length)
-        chunk = Chunk(index, sentences, ids, cut)
+        texts = [s.text for s in sentences]
+        ids, cut = tokenize_sentences(self.tokenizer, texts, self.max_length, max_chars=self.max_chars)
+        capped = 0 if self.max_chars is None else sum(len(text) > self.max_chars for text in texts)
+        chunk = Chunk(index, sentences, ids, cut, capped)
         if self.keep:
             self._kept[index] = chunk
         return chunk
@@ -276,7 +295,6 @@ class CorpusFeed:
     def token_ids(self, sentence_id: int, max_length: int | None) -> list[int]:
         """One sentence's ids, cut to `max_length` (and the feed's own) as the corpus pass cuts them."""
         limits = [x for x in (max_length, self.max_length) if x is not None]
-        ids, _ = tokenize_sentences(
-            self.tokenizer, [self.corpus.sentences[sentence_id].text], min(limits) if limits else None
-        )
+        text = self.corpus.sentences[sentence_id].text
+        ids, _ = tokenize_sentences(self.tokenizer, [text], min(limits) if limits else None, max_chars=self.max_chars)
         return ids[0]

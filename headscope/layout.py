@@ -1,13 +1,17 @@
-"""What a report folder holds, and how to tell a folder headscope wrote from anything else.
+"""What each kind of folder headscope writes holds, and how to tell one from anything else.
 
-`analyze --overwrite` replaces a folder only when `why_not_a_report` finds nothing in it but the files
-named here and a run.json that headscope wrote: this list is the list of files headscope may ever delete.
-No third-party imports: an output folder is checked before anything heavy is loaded.
+Every command that writes a folder writes one of these kinds, each recognised by its record file: a report
+(`analyze`, `classify --out`: run.json), a comparison (`compare`: compare.json), charts drawn elsewhere
+(`plot --out`: plot.json). `why_not_replaceable(folder, kind)` is the one rule every writing command follows: a
+folder is written only when it is empty or missing, and replaced (with --overwrite) only when it is a headscope
+folder of the same kind, holding nothing but the files that kind writes. These lists are the files headscope
+may ever replace or delete. No third-party imports: an output folder is checked before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from headscope.config import CHART_FORMATS
@@ -36,6 +40,7 @@ CHART_NAMES = (
 
 PAGE_FILE = "report.html"  # the self-contained page of a report
 COMPARE_PAGE = "compare.html"
+PLOT_RECORD = "plot.json"  # what `plot --out` drew, from which report
 
 # What `headscope compare` writes: a folder of its own, recognised by compare.json.
 COMPARE_RECORD = "compare.json"
@@ -46,33 +51,59 @@ COMPARE_TABLES = (COMPARE_FILE, COMPARE_LAYERS_FILE, COMPARE_BANDS_FILE)
 COMPARE_CHARTS = ("delta_heatmap", "layer_gradients", "transitions", "band_shares")
 
 
-def is_report_file(name: str) -> bool:
-    """Is `name` a file that headscope writes into a report (or comparison) folder?"""
-    if name in (RUN_FILE, COMPARE_RECORD, PAGE_FILE, COMPARE_PAGE) or name in TABLE_FILES or name in COMPARE_TABLES:
-        return True
-    stem, _, extension = name.rpartition(".")
-    return stem in CHART_NAMES + COMPARE_CHARTS and extension in CHART_FORMATS
+@dataclass(frozen=True)
+class Kind:
+    name: str  # as messages say it: "a headscope report"
+    record: str  # the file that says a folder is of this kind, written by headscope
+    files: tuple[str, ...]  # every other file it may hold
+    charts: tuple[str, ...] = ()  # chart names, in any of CHART_FORMATS
+
+    def holds(self, name: str) -> bool:
+        stem, _, extension = name.rpartition(".")
+        return name == self.record or name in self.files or (stem in self.charts and extension in CHART_FORMATS)
 
 
-def why_not_a_report(folder: Path) -> str | None:
-    """None when `folder` is empty or a headscope report; otherwise what makes it something else."""
+KINDS = {
+    "report": Kind("a headscope report", RUN_FILE, (*TABLE_FILES, PAGE_FILE), CHART_NAMES),
+    "comparison": Kind("a headscope comparison", COMPARE_RECORD, (*COMPARE_TABLES, COMPARE_PAGE), COMPARE_CHARTS),
+    "charts": Kind("a headscope chart folder", PLOT_RECORD, (PAGE_FILE,), CHART_NAMES),
+}
+
+
+def kind_of(folder: Path) -> str | None:
+    """The kind of headscope folder `folder` is, by the record file in it (None: none of them)."""
+    for name, kind in KINDS.items():
+        if (folder / kind.record).is_file():
+            return name
+    return None
+
+
+def why_not_replaceable(folder: Path, kind: str) -> str | None:
+    """None when `folder` is empty, or a headscope folder of `kind` holding only files that kind writes;
+    otherwise what makes it something else (for a message: "--out X is not ... (REASON)")."""
     entries = sorted(folder.iterdir())
     if not entries:
         return None
+    found = kind_of(folder)
+    if found is not None and found != kind:
+        return f"it holds {KINDS[found].name}, and this command writes {KINDS[kind].name}"
+    wanted = KINDS[kind]
     foreign = [entry.name for entry in entries if entry.is_symlink() or not entry.is_file()]
-    foreign += [entry.name for entry in entries if entry.is_file() and not is_report_file(entry.name)]
+    foreign += [entry.name for entry in entries if entry.is_file() and not wanted.holds(entry.name)]
     if foreign:
         shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
         return f"it holds files headscope did not write ({shown})"
-    record = folder / RUN_FILE if (folder / RUN_FILE).is_file() else folder / COMPARE_RECORD
+    record = folder / wanted.record
     if not record.is_file():
-        return f"it has no {RUN_FILE}"
+        return f"it has no {wanted.record}"
     try:
-        run = json.loads(record.read_text(encoding="utf-8"))
+        content = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return f"its {record.name} is unreadable"
-    versions = run.get("versions") if isinstance(run, dict) and isinstance(run.get("versions"), dict) else None
+        return f"its {wanted.record} is unreadable"
+    if not isinstance(content, dict):
+        return f"its {wanted.record} was not written by headscope"
+    versions = content.get("versions") if isinstance(content.get("versions"), dict) else {}
     # Reports from before schema_version existed carry headscope's version instead.
-    if not isinstance(run, dict) or not ("schema_version" in run or "headscope" in (versions or {})):
-        return f"its {record.name} was not written by headscope"
+    if not ("schema_version" in content or "headscope" in versions):
+        return f"its {wanted.record} was not written by headscope"
     return None

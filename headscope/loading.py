@@ -7,7 +7,6 @@ model's own loss): measuring attention never needs it, and skipping it saves its
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from headscope.config import DEVICE_MAPS, RunConfig
-from headscope.errors import ConfigError, ModelLoadError
+from headscope.config import RunConfig
+from headscope.errors import ModelLoadError
+from headscope.placement import applied_map, check_device_map, check_fits, dtype_name, read_device_map
 from headscope.plan import architecture_of
 
 # Short names for models that ship inside a PyPI package, so they load offline.
@@ -163,7 +163,7 @@ def load_model(
         check_fits(config, source.display, torch_dtype, torch_device, lm_head=lm_head)
     else:
         device_map = read_device_map(device_map)
-        check_fits_map(config, source.display, torch_dtype, device_map, offload_folder, lm_head=lm_head)
+        check_device_map(config, source.display, torch_dtype, device_map, offload_folder, lm_head=lm_head)
     common = _source_kwargs(source, revision, trust_remote_code)
     placement = {"device_map": device_map} if device_map else {}
     if device_map and offload_folder is not None:
@@ -171,8 +171,14 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
         loader = AutoModelForCausalLM if lm_head else AutoModel
-        network = loader.from_pretrained(
-            source.location, config=config, dtype=torch_dtype, attn_implementation="eager", **placement, **common
+        network, loading_info = loader.from_pretrained(
+            source.location,
+            config=config,
+            dtype=torch_dtype,
+            attn_implementation="eager",
+            output_loading_info=True,
+            **placement,
+            **common,
         )
     except (torch.OutOfMemoryError, MemoryError):
         raise ModelLoadError(
@@ -181,6 +187,8 @@ def load_model(
         ) from None
     except Exception as err:
         raise ModelLoadError(_load_failure(source, err)) from None
+    if lm_head:
+        _check_lm_head(network, loading_info, source.display)
     network.eval()
     if device_map is None:
         network.to(torch_device)
@@ -195,7 +203,7 @@ def load_model(
         dtype=torch_dtype,
         architecture=architecture_of(config),
         revision=getattr(config, "_commit_hash", None) or revision,
-        device_map=_plain(getattr(network, "hf_device_map", None)) if device_map else None,
+        device_map=applied_map(network, device_map) if device_map else None,
     )
 
 
@@ -213,6 +221,18 @@ def load_for_run(source: ModelSource, settings: RunConfig, model_config) -> Load
         device_map=settings.device_map,
         offload_folder=settings.offload_folder,
     )
+
+
+def _check_lm_head(network, loading_info: dict, display: str) -> None:
+    """Refuse a causal LM whose checkpoint holds no weights for its LM head: transformers initialises a random one,
+    and a loss (head importance) through it would be noise, different on every run."""
+    head = network.get_output_embeddings()
+    names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
+    if any(name in loading_info.get("missing_keys", ()) for name in names):
+        raise ModelLoadError(
+            f"{display} holds no weights for its LM head ({names[0]}: a base-model checkpoint?); head importance "
+            "needs the model's own next-token predictions: use the causal LM's checkpoint, or drop --importance"
+        )
 
 
 def model_files(source: ModelSource) -> Path | None:
@@ -236,123 +256,6 @@ def check_causal_lm(config, display: str) -> None:
             f"{display} ({config.model_type}) has no attention heads (a state-space or recurrent model?); "
             "headscope measures attention"
         )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parameter_bytes(config, dtype: torch.dtype, *, lm_head: bool = False) -> int | None:
-    """Memory the weights take in `dtype` (the base model, or with its LM head), counted on an empty (meta)
-    model; None if unknown."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    try:
-        with init_empty_weights():
-            empty = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
-    except Exception:  # exotic or remote-code configs: no estimate, no check
-        return None
-    return sum(p.numel() for p in empty.parameters()) * (torch.finfo(dtype).bits // 8)
-
-
-def check_fits(config, display: str, dtype: torch.dtype, device: torch.device, *, lm_head: bool = False) -> None:
-    """Refuse, before loading anything, a model whose weights alone exceed the free memory."""
-    from headscope.memory import free_memory
-
-    needed = parameter_bytes(config, dtype, lm_head=lm_head)
-    free = free_memory(device)
-    if needed is not None and needed > 0.9 * free:
-        raise ModelLoadError(
-            f"{display} needs about {needed / 2**30:.1f} GiB for its weights in {dtype_name(dtype)}, but only "
-            f"{free / 2**30:.1f} GiB is free on {device}; try --dtype bfloat16 (half of float32), "
-            "or --device-map auto to spread it over GPUs and CPU"
-        )
-
-
-def read_device_map(device_map: str | dict) -> str | dict:
-    """A named strategy, or a {module: device} map given as a dict or a .json file."""
-    if isinstance(device_map, dict) or device_map in DEVICE_MAPS:
-        return device_map
-    path = Path(device_map)
-    if not path.is_file():
-        raise ConfigError(
-            f"--device-map must be one of {', '.join(DEVICE_MAPS)} or a .json file of module -> device; "
-            f"got {device_map!r}"
-        )
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"--device-map {path}: not a readable JSON file ({err})") from None
-    if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
-        raise ConfigError(f"--device-map {path}: expected a JSON object of module name -> device")
-    return loaded
-
-
-def _plain(device_map: dict | None) -> dict | None:
-    """The map as JSON can hold it (devices as GPU indices or names)."""
-    if device_map is None:
-        return None
-    return {name: device if isinstance(device, int | str) else str(device) for name, device in device_map.items()}
-
-
-def check_fits_map(
-    config, display: str, dtype: torch.dtype, device_map, offload_folder, *, lm_head: bool = False
-) -> None:
-    """The memory check for a device map: per device for an explicit map, all devices together for a strategy.
-
-    Disk holds anything, but only with an offload folder; without one, a map that needs the disk is refused
-    here rather than halfway through loading.
-    """
-    from headscope.memory import free_memory
-
-    if isinstance(device_map, dict):
-        if "disk" in device_map.values() and offload_folder is None:
-            raise ConfigError("the device map sends modules to disk: give --offload-folder DIR to keep them there")
-        needed = parameter_bytes_by_module(config, dtype, device_map, lm_head=lm_head)
-        for device, nbytes in (needed or {}).items():
-            if device == "disk":
-                continue
-            where = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-            free = free_memory(where)
-            if nbytes > 0.9 * free:
-                raise ModelLoadError(
-                    f"the device map puts {nbytes / 2**30:.1f} GiB of {display}'s weights on {where}, but only "
-                    f"{free / 2**30:.1f} GiB is free there; move some modules elsewhere (or to disk)"
-                )
-        return
-    needed = parameter_bytes(config, dtype, lm_head=lm_head)
-    if needed is None or offload_folder is not None:  # the disk takes whatever does not fit
-        return
-    gpus = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
-    free = sum(free_memory(device) for device in gpus) + free_memory(torch.device("cpu"))
-    if needed > 0.9 * free:
-        raise ModelLoadError(
-            f"{display} needs about {needed / 2**30:.1f} GiB for its weights in {dtype_name(dtype)}, more than the "
-            f"{free / 2**30:.1f} GiB free on {len(gpus)} GPU(s) and the CPU together; add --offload-folder DIR "
-            "to keep the rest on disk, or try --dtype bfloat16"
-        )
-
-
-def parameter_bytes_by_module(config, dtype: torch.dtype, device_map: dict, *, lm_head: bool = False) -> dict | None:
-    """Bytes of weights each device of an explicit map would hold (counted on an empty model); None if unknown."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    try:
-        with init_empty_weights():
-            empty = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
-    except Exception:  # exotic or remote-code configs: no estimate, no check
-        return None
-    element = torch.finfo(dtype).bits // 8
-    modules = sorted(device_map, key=len, reverse=True)  # the most specific module name first
-    per_device: dict = {}
-    for name, parameter in empty.named_parameters():
-        owner = next((m for m in modules if m == "" or name == m or name.startswith(m + ".")), None)
-        if owner is not None:
-            device = device_map[owner]
-            per_device[device] = per_device.get(device, 0) + parameter.numel() * element
-    return per_device
 
 
 def _load_failure(source: ModelSource, err: Exception) -> str:

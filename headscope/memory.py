@@ -1,19 +1,29 @@
-"""How many tokens fit in one forward pass: free device memory and a per-token activation estimate."""
+"""How much fits: free device memory and per-token activation estimates. Imports torch only to ask a GPU, so
+commands that read reports can check their own memory needs."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAX_AUTO_SENTENCES = 256  # more sentences per batch gain nothing measurable on CPU or GPU at these lengths
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on `device` now: CUDA's own count, or MemAvailable for the host (4 GiB if unknown)."""
+    """Bytes free on `device` now: CUDA's own count, or what the host has available."""
     if device.type == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    return host_free_memory()
+
+
+def host_free_memory() -> int:
+    """MemAvailable of the host, in bytes (4 GiB if unknown)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -35,7 +45,7 @@ def bytes_per_token(hidden_size: int, intermediate_size: int, dtype: torch.dtype
     three intermediate-size ones (gate, up, product) in the model dtype, plus float32 copies of the
     hidden state: generous on purpose, since running out of memory costs far more than a smaller batch.
     """
-    element = torch.finfo(dtype).bits // 8
+    element = dtype.itemsize
     return element * (10 * hidden_size + 3 * intermediate_size) + 4 * 2 * hidden_size
 
 
@@ -54,3 +64,8 @@ def tokens_per_batch(budget: int, per_token: int, attention_bytes: int) -> int:
     if usable < per_token:
         return 1
     return usable // per_token
+
+
+def readable(nbytes: float) -> str:
+    """A size as a user reads it: 512.0 MiB, 2.0 GiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -1,16 +1,16 @@
-"""The output folder: all files appear together or not at all, and only headscope's own files are replaced.
+"""Output folders: all files appear together or not at all, and only what headscope made is ever replaced.
 
-A run writes into a hidden staging folder beside the target and renames it into place at the end, so an
-interrupted or failed run never leaves a half-written report, and a previous report stays intact until
-the new one is complete. The rules, each checked before any work starts and again, atomically, when the
-report is published:
+A command writes into a hidden work folder beside its target and renames it into place at the end, so an
+interrupted or failed run never leaves a half-written folder, and a previous one stays intact until the new one
+is complete. The rules, each checked before any work starts and again, atomically, when the folder is published:
 
-- the target is resolved first (a symlink is followed: the link keeps pointing at the new report);
-- it may not be the current folder, one holding it, or one holding the model or the corpus;
-- an existing, non-empty target is replaced only with `overwrite`, and only if it is a headscope report
-  (`layout.why_not_a_report`): a folder holding anything else is never deleted;
-- the staging folder holds a lock for as long as its run lives; a later run removes staging folders whose
-  lock is free (their run was killed), and refuses to start while another live run writes the same target;
+- the target is resolved first (a symlink is followed: the link keeps pointing at the new folder);
+- it may not be the current folder, one holding it, or one holding an input (the model, the corpus, a report);
+- an existing, non-empty target is replaced only with `overwrite`, and only when it is a headscope folder of
+  the kind the command writes (`layout.why_not_replaceable`): a folder holding anything else is never deleted;
+- every work folder headscope makes holds a marker naming the run that made it (and locked while it lives); a
+  later run removes leftovers beside its target only when their marker proves headscope made them for that
+  target and their run is gone, and never finds them by a pattern built from the target's name;
 - publishing takes a lock on the parent folder, so two runs into one target cannot both win: without
   `overwrite` the loser's rename fails because the folder is no longer empty, and it says so.
 """
@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import re
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from headscope.errors import OutputError
-from headscope.layout import why_not_a_report
+from headscope.layout import KINDS, why_not_replaceable
 
 try:  # POSIX only; elsewhere runs are not protected from each other, which the README says
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-LOCK_FILE = ".headscope.lock"
+MARKER = ".headscope-work"  # in every work folder: which run made it, for which target; locked while it lives
+_WORK_SUFFIX = re.compile(r"(staging|old)-\d+|partial")  # .<target>.<suffix>
 
 
 def temporary_path(path: Path) -> Path:
@@ -71,11 +74,11 @@ def resolved(path: Path | str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def check_target(target: Path, *, overwrite: bool, protected: Mapping[str, Path] | None = None) -> None:
-    """Refuse an output folder headscope must not replace. `target` is resolved; `protected` maps a
-    description ("the model", "the corpus") to a path that must survive the run."""
+def check_target(target: Path, *, kind: str, overwrite: bool, protected: Mapping[str, Path] | None = None) -> None:
+    """Refuse an output folder headscope must not write (see the module's rules). `target` is resolved;
+    `protected` maps a description ("the model", "the corpus") to a path that must survive the run."""
     if target.parent == target:
-        raise OutputError(f"--out {target} is the root of the file system; name a folder for the report")
+        raise OutputError(f"--out {target} is the root of the file system; name a folder for the output")
     cwd = resolved(Path.cwd())
     if target == cwd or target in cwd.parents:
         raise OutputError(
@@ -91,17 +94,17 @@ def check_target(target: Path, *, overwrite: bool, protected: Mapping[str, Path]
     if not target.is_dir():
         return
     try:
-        reason = why_not_a_report(target)
+        reason = why_not_replaceable(target, kind)
         empty = not any(target.iterdir())
     except OSError as err:
         raise OutputError(f"cannot read output folder {target}: {err.strerror or err}") from None
     if reason is not None:
         raise OutputError(
-            f"output folder {target} is not a headscope report ({reason}); --overwrite replaces only "
-            "reports, so choose another --out"
+            f"output folder {target} is not {KINDS[kind].name} ({reason}); --overwrite replaces only "
+            f"{KINDS[kind].name}, so choose another --out"
         )
     if not empty and not overwrite:
-        raise OutputError(f"output folder {target} holds a report; pass --overwrite to replace it")
+        raise OutputError(f"output folder {target} holds {KINDS[kind].name}; pass --overwrite to replace it")
 
 
 @contextlib.contextmanager
@@ -118,73 +121,81 @@ def _folder_lock(folder: Path) -> Iterator[None]:
         os.close(descriptor)  # closing releases the lock
 
 
-def _held(folder: Path) -> bool:
-    """Is `folder` (a staging or checkpoint folder) in use by a live run?"""
-    lock = folder / LOCK_FILE
-    if fcntl is not None and lock.is_file():
-        try:
-            descriptor = os.open(lock, os.O_RDONLY)
-        except OSError:
-            return True  # cannot tell: leave it alone
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        finally:
-            os.close(descriptor)
+def _mark(folder: Path, target: Path) -> None:
+    """Say in `folder` that this process made it, as work for `target`."""
+    (folder / MARKER).write_text(json.dumps({"target": target.name, "pid": os.getpid()}))
+
+
+def _ours(folder: Path, target: Path) -> bool:
+    """Does `folder`'s marker prove headscope made it as work for `target`?"""
+    try:
+        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return False
-    # No lock file (killed before it was made): the process id in the name tells.
-    pid = folder.name.rpartition("-")[2]
-    if not pid.isdigit():
+    return isinstance(marker, dict) and marker.get("target") == target.name
+
+
+def _held(folder: Path) -> bool:
+    """Is the work folder `folder` in use by a live run (its marker locked)?"""
+    if fcntl is None:  # pragma: no cover
+        return True  # cannot tell: leave it alone
+    try:
+        descriptor = os.open(folder / MARKER, os.O_RDONLY)
+    except OSError:
         return False
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return True  # exists, owned by someone else
-    return True
+        return True
+    finally:
+        os.close(descriptor)
+    return False
 
 
 class StagedDirectory:
     """Use as a context manager; write into `.path`, which becomes `target` on a clean exit.
 
     Everything that can be checked about the target is checked in the constructor, before any work.
-    `cleaned` lists the stale folders of killed runs that entering removed (for the caller to report).
+    `cleaned` lists the leftovers of killed runs that entering removed (for the caller to report).
     """
 
     def __init__(
         self,
         target: Path,
         *,
+        kind: str,
         overwrite: bool = False,
         resumable: bool = False,
         protected: Mapping[str, Path] | None = None,
     ) -> None:
-        """resumable: the staging folder has a fixed name and survives a failed or interrupted run, so
-        that a later run can continue from the checkpoint inside it."""
+        """kind: what the folder will be (layout.KINDS); resumable: the work folder has a fixed name and survives
+        a failed or interrupted run, so that a later run can continue from the checkpoint inside it."""
         self.target = resolved(target)
-        self.overwrite = overwrite
-        self.resumable = resumable
-        check_target(self.target, overwrite=overwrite, protected=protected)
+        self.kind, self.overwrite, self.resumable = kind, overwrite, resumable
+        check_target(self.target, kind=kind, overwrite=overwrite, protected=protected)
         suffix = "partial" if resumable else f"staging-{os.getpid()}"
-        self.path = self.target.parent / f".{self.target.name}.{suffix}"
-        self.checkpoint = self.target.parent / f".{self.target.name}.partial"
+        self.path = self._work(suffix)
+        self.checkpoint = self._work("partial")
         self.cleaned: list[str] = []
         self._lock: int | None = None
+
+    def _work(self, suffix: str) -> Path:
+        return self.target.parent / f".{self.target.name}.{suffix}"
 
     def __enter__(self) -> StagedDirectory:
         parent = self.target.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
             with _folder_lock(parent):
-                self._remove_stale(f".{self.target.name}.staging-*", f".{self.target.name}.old-*")
-                busy = [p for p in self._siblings(".staging-*", ".partial") if p != self.path and _held(p)]
+                self._remove_stale()
+                busy = [p for p in self._leftovers() if p != self.path and _held(p)]
                 if busy or (self.path.is_dir() and _held(self.path)):
                     raise OutputError(
                         f"another headscope run is writing {self.target} (its work folder {(busy or [self.path])[0]} "
                         "is in use); wait for it to finish or choose another --out"
                     )
+                if self.path.exists() and not (self.path.is_dir() and _ours(self.path, self.target)):
+                    raise OutputError(f"{self.path} is in the way and headscope did not make it; move it away")
                 if not self.resumable:
                     shutil.rmtree(self.path, ignore_errors=True)
                 self.path.mkdir(exist_ok=True)
@@ -193,21 +204,30 @@ class StagedDirectory:
             raise OutputError(f"cannot create the output folder in {parent}: {err.strerror or err}") from None
         return self
 
-    def _siblings(self, *suffixes: str) -> list[Path]:
-        return [p for suffix in suffixes for p in self.target.parent.glob(f".{self.target.name}{suffix}")]
+    def _leftovers(self) -> list[Path]:
+        """Folders beside the target named like headscope's work folders for it (matched as plain strings)."""
+        prefix = f".{self.target.name}."
+        return [
+            entry
+            for entry in self.target.parent.iterdir()
+            if entry.name.startswith(prefix) and _WORK_SUFFIX.fullmatch(entry.name[len(prefix) :])
+        ]
 
-    def _remove_stale(self, *patterns: str) -> None:
-        """Remove staging folders of runs that are no longer alive (killed, or their machine rebooted)."""
-        for pattern in patterns:
-            for folder in self.target.parent.glob(pattern):
-                if folder.is_dir() and not folder.is_symlink() and folder != self.path and not _held(folder):
-                    shutil.rmtree(folder, ignore_errors=True)
-                    self.cleaned.append(str(folder))
+    def _remove_stale(self) -> None:
+        """Remove work folders of runs that are gone (killed, or their machine rebooted), when their marker
+        proves headscope made them for this target. A checkpoint (.partial) stays: --resume may want it."""
+        for folder in self._leftovers():
+            if folder.name.endswith(".partial") or folder == self.path:
+                continue
+            if folder.is_dir() and not folder.is_symlink() and _ours(folder, self.target) and not _held(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                self.cleaned.append(str(folder))
 
     def _take_lock(self) -> int | None:
+        _mark(self.path, self.target)
         if fcntl is None:  # pragma: no cover
             return None
-        descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        descriptor = os.open(self.path / MARKER, os.O_RDWR)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -231,39 +251,42 @@ class StagedDirectory:
 
     def _publish(self) -> None:
         parent = self.target.parent
-        old = parent / f".{self.target.name}.old-{os.getpid()}"
+        old = self._work(f"old-{os.getpid()}")
         with _folder_lock(parent):
             # What held when the run started may not hold now (another run published meanwhile): check again.
             try:
-                check_target(self.target, overwrite=self.overwrite)
+                check_target(self.target, kind=self.kind, overwrite=self.overwrite)
             except OutputError as err:
                 shutil.rmtree(self.path, ignore_errors=True)
-                raise OutputError(f"{err} (it changed while this run was measuring; nothing was written)") from None
+                raise OutputError(f"{err} (it changed while this run was working; nothing was written)") from None
             with contextlib.suppress(FileNotFoundError):
-                (self.path / LOCK_FILE).unlink()  # not part of the report; the open descriptor keeps the lock
+                (self.path / MARKER).unlink()  # not part of the output; the open descriptor keeps the lock
             try:
                 if self.overwrite and self.target.exists():
                     os.rename(self.target, old)
+                    _mark(old, self.target)  # the replaced folder is ours now: a later run may clean it up
                 # Without overwrite this rename is the atomic "still empty?" test: it fails on a folder that
                 # is not empty, whoever filled it.
                 os.rename(self.path, self.target)
             except OSError as err:
                 if old.exists() and not self.target.exists():
                     os.rename(old, self.target)
+                    _remove_quietly(self.target / MARKER)
                 shutil.rmtree(self.path, ignore_errors=True)
                 if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     raise OutputError(
-                        f"output folder {self.target} was filled by another run while this one was measuring; "
-                        "that report was kept (pass --overwrite to replace it)"
+                        f"output folder {self.target} was filled by another run while this one was working; "
+                        "that one was kept (pass --overwrite to replace it)"
                     ) from None
-                raise OutputError(f"cannot move the new report into {self.target}: {err.strerror}") from None
+                raise OutputError(f"cannot move the new output into {self.target}: {err.strerror}") from None
             shutil.rmtree(old, ignore_errors=True)
-            if not self.resumable and self.checkpoint.is_dir() and not _held(self.checkpoint):
-                # A checkpoint of an earlier interrupted run is superseded by this complete report.
+            superseded = self.checkpoint.is_dir() and _ours(self.checkpoint, self.target)
+            if not self.resumable and superseded and not _held(self.checkpoint):
+                # A checkpoint of an earlier interrupted run is superseded by this complete output.
                 shutil.rmtree(self.checkpoint, ignore_errors=True)
                 self.cleaned.append(str(self.checkpoint))
 
 
 def _holds_work(folder: Path) -> bool:
-    """Does a checkpoint folder hold anything worth resuming from (more than its lock)?"""
-    return any(entry.name != LOCK_FILE for entry in folder.iterdir()) if folder.is_dir() else False
+    """Does a checkpoint folder hold anything worth resuming from (more than its marker)?"""
+    return any(entry.name != MARKER for entry in folder.iterdir()) if folder.is_dir() else False

@@ -34,10 +34,11 @@ from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.loading import LoadedModel, ModelSource, load_config, load_for_run, model_files, pick_device
 from headscope.loading import resolve_source as resolve_model
 from headscope.measures.example import example_attention
-from headscope.measures.importance import run_importance
+from headscope.measures.importance import check_importance_fits, run_importance
 from headscope.measures.probes import run_probes
 from headscope.memory import default_budget
-from headscope.output import StagedDirectory
+from headscope.output import StagedDirectory, check_target, resolved
+from headscope.placement import OffloadScratch, check_offload_folder
 from headscope.plan import Plan, check_settings, resized, resolve_plan
 from headscope.record import Timings, fingerprint
 from headscope.report.report import Report
@@ -92,8 +93,17 @@ def analyze(
     # Everything that can be refused without the model is refused before it loads (which can take minutes).
     corpus = _as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_model(model)
+    if out is not None:  # every rank checks: a refusal stops them all at once, before any of them waits
+        check_target(resolved(out), kind="report", overwrite=overwrite, protected=_inputs(source, corpus))
+    if not isinstance(model, LoadedModel):
+        within = {"--out": Path(out)} if out is not None else {}
+        if source.kind != "hub":
+            within["the model's folder"] = Path(source.location)
+        check_offload_folder(settings.offload_folder, within=within, equal={"the corpus's folder": corpus.path.parent})
     if out is not None and ranks.main:
-        work = StagedDirectory(Path(out), overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus))
+        work = StagedDirectory(
+            Path(out), kind="report", overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus)
+        )
     timings = Timings()
 
     with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)
@@ -106,8 +116,13 @@ def analyze(
             join(ranks, pick_device(settings.device))
             stack.callback(leave, ranks)
             folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
+        if not isinstance(model, LoadedModel):  # what loading writes into the offload folder goes when the run ends
+            scratch = OffloadScratch(settings.offload_folder)
+            stack.callback(scratch.remove)
         with timings.phase("load"):
-            loaded = _load(model, source, settings, loader, reporter, ranks)
+            loaded = _together(ranks, lambda: _load(model, source, settings, loader, reporter))
+            if not isinstance(model, LoadedModel):
+                scratch.loaded()
         if settings.threads is not None:
             stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(settings.threads)
@@ -115,7 +130,7 @@ def analyze(
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
         progress, running = Progress(), {}
         if resume:
-            progress, running, plan = _resumed(parts, plan, loaded, reporter)
+            progress, running, plan = _together(ranks, lambda: _resumed(parts, plan, loaded, reporter))
         feed = CorpusFeed(
             corpus,
             loaded.tokenizer,
@@ -123,6 +138,8 @@ def analyze(
             chunk_sentences=settings.chunk_sentences,
             keep=settings.importance != "none",
         )
+        if settings.importance != "none":
+            check_importance_fits(feed, plan)
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
@@ -148,43 +165,51 @@ def analyze(
         reporter.stage("writing tables")
         extras, rules = (probes, importance), (thresholds, roles)
         run, tables = write_tables(folder, loaded, corpus, plan, parts, measured, extras, examples, rules, timings)
-        report = Report(run, folder=folder, tables=tables)
-        if out is not None:
-            from headscope.report.write import write_presentation
-
-            reporter.stage("drawing charts and writing report.html")
-            write_presentation(report, folder, fmt=charts, page=page)
         parts.discard_checkpoint()
         # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
         if out is None:
-            tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
+            tables |= Report(run, folder=folder).tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
     if out is None:
         return Report(run, tables=tables)
-    _report_cleaned(work, reporter)
-    return Report(run, folder=work.target, tables=tables)
+    _report_cleaned(work, reporter)  # the tables and run.json are published: drawing cannot lose them
+    report = Report(run, folder=work.target, tables=tables)
+    if charts or page:
+        from headscope.report.write import write_presentation
+
+        reporter.stage("drawing charts and writing report.html")
+        for what in write_presentation(report, work.target, fmt=charts, page=page)[1]:
+            reporter.warn(f"could not draw {what}; the tables are written (headscope plot {work.target} tries again)")
+    return report
 
 
-def _load(model, source: ModelSource, settings: RunConfig, loader: Loader, reporter: Reporter, ranks: Ranks):
-    """The model: the caller's, or read (config first, the settings checked against it) and loaded."""
+def _together(ranks: Ranks, step: Callable):
+    """`step()` on every rank; if it fails on any, every rank stops, with that rank's message (no rank is left
+    waiting for the others). In one process, just `step()`."""
     try:
-        if isinstance(model, LoadedModel):
-            check_settings(settings, model.model.config)
-            loaded = model
-        else:
-            reporter.stage(f"loading {source.display}")
-            model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
-            check_settings(settings, model_config)
-            loaded = loader(source, settings, model_config)
-        if settings.importance != "none" and loaded.lm is None:
-            raise ConfigError(
-                "--importance needs the model's LM head; load the model with headscope.load_model(..., lm_head=True)"
-            )
+        result = step()
     except BaseException as err:
         if ranks.parallel:
             meet(ranks, (0, 0), err)  # every rank stops, with this rank's message
         raise
     if ranks.parallel:
         meet(ranks, (0, 0))
+    return result
+
+
+def _load(model, source: ModelSource, settings: RunConfig, loader: Loader, reporter: Reporter) -> LoadedModel:
+    """The model: the caller's, or read (config first, the settings checked against it) and loaded."""
+    if isinstance(model, LoadedModel):
+        check_settings(settings, model.model.config)
+        loaded = model
+    else:
+        reporter.stage(f"loading {source.display}")
+        model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
+        check_settings(settings, model_config)
+        loaded = loader(source, settings, model_config)
+    if settings.importance != "none" and loaded.lm is None:
+        raise ConfigError(
+            "--importance needs the model's LM head; load the model with headscope.load_model(..., lm_head=True)"
+        )
     return loaded
 
 

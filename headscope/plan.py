@@ -12,14 +12,22 @@ checkpoint is refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 from headscope.columns import STATS
 from headscope.config import RunConfig
-from headscope.errors import ConfigError
-from headscope.memory import MAX_AUTO_SENTENCES, bytes_per_token, importance_bytes_per_token, tokens_per_batch
+from headscope.errors import ConfigError, ResourceError
+from headscope.memory import (
+    MAX_AUTO_SENTENCES,
+    bytes_per_token,
+    host_free_memory,
+    importance_bytes_per_token,
+    readable,
+    tokens_per_batch,
+)
 from headscope.stats import Bootstrap
 from headscope.summary import depth_bands
 
@@ -126,10 +134,27 @@ def model_max_length(model_config) -> int | None:
 
 
 def check_settings(settings: RunConfig, model_config) -> None:
-    """Refuse what the model cannot do (layers it lacks, sentences longer than its positions), before the
-    weights load: the same checks `resolve_plan` makes."""
-    _selected_layers(settings.layers, architecture_of(model_config)["layers"])
+    """Refuse what the model cannot do (layers it lacks, sentences longer than its positions) and what would not
+    fit in memory (the bootstrap's replicate sums), before the weights load: the same checks `resolve_plan` makes."""
+    architecture = architecture_of(model_config)
+    layers = _selected_layers(settings.layers, architecture["layers"])
     _max_length(settings.max_length, model_max_length(model_config))
+    if settings.bootstrap:
+        # The replicate sums, and as much again for each batch's share while it is added (float64).
+        per_replicate = 2 * 8 * math.prod(Bootstrap.shape(1, len(layers), architecture["heads"]))
+        budget = settings.max_memory or host_free_memory() // 2
+        needed = settings.bootstrap * per_replicate
+        if needed > budget:
+            raise ResourceError(
+                f"--bootstrap {settings.bootstrap:,} needs {readable(needed)} for its replicate sums "
+                f"({len(layers)} layers x {architecture['heads']} heads), more than the {readable(budget)} "
+                f"budget; {budget // per_replicate:,} replicates fit (or raise --max-memory)"
+            )
+
+
+# Importance passes plan their batches on this share of the budget: the rest is the allocator's slack (a gradient
+# pass at its estimate peaked 15% above it on SmolLM2: benchmarks/importance_memory.py).
+IMPORTANCE_SHARE = 0.8
 
 
 def resolve_plan(settings: RunConfig, model_config, *, dtype: torch.dtype, device_type: str, budget: int) -> Plan:
@@ -155,8 +180,8 @@ def resolve_plan(settings: RunConfig, model_config, *, dtype: torch.dtype, devic
         corpus=Batching(
             sentences, tokens_per_batch(budget, bytes_per_token(hidden, intermediate, dtype), settings.block_bytes)
         ),
-        importance=Batching(sentences, max(1, budget // with_grad)),
-        replica_tokens=max(1, budget // without_grad),
+        importance=Batching(sentences, max(1, int(IMPORTANCE_SHARE * budget) // with_grad)),
+        replica_tokens=max(1, int(IMPORTANCE_SHARE * budget) // without_grad),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import math
 import platform
 import resource
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from headscope.labels import classification_record
 from headscope.layout import SCHEMA_VERSION
-from headscope.loading import dtype_name
+from headscope.placement import dtype_name
 from headscope.summary import layer_entropy
 
 PACKAGES = ("headscope", "torch", "transformers", "tokenizers", "gguf", "pandas", "pyarrow")
@@ -85,6 +86,7 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
             "invalid_utf8_lines": corpus.invalid_lines,
             "tokens": progress.tokens,
             "truncated_sentences": progress.truncated,
+            "cut_before_tokenizing": progress.capped,
             "max_length": plan.max_length,
             "empty_sentences": progress.empty_sentences,
         },
@@ -122,7 +124,7 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
         if importance is None
         else {
             "mode": importance.mode,
-            "clean_loss": round(importance.clean_loss, 6),
+            "clean_loss": round(importance.clean_loss, 6) if math.isfinite(importance.clean_loss) else None,
             "predicted_tokens": importance.predicted_tokens,
             "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
         },

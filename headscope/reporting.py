@@ -6,7 +6,16 @@ progress bar on stderr and stays quiet when stderr is not a terminal.
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
+
+# C0 and C1 control characters and DEL: a model's config or a file name can hold terminal escape sequences.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal: control characters written as escapes (ESC as \\x1b), never sent raw."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(text))
 
 
 class Reporter(Protocol):
@@ -15,6 +24,9 @@ class Reporter(Protocol):
 
     def note(self, message: str) -> None:
         """Something the user should hear about even when not watching progress (cleaned-up leftovers...)."""
+
+    def warn(self, message: str) -> None:
+        """Something went wrong that did not stop the run (a chart that could not be drawn...)."""
 
     def start(self, total_sentences: int) -> None:
         """Measuring starts over `total_sentences` sentences."""
@@ -31,6 +43,9 @@ class NullReporter:
         pass
 
     def note(self, message: str) -> None:
+        pass
+
+    def warn(self, message: str) -> None:
         pass
 
     def start(self, total_sentences: int) -> None:
@@ -56,10 +71,13 @@ class RichReporter:
 
     def stage(self, message: str) -> None:
         if self.console.is_terminal:
-            self.console.print(f"[dim]{message}[/dim]")
+            self.console.print(printable(message), style="dim", markup=False, highlight=False, soft_wrap=True)
 
     def note(self, message: str) -> None:
-        self.console.print(f"note: {message}", markup=False, highlight=False, soft_wrap=True)
+        self.console.print(f"note: {printable(message)}", markup=False, highlight=False, soft_wrap=True)
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"warning: {printable(message)}", markup=False, highlight=False, soft_wrap=True)
 
     def start(self, total_sentences: int) -> None:
         from rich.progress import (

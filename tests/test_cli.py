@@ -92,8 +92,9 @@ def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path,
 )
 def test_bad_option_value_is_rejected_before_loading(planted_gpt2, tmp_path, option, value, message):
     result = run_cli("analyze", planted_gpt2, option, value, "--out", tmp_path / "o", loader=refuse_to_load)
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a usage error, like Typer's own
     assert result.stderr.strip().startswith(f"Error: {message}") and "\n" not in result.stderr.strip()
+    assert result.stderr.strip().endswith("(see headscope analyze --help)")
 
 
 def test_python_dash_m_runs():

@@ -87,7 +87,7 @@ def test_different_corpora_are_compared_unpaired(planted_pair, tmp_path, corpus_
     b = tmp_path / "b"
     assert run_cli("analyze", model, "--corpus", other, "--out", b, "--no-charts", "--no-probes").exit_code == 0
     comparison = compare_reports(a, b)
-    assert comparison.record["method"].startswith("unpaired (different corpora)")
+    assert comparison.record["method"].startswith("unpaired (different sentences)")
     row = comparison.heads.set_index(["layer", "head"]).loc[(0, PREVIOUS)]
     assert row["entropy_delta_ci_low"] < row["entropy_delta"] < row["entropy_delta_ci_high"]
 

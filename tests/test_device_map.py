@@ -10,8 +10,9 @@ import pytest
 
 import headscope
 from headscope.errors import ConfigError, ModelLoadError
-from headscope.loading import check_fits_map, load_config, load_model, resolve_source
+from headscope.loading import load_config, load_model, resolve_source
 from headscope.memory import free_memory
+from headscope.placement import check_device_map
 
 from helpers import assert_one_line_error, run_cli
 
@@ -48,21 +49,21 @@ def test_a_device_map_from_a_json_file_on_the_command_line(planted_gpt2, tmp_pat
     assert result.exit_code == 0, result.output
     assert json.loads((out / "run.json").read_text())["model"]["device_map"]["h.1"] == "disk"
     result = run_cli("analyze", planted_gpt2, "--out", out, "--device-map", "everywhere", *options)
-    assert_one_line_error(result, "--device-map must be one of auto, balanced", "got 'everywhere'")
+    assert_one_line_error(result, "--device-map must be one of auto, balanced", "got 'everywhere'", code=2)
 
 
 def test_the_memory_check_counts_what_each_device_of_the_map_holds(planted_gpt2, monkeypatch):
     import torch
 
     config = load_config(resolve_source(str(planted_gpt2)))
-    check_fits_map(config, "m", torch.float32, OFFLOADED, "offload")  # fits: a few KiB on the CPU
-    monkeypatch.setattr("headscope.memory.free_memory", lambda device: 1024)  # a host with 1 KiB free
+    check_device_map(config, "m", torch.float32, OFFLOADED, "offload")  # fits: a few KiB on the CPU
+    monkeypatch.setattr("headscope.memory.host_free_memory", lambda: 1024)  # a host with 1 KiB free
     with pytest.raises(ModelLoadError, match=r"the device map puts .* GiB of m's weights on cpu"):
-        check_fits_map(config, "m", torch.float32, OFFLOADED, "offload")
-    check_fits_map(config, "m", torch.float32, {"": "disk"}, "offload")  # all on disk: nothing to hold
+        check_device_map(config, "m", torch.float32, OFFLOADED, "offload")
+    check_device_map(config, "m", torch.float32, {"": "disk"}, "offload")  # all on disk: nothing to hold
     with pytest.raises(ModelLoadError, match="add --offload-folder DIR"):
-        check_fits_map(config, "m", torch.float32, "auto", None)  # a strategy: every device together
-    check_fits_map(config, "m", torch.float32, "auto", "offload")  # ... with the disk as the last resort
+        check_device_map(config, "m", torch.float32, "auto", None)  # a strategy: every device together
+    check_device_map(config, "m", torch.float32, "auto", "offload")  # ... with the disk as the last resort
     with pytest.raises(ConfigError, match="give --offload-folder"):
-        check_fits_map(config, "m", torch.float32, {"": "disk"}, None)
+        check_device_map(config, "m", torch.float32, {"": "disk"}, None)
     assert free_memory  # the real function stays importable for the loader

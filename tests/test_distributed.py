@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,12 @@ def test_a_failure_on_one_rank_stops_both_with_one_message_and_resume_continues(
     assert ours == ["Error: rank 1 of 2 failed: RuntimeError: injected device failure"]
     assert not out.exists()  # nothing published; the checkpoint waits in the staging folder
 
+    other = analyze(planted_gpt2, out, "--resume", ranks=3)  # the chunks were dealt among 2: one line, every rank
+    ours = [line for line in other.stderr.splitlines() if line.startswith("Error:")]
+    assert other.returncode != 0 and len(ours) == 1, other.stderr
+    assert "was written by 2 process(es), and this run has 3" in ours[0] and "--nproc-per-node 2" in ours[0]
+    assert "Traceback" not in other.stderr
+
     resumed = analyze(planted_gpt2, out, "--resume", ranks=2)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_tables(one_process, out)
@@ -100,3 +107,14 @@ def test_what_a_data_parallel_run_cannot_do_is_refused_once(planted_gpt2, tmp_pa
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert ours == ["Error: --importance is not split between ranks yet; run it in one process (without torchrun)"]
+
+
+def test_a_refusal_on_rank_0_stops_every_rank_at_once(planted_gpt2, one_process):
+    """An existing report without --overwrite: every rank refuses before any of them waits for the others."""
+    started = time.perf_counter()
+    result = analyze(planted_gpt2, one_process, ranks=2)
+    assert time.perf_counter() - started < 60  # rank 1 used to wait in a broadcast until torchrun killed it
+    ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert result.returncode != 0 and ours == [
+        f"Error: output folder {one_process} holds a headscope report; pass --overwrite to replace it"
+    ]

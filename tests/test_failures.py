@@ -120,7 +120,7 @@ def test_cuda_requested_without_cuda(planted_gpt2, tmp_path):
 
 
 def test_model_too_large_for_memory_is_refused_before_loading(planted_gpt2, tmp_path, monkeypatch):
-    monkeypatch.setattr("headscope.memory.free_memory", lambda device: 2**20)
+    monkeypatch.setattr("headscope.memory.host_free_memory", lambda: 2**20)
     assert_one_line_error(
         run_cli("analyze", planted_gpt2, "--out", tmp_path / "o"), "GiB for its weights", "--dtype", "--device-map"
     )
@@ -280,7 +280,7 @@ class CountingTokenizer:
 
 
 def test_a_large_corpus_is_streamed_in_chunks(tmp_path, corpus_lines):
-    """250,000 sentences through a minute model: tokenized chunk by chunk, never all at once."""
+    """150,000 sentences through a minute model: tokenized chunk by chunk (37 of them), never all at once."""
     from transformers import GPT2Config, GPT2Model
 
     folder = tmp_path / "minute-gpt2"
@@ -291,15 +291,15 @@ def test_a_large_corpus_is_streamed_in_chunks(tmp_path, corpus_lines):
     )
     tokenizer.save_pretrained(folder)
     corpus = tmp_path / "large.txt"
-    corpus.write_text("\n".join(corpus_lines * 2_500) + "\n")
+    corpus.write_text("\n".join(corpus_lines * 1_500) + "\n")
     loaded = headscope.load_model(str(folder), device="cpu")
     loaded.tokenizer = counting = CountingTokenizer(loaded.tokenizer)
     out = tmp_path / "report"
     report = headscope.analyze(loaded, corpus, out=out, charts=None, page=False, sentence_heads=False, probes=False)
     *chunks, example_sentence = counting.calls  # the last call tokenizes the example chart's one sentence
     size = headscope.RunConfig().chunk_sentences
-    assert max(chunks) == size and len(chunks) == -(-250_000 // size) and example_sentence == 1
-    assert report.run["corpus"]["sentences"] == 250_000
+    assert max(chunks) == size and len(chunks) == -(-150_000 // size) and example_sentence == 1
+    assert report.run["corpus"]["sentences"] == 150_000
     per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
     assert report.run["corpus"]["tokens"] == int(per_sentence.sum())
 

@@ -217,7 +217,7 @@ def wrong_version(name: str, valid: Path, draw) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-@FUZZ
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 2, 1))  # each draws charts: half the examples in CI
 @given(st.data(), st.sampled_from(["classify", "classify_out", "plot"]))
 def test_classify_and_plot_on_random_report_folders(valid_report, data, command):
     with tempfile.TemporaryDirectory() as scratch:
@@ -261,3 +261,148 @@ def test_classify_and_plot_on_random_report_folders(valid_report, data, command)
         else:
             assert (folder / "entropy_heatmap.svg").is_file()
         assert not [p.name for p in written.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------------------------- text that renderers would interpret
+
+# Characters that mean something to mathtext ($ _ ^ \), rich ([ ] /), Plotly and HTML (< > & "), the page's
+# template (__X__), and ordinary letters around them.
+MARKUP = st.text(alphabet="$_^\\[]/<>&\"'=aXbY _-.", min_size=1, max_size=16)
+NAME = MARKUP.map(lambda s: s.replace("/", "|").strip(" .") or "x").filter(lambda s: s not in (".", ".."))
+
+
+@pytest.fixture(scope="module")
+def byte_level_gpt2(tmp_path_factory) -> Path:
+    """A tiny GPT-2 whose tokenizer has a token for every byte: every character of a corpus reaches the labels."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
+
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
+    folder = tmp_path_factory.mktemp("bytes") / "model"
+    torch.manual_seed(0)
+    GPT2Model(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=2, n_head=2, n_positions=64)).save_pretrained(
+        folder
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 10, 1))  # each draws every chart and the page
+@given(st.lists(MARKUP, min_size=2, max_size=4), NAME, NAME)
+def test_markup_in_text_and_names_is_drawn_and_printed_as_text(byte_level_gpt2, sentences, corpus_name, model_name):
+    """Any text in the corpus, the corpus's name and the model's name: analyze draws every chart and the page,
+    prints its summary, and classify re-labels it; nothing is read as markup or a placeholder."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        model = folder / model_name
+        model.symlink_to(byte_level_gpt2, target_is_directory=True)
+        corpus = folder / f"{corpus_name}.txt"
+        corpus.write_text("".join(f"{s}\n" for s in sentences) + "a b c\n")
+        out = folder / "report"
+        result = run_cli("analyze", model, "--corpus", corpus, "--out", out, "--probe-seeds", "2", "--bootstrap", "0")
+        assert result.exit_code == 0, result.output
+        assert "warning" not in result.output and "Traceback" not in result.output
+        assert {"examples.png", "entropy_heatmap.png", "report.html"} <= {p.name for p in out.iterdir()}
+        page = (out / "report.html").read_text(encoding="utf-8")
+        assert page.count("<script") == 3 and len(page) < 6e6  # one plotly.js, one data island, one app
+        result = run_cli("classify", out)
+        assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------- device maps
+
+DEVICES = st.one_of(
+    st.sampled_from(["cpu", "disk", "meta", "cuda", "cuda:0", "cuda:7", "gpu7", "mps", "", "CPU"]),
+    st.integers(-2, 9),
+    st.none(),
+    st.floats(allow_nan=True),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.booleans(),
+)
+MODULES = st.sampled_from(["", "wte", "wpe", "h", "h.0", "h.1", "ln_f", "transformer.h.0", "h.9", "drop", "x"])
+
+
+@FUZZ
+@given(st.dictionaries(MODULES, DEVICES, max_size=4), st.booleans())
+def test_random_device_maps(planted_gpt2, device_map, offload):
+    """Any JSON map: the run works, or one line says what is wrong with the map; never a traceback, never a
+    map silently ignored (a run that works records the map it applied)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        path = folder / "map.json"
+        path.write_text(json.dumps(device_map))
+        out = folder / "report"
+        extra = ["--offload-folder", folder / "offload"] if offload else []
+        result = run_cli("analyze", planted_gpt2, "--out", out, "--device-map", path, *extra, "--no-probes",
+                         "--bootstrap", "0", "--no-charts", "--no-page")  # fmt: skip
+        event(f"exit {result.exit_code}")
+        if result.exit_code != 0:
+            assert_clean_failure(result)
+            return
+        assert json.loads((out / "run.json").read_text())["model"]["device_map"] is not None
+        assert not (folder / "offload").exists() or not any((folder / "offload").iterdir())
+
+
+# ---------------------------------------------------------------- users' files in and beside output folders
+
+LOOKALIKES = st.sampled_from(
+    [
+        "report.html",
+        "heads.parquet",
+        "run.json",
+        "compare.json",
+        "plot.json",
+        "entropy_heatmap.png",
+        "notes.md",
+        "examples.svg",
+        ".headscope-work",
+        "compare.parquet",
+    ]
+)
+SIBLINGS = st.sampled_from([".out.old-1", ".out.staging-2", ".out.partial", ".out.tmp-3", ".out*.staging-4", "out.bak"])
+WRITERS = st.sampled_from(["analyze", "classify --out", "plot --out", "compare"])
+
+
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 2, 1))  # each runs a whole command
+@given(st.dictionaries(LOOKALIKES, st.binary(max_size=40), max_size=4), st.lists(SIBLINGS, max_size=3),
+       WRITERS, st.booleans())  # fmt: skip
+def test_every_byte_of_a_users_files_survives_every_command(valid_report, planted_gpt2, inside, beside, writer, force):
+    """Files headscope did not write, in the output folder and beside it, named like its own or not: after any
+    command, with or without --overwrite, each is byte for byte what it was (a command either refuses the
+    folder, or the folder held nothing of the user's)."""
+    from headscope.layout import why_not_replaceable
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        out = folder / "out"
+        out.mkdir()
+        for name, content in inside.items():
+            (out / name).write_bytes(content)
+        for name in beside:
+            (folder / name).mkdir(exist_ok=True)
+            (folder / name / "keep").write_bytes(b"the user's")
+        flag = ["--overwrite"] if force else []
+        args = {
+            "analyze": ["analyze", planted_gpt2, "--out", out, "--no-probes", "--bootstrap", "0", "--no-charts"],
+            "classify --out": ["classify", valid_report, "--out", out],
+            "plot --out": ["plot", valid_report, "--out", out, "--no-page", "--format", "svg"],
+            "compare": ["compare", valid_report, valid_report, "--out", out, "--replicates", "10", "--no-charts"],
+        }[writer]
+        kind = {"analyze": "report", "classify --out": "report", "plot --out": "charts", "compare": "comparison"}
+        replaceable = why_not_replaceable(out, kind[writer]) is None
+        before = snapshot(folder)
+        result = run_cli(*args, *flag)
+        event(f"{writer} {'replaceable' if replaceable else 'foreign'} exit {result.exit_code}")
+        if result.exit_code != 0:
+            assert_clean_failure(result)
+            assert snapshot(folder) == before
+            return
+        assert replaceable and (force or not inside)  # it wrote: the folder held nothing the user made
+        assert {k: v for k, v in snapshot(folder).items() if not k.startswith("out/")} == {
+            k: v for k, v in before.items() if not k.startswith("out/")
+        }

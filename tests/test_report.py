@@ -93,7 +93,7 @@ def test_classify_into_another_folder_then_plot_it(report, tmp_path):
 
 def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
     result = runner.invoke(app, ["classify", str(report), "--copy-max-norm-entropy", "0.9"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a usage error
     assert result.stderr.startswith("Error: --copy-max-norm-entropy (0.9) must be below --broad-min-norm-entropy")
     result = runner.invoke(app, ["plot", str(tmp_path / "nothing")])
     assert result.exit_code == 1
@@ -104,7 +104,8 @@ def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
 def test_charts_for_every_model_shape(tmp_path, layers, heads):
     folder = tmp_path / f"m{layers}x{heads}"
     synthetic_report(folder, layers, heads)
-    written = plot_report(folder, page=False)
+    written, failed = plot_report(folder, page=False)
+    assert failed == []
     assert [p.stem for p in written] == [c for c in CHARTS if c != "examples"]  # no example without a model run
     for path in written:
         height, width = imread(path).shape[:2]

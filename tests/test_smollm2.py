@@ -103,13 +103,20 @@ def test_grouped_query_heads_are_reported_per_query_head(batched):
 
 
 HANDFUL = [(0, 3), (17, 4), (29, 8)]  # (layer, head): an early head, an induction head, the last layer
+FEW = 6  # sentences for the importance checks: every formula exercised, on sentences of 5 to 14 tokens
 
 
 @pytest.fixture(scope="module")
 def importance(smollm2, corpus_lines):
     layers = tuple(sorted({layer for layer, _ in HANDFUL}))
     return headscope.analyze(
-        smollm2, corpus_lines[:12], importance="exact", layers=layers, probes=False, sentence_heads=False, batch_size=16
+        smollm2,
+        corpus_lines[:FEW],
+        importance="exact",
+        layers=layers,
+        probes=False,
+        sentence_heads=False,
+        batch_size=16,
     )
 
 
@@ -167,7 +174,7 @@ def straightforward_importance(smollm2, sentences, layer, head):
 def test_importance_matches_a_straightforward_computation(smollm2, importance, corpus_lines):
     heads = importance.heads.set_index(["layer", "head"])
     for layer, head in HANDFUL:
-        expected = straightforward_importance(smollm2, corpus_lines[:12], layer, head)
+        expected = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
         got = heads.loc[(layer, head), ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]]
         np.testing.assert_allclose(got[:2].to_numpy(float), expected[:2], atol=1e-4, err_msg=f"{layer} {head}")
         np.testing.assert_allclose(got[2:].to_numpy(float), expected[2:], rtol=1e-3, atol=1e-5, err_msg="attribution")
@@ -175,7 +182,7 @@ def test_importance_matches_a_straightforward_computation(smollm2, importance, c
 
 def test_batch_size_does_not_change_importance(smollm2, importance, corpus_lines):
     one_at_a_time = headscope.analyze(
-        smollm2, corpus_lines[:12], importance="exact", layers=(17,), probes=False, sentence_heads=False, batch_size=1
+        smollm2, corpus_lines[:FEW], importance="exact", layers=(17,), probes=False, sentence_heads=False, batch_size=1
     )
     columns = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
     batched = importance.heads[importance.heads["layer"] == 17][columns].to_numpy()

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from headscope.capture import replicate
+from headscope.errors import ResourceError
 from headscope.feed import Batch, CorpusFeed
+from headscope.memory import readable
 from headscope.reporting import Reporter
 
 LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
@@ -125,10 +127,30 @@ class Importance:
     ablation_zero: np.ndarray | None = None  # (layers, heads), exact mode only
     ablation_mean: np.ndarray | None = None
 
+    @classmethod
+    def unmeasured(cls, mode: str, layers: int, heads: int) -> Importance:
+        """Importance of a corpus with no token to predict: no loss, every head NaN."""
+        nan = np.full((layers, heads), np.nan)
+        exact = mode == "exact"
+        return cls(mode, float("nan"), 0, nan, nan, nan if exact else None, nan if exact else None)
+
     def columns(self) -> dict[str, np.ndarray]:
         """The heads table's importance columns that were measured."""
         names = ("ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+def check_importance_fits(feed: CorpusFeed, plan) -> None:
+    """Refuse, before anything is measured, a corpus whose longest sentence cannot fit in one importance pass: a
+    sentence is never split, so it would take more memory than --max-memory allows (its chunks are tokenized
+    now and kept: importance reads them again anyway)."""
+    longest = max((len(ids) for index in range(len(feed)) for ids in feed.chunk(index).ids), default=0)
+    if longest > plan.importance.max_tokens:
+        raise ResourceError(
+            f"--importance fits {plan.importance.max_tokens:,} tokens in one gradient pass with "
+            f"{readable(plan.memory_budget)} of memory, and the longest sentence has {longest:,}: raise "
+            f"--max-memory, or cut sentences with --max-length {plan.importance.max_tokens}"
+        )
 
 
 def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, device) -> Importance:
@@ -143,6 +165,10 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         ):
             yield batch.to(device)
 
+    predicted = sum(max(len(ids) - 1, 0) for index in range(len(feed)) for ids in feed.chunk(index).ids)
+    if predicted == 0:
+        reporter.warn("no sentence has a token to predict (each has one token or none): importance is not measured")
+        return Importance.unmeasured(settings.importance, len(plan.layers), plan.heads)
     reporter.stage(f"importance ({settings.importance}): {'attribution and ablation' if exact else 'attribution'}")
     reporter.start(len(feed.corpus.sentences) * (2 if exact else 1))
     importance = measure_importance(

@@ -31,7 +31,7 @@ import torch
 
 from headscope.columns import PROBE_PATTERNS
 from headscope.errors import ConfigError
-from headscope.feed import Batch, batches_in_order
+from headscope.feed import Batch, collate
 from headscope.measures.statistics import diagonal_rows
 from headscope.reporting import Reporter
 from headscope.stats import ProbeResult, summarise_probes
@@ -74,6 +74,12 @@ def prefix_ids(tokenizer) -> list[int]:
 
 def probe_inputs(tokenizer, spec: ProbeSpec) -> tuple[list[list[int]], int]:
     """One token-id sequence per seed, and the prefix length P."""
+    sequence, prefix = probe_sequences(tokenizer, spec)
+    return [sequence(seed) for seed in range(spec.seeds)], prefix
+
+
+def probe_sequences(tokenizer, spec: ProbeSpec):
+    """sequence(seed) -> the seed's token ids, and the prefix length P: each sequence made when it is wanted."""
     candidates = ordinary_token_ids(tokenizer)
     if len(candidates) < spec.length:
         raise ConfigError(
@@ -81,11 +87,12 @@ def probe_inputs(tokenizer, spec: ProbeSpec) -> tuple[list[list[int]], int]:
             f"the tokenizer has {len(candidates)}: lower --probe-length, or pass --no-probes"
         )
     prefix = prefix_ids(tokenizer)
-    sequences = []
-    for seed in range(spec.seeds):
+
+    def sequence(seed: int) -> list[int]:
         random_part = np.random.default_rng(seed).choice(candidates, size=spec.length, replace=False).tolist()
-        sequences.append(prefix + random_part * spec.repeats)
-    return sequences, len(prefix)
+        return prefix + random_part * spec.repeats
+
+    return sequence, len(prefix)
 
 
 def pattern_rows(positions: torch.Tensor, prefix: int, spec: ProbeSpec) -> dict[str, tuple[torch.Tensor, list[int]]]:
@@ -184,28 +191,26 @@ class ProbeScores:
 
 
 def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeResult:
-    """The probe battery of `plan` through `capture` (an attached model): one pass over its sequences."""
+    """The probe battery of `plan` through `capture` (an attached model): its sequences made batch by batch."""
     settings = plan.settings
     spec = ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length)
-    sequences, prefix = probe_inputs(tokenizer, spec)
-    if plan.model_limit is not None and len(sequences[0]) > plan.model_limit:
+    sequence, prefix = probe_sequences(tokenizer, spec)
+    tokens = prefix + spec.repeats * spec.length
+    if plan.model_limit is not None and tokens > plan.model_limit:
         raise ConfigError(
-            f"--probe-length {spec.length} makes probe sequences of {len(sequences[0])} tokens, more than the "
+            f"--probe-length {spec.length} makes probe sequences of {tokens} tokens, more than the "
             f"model's limit of {plan.model_limit}; lower --probe-length"
         )
-    reporter.stage(f"probing: {spec.seeds} sequences of {len(sequences[0])} tokens")
+    reporter.stage(f"probing: {spec.seeds} sequences of {tokens} tokens")
     scores = ProbeScores(spec, prefix, layers=plan.layers)
-    per_seed: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    for batch in batches_in_order(
-        dict(enumerate(sequences)),
-        max_sentences=plan.corpus.max_sentences,
-        max_tokens=plan.corpus.max_tokens,
-        padding_side=settings.padding_side,
-        device=device,
-    ):
-        capture.run(batch, measures=[scores])
-        mass, rows, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
-        for column, seed in enumerate(batch.sentence_ids):
-            per_seed[seed] = (mass[:, column], rows[column], chance[column])
-    mass, rows, chance = (np.stack([per_seed[seed][i] for seed in sorted(per_seed)]) for i in range(3))
-    return summarise_probes(mass, rows, chance, prefix, spec.repeats)
+    per_batch = max(1, min(plan.corpus.max_sentences, plan.corpus.max_tokens // tokens))
+    masses, rows, chances = [], [], []
+    for first in range(0, spec.seeds, per_batch):
+        seeds = range(first, min(first + per_batch, spec.seeds))
+        batch = collate(list(seeds), [sequence(seed) for seed in seeds], padding_side=settings.padding_side)
+        capture.run(batch.to(device), measures=[scores])
+        mass, row, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
+        masses.append(np.moveaxis(mass, 1, 0))
+        rows.append(row)
+        chances.append(chance)
+    return summarise_probes(np.concatenate(masses), np.concatenate(rows), np.concatenate(chances), prefix, spec.repeats)

@@ -16,6 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import Thresholds
+from headscope.errors import OutputError, one_line
 from headscope.labels import HEAD_TYPES, ROLES, most_typical
 from headscope.layout import CHART_NAMES
 from headscope.output import atomic_path
@@ -25,6 +26,30 @@ from headscope.summary import early_late_entropy, importance_column, layer_entro
 
 TYPE_COLOURS, ROLE_COLOURS = palette.TYPES, palette.ROLES
 ANNOTATE_UP_TO = 16  # write cell values when the grid is at most this many layers and heads
+
+
+def plain(text: str) -> str:
+    """Text as matplotlib must draw it: literally. A "$" would start mathtext (LaTeX): a model's "$$" token or a
+    corpus named "cost $a_$.txt" would fail to parse, or turn into formulas."""
+    return str(text).replace("$", r"\$")
+
+
+def save_each(figures: dict, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
+    """Draw and save each figure (name -> function returning it) as an atomically written `fmt` file. Returns the
+    paths written, and "NAME.fmt (the error)" for each that failed: one failed chart never stops the others."""
+    written, failed = [], []
+    for name, draw in figures.items():
+        path = folder / f"{name}.{fmt}"
+        try:
+            with atomic_path(path) as tmp:
+                draw().savefig(tmp, format=fmt, dpi=130)
+        except OutputError:
+            raise  # the folder cannot be written at all: nothing else would be either
+        except Exception as err:  # any drawing failure is reported, never fatal to the tables
+            failed.append(f"{path.name} ({one_line(err)})")
+        else:
+            written.append(path)
+    return written, failed
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -273,8 +298,8 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
         matrix = np.full((n, n), np.nan)
         matrix[part["query"].to_numpy(), part["key"].to_numpy()] = part["weight"].to_numpy()
         image = ax.imshow(matrix, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_xticks(range(n), tokens, rotation=90, fontsize=7)
-        ax.set_yticks(range(n), tokens, fontsize=7)
+        ax.set_xticks(range(n), [plain(t) for t in tokens], rotation=90, fontsize=7)
+        ax.set_yticks(range(n), [plain(t) for t in tokens], fontsize=7)
         ax.set_xlabel("key (attended to)")
         ax.set_ylabel("query")
         ax.set_title(f"{name}: layer {layer}, head {head}", color=TYPE_COLOURS[name])
@@ -284,13 +309,13 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
     return fig
 
 
-def draw_charts(report: Report, *, folder: Path, fmt: str) -> list[Path]:
-    """Draw every chart of `report` into `folder` as `fmt` files (each written atomically); return their paths.
+def draw_charts(report: Report, *, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
+    """Draw every chart of `report` into `folder` as `fmt` files; return what `save_each` returns.
 
     Its layers table (when it has intervals) bands the layer gradient; its examples give the example chart. A
     chart without data (no probes, no importance, no example) is skipped.
     """
-    heads, title, thresholds = report.heads, report.title, report.thresholds
+    heads, title, thresholds = report.heads, plain(report.title), report.thresholds
     figures = {
         "entropy_heatmap": lambda: entropy_heatmap(heads, title=title),
         "layer_gradient": lambda: layer_gradient(heads, title=title, depth=report.depth, layers=report.layers),
@@ -309,12 +334,4 @@ def draw_charts(report: Report, *, folder: Path, fmt: str) -> list[Path]:
         "importance_heatmap": no_importance,
         "importance_entropy": no_importance,
     }
-    written = []
-    for name in CHART_NAMES:
-        if skipped.get(name):
-            continue
-        path = folder / f"{name}.{fmt}"
-        with atomic_path(path) as tmp:
-            figures[name]().savefig(tmp, format=fmt, dpi=130)
-        written.append(path)
-    return written
+    return save_each({name: figures[name] for name in CHART_NAMES if not skipped.get(name)}, folder, fmt)

@@ -3,11 +3,13 @@
 Same grid (the same layers x heads): every numeric measured column X of heads.parquet gives `X_a`, `X_b` and
 `X_delta` = B - A (exactly, from the two tables), with the labels of both sides beside them. For `entropy`,
 `norm_entropy`, `sink` and `diagonal` the delta gets a 95% interval, a p-value and a `significant` flag:
-- the same corpus (same sha256) is *paired*: a Poisson bootstrap over sentences, each replicate weighing a
-  sentence by the same count in A and B, streamed from both sentence_heads tables (memory O(replicates x
-  heads)); p = 2 min(share of replicate deltas <= 0, share >= 0), with +1 smoothing;
+- the same sentences (the same texts in the same order, whatever files they came from) are *paired*: a Poisson
+  bootstrap over sentences, each replicate weighing a sentence by the same count in A and B, streamed from both
+  sentence_heads tables (memory O(replicates x heads)); p = 2 min(share of replicate deltas <= 0, share >= 0),
+  with +1 smoothing, over the replicates where the delta exists (none: no p-value, never significant);
 - different corpora are *unpaired*: each report's own 95% interval gives its standard error, the delta's
   interval is delta +- 1.96 sqrt(se_a^2 + se_b^2), and p is the normal two-sided p-value.
+Settings that change what a number means (MEANING) and differ between the reports are listed in compare.json.
 `significant` controls the false discovery rate at 5% over all heads, per metric (Benjamini-Hochberg).
 
 Different grids (two models): layers are compared on relative depth, layer / (depth - 1) of each model, with
@@ -16,7 +18,9 @@ the types' and roles' shares in each model's early, middle and late layers (summ
 
 from __future__ import annotations
 
+import hashlib
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +31,10 @@ import pyarrow.parquet as pq
 
 from headscope.columns import DELTAS, INTERVAL_METRICS, RATIOS, ROWS_LEFT_OUT
 from headscope.config import COMPARE_REPLICATES
-from headscope.errors import OutputError
+from headscope.errors import OutputError, ResourceError
 from headscope.labels import HEAD_TYPES, ROLES
 from headscope.layout import SCHEMA_VERSION, SENTENCE_HEADS_FILE
+from headscope.memory import host_free_memory, readable
 from headscope.report.report import Report
 from headscope.stats import percentile_interval, poisson_weights
 
@@ -89,6 +94,7 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
         "same_grid": same_grid,
         "level": LEVEL,
         "fdr": {"method": "Benjamini-Hochberg", "rate": FDR, "over": "all heads, per metric"},
+        "settings_differ": settings_differ(ra, rb),
     }
     if not same_grid:
         record["method"] = "relative depth (different grids)"
@@ -96,14 +102,18 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
 
     heads = head_deltas(ra.heads, rb.heads)
     layer_ids = sorted(heads["layer"].unique())
-    paired = ra.corpus_sha256 is not None and ra.corpus_sha256 == rb.corpus_sha256
+    digests = [sentences_digest(r) for r in (ra, rb)]
+    paired = digests[0] is not None and digests[0] == digests[1]
     if paired and all((r.folder / SENTENCE_HEADS_FILE).is_file() for r in (ra, rb)):
+        check_fits(replicates, len(heads))
         head_stats, layer_stats = paired_intervals(ra, rb, heads, layer_ids, replicates, seed)
-        record["method"] = f"paired (the same corpus): Poisson bootstrap over sentences, {replicates} replicates"
+        record["method"] = f"paired (the same sentences): Poisson bootstrap over sentences, {replicates} replicates"
         record.update(replicates=replicates, seed=seed)
     else:
         head_stats, layer_stats = unpaired_intervals(ra, rb, heads)
-        reason = "different corpora" if not paired else "a report without sentence_heads.parquet"
+        reason = "different sentences" if not paired else "a report without sentence_heads.parquet"
+        if not paired and ra.corpus_sha256 is not None and ra.corpus_sha256 == rb.corpus_sha256:
+            reason = "the same corpus file read into different sentences (--text-column or --encoding-errors)"
         record["method"] = f"unpaired ({reason}): normal intervals from each report's own 95% intervals"
     added = {}
     for metric, (low, high, p) in head_stats.items():
@@ -120,8 +130,47 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
     return Comparison(record=record, layers=layers, bands=bands, heads=heads, transitions=transitions)
 
 
+# Settings that change what a number means: reports measured with different ones compare different things.
+MEANING = ("window", "sink_threshold", "max_length", "layers", "probe_length")
+
+
+def settings_differ(ra: Report, rb: Report) -> dict[str, list]:
+    """Setting -> [A's value, B's value], for the settings in MEANING the two reports were measured with apart."""
+    a, b = (_section(r.run, "settings") for r in (ra, rb))
+    return {name: [a.get(name), b.get(name)] for name in MEANING if a.get(name) != b.get(name)}
+
+
+def sentences_digest(report: Report) -> str | None:
+    """A hash of the sentences a report measured, in order (None without a sentences table): two reports are
+    paired when they measured the same sentences, whatever the files they were read from."""
+    sentences = report.sentences
+    if sentences is None:
+        return None
+    digest = hashlib.sha256()
+    for text in sentences.sort_values("sentence_id")["text"]:
+        digest.update(str(text).encode("utf-8", "surrogatepass") + b"\x00")
+    return digest.hexdigest()
+
+
+def check_fits(replicates: int, cells: int) -> None:
+    """Refuse a paired bootstrap whose replicate sums would not fit in half the host's free memory."""
+    per_replicate = 8 * (2 * 2 * len(INTERVAL_METRICS) + 4) * cells + 8 * SENTENCES_AT_ONCE
+    budget = host_free_memory() // 2
+    if replicates * per_replicate > budget:
+        raise ResourceError(
+            f"--replicates {replicates:,} needs {readable(replicates * per_replicate)} for the bootstrap of "
+            f"{cells:,} heads, more than half the free memory ({readable(budget)}); "
+            f"{budget // per_replicate:,} replicates fit"
+        )
+
+
+def _section(run: dict, key: str) -> dict:
+    value = run.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _identity(report: Report) -> dict:
-    model, corpus = report.run.get("model", {}), report.run.get("corpus", {})
+    model, corpus = _section(report.run, "model"), _section(report.run, "corpus")
     return {
         "folder": str(report.folder),
         "model": model.get("input"),
@@ -139,7 +188,8 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     columns = {}
     numeric = [c for c in DELTAS if c in a.columns and c in b.columns]
     for column in numeric:
-        if a[column].notna().any() and b[column].notna().any():  # e.g. importance only when both have it
+        # Importance, say, only when both measured it; the interval metrics always (NaN where unmeasurable).
+        if column in INTERVAL_METRICS or (a[column].notna().any() and b[column].notna().any()):
             columns[f"{column}_a"], columns[f"{column}_b"] = a[column], b[column]
             columns[f"{column}_delta"] = b[column] - a[column]
     for label in LABELS:
@@ -147,7 +197,10 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(columns, index=a.index).reset_index()
 
 
-def _sentences(path: Path, cells: int, metrics, chunk: int = 512) -> Iterator[tuple[np.ndarray, ...]]:
+SENTENCES_AT_ONCE = 512  # sentences of a sentence_heads table read, and bootstrapped, at once
+
+
+def _sentences(path: Path, cells: int, metrics, chunk: int = SENTENCES_AT_ONCE) -> Iterator[tuple[np.ndarray, ...]]:
     """Complete sentences of a sentence_heads table, `chunk` at a time: (ids, n_tokens, values per metric),
     values as (sentences, cells). Rows run sentence by sentence, (layer, head) within, as analyze writes them."""
     columns = ["sentence_id", "n_tokens", *metrics]
@@ -199,7 +252,8 @@ def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, rep
                 sums[side][metric][1] += weights @ rows
     head_stats, layer_stats = {}, {}
     layer_of = heads["layer"].to_numpy()
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a layer without any value (one-token corpus): NaN
         for metric in metrics:
             ratio = {s: sums[s][metric][0] / sums[s][metric][1] for s in ("a", "b")}  # (replicates, cells)
             delta = ratio["b"] - ratio["a"]
@@ -224,10 +278,13 @@ def _checked(streams):
 
 
 def _bootstrap_p(delta: np.ndarray) -> np.ndarray:
-    """Two-sided bootstrap p-value of 'no change' per column of (replicates, columns) deltas (+1 smoothed)."""
-    count = delta.shape[0]
+    """Two-sided bootstrap p-value of 'no change' per column of (replicates, columns) deltas (+1 smoothed), over
+    the replicates where the delta exists; NaN for a column without any (nothing to test, nothing significant)."""
+    count = np.isfinite(delta).sum(0)
     below, above = (delta <= 0).sum(0), (delta >= 0).sum(0)
-    return np.minimum(1.0, 2 * (np.minimum(below, above) + 1) / (count + 1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.minimum(1.0, 2 * (np.minimum(below, above) + 1) / (count + 1))
+    return np.where(count > 0, p, np.nan)
 
 
 def unpaired_intervals(ra: Report, rb: Report, heads: pd.DataFrame):

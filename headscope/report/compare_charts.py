@@ -9,9 +9,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from headscope.labels import ROLES
-from headscope.output import atomic_path
 from headscope.report import palette
-from headscope.report.charts import _figure, _grid, _layer_axis, _tick_step
+from headscope.report.charts import _figure, _grid, _layer_axis, _tick_step, plain, save_each
 from headscope.report.compare import Comparison
 
 SIDES = {side: (side.upper(), colour) for side, colour in palette.SIDES.items()}
@@ -49,7 +48,7 @@ def layer_gradients(comparison: Comparison, *, title: str) -> Figure:
         x, mean, low, high = _gradient(comparison, side)
         ax.fill_between(x, low, high, color=colour, alpha=0.25, linewidth=0)
         label = comparison.record[side]["model"], Path(str(comparison.record[side]["corpus"])).name
-        ax.plot(x, mean, marker="o", markersize=3, color=colour, label=f"{name}: {label[0]} on {label[1]}")
+        ax.plot(x, mean, marker="o", markersize=3, color=colour, label=plain(f"{name}: {label[0]} on {label[1]}"))
     if comparison.same_grid:
         _layer_axis(ax, comparison.layers["layer"].to_numpy())
     else:
@@ -126,9 +125,10 @@ def band_shares(bands: pd.DataFrame, *, title: str) -> Figure:
     return fig
 
 
-def draw_comparison(comparison: Comparison, *, folder: Path, fmt: str) -> list[Path]:
-    """Every comparison chart into `folder` (the per-head ones only for the same grid); return their paths."""
-    title = comparison.title
+def draw_comparison(comparison: Comparison, *, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
+    """Every comparison chart into `folder` (the per-head ones only for the same grid); returns what
+    charts.save_each returns."""
+    title = plain(comparison.title)
     figures = {
         "layer_gradients": lambda: layer_gradients(comparison, title=title),
         "band_shares": lambda: band_shares(comparison.bands, title=title),
@@ -136,10 +136,4 @@ def draw_comparison(comparison: Comparison, *, folder: Path, fmt: str) -> list[P
     if comparison.same_grid:
         figures["delta_heatmap"] = lambda: delta_heatmap(comparison.heads, title=title)
         figures["transitions"] = lambda: transitions(comparison, title=title)
-    written = []
-    for name, draw in figures.items():
-        path = folder / f"{name}.{fmt}"
-        with atomic_path(path) as tmp:
-            draw().savefig(tmp, format=fmt, dpi=130)
-        written.append(path)
-    return written
+    return save_each(figures, folder, fmt)

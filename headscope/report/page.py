@@ -29,6 +29,8 @@ from headscope.report.report import Report
 FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_FILE, RUN_FILE)
 # The all-heads table: who the head is and its labels, every column the selector offers, then the rest.
 TABLE = (*IDS, "head_type", "role", *(c.name for c in HEADS_COLUMNS if c.shown), "top_offset", "n_rows")
+# Columns report.js reads by name (the heads grid, labels, filter, classification map).
+SCRIPT_READS = ("layer", "head", "head_type", "role", "top_offset", "locality", "norm_entropy")
 
 
 @cache
@@ -115,8 +117,19 @@ def _run_summary(run: dict) -> dict:
 
 
 def _safe_json(data) -> str:
-    """JSON that cannot end or confuse the script element it sits in: no "<" at all, and no literal URL."""
-    return _without_urls(json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c"))
+    """JSON that cannot end or confuse the script element it sits in: no "<" at all, and no literal URL; a number
+    that is not finite (a NaN in run.json, say) is null, "no value", as JSON has no NaN."""
+    return _without_urls(json.dumps(_finite(data), separators=(",", ":"), allow_nan=False).replace("<", "\\u003c"))
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def report_page(report: Report, *, files_in: Path | None = None) -> str:
@@ -124,10 +137,12 @@ def report_page(report: Report, *, files_in: Path | None = None) -> str:
     heads = report.heads
     present = [c.name for c in HEADS_COLUMNS if c.name in heads and heads[c.name].notna().any()]
     shown = [name for name in present if COLUMNS[name].shown]
+    # The columns with a value, and every column the script reads by name (null throughout where it has none).
+    sent = heads.reindex(columns=list(dict.fromkeys((*SCRIPT_READS, *present))))
     data = {
         "title": report.title,
         "run": _run_summary(report.run),
-        "heads": _columns(heads, present),
+        "heads": _columns(sent, sent.columns),
         "layers": _columns(report.layers, report.layers.columns) if report.layers is not None else None,
         "examples": _examples(report.examples),
         "thresholds": report.thresholds.to_dict(),

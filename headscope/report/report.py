@@ -161,6 +161,9 @@ def read_run(folder: Path) -> dict:
         raise OutputError(f"{path} is not valid JSON ({err})") from None
     if not isinstance(run, dict):
         raise OutputError(f"{path} is not a headscope run record (a JSON object)")
+    model, corpus = run.get("model"), run.get("corpus")
+    if not isinstance(model, dict) or not isinstance(model.get("input"), str) or not isinstance(corpus, dict):
+        raise OutputError(f"{path} is not a headscope run record (it has no model and corpus); run analyze again")
     return run
 
 

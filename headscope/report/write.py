@@ -1,5 +1,7 @@
 """Writing what reads a report: charts and report.html (analyze, plot), relabelled heads (classify), and a
-comparison folder (compare). Every file is written atomically; a comparison is staged and published whole."""
+comparison folder (compare). Every file is written atomically; a new folder is staged and published whole
+(headscope.output: only into an empty folder, or over one of the same kind with --overwrite). Tables are always
+published before anything is drawn: a chart or page that fails is reported and never takes the tables with it."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from headscope.config import CHART_FORMATS, RoleThresholds, Thresholds
-from headscope.errors import ConfigError, OutputError
+from headscope.errors import ConfigError, one_line
 from headscope.layout import (
     COMPARE_BANDS_FILE,
     COMPARE_FILE,
@@ -18,94 +20,115 @@ from headscope.layout import (
     HEADS_FILE,
     LAYERS_FILE,
     PAGE_FILE,
+    PLOT_RECORD,
     RUN_FILE,
-    why_not_a_report,
+    SCHEMA_VERSION,
 )
-from headscope.output import atomic_path
+from headscope.output import StagedDirectory, resolved
 from headscope.report.compare import Comparison
 from headscope.report.report import Report
 from headscope.tables import HEADS_SCHEMA, parquet_metadata, write_frame, write_json, write_table
 
 
-def write_presentation(report: Report, folder: Path, *, fmt: str | None, page: bool) -> list[Path]:
-    """The charts (as `fmt` files; none when None) and report.html of `report`, into `folder`."""
-    written = []
+def write_presentation(report: Report, folder: Path, *, fmt: str | None, page: bool) -> tuple[list[Path], list[str]]:
+    """The charts (as `fmt` files; none when None) and report.html of `report`, into `folder`: the paths written,
+    and for each one that could not be drawn, "NAME (the error)". A failed chart never stops the others."""
+    written, failed = [], []
     if fmt:
         from headscope.report.charts import draw_charts  # matplotlib only when charts are drawn
 
-        written += draw_charts(report, folder=folder, fmt=fmt)
+        drawn, missed = draw_charts(report, folder=folder, fmt=fmt)
+        written, failed = written + drawn, failed + missed
     if page:
         from headscope.report.page import report_page, write_page  # plotly only for the page
 
-        written.append(write_page(report_page(report, files_in=folder), folder / PAGE_FILE))
-    return written
+        try:
+            written.append(write_page(report_page(report, files_in=folder), folder / PAGE_FILE))
+        except Exception as err:  # any failure of the page: the tables stay, the user is told
+            failed.append(f"{PAGE_FILE} ({one_line(err)})")
+    return written, failed
 
 
-def plot_report(folder: Path, *, fmt: str = CHART_FORMATS[0], out: Path | None = None, page: bool = True) -> list[Path]:
-    """Draw every chart of the report in `folder`, and its report.html (into `out`, default the same folder);
-    return their paths."""
+def plot_report(
+    folder: Path,
+    *,
+    fmt: str = CHART_FORMATS[0],
+    out: Path | None = None,
+    page: bool = True,
+    overwrite: bool = False,
+) -> tuple[list[Path], list[str]]:
+    """Draw every chart of the report in `folder`, and its report.html, into the report itself or into `out`
+    (a new folder, or charts drawn there before, with `overwrite`). Returns what write_presentation returns."""
     if fmt not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {fmt!r}")
     report = Report.open(folder).checked()
-    target = Path(out) if out is not None else Path(folder)
-    _make_folder(target)
-    return write_presentation(report, target, fmt=fmt, page=page)
+    if out is None or resolved(out) == resolved(folder):
+        return write_presentation(report, Path(folder), fmt=fmt, page=page)
+    stage = StagedDirectory(Path(out), kind="charts", overwrite=overwrite, protected={"the report": Path(folder)})
+    with stage:
+        record = {"schema_version": SCHEMA_VERSION, "report": str(resolved(folder)), "format": fmt}
+        write_json(record, stage.path / PLOT_RECORD)
+        written, failed = write_presentation(report, stage.path, fmt=fmt, page=page)
+    return [stage.target / path.name for path in written], failed
 
 
 def reclassify(
-    folder: Path, thresholds: Thresholds, roles: RoleThresholds | None = None, *, out: Path | None = None
+    folder: Path,
+    thresholds: Thresholds,
+    roles: RoleThresholds | None = None,
+    *,
+    out: Path | None = None,
+    overwrite: bool = False,
 ) -> Report:
-    """Re-label the heads of the report in `folder` (types and roles); write in place (atomically) or into `out`.
-
-    With `out`, the new heads.parquet and run.json go there, with the tables the charts need.
-    """
+    """Re-label the heads of the report in `folder` (types and roles): in place (heads.parquet and run.json, each
+    written atomically), or as a new report in `out` (with the tables the charts need; an existing report there
+    is replaced only with `overwrite`)."""
     folder = Path(folder)
     relabelled = Report.open(folder).relabelled(thresholds, roles or RoleThresholds())
-    target = Path(out) if out is not None else folder
-    _make_folder(target)
-    problem = why_not_a_report(target)
-    if problem is not None:  # classify writes heads.parquet and run.json: never over someone else's files
-        raise OutputError(f"--out {target} is not a headscope report ({problem}); choose a new or empty folder")
-    for name in (EXAMPLES_FILE, LAYERS_FILE):
-        if target.resolve() != folder.resolve() and (folder / name).is_file():
-            _copy_atomically(folder / name, target / name)
-    write_table(relabelled.heads, target / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(relabelled.run))
-    write_json(relabelled.run, target / RUN_FILE)
+    if out is None or resolved(out) == resolved(folder):
+        _write_labels(relabelled, folder)
+        return relabelled
+    stage = StagedDirectory(Path(out), kind="report", overwrite=overwrite, protected={"the report": folder})
+    with stage:
+        for name in (EXAMPLES_FILE, LAYERS_FILE):
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, stage.path / name)
+        _write_labels(relabelled, stage.path)
     return relabelled
+
+
+def _write_labels(report: Report, folder: Path) -> None:
+    write_table(report.heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(report.run))
+    write_json(report.run, folder / RUN_FILE)
 
 
 def write_comparison(
     comparison: Comparison, out: Path, *, a: Path, b: Path, overwrite: bool, fmt: str | None, page: bool = True
-) -> Path:
-    """Write the comparison's tables, compare.json, charts and page into `out` (staged, published atomically)."""
+) -> tuple[Path, list[str]]:
+    """Write the comparison into `out`: its tables and compare.json staged and published atomically, then its
+    charts and page. Returns the folder and, for each chart or page that could not be drawn, "NAME (error)"."""
     from headscope.output import StagedDirectory
 
-    stage = StagedDirectory(Path(out), overwrite=overwrite, protected={"report A": Path(a), "report B": Path(b)})
-    with stage:
+    stage = StagedDirectory(
+        Path(out), kind="comparison", overwrite=overwrite, protected={"report A": Path(a), "report B": Path(b)}
+    )
+    with stage:  # the tables and compare.json are published first: drawing cannot lose them
         tables = {COMPARE_LAYERS_FILE: comparison.layers, COMPARE_BANDS_FILE: comparison.bands}
         if comparison.heads is not None:
             tables[COMPARE_FILE] = comparison.heads
         for name, frame in tables.items():
             write_frame(frame, stage.path / name)
         write_json(comparison.record, stage.path / COMPARE_RECORD)
-        if fmt:
-            from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
+    failed = []
+    if fmt:
+        from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
 
-            draw_comparison(comparison, folder=stage.path, fmt=fmt)
-        if page:
-            from headscope.report.page import compare_page, write_page  # plotly only for the page
+        failed += draw_comparison(comparison, folder=stage.target, fmt=fmt)[1]
+    if page:
+        from headscope.report.page import compare_page, write_page  # plotly only for the page
 
-            write_page(compare_page(comparison), stage.path / COMPARE_PAGE)
-    return stage.target
-
-
-def _make_folder(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputError(f"cannot create {folder}: {err.strerror or err}") from None
-
-
-def _copy_atomically(source: Path, destination: Path) -> None:
-    with atomic_path(destination) as tmp:
-        shutil.copyfile(source, tmp)
+        try:
+            write_page(compare_page(comparison), stage.target / COMPARE_PAGE)
+        except Exception as err:  # any failure of the page: the tables stay, the user is told
+            failed.append(f"{COMPARE_PAGE} ({one_line(err)})")
+    return stage.target, failed

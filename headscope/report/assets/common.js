@@ -5,6 +5,9 @@ const CONFIG = {displaylogo: false, responsive: true, showLink: false};
 const fmt = v => v === null || v === undefined ? "-" : typeof v === "boolean" ? (v ? "yes" : "no") :
   typeof v !== "number" ? String(v) : Number.isInteger(v) ? String(v) :
   Math.abs(v) >= 1000 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(2) : v.toFixed(4);
+// Text as Plotly must show it: literally. Plotly reads its labels as a small HTML (<a href>, <span style>, <b>,
+// entities), and tokens are any text a model has: escaped here, a token "<a href=...>" is shown, not followed.
+const plain = text => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 // "#rrggbb" at opacity `alpha`, for bands drawn in a palette colour.
 const rgba = (hex, alpha) => `rgba(${[1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16)).join(",")},${alpha})`;
 

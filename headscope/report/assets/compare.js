@@ -28,7 +28,7 @@ if (R.same_grid) {
 }
 Plotly.react("gradient", traces, {height: 380, margin: {t: 10}, legend: {orientation: "h", y: -0.25},
   xaxis: {title: {text: R.same_grid ? "layer" : "relative depth"}}, yaxis: {title: {text: "nats"}}}, CONFIG);
-if (!H) {
+if (!H || !D.selectable.length) {  // different grids, or no delta with a value
   document.getElementById("heads-section").hidden = true;
   document.getElementById("transitions-section").hidden = true;
   document.body.dataset.ready = "true";

@@ -35,7 +35,7 @@ function example(i) {
     for (let k = 0; k < n; k++) row.push(bytes.charCodeAt(at * n * n + q * n + k) / 255);
     z.push(row);
   }
-  const labels = E.tokens.map((t, j) => `${j}: ${t}`);
+  const labels = E.tokens.map((t, j) => plain(`${j}: ${t}`));
   Plotly.react("example", [{type: "heatmap", z: z, x: labels, y: labels, zmin: 0, zmax: 1, colorscale: "Blues",
     reversescale: true, hovertemplate: "query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"}],
     {title: {text: `layer ${H.layer[i]}, head ${H.head[i]}: attention on sentence ${E.sentence_id}`},
@@ -146,11 +146,16 @@ function files() {
 function main() {
   runDetails();
   fillSelect(C.selectable, heatmap, C.about);
-  heatmap(C.selectable[0]).then(gd => {
-    gd.on("plotly_hover", e => { const p = e.points[0]; panel(cell[p.y + "," + p.x]); });
-    gd.on("plotly_click", e => { const p = e.points[0]; const i = cell[p.y + "," + p.x]; panel(i); example(i); });
+  if (C.selectable.length) {
+    heatmap(C.selectable[0]).then(gd => {
+      gd.on("plotly_hover", e => { const p = e.points[0]; panel(cell[p.y + "," + p.x]); });
+      gd.on("plotly_click", e => { const p = e.points[0]; const i = cell[p.y + "," + p.x]; panel(i); example(i); });
+      document.body.dataset.ready = "true";
+    });
+  } else {
+    document.getElementById("heatmap").textContent = "No metric has a value for any head (every row overflowed?).";
     document.body.dataset.ready = "true";
-  });
+  }
   gradient(); perLayer("types", "head_type", P.types); perLayer("roles", "role", P.roles);
   classification(); table(); files();
   document.getElementById("filter").oninput = table;

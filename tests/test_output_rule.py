@@ -1,0 +1,141 @@
+"""One rule for every command that writes a folder: it writes only into an empty or missing folder, replaces
+(with --overwrite) only a headscope folder of its own kind, and deletes nothing it cannot prove it made.
+Every case goes through the CLI, and every byte of the user's files is checked after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error, run_cli, snapshot
+
+QUICK = ("--no-probes", "--bootstrap", "0")
+
+
+@pytest.fixture(scope="module")
+def folders(planted_gpt2, tmp_path_factory, corpus_lines) -> dict[str, Path]:
+    """A report, a comparison and a folder of charts drawn with plot --out, made once."""
+    root = tmp_path_factory.mktemp("kinds")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(corpus_lines[:12]) + "\n")
+    report, comparison, charts = root / "report", root / "comparison", root / "charts"
+    assert run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", report, *QUICK).exit_code == 0
+    assert run_cli("compare", report, report, "--out", comparison, "--replicates", "20").exit_code == 0
+    assert run_cli("plot", report, "--out", charts).exit_code == 0
+    return {"report": report, "comparison": comparison, "charts": charts, "corpus": corpus}
+
+
+def users_folder(path: Path) -> Path:
+    """A user's folder holding files named like headscope's own (report.html, a chart) and one of their own."""
+    path.mkdir(parents=True)
+    (path / "report.html").write_text("<p>my own page</p>")
+    (path / "entropy_heatmap.png").write_bytes(b"my own picture")
+    (path / "notes.md").write_text("my notes\n")
+    return path
+
+
+def command(name: str, folders: dict[str, Path], planted: Path, out: Path, overwrite: bool) -> list:
+    flag = ["--overwrite"] if overwrite else []
+    report = folders["report"]
+    return {
+        "analyze": ["analyze", planted, "--corpus", folders["corpus"], "--out", out, *QUICK, "--no-charts", *flag],
+        "compare": ["compare", report, report, "--out", out, "--replicates", "20", "--no-charts", *flag],
+        "plot --out": ["plot", report, "--out", out, "--no-page", *flag],
+        "classify --out": ["classify", report, "--out", out, *flag],
+    }[name]
+
+
+WRITES = {"analyze": "report", "compare": "comparison", "plot --out": "charts", "classify --out": "report"}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("state", ["missing", "empty", "users", "report", "comparison", "charts"])
+@pytest.mark.parametrize("name", list(WRITES))
+def test_one_rule_for_every_command_that_writes(name, state, overwrite, folders, planted_gpt2, tmp_path):
+    out = tmp_path / "out"
+    if state == "empty":
+        out.mkdir()
+    elif state == "users":
+        users_folder(out)
+    elif state in ("report", "comparison", "charts"):
+        shutil.copytree(folders[state], out)
+    before = snapshot(tmp_path)
+    result = run_cli(*command(name, folders, planted_gpt2, out, overwrite))
+    same_kind = state == WRITES[name]
+    if state in ("missing", "empty") or (same_kind and overwrite):
+        assert result.exit_code == 0, result.output
+        assert (
+            out / {"report": "run.json", "comparison": "compare.json", "charts": "plot.json"}[WRITES[name]]
+        ).is_file()
+    else:
+        reason = "pass --overwrite to replace it" if same_kind else "is not a headscope"
+        assert_one_line_error(result, reason)
+        assert snapshot(tmp_path) == before  # every byte of every file as it was
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder left
+
+
+def test_a_users_look_alike_folders_beside_the_output_survive(planted_gpt2, folders, tmp_path):
+    """Only work folders whose marker proves headscope made them for this output are cleaned up; a user's
+    .rep.old-20240101/, a bare .rep.staging-123/ and a sibling that a glob of "rep*" would match all survive."""
+    mine = {
+        ".rep.old-20240101": "a backup",
+        ".rep.staging-123": "not ours: no marker",
+        ".rep.partial": "a user's partial notes",
+        ".repX.staging-1": "another name: rep* must not widen",
+    }
+    for name, text in mine.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text(text)
+    before = snapshot(tmp_path)
+    for out in (tmp_path / "rep", tmp_path / "rep*"):
+        result = run_cli("analyze", planted_gpt2, "--corpus", folders["corpus"], "--out", out, *QUICK, "--no-charts")
+        assert result.exit_code == 0, result.output
+        assert "note: removed" not in result.output
+    assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith(".")} == before
+
+
+def test_a_killed_runs_marked_work_folder_is_removed(planted_gpt2, folders, tmp_path):
+    """A staging folder with headscope's marker, whose process is gone, is removed by the next run into the same
+    output (and only that one)."""
+    stale = tmp_path / f".rep.staging-{os.getpid() + 100000}"
+    stale.mkdir()
+    (stale / ".headscope-work").write_text(json.dumps({"target": "rep", "pid": os.getpid() + 100000}))
+    (stale / "heads.parquet").write_bytes(b"half written")
+    result = run_cli("analyze", planted_gpt2, "--corpus", folders["corpus"], "--out", tmp_path / "rep", *QUICK)
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and f"removed {stale}" in result.output
+
+
+def test_compare_overwrite_replaces_only_a_comparison(folders, tmp_path):
+    report = tmp_path / "a-report"
+    shutil.copytree(folders["report"], report)
+    before = snapshot(report)
+    result = run_cli("compare", folders["report"], folders["report"], "--out", report, "--overwrite", "--no-charts")
+    assert_one_line_error(result, "it holds a headscope report, and this command writes a headscope comparison")
+    assert snapshot(report) == before
+
+
+def test_plot_in_place_and_classify_in_place_rewrite_only_their_own_files(folders, tmp_path):
+    """Without --out, plot and classify write into the report itself: only the files they write change, and a
+    user's notes kept in the report folder are left alone."""
+    report = tmp_path / "report"
+    shutil.copytree(folders["report"], report)
+    (report / "notes.md").write_text("my notes\n")
+    assert run_cli("plot", report, "--no-page").exit_code == 0
+    assert run_cli("classify", report, "--role-probe-min", "0.9").exit_code == 0
+    assert (report / "notes.md").read_text() == "my notes\n"
+
+
+def test_a_work_folder_in_the_way_that_headscope_did_not_make_is_refused(planted_gpt2, folders, tmp_path):
+    """--resume uses a fixed work folder name (.OUT.partial): a user's folder of that name is not taken over."""
+    (tmp_path / ".rep.partial").mkdir()
+    (tmp_path / ".rep.partial" / "mine.txt").write_text("mine")
+    result = run_cli(
+        "analyze", planted_gpt2, "--corpus", folders["corpus"], "--out", tmp_path / "rep", "--resume", *QUICK
+    )
+    assert_one_line_error(result, "is in the way and headscope did not make it")
+    assert (tmp_path / ".rep.partial" / "mine.txt").read_text() == "mine"
