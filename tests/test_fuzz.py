@@ -292,7 +292,7 @@ def byte_level_gpt2(tmp_path_factory) -> Path:
     return folder
 
 
-@settings(FUZZ, max_examples=max(FUZZ.max_examples // 10, 1))  # each draws every chart and the page
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 15, 1))  # each draws every chart and the page
 @given(st.lists(MARKUP, min_size=2, max_size=4), NAME, NAME)
 def test_markup_in_text_and_names_is_drawn_and_printed_as_text(byte_level_gpt2, sentences, corpus_name, model_name):
     """Any text in the corpus, the corpus's name and the model's name: analyze draws every chart and the page,

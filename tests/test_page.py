@@ -211,3 +211,26 @@ def test_a_70b_sized_page_stays_small_and_usable(browser, tmp_path):
     browser.save_screenshot(str(tmp_path / "big-page.png"))
     browser.set_window_size(1400, 1400)
     assert console_problems(browser) == []
+
+
+@needs_browser
+def test_a_report_without_values_still_becomes_interactive(browser, tmp_path):
+    """float16 overflow can leave every head NaN: the page shows "no value" and its script does not throw."""
+    import numpy as np
+
+    from headscope.tables import HEADS_SCHEMA, write_table
+
+    folder = tmp_path / "nan"
+    synthetic_report(folder, 4, 3, example_tokens=6)
+    heads = pd.read_parquet(folder / "heads.parquet")
+    for column in heads.columns:
+        if heads[column].dtype.kind == "f":
+            heads[column] = np.nan
+    heads["top_offset"] = None
+    write_table(heads, folder / "heads.parquet", HEADS_SCHEMA)
+    page = write_page(report_page(Report.open(folder), files_in=folder), folder / "report.html")
+    open_page(browser, page)
+    from selenium.webdriver.common.by import By
+
+    assert "No metric has a value" in browser.find_element(By.ID, "heatmap").text
+    assert console_problems(browser) == []
