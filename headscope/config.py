@@ -4,6 +4,7 @@ every list of choices written here once (the CLI derives its defaults and choice
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -112,8 +113,11 @@ class RunConfig:
         if self.bootstrap != 0:
             check_replicates("--bootstrap", self.bootstrap, zero="0 (no intervals) or ")
         check_seed("--bootstrap-seed", self.bootstrap_seed)
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be 1 or more; got {self.threads}")
+        cpus = os.cpu_count() or 1
+        if self.threads is not None and not 1 <= self.threads <= cpus:
+            raise ConfigError(f"--threads takes 1 to {cpus} (the CPUs of this machine); got {self.threads}")
+        if self.offload_folder is not None and self.device_map is None:
+            raise ConfigError("--offload-folder keeps what a --device-map sends to disk: give --device-map too")
 
     def to_dict(self) -> dict:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}

@@ -35,7 +35,7 @@ from headscope.loading import LoadedModel, ModelSource, load_config, load_for_ru
 from headscope.loading import resolve_source as resolve_model
 from headscope.measures.example import example_attention
 from headscope.measures.importance import check_importance_fits, run_importance
-from headscope.measures.probes import run_probes
+from headscope.measures.probes import check_probes, run_probes
 from headscope.memory import default_budget
 from headscope.output import StagedDirectory, check_target, resolved
 from headscope.placement import OffloadScratch, check_offload_folder
@@ -138,6 +138,8 @@ def analyze(
             chunk_sentences=settings.chunk_sentences,
             keep=settings.importance != "none",
         )
+        if settings.probes:  # what can be refused is refused before hours of measuring
+            check_probes(loaded.tokenizer, plan)
         if settings.importance != "none":
             check_importance_fits(feed, plan)
         if loaded.device.type == "cuda":

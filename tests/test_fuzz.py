@@ -31,6 +31,7 @@ from helpers import run_cli, snapshot
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 # What can go wrong with a file; "none" and "bom_crlf" leave it valid.
 DAMAGES = ("none", "bom_crlf", "truncated", "invalid_utf8", "random_bytes", "huge_field", "stray_quote", "odd_json")
+DAMAGES += ("lone_surrogate",)  # a JSON escape of half a character: text the tokenizer's fast path cannot encode
 SECONDS_PER_RUN = 30  # a tiny model on a handful of sentences: anything near this is a hang
 FUZZ = settings(
     max_examples=int(os.environ.get("HEADSCOPE_FUZZ_EXAMPLES", "60")),
@@ -72,6 +73,8 @@ def damaged(data: bytes, damage: str, draw) -> bytes:
         return draw(st.binary(max_size=300))
     if damage == "huge_field":
         return data + b"x" * 200_000 + b"\n"
+    if damage == "lone_surrogate":
+        return data.replace(b'"text": "', b'"text": "\\ud800', 1)
     if damage == "stray_quote":
         return data[:position] + b'"' + data[position:]
     if damage == "odd_json":

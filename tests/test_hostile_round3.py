@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from headscope.loading import load_for_run
+from headscope.reporting import NullReporter
 
 from helpers import assert_one_line_error, hidden_leftovers, refuse_to_load, run_cli, snapshot, tiny_model_folder
 
@@ -414,3 +415,32 @@ def test_a_run_json_without_its_fields_is_refused(command, two_columns, tmp_path
     args = [str(tmp_path / a) if a == "elsewhere" else a for a in command[1:]]
     assert_one_line_error(run_cli(command[0], report, *args), "is not a headscope run record")
     assert snapshot(report) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--threads", "100000000"], "--threads takes 1 to"),  # torch crashed (a segmentation fault)
+        (["--offload-folder", "off"], "--offload-folder keeps what a --device-map sends to disk"),  # was ignored
+    ],
+)
+def test_options_that_would_crash_or_do_nothing_are_refused(args, message, planted_gpt2, tmp_path):
+    result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", *args, loader=refuse_to_load)
+    assert_one_line_error(result, message, code=2)
+
+
+class MeasuringFails(NullReporter):
+    def start(self, total_sentences: int) -> None:
+        raise AssertionError("the corpus was measured before the bad option was refused")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--probe-length", "100000"], "needs that many distinct ordinary tokens; the tokenizer has 576"),
+        (["--probe-length", "40"], "makes probe sequences of 80 tokens, more than the model's limit of 64"),
+    ],
+)
+def test_a_probe_battery_that_cannot_run_is_refused_before_measuring(args, message, planted_gpt2, tmp_path):
+    result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", *args, reporter=MeasuringFails())
+    assert_one_line_error(result, message)

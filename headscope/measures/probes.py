@@ -190,8 +190,10 @@ class ProbeScores:
         return mass, rows, chance
 
 
-def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeResult:
-    """The probe battery of `plan` through `capture` (an attached model): its sequences made batch by batch."""
+def check_probes(tokenizer, plan) -> tuple:
+    """The battery of `plan`, refused before anything is measured when it cannot run on this model (sequences
+    longer than its positions, fewer ordinary tokens than a sequence needs). Returns (spec, sequence, prefix,
+    tokens per sequence)."""
     settings = plan.settings
     spec = ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length)
     sequence, prefix = probe_sequences(tokenizer, spec)
@@ -201,13 +203,19 @@ def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeRes
             f"--probe-length {spec.length} makes probe sequences of {tokens} tokens, more than the "
             f"model's limit of {plan.model_limit}; lower --probe-length"
         )
+    return spec, sequence, prefix, tokens
+
+
+def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeResult:
+    """The probe battery of `plan` through `capture` (an attached model): its sequences made batch by batch."""
+    spec, sequence, prefix, tokens = check_probes(tokenizer, plan)
     reporter.stage(f"probing: {spec.seeds} sequences of {tokens} tokens")
     scores = ProbeScores(spec, prefix, layers=plan.layers)
     per_batch = max(1, min(plan.corpus.max_sentences, plan.corpus.max_tokens // tokens))
     masses, rows, chances = [], [], []
     for first in range(0, spec.seeds, per_batch):
         seeds = range(first, min(first + per_batch, spec.seeds))
-        batch = collate(list(seeds), [sequence(seed) for seed in seeds], padding_side=settings.padding_side)
+        batch = collate(list(seeds), [sequence(seed) for seed in seeds], padding_side=plan.settings.padding_side)
         capture.run(batch.to(device), measures=[scores])
         mass, row, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
         masses.append(np.moveaxis(mass, 1, 0))

@@ -16,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import Thresholds
-from headscope.errors import OutputError, one_line
+from headscope.errors import one_line
 from headscope.labels import HEAD_TYPES, ROLES, most_typical
 from headscope.layout import CHART_NAMES
 from headscope.output import atomic_path
@@ -43,8 +43,6 @@ def save_each(figures: dict, folder: Path, fmt: str) -> tuple[list[Path], list[s
         try:
             with atomic_path(path) as tmp:
                 draw().savefig(tmp, format=fmt, dpi=130)
-        except OutputError:
-            raise  # the folder cannot be written at all: nothing else would be either
         except Exception as err:  # any drawing failure is reported, never fatal to the tables
             failed.append(f"{path.name} ({one_line(err)})")
         else:
