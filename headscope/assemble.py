@@ -15,18 +15,28 @@ import pandas as pd
 from headscope.checkpoint import PartFiles
 from headscope.errors import OutputError
 from headscope.labels import label_heads
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.layout import (
+    EXAMPLES_FILE,
+    HEADS_FILE,
+    LAYERS_FILE,
+    PROBES_FILE,
+    RUN_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCES_FILE,
+)
 from headscope.record import Timings, run_record
 from headscope.stats import head_intervals, layer_intervals
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,
     LAYERS_SCHEMA,
+    PROBES_SCHEMA,
     SENTENCE_HEADS_SCHEMA,
     SENTENCES_SCHEMA,
     heads_frame,
     layers_frame,
     parquet_metadata,
+    probes_frame,
     write_json,
     write_table,
 )
@@ -54,6 +64,8 @@ def write_tables(
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
         write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
         write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+        if probes is not None:
+            write_table(probes_frame(probes.per_seed, np.array(plan.layers)), folder / PROBES_FILE, PROBES_SCHEMA)
     run = run_record(loaded, corpus, plan, measured, extras, heads, rules, timings)
     write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
     write_json(run, folder / RUN_FILE)

@@ -10,7 +10,7 @@ run, so it produces exactly the tables an uninterrupted run would have.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +35,9 @@ class Progress:
     truncated: int = 0
     capped: int = 0  # ... of them so long that their text was cut before tokenizing (feed.char_limit)
     batches: int = 0
-    # The example chart's sentence so far, as (fewer than 2 tokens, distance from the ideal length, sentence
-    # id): the smallest wins, so the choice streams and survives a resume.
-    example: list[int] | None = None
+    # Token count -> [sentences of that length, the first one's id]: the example views are chosen from it
+    # (measures.example.choose_examples), so the choice streams, survives a resume and merges across ranks.
+    lengths: dict[str, list[int]] = field(default_factory=dict)
 
 
 class PartFiles:

@@ -35,7 +35,7 @@ class Column:
     interval: bool = False  # with a 95% bootstrap interval: <name>_ci_low, <name>_ci_high
     per_sentence: bool = False  # also a column of sentence_heads.parquet (float32)
     shown: bool = False  # offered by the page's colour selector
-    diverging: bool = False  # signed around 0: diverging colours on symmetric limits
+    scale: str = "share"  # its colours (report.palette.SCALES): share (0-1), entropy, or diverging (signed)
 
     @property
     def numeric(self) -> bool:
@@ -78,6 +78,7 @@ MEASURED: tuple[Column, ...] = (
         interval=True,
         per_sentence=True,
         shown=True,
+        scale="entropy",
     ),
     Column(
         "entropy_std", "float64", "standard deviation of the row entropies", slots=("entropy_sq",), per_sentence=True
@@ -90,6 +91,7 @@ MEASURED: tuple[Column, ...] = (
         interval=True,
         per_sentence=True,
         shown=True,
+        scale="entropy",
     ),
     Column(
         "diagonal",
@@ -149,7 +151,9 @@ MEASURED: tuple[Column, ...] = (
 )
 
 LABELS: tuple[Column, ...] = (
-    Column("locality", "float64", "(diagonal - diagonal_uniform) / (1 - diagonal_uniform)", shown=True, diverging=True),
+    Column(
+        "locality", "float64", "(diagonal - diagonal_uniform) / (1 - diagonal_uniform)", shown=True, scale="diverging"
+    ),
     Column("head_type", "string", "local, copy, broad or mixed"),
     Column("type_reason", "string", "the evidence that decided the head type"),
     Column("role", "string", "induction, duplicate-token, previous-token, sink, positional, broad or other"),
@@ -173,15 +177,22 @@ HEADS_COLUMNS: tuple[Column, ...] = (
     *MEASURED,
     *_interval_columns(),
     *(column for pattern in PROBE_PATTERNS for column in _probe_columns(pattern)),
-    *(Column(name, "float64", about, shown=True, diverging=True) for name, about in _IMPORTANCE.items()),
+    *(Column(name, "float64", about, shown=True, scale="diverging") for name, about in _IMPORTANCE.items()),
     *LABELS,
 )
 COLUMNS: dict[str, Column] = {column.name: column for column in HEADS_COLUMNS}
 # What analyze measures (everything before the labels): classify keeps these and re-derives the rest.
 MEASURED_COLUMNS: tuple[str, ...] = tuple(c.name for c in HEADS_COLUMNS if c not in LABELS)
 IDS: tuple[str, ...] = ("layer", "head", "kv_head")
-# The numeric columns compare gives as X_a, X_b and X_delta.
-DELTAS: tuple[str, ...] = tuple(c.name for c in HEADS_COLUMNS if c.numeric and c.name not in IDS)
+# The numeric columns compare gives as X_a, X_b and X_delta: not the ends of an interval nor what chance gives
+# (their difference means nothing; the delta has its own interval).
+DELTAS: tuple[str, ...] = tuple(
+    c.name
+    for c in HEADS_COLUMNS
+    if c.numeric and c.name not in IDS and not c.name.endswith(("_ci_low", "_ci_high", "_chance"))
+)
+# Measured on the model alone (not the corpus): two reports of one model have the same, and no delta to show.
+MODEL_ONLY: tuple[str, ...] = tuple(f"probe_{pattern}" for pattern in PROBE_PATTERNS)
 COUNTS: tuple[str, ...] = tuple(c.name for c in MEASURED if c.dtype == "int64")  # row counts, as integers
 PER_SENTENCE: tuple[str, ...] = tuple(c.name for c in MEASURED if c.per_sentence)
 # metric -> (numerator, denominator) row sums

@@ -31,6 +31,7 @@ BLOCK_BYTES = 32 * 2**20
 # memory they would take is checked against the budget besides.
 MAX_REPLICATES = 100_000  # --bootstrap, compare --replicates
 MAX_PROBE_SEEDS = 10_000  # --probe-seeds: 10,000 sequences of 2 x 32 tokens already take minutes on a GPU
+MAX_EXAMPLES = 50  # --examples: each keeps every head's attention on up to 32 tokens
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers (the bootstrap's counter-based hash)
 
 
@@ -68,6 +69,7 @@ class RunConfig:
     bootstrap_seed: int = 0  # the intervals are a pure function of this seed and the corpus
     importance: str = "none"  # head importance on the model's loss: none, fast (attribution), exact (+ ablation)
     threads: int | None = None  # CPU threads torch may use during the run; None = torch's default
+    examples: int = 3  # corpus sentences (spread over lengths) whose attention the report keeps whole; 0: none
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -113,6 +115,8 @@ class RunConfig:
         if self.bootstrap != 0:
             check_replicates("--bootstrap", self.bootstrap, zero="0 (no intervals) or ")
         check_seed("--bootstrap-seed", self.bootstrap_seed)
+        if not 0 <= self.examples <= MAX_EXAMPLES:
+            raise ConfigError(f"--examples takes 0 to {MAX_EXAMPLES} sentences; got {self.examples}")
         cpus = os.cpu_count() or 1
         if self.threads is not None and not 1 <= self.threads <= cpus:
             raise ConfigError(f"--threads takes 1 to {cpus} (the CPUs of this machine); got {self.threads}")
@@ -183,6 +187,36 @@ def parse_layers(text: str) -> tuple[int, ...]:
             raise ConfigError(f"--layers names layer {high}; layer numbers stop at {MAX_LAYER} (no model is that deep)")
         layers.update(range(low, high + 1))
     return tuple(sorted(layers))
+
+
+def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
+    """'18.6,17.4' -> ((17, 4), (18, 6)): heads written LAYER.HEAD, as every command and output writes them."""
+    heads: set[tuple[int, int]] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d{1,4})\.(\d{1,4})\s*", part)
+        if not match:
+            raise ConfigError(f"--heads takes heads written LAYER.HEAD, like 18.6,17.4; got {part.strip()!r}")
+        heads.add((int(match.group(1)), int(match.group(2))))
+    return tuple(sorted(heads))
+
+
+def head_name(layer: int, head: int) -> str:
+    """(18, 6) -> '18.6'."""
+    return f"{layer}.{head}"
+
+
+def parse_ids(text: str, option: str) -> tuple[int, ...]:
+    """'0,5,10-12' -> (0, 5, 10, 11, 12): sentence ids, in the order given (repeats dropped)."""
+    ids: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or len(first) > 9 or len(last) > 9:
+            raise ConfigError(f"{option} takes ids and ranges like 0,5,10-12; got {text!r}")
+        low, high = int(first), int(last or first)
+        if high < low or high - low > 10_000:
+            raise ConfigError(f"{option} range {part.strip()!r} is empty or longer than 10,000 ids")
+        ids.extend(i for i in range(low, high + 1) if i not in ids)
+    return tuple(ids)
 
 
 def parse_batch_size(text: str) -> int | None:

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
+from headscope.layout import ATTENTION_FILE, INSPECT_RECORD, TOKENS_FILE
 from headscope.report.report import Report
 from headscope.reporting import printable
 from headscope.summary import early_late_entropy, importance_column, layer_bands, layer_entropy, most_important
@@ -162,3 +163,35 @@ def print_comparison(comparison) -> None:
         )
     else:
         console.print("no layer's mean entropy moved significantly (FDR 5%)")
+
+
+def print_inspection(found) -> None:
+    """Per head and text: its role (when known), where its rows put their largest weight, its probe scores."""
+    record = found.record
+    console = _console()
+    probes = record["probes"]
+    table = Table(title=_title(f"{record['model']['input']}: where each head's rows put their largest weight"))
+    for name in ("head", "role", "text", "largest weight at (share of rows)", "mean", *probes):
+        table.add_column(name, justify="left" if name in ("head", "role", "text") else "right")
+    labels = {entry["text_id"]: entry["label"] for entry in record["texts"]}
+    shown = record["summary"][:SUMMARY_ROWS]
+    for entry in shown:
+        places = ", ".join(f"{name} {share:.0%}" for name, share in entry["largest_at"]) or "-"
+        table.add_row(
+            entry["head"],
+            record["roles"].get(entry["head"], "-"),
+            labels[entry["text_id"]],
+            places,
+            "-" if entry["mean_largest"] is None else f"{entry['mean_largest']:.3f}",
+            *(f"{entry[f'probe_{p}']:.3f}" if entry.get(f"probe_{p}") is not None else "-" for p in probes),
+        )
+    console.print(table)
+    if len(record["summary"]) > len(shown):
+        console.print(f"... {len(record['summary']) - len(shown)} more rows in {INSPECT_RECORD}")
+    if record["roles_from"]:
+        console.print(f"roles from {record['roles_from']}")
+    if found.folder is not None:
+        console.print(f"wrote {found.folder}/ ({ATTENTION_FILE}, {TOKENS_FILE}, {INSPECT_RECORD})")
+
+
+SUMMARY_ROWS = 40  # the console shows this many (head, text) rows; inspect.json has them all

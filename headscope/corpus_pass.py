@@ -24,7 +24,6 @@ from headscope.reporting import Reporter
 from headscope.stats import Bootstrap
 from headscope.tables import sentence_heads_frame
 
-EXAMPLE_TOKENS = 14  # the example chart uses the corpus sentence closest to this length (legible labels)
 # Batches (and chunk ends) the host thread may prepare ahead of a GPU. On a CPU the model itself needs every
 # core and the GIL between its many small ops: a host thread there made the 20,000-sentence run of
 # benchmarks/pipeline.py 0.25 s slower (median of 10, 2 cores), so the CPU runs the host work in series.
@@ -162,17 +161,16 @@ class _RunningSums:
 
 
 def _count_chunk(progress: Progress, chunk: Chunk) -> None:
-    """Add a measured chunk's counts to `progress`, and keep the best example sentence so far."""
+    """Add a measured chunk's counts to `progress`, and its sentences to the length index."""
     lengths = [len(row) for row in chunk.ids]
     progress.measured_sentences += sum(n > 0 for n in lengths)
     progress.empty_sentences += sum(n == 0 for n in lengths)
     progress.truncated += sum(chunk.cut)
     progress.capped += chunk.capped
     for sentence, n in zip(chunk.sentences, lengths, strict=True):
-        # Prefer sentences of 2 tokens or more, then the length closest to EXAMPLE_TOKENS, then the first.
-        candidate = [int(n < 2), abs(n - EXAMPLE_TOKENS), sentence.sentence_id]
-        if n > 0 and (progress.example is None or candidate < progress.example):
-            progress.example = candidate
+        entry = progress.lengths.setdefault(str(n), [0, sentence.sentence_id])
+        entry[0] += 1
+        entry[1] = min(entry[1], sentence.sentence_id)
 
 
 def _sentence_rows(chunk: Chunk) -> pd.DataFrame:

@@ -171,8 +171,11 @@ def combined(ranks: Ranks, measured, device: torch.device, chunks: int):
     progress = dataclasses.replace(shares[0], chunks_done=chunks)
     for name in ("measured_sentences", "empty_sentences", "truncated", "capped", "tokens", "batches"):
         setattr(progress, name, sum(getattr(share, name) for share in shares))
-    examples = [share.example for share in shares if share.example is not None]
-    progress.example = min(examples) if examples else None
+    progress.lengths = {}
+    for share in shares:
+        for length, (counted, first) in share.lengths.items():
+            entry = progress.lengths.setdefault(length, [0, first])
+            entry[0], entry[1] = entry[0] + counted, min(entry[1], first)
     paths = {name: path for share in gather(ranks, measured.attention_paths) for name, path in share.items()}
     return dataclasses.replace(
         measured,

@@ -73,17 +73,24 @@ def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return first + [encoding.ids for encoding in backend.encode_batch(texts[1:], add_special_tokens=True)]
 
 
-def token_labels(tokenizer, ids: list[int]) -> list[str]:
-    """Readable labels for chart axes: each token decoded alone, surrounding spaces dropped.
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token decoded alone, spaces kept (" the").
 
     A token holding only part of a character (byte-level BPE splits emoji and most CJK characters into
-    several tokens) decodes alone to U+FFFD; it is labelled with its bytes instead, e.g. ``\\xf0\\x9f``.
+    several tokens) decodes alone to U+FFFD; it is written as its bytes instead, e.g. ``\\xf0\\x9f``.
     """
-    labels = []
+    texts = []
     for token_id in ids:
         text = tokenizer.decode([token_id])
-        if "\ufffd" in text:
-            text = _piece_bytes(tokenizer.convert_ids_to_tokens(token_id))
+        texts.append(_piece_bytes(tokenizer.convert_ids_to_tokens(token_id)) if "\ufffd" in text else text)
+    return texts
+
+
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """Readable labels for chart axes: `token_texts` with surrounding spaces dropped (a token of spaces alone
+    shows as its piece, quoted)."""
+    labels = []
+    for token_id, text in zip(ids, token_texts(tokenizer, ids), strict=True):
         text = text.strip()
         labels.append(text if text else repr(tokenizer.convert_ids_to_tokens(token_id)))
     return labels

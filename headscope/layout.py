@@ -2,10 +2,11 @@
 
 Every command that writes a folder writes one of these kinds, each recognised by its record file: a report
 (`analyze`, `classify --out`: run.json), a comparison (`compare`: compare.json), charts drawn elsewhere
-(`plot --out`: plot.json). `why_not_replaceable(folder, kind)` is the one rule every writing command follows: a
-folder is written only when it is empty or missing, and replaced (with --overwrite) only when it is a headscope
-folder of the same kind, holding nothing but the files that kind writes. These lists are the files headscope
-may ever replace or delete. No third-party imports: an output folder is checked before anything heavy loads.
+(`plot --out`: plot.json), an inspection (`inspect`: inspect.json). `why_not_replaceable(folder, kind)` is the
+one rule every writing command follows: a folder is written only when it is empty or missing, and replaced (with
+--overwrite) only when it is a headscope folder of the same kind, holding nothing but the files that kind
+writes. These lists are the files headscope may ever replace or delete. No third-party imports: an output
+folder is checked before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from pathlib import Path
 
 from headscope.config import CHART_FORMATS
 
-SCHEMA_VERSION = 2  # of the tables and run.json; bumped when a column or key is added, changes or goes away
+SCHEMA_VERSION = 3  # of the tables and run.json; bumped when a column or key is added, changes or goes away
 
 HEADS_FILE = "heads.parquet"
 SENTENCES_FILE = "sentences.parquet"
 SENTENCE_HEADS_FILE = "sentence_heads.parquet"
 EXAMPLES_FILE = "examples.parquet"
 LAYERS_FILE = "layers.parquet"
+PROBES_FILE = "probes.parquet"
 RUN_FILE = "run.json"
-TABLE_FILES = (HEADS_FILE, LAYERS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE)
+TABLE_FILES = (HEADS_FILE, LAYERS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE, PROBES_FILE)
 
 CHART_NAMES = (
     "entropy_heatmap",
@@ -51,6 +53,13 @@ COMPARE_TABLES = (COMPARE_FILE, COMPARE_LAYERS_FILE, COMPARE_BANDS_FILE)
 COMPARE_CHARTS = ("delta_heatmap", "layer_gradients", "transitions", "band_shares")
 
 
+# What `headscope inspect` writes: chosen heads' whole attention on chosen texts, recognised by inspect.json.
+INSPECT_RECORD = "inspect.json"
+ATTENTION_FILE = "attention.parquet"
+TOKENS_FILE = "tokens.parquet"
+INSPECT_PAGE = "inspect.html"
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str  # as messages say it: "a headscope report"
@@ -67,6 +76,7 @@ KINDS = {
     "report": Kind("a headscope report", RUN_FILE, (*TABLE_FILES, PAGE_FILE), CHART_NAMES),
     "comparison": Kind("a headscope comparison", COMPARE_RECORD, (*COMPARE_TABLES, COMPARE_PAGE), COMPARE_CHARTS),
     "charts": Kind("a headscope chart folder", PLOT_RECORD, (PAGE_FILE,), CHART_NAMES),
+    "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE)),
 }
 
 

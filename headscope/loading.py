@@ -6,16 +6,18 @@ model's own loss): measuring attention never needs it, and skipping it saves its
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from headscope.config import RunConfig
-from headscope.errors import ModelLoadError
+from headscope.errors import ConfigError, ModelLoadError
 from headscope.placement import applied_map, check_device_map, check_fits, dtype_name, read_device_map
 from headscope.plan import architecture_of
 
@@ -207,6 +209,55 @@ def load_model(
     )
 
 
+# What turns a model's source, the settings and its config into a loaded model (tests inject their own).
+Loader = Callable[[ModelSource, RunConfig, object], LoadedModel]
+
+
+def load_checked(model, source: ModelSource, settings: RunConfig, loader: Loader, reporter) -> LoadedModel:
+    """The model a run uses: the caller's (its config checked against the settings), or read (config first, the
+    settings checked against it, so that a bad option costs no weights) and loaded by `loader`."""
+    from headscope.plan import check_settings
+
+    if isinstance(model, LoadedModel):
+        check_settings(settings, model.model.config)
+        loaded = model
+    else:
+        reporter.stage(f"loading {source.display}")
+        model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
+        check_settings(settings, model_config)
+        loaded = loader(source, settings, model_config)
+    if settings.importance != "none" and loaded.lm is None:
+        raise ConfigError(
+            "--importance needs the model's LM head; load the model with headscope.load_model(..., lm_head=True)"
+        )
+    return loaded
+
+
+def open_model(
+    stack: contextlib.ExitStack,
+    model,
+    source: ModelSource,
+    settings: RunConfig,
+    loader: Loader,
+    reporter,
+    *,
+    together=None,
+) -> LoadedModel:
+    """`load_checked`, for a run whose clean-up `stack` holds: what loading writes into --offload-folder is removed
+    when the stack closes, and torch uses --threads threads until then. together(step): how `step` runs (every
+    rank of a data-parallel run at once); default: just run it."""
+    from headscope.placement import OffloadScratch
+
+    scratch = OffloadScratch(settings.offload_folder if not isinstance(model, LoadedModel) else None)
+    stack.callback(scratch.remove)
+    loaded = (together or (lambda step: step()))(lambda: load_checked(model, source, settings, loader, reporter))
+    scratch.loaded()
+    if settings.threads is not None:
+        stack.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(settings.threads)
+    return loaded
+
+
 def load_for_run(source: ModelSource, settings: RunConfig, model_config) -> LoadedModel:
     """The model and tokenizer as a run's settings ask for them (the default loader of `analyze`); its config
     was read, and the settings checked against it, already."""
@@ -276,5 +327,6 @@ def quiet_transformers(show_progress: bool) -> None:
     hf_logging.set_verbosity_error()
     if not show_progress:
         hf_logging.disable_progress_bar()
-        # The GGUF de-quantizer uses plain tqdm, which only this variable silences.
+        # The GGUF de-quantizer uses plain tqdm, which only this variable silences, and only when it is set before
+        # tqdm is imported (headscope.cli.main sets it first thing; this covers a process that has not imported it).
         os.environ.setdefault("TQDM_DISABLE", "1")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,21 +32,26 @@ from headscope.distributed import Ranks, broadcast, check_parallel, join, leave,
 from headscope.errors import ConfigError, OutputError
 from headscope.feed import CorpusFeed
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
-from headscope.loading import LoadedModel, ModelSource, load_config, load_for_run, model_files, pick_device
+from headscope.loading import (
+    LoadedModel,
+    Loader,
+    ModelSource,
+    load_for_run,
+    model_files,
+    open_model,
+    pick_device,
+)
 from headscope.loading import resolve_source as resolve_model
-from headscope.measures.example import example_attention
+from headscope.measures.example import example_views
 from headscope.measures.importance import check_importance_fits, run_importance
 from headscope.measures.probes import check_probes, run_probes
 from headscope.memory import default_budget
 from headscope.output import StagedDirectory, check_target, resolved
-from headscope.placement import OffloadScratch, check_offload_folder
-from headscope.plan import Plan, check_settings, resized, resolve_plan
+from headscope.placement import check_offload_folder
+from headscope.plan import Plan, resized, resolve_plan
 from headscope.record import Timings, fingerprint
 from headscope.report.report import Report
 from headscope.reporting import NullReporter, Reporter
-
-# What turns a model's source, the settings and its config into a loaded model (tests inject their own).
-Loader = Callable[[ModelSource, RunConfig, object], LoadedModel]
 
 
 def analyze(
@@ -116,16 +122,9 @@ def analyze(
             join(ranks, pick_device(settings.device))
             stack.callback(leave, ranks)
             folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
-        if not isinstance(model, LoadedModel):  # what loading writes into the offload folder goes when the run ends
-            scratch = OffloadScratch(settings.offload_folder)
-            stack.callback(scratch.remove)
         with timings.phase("load"):
-            loaded = _together(ranks, lambda: _load(model, source, settings, loader, reporter))
-            if not isinstance(model, LoadedModel):
-                scratch.loaded()
-        if settings.threads is not None:
-            stack.callback(torch.set_num_threads, torch.get_num_threads())
-            torch.set_num_threads(settings.threads)
+            together = functools.partial(_together, ranks)
+            loaded = open_model(stack, model, source, settings, loader, reporter, together=together)
         plan = _plan(loaded, settings, ranks)
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
         progress, running = Progress(), {}
@@ -159,11 +158,8 @@ def analyze(
                 importance = None
                 if settings.importance != "none":
                     importance = run_importance(capture, feed, plan, reporter, device=loaded.device)
-            with timings.phase("write"):  # the example sentence: its attention is written with the tables
-                example = measured.progress.example[2]
-                examples = example_attention(
-                    capture, feed, example, padding_side=settings.padding_side, device=loaded.device
-                )
+            with timings.phase("write"):  # the example views: their attention is written with the tables
+                examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
         reporter.stage("writing tables")
         extras, rules = (probes, importance), (thresholds, roles)
         run, tables = write_tables(folder, loaded, corpus, plan, parts, measured, extras, examples, rules, timings)
@@ -196,23 +192,6 @@ def _together(ranks: Ranks, step: Callable):
     if ranks.parallel:
         meet(ranks, (0, 0))
     return result
-
-
-def _load(model, source: ModelSource, settings: RunConfig, loader: Loader, reporter: Reporter) -> LoadedModel:
-    """The model: the caller's, or read (config first, the settings checked against it) and loaded."""
-    if isinstance(model, LoadedModel):
-        check_settings(settings, model.model.config)
-        loaded = model
-    else:
-        reporter.stage(f"loading {source.display}")
-        model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
-        check_settings(settings, model_config)
-        loaded = loader(source, settings, model_config)
-    if settings.importance != "none" and loaded.lm is None:
-        raise ConfigError(
-            "--importance needs the model's LM head; load the model with headscope.load_model(..., lm_head=True)"
-        )
-    return loaded
 
 
 def _plan(loaded: LoadedModel, settings: RunConfig, ranks: Ranks) -> Plan:

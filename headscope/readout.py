@@ -53,11 +53,13 @@ class RowBlock:
     weights: torch.Tensor | None = None  # (batch, heads, rows, keys)
     logits: torch.Tensor | None = None  # (batch, heads, rows, keys)
 
-    def probabilities(self) -> torch.Tensor:
-        """(batch, heads, rows, keys) attention probabilities, whichever path produced the block."""
+    def probabilities(self, heads: Sequence[int] | None = None) -> torch.Tensor:
+        """(batch, heads, rows, keys) attention probabilities, whichever path produced the block; with `heads`,
+        of those heads only (computed for them alone on the block-wise path)."""
         if self.weights is not None:
-            return self.weights
-        return torch.softmax(self.logits, dim=-1, dtype=torch.float32)
+            return self.weights if heads is None else self.weights[:, list(heads)]
+        logits = self.logits if heads is None else self.logits[:, list(heads)]
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def _normalised_source(function: Callable) -> str:

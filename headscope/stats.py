@@ -158,6 +158,7 @@ class ProbeResult:
     chance: dict[str, float]  # pattern -> chance level (the same for every head)
     prefix: int  # tokens the tokenizer put before the random ones
     repeats: int  # copies of the random tokens in each sequence
+    per_seed: np.ndarray | None = None  # (seeds, layers, heads, patterns): each seed's score
 
 
 def summarise_probes(mass: np.ndarray, rows: np.ndarray, chance: np.ndarray, prefix: int, repeats: int) -> ProbeResult:
@@ -175,4 +176,5 @@ def summarise_probes(mass: np.ndarray, rows: np.ndarray, chance: np.ndarray, pre
         chance={p: float(chance_level[i]) for i, p in enumerate(PROBE_PATTERNS)},
         prefix=prefix,
         repeats=repeats,
+        per_seed=per_seed,
     )

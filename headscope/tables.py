@@ -40,9 +40,12 @@ LAYERS_SCHEMA = pa.schema(
     + [(f"{name}_total", pa.float64()) for name in IMPORTANCE_COLUMNS]
 )
 
-# Every head's attention on one corpus sentence, long-form, so charts can be redrawn without the model.
+# Every head's attention on a few texts, long-form, so views and charts can be drawn without the model: one row
+# per (text, head, visible query-key pair). source: "corpus" (sentence_id: a corpus sentence) or "probe"
+# (sentence_id: the probe sequence's seed).
 EXAMPLES_SCHEMA = pa.schema(
     [
+        ("source", pa.string()),
         ("sentence_id", pa.int64()),
         ("layer", pa.int32()),
         ("head", pa.int32()),
@@ -52,6 +55,21 @@ EXAMPLES_SCHEMA = pa.schema(
         ("key_token", pa.string()),
         ("weight", pa.float32()),
     ]
+)
+
+# One row per (layer, head, probe pattern, seed): each probe sequence's score, whose mean and t-interval over
+# seeds are heads.parquet's probe_<pattern>, _ci_low, _ci_high.
+PROBES_SCHEMA = pa.schema(
+    [("layer", pa.int32()), ("head", pa.int32()), ("probe", pa.string()), ("seed", pa.int32()), ("score", pa.float64())]
+)
+
+# headscope inspect: one row per (text, chosen head, visible query-key pair), the weight the model computes; and
+# the tokens of each text.
+ATTENTION_SCHEMA = pa.schema(
+    [(name, pa.int32()) for name in ("text_id", "layer", "head", "query", "key")] + [("weight", pa.float32())]
+)
+TOKENS_SCHEMA = pa.schema(
+    [("text_id", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()), ("token", pa.string())]
 )
 
 # One row per sentence of the corpus that was kept.
@@ -148,22 +166,47 @@ def sentence_heads_frame(
     return frame
 
 
-def examples_frame(sentence_id: int, tokens: list[str], attention: np.ndarray) -> pd.DataFrame:
-    """Long-form rows of one sentence's attention, (layers, heads, t, t)."""
-    layer, head, query, key = (axis.reshape(-1) for axis in np.indices(attention.shape))
-    labels = np.array(tokens, dtype=object)
-    return pd.DataFrame(
+def probes_frame(per_seed: np.ndarray, layer_ids: np.ndarray) -> pd.DataFrame:
+    """Long-form per-seed probe scores from (seeds, layers, heads, patterns)."""
+    seed, layer, head, pattern = (axis.reshape(-1) for axis in np.indices(per_seed.shape))
+    frame = pd.DataFrame(
         {
-            "sentence_id": sentence_id,
-            "layer": layer,
+            "layer": np.asarray(layer_ids)[layer],
             "head": head,
-            "query": query,
-            "key": key,
-            "query_token": labels[query],
-            "key_token": labels[key],
-            "weight": attention.reshape(-1).astype(np.float32),
+            "probe": np.array(PROBE_PATTERNS, dtype=object)[pattern],
+            "seed": seed,
+            "score": per_seed.reshape(-1),
         }
     )
+    return frame.sort_values(["layer", "head", "probe", "seed"], kind="stable", ignore_index=True)
+
+
+def examples_frame(
+    source: str,
+    sentence_id: int,
+    tokens: list[str],
+    kept: dict[tuple[int, int], np.ndarray],
+    visible: dict[int, np.ndarray],
+) -> pd.DataFrame:
+    """Long-form rows of one text's attention: kept maps (layer, head) -> its (t, t) weights, visible maps
+    layer -> (t, t) bool (the keys each query could see); one row per head and visible (query, key)."""
+    labels = np.array(tokens, dtype=object)
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in ("layer", "head", "query", "key", "weight")}
+    for layer in sorted({layer for layer, _ in kept}):
+        heads = sorted(head for lay, head in kept if lay == layer)
+        query, key = np.nonzero(visible[layer])
+        weights = np.stack([kept[(layer, head)][query, key] for head in heads])  # (heads, pairs)
+        columns["layer"].append(np.full(weights.size, layer))
+        columns["head"].append(np.repeat(heads, len(query)))
+        columns["query"].append(np.tile(query, len(heads)))
+        columns["key"].append(np.tile(key, len(heads)))
+        columns["weight"].append(weights.reshape(-1).astype(np.float32))
+    frame = pd.DataFrame({name: np.concatenate(parts) if parts else [] for name, parts in columns.items()})
+    frame.insert(0, "sentence_id", sentence_id)
+    frame.insert(0, "source", source)
+    frame["query_token"] = labels[frame["query"].to_numpy(int)] if len(labels) else []
+    frame["key_token"] = labels[frame["key"].to_numpy(int)] if len(labels) else []
+    return frame[EXAMPLES_SCHEMA.names]
 
 
 def parquet_metadata(run: dict) -> dict:

@@ -65,6 +65,7 @@ def made_up_examples(rng, layers: int, heads: int, tokens: int) -> pd.DataFrame:
     pairs = len(query)
     return pd.DataFrame(
         {
+            "source": "corpus",
             "sentence_id": 0,
             "layer": np.repeat(layer, pairs),
             "head": np.repeat(head, pairs),

@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from headscope.report.compare import _normal_delta, benjamini_hochberg, compare_reports
+from headscope.layout import SCHEMA_VERSION
+from headscope.report.compare import _normal_delta, benjamini_hochberg, compare_reports, head_deltas
 
 from helpers import assert_one_line_error, run_cli, tiny_model_folder
 from planted import FIRST, PREVIOUS, UNIFORM, build_planted_gpt2, build_planted_induction, expected_attention
@@ -61,7 +62,9 @@ def test_deltas_are_b_minus_a_for_every_column(planted_pair):
     hb = pd.read_parquet(b / "heads.parquet").set_index(["layer", "head"])
     heads = comparison.heads.set_index(["layer", "head"])
     deltas = [c[: -len("_delta")] for c in heads.columns if c.endswith("_delta")]
-    assert {"entropy", "sink", "sink_rate", "locality", "entropy_ci_low", "n_rows"} <= set(deltas)
+    assert {"entropy", "sink", "sink_rate", "locality", "n_rows"} <= set(deltas)
+    # The ends of an interval and what chance gives have no delta that means anything.
+    assert not [c for c in deltas if c.endswith(("_ci_low", "_ci_high", "_chance"))]
     for column in deltas:
         np.testing.assert_array_equal(heads[f"{column}_delta"], hb[column] - ha[column], err_msg=column)
         np.testing.assert_array_equal(heads[f"{column}_a"], ha[column])
@@ -90,6 +93,19 @@ def test_different_corpora_are_compared_unpaired(planted_pair, tmp_path, corpus_
     assert comparison.record["method"].startswith("unpaired (different sentences)")
     row = comparison.heads.set_index(["layer", "head"]).loc[(0, PREVIOUS)]
     assert row["entropy_delta_ci_low"] < row["entropy_delta"] < row["entropy_delta_ci_high"]
+
+
+def test_probe_deltas_only_when_the_probes_differ():
+    """The probes measure the model, not the corpus: one model on two corpora has no probe delta to offer."""
+    a = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "entropy": [1.0, 2.0], "probe_induction": [0.1, 0.9]})
+    for label in ("head_type", "role", "top_offset"):
+        a[label] = "x"
+    same, other = a.copy(), a.copy()
+    same["entropy"] = [1.5, 2.5]
+    other["probe_induction"] = [0.2, 0.9]
+    assert "probe_induction_delta" not in head_deltas(a, same)
+    np.testing.assert_allclose(head_deltas(a, other)["probe_induction_delta"], [0.1, 0.0])
+    np.testing.assert_allclose(head_deltas(a, same)["entropy_delta"], [0.5, 0.5])
 
 
 def test_unpaired_interval_on_known_numbers():
@@ -200,8 +216,9 @@ def test_reports_of_another_schema_or_missing_tables_are_refused(planted_pair, t
     run = json.loads((old / "run.json").read_text())
     run["schema_version"] = 1
     (old / "run.json").write_text(json.dumps(run))
-    assert_one_line_error(run_cli("compare", old, b), "report A", "schema version 1", "reads schema version 2")
-    (old / "run.json").write_text(json.dumps({**run, "schema_version": 2}))
+    expected = ("report A", "schema version 1", f"reads schema version {SCHEMA_VERSION}")
+    assert_one_line_error(run_cli("compare", old, b), *expected)
+    (old / "run.json").write_text(json.dumps({**run, "schema_version": SCHEMA_VERSION}))
     (old / "layers.parquet").unlink()
     assert_one_line_error(run_cli("compare", old, b), "has no layers.parquet")
     shutil.copy(a / "layers.parquet", old / "layers.parquet")

@@ -207,6 +207,30 @@ def check_encoding_errors(planted, texts, baseline, tmp_path):
         headscope.analyze(str(planted), path, **FAST)
 
 
+def check_examples(planted, texts, baseline, tmp_path):
+    """N corpus sentences spread over lengths, whole (every head, every visible pair), plus the probe sequence;
+    the measured numbers unchanged."""
+    report = headscope.analyze(str(planted), texts, examples=5, **FAST)
+    examples = report.examples
+    corpus = examples[examples["source"] == "corpus"]
+    assert (
+        corpus["sentence_id"].nunique() == 5
+        and baseline.examples.query("source == 'corpus'")["sentence_id"].nunique() == 3
+    )
+    lengths = report.sentences.set_index("sentence_id")["n_tokens"]
+    chosen = lengths[corpus["sentence_id"].unique()]
+    assert chosen.nunique() == len(chosen)  # each a different length
+    for sentence_id, part in corpus.groupby("sentence_id"):
+        t = min(int(lengths[sentence_id]), 32)
+        heads = report.heads[["layer", "head"]].drop_duplicates()
+        assert len(part) == len(heads) * t * (t + 1) // 2  # causal: every visible (query, key) of every head
+    assert set(examples["source"]) == {"corpus", "probe"}
+    none = headscope.analyze(str(planted), texts, examples=0, **FAST)
+    assert none.examples.empty
+    assert_same_numbers(report, baseline)
+    assert_same_numbers(none, baseline)
+
+
 def check_device(planted, texts, baseline, tmp_path):
     report = headscope.analyze(str(planted), texts, device="cpu", **FAST)
     assert report.run["device"] == "cpu"
@@ -366,6 +390,7 @@ EFFECTS = {
     "text_column": check_text_column,
     "encoding_errors": check_encoding_errors,
     "device": check_device,
+    "examples": check_examples,
     "device_map": check_device_map,
     "offload_folder": check_device_map,
     # settings that change no number

@@ -145,20 +145,66 @@ def test_the_report_page_in_a_real_browser(browser, report, tmp_path):
     example = browser.execute_script(
         "const g = document.getElementById('example'); return [g.layout.title.text, g.data[0].x, g.data[0].z];"
     )
-    assert example[0].startswith("layer 0, head 2: attention on sentence")
-    tokens = pd.read_parquet(report / "examples.parquet").drop_duplicates("query")["query_token"].tolist()
+    assert example[0].startswith("layer 0, head 2 (sink): attention on corpus sentence")  # where a sink shows
+    views = pd.read_parquet(report / "examples.parquet")
+    first = views[(views["source"] == "corpus") & (views["sentence_id"] == int(example[0].rsplit(" ", 1)[1]))]
+    tokens = first.drop_duplicates("query").sort_values("query")["query_token"].tolist()
     assert [label.split(": ", 1)[1] for label in example[1]] == tokens
     assert all(row[0] > 0.95 for row in example[2][1:])  # the first-token head: nearly all on token 0
 
-    browser.find_element(By.CSS_SELECTOR, "#metric option[value='sink']").click()
-    sink = browser.execute_script("return document.getElementById('heatmap').data[0].z")
-    assert sink[0][2] == pytest.approx(heads.loc[(0, 2), "sink"], rel=1e-5)
+    # The previous-token head opens on the probe sequence, its role's view, with the diagonal stripe.
+    ActionChains(browser).move_to_element_with_offset(plot, *cell_offset(browser, 0, 1)).click().perform()
+    time.sleep(0.5)
+    title, z = browser.execute_script(
+        "const g = document.getElementById('example'); return [g.layout.title.text, g.data[0].z];"
+    )
+    assert title == "layer 0, head 1 (previous-token): attention on probe: repeated random tokens"
+    assert all(z[p][p - 1] > 0.95 for p in range(1, len(z)))
+    buttons = browser.find_elements(By.CSS_SELECTOR, "#views button")
+    assert [b.get_attribute("data-view") for b in buttons][-1] == "probe" and len(buttons) >= 2
+    buttons[0].click()  # the other views are a click away
+    time.sleep(0.3)
+    assert "corpus sentence" in browser.execute_script("return document.getElementById('example').layout.title.text")
 
+    # The scales drawn are the palette's, the direction of the PNG charts: entropy light when focused, shares
+    # bright when high; roles in their own colours.
+    from headscope.report import palette
+
+    scale = browser.execute_script("return document.getElementById('heatmap').data[0].colorscale")
+    assert [colour for _, colour in scale] == palette.SCALES["entropy"][1]
+    browser.find_element(By.CSS_SELECTOR, "#metric option[value='sink']").click()
+    drawn = browser.execute_script(
+        "const d = document.getElementById('heatmap').data[0]; return [d.z, d.colorscale, d.zmin, d.zmax];"
+    )
+    assert drawn[0][0][2] == pytest.approx(heads.loc[(0, 2), "sink"], rel=1e-5)
+    assert [colour for _, colour in drawn[1]] == palette.SCALES["share"][1] and drawn[2:] == [0, 1]
+    browser.find_element(By.CSS_SELECTOR, "#metric option[value='role']").click()
+    roles = browser.execute_script(
+        "const d = document.getElementById('heatmap').data[0]; return [d.text, d.colorscale];"
+    )
+    assert roles[0][0][1] == heads.loc[(0, 1), "role"]
+    assert set(colour for _, colour in roles[1]) == set(palette.ROLES.values())
+
+    # The table leads with role, its reason and the probes; a click on a row selects that head everywhere.
+    headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#heads-table th")]
+    assert headers[:7] == [
+        "layer",
+        "head",
+        "role",
+        "role_reason",
+        "probe_induction",
+        "probe_duplicate",
+        "probe_previous",
+    ]
     browser.find_element(By.XPATH, "//table[@id='heads-table']//th[text()='entropy']").click()
-    first = browser.find_element(By.CSS_SELECTOR, "#heads-table tbody tr").text.split()
-    assert float(first[5]) == pytest.approx(heads["entropy"].min(), abs=1e-4)
+    cells = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#heads-table tbody tr:first-child td")]
+    assert float(cells[headers.index("entropy")]) == pytest.approx(heads["entropy"].min(), abs=1e-4)
     browser.find_element(By.ID, "filter").send_keys("layer 1")
     assert browser.find_element(By.ID, "table-count").text.startswith(f"{n_heads} of {len(heads)} heads")
+    browser.find_element(By.CSS_SELECTOR, "#heads-table tbody tr:first-child").click()
+    time.sleep(0.3)
+    assert browser.find_element(By.ID, "panel-title").text.startswith("layer 1, head")
+    assert browser.execute_script("return document.getElementById('heatmap').layout.shapes.length") == 1
 
     shot = tmp_path / "report-page.png"
     browser.save_screenshot(str(shot))
@@ -183,6 +229,24 @@ def test_the_compare_page_in_a_real_browser(browser, report, tmp_path):
     assert browser.find_element(By.ID, "panel-title").text == "layer 1, head 0"
     panel = dict(line.split(" ", 1) for line in browser.find_element(By.ID, "panel-table").text.splitlines())
     assert float(panel["entropy_delta"]) == 0.0 and panel["entropy_significant"] == "no"
+
+    # A delta is drawn on the diverging scale, as the PNG chart draws it.
+    from headscope.report import palette
+
+    scale = browser.execute_script("return document.getElementById('heatmap').data[0].colorscale")
+    assert [colour for _, colour in scale] == palette.SCALES["diverging"][1]
+    # The reports are named by model and corpus (and folder, when those agree), not "A" and "B".
+    record = json.loads((out / "compare.json").read_text())
+    sides = browser.find_element(By.ID, "sides").text
+    assert record["a"]["name"] in sides and record["a"]["name"].endswith("(report)")
+    # The head table: every head, none with a significant change in a report compared with itself.
+    n_heads = len(pd.read_parquet(report / "heads.parquet"))
+    assert browser.find_element(By.ID, "table-count").text == f"{n_heads} of {n_heads} heads"
+    headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#compare-table th")]
+    assert headers[:4] == ["layer", "head", "role_a", "role_b"] and "entropy_p" in headers
+    assert not [h for h in headers if h.endswith(("_ci_low_delta", "_chance_delta"))]
+    browser.find_element(By.ID, "significant-only").click()
+    assert browser.find_element(By.ID, "table-count").text == f"0 of {n_heads} heads"
     assert console_problems(browser) == []
 
 
@@ -207,7 +271,7 @@ def test_a_70b_sized_page_stays_small_and_usable(browser, tmp_path):
     time.sleep(0.5)
     assert browser.find_element(By.ID, "panel-title").text == "layer 79, head 63"
     title = browser.execute_script("return document.getElementById('example').layout.title.text")
-    assert title.startswith("layer 79, head 63: attention on sentence")
+    assert title.startswith("layer 79, head 63 (") and title.endswith("attention on corpus sentence 0")
     browser.save_screenshot(str(tmp_path / "big-page.png"))
     browser.set_window_size(1400, 1400)
     assert console_problems(browser) == []

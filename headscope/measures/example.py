@@ -1,52 +1,59 @@
-"""The example sentence: every head's attention on one short corpus sentence, kept whole (small by design)."""
+"""The report's example views: every head's attention on a few short corpus sentences, spread over the corpus's
+lengths, and on one probe sequence (repeated random tokens), where induction, duplicate-token and previous-token
+heads show their stripes. Each is kept whole (`HeadAttention`), small by design.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
-import torch
 
-from headscope.feed import Batch, CorpusFeed, collate, token_labels
+from headscope.feed import CorpusFeed, collate, token_labels
+from headscope.measures.heads import HeadAttention
+from headscope.measures.probes import ProbeSpec, probe_sequences
 from headscope.tables import examples_frame
 
-# The example is cut to at most this many tokens: it keeps every head's (t, t) attention, which must stay small
+# An example is cut to at most this many tokens: it keeps every head's (t, t) attention, which must stay small
 # even when every sentence of the corpus is thousands of tokens long.
 EXAMPLE_MAX_TOKENS = 32
+PROBE_EXAMPLE_LENGTH = 32  # random tokens per copy in the probe view, at most (two copies: the stripes show)
 
 
-class ExampleAttention:
-    """Keeps (heads, t, t) probabilities per layer of a one-sentence batch; `finish` stacks them on the CPU."""
+def choose_examples(lengths: dict[str, list[int]], count: int) -> list[int]:
+    """Sentence ids of up to `count` examples spread over the corpus's lengths.
 
-    def __init__(self) -> None:
-        self._layers: dict[int, torch.Tensor] = {}  # layer -> (heads, t, t)
-        self._t = 0
-
-    def start(self, batch: Batch) -> None:
-        if len(batch.sentence_ids) != 1:
-            raise ValueError("ExampleAttention takes a batch of exactly one sentence")
-        self._t = batch.input_ids.shape[-1]
-        self._layers = {}
-
-    def wants(self, layer: int) -> bool:
-        return True
-
-    def last_layer(self) -> int | None:
-        return None
-
-    def attention(self, layer, block) -> None:
-        probabilities = block.probabilities()[0].float().cpu()  # (heads, rows, keys)
-        heads, rows, keys = probabilities.shape
-        matrix = self._layers.setdefault(layer, torch.zeros(heads, self._t, self._t))
-        matrix[:, block.first_row : block.first_row + rows, :keys] = probabilities
-
-    def finish(self) -> torch.Tensor:
-        """(layers, heads, t, t) attention of the sentence."""
-        return torch.stack([self._layers[layer] for layer in sorted(self._layers)])
+    lengths: token count -> [sentences of that length, the first one's id] (corpus_pass keeps it). The chosen
+    lengths sit at the quantiles (k + 0.5) / count of the sentences of 2 to EXAMPLE_MAX_TOKENS tokens (of every
+    sentence with tokens when none is that short); each example is the first sentence of its length.
+    """
+    table = sorted((int(length), counted, first) for length, (counted, first) in lengths.items() if int(length) > 0)
+    usable = [row for row in table if 2 <= row[0] <= EXAMPLE_MAX_TOKENS] or table
+    cumulative = np.cumsum([counted for _, counted, _ in usable])
+    chosen = []
+    for k in range(count if usable else 0):
+        row = usable[int(np.searchsorted(cumulative, (k + 0.5) / count * cumulative[-1]))]
+        if row[2] not in chosen:
+            chosen.append(row[2])
+    return chosen
 
 
-def example_attention(capture, feed: CorpusFeed, sentence_id: int, *, padding_side: str, device) -> pd.DataFrame:
-    """Every head's attention on sentence `sentence_id` of the feed, cut to EXAMPLE_MAX_TOKENS, long-form."""
-    ids = feed.token_ids(sentence_id, EXAMPLE_MAX_TOKENS)
+def example_views(capture, feed: CorpusFeed, plan, lengths: dict[str, list[int]], *, device) -> pd.DataFrame:
+    """Every head's attention on the chosen corpus sentences (source "corpus") and, with the probes, on one
+    probe sequence (source "probe", sentence_id = its seed, 0), long-form (tables.EXAMPLES_SCHEMA)."""
+    settings = plan.settings
+    frames = []
+    for sentence_id in choose_examples(lengths, settings.examples):
+        ids = feed.token_ids(sentence_id, EXAMPLE_MAX_TOKENS)
+        frames.append(_view(capture, "corpus", sentence_id, ids, feed.tokenizer, settings.padding_side, device))
+    if settings.probes and settings.examples:
+        spec = ProbeSpec(seeds=2, length=min(settings.probe_length, PROBE_EXAMPLE_LENGTH))
+        sequence, _ = probe_sequences(feed.tokenizer, spec)
+        frames.append(_view(capture, "probe", 0, sequence(0), feed.tokenizer, settings.padding_side, device))
+    return pd.concat(frames, ignore_index=True) if frames else examples_frame("corpus", 0, [], {}, {})
+
+
+def _view(capture, source: str, sentence_id: int, ids: list[int], tokenizer, padding_side: str, device):
     batch = collate([sentence_id], [ids], padding_side=padding_side, device=device)
-    keeper = ExampleAttention()
+    keeper = HeadAttention()
     capture.run(batch, measures=[keeper])
-    return examples_frame(sentence_id, token_labels(feed.tokenizer, ids), keeper.finish().numpy())
+    return examples_frame(source, sentence_id, token_labels(tokenizer, ids), *keeper.finish())

@@ -80,7 +80,7 @@ def entropy_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
     height = float(np.clip(1.5 + 0.32 * n_layers, 4, 22))
     fig = _figure(width, height)
     ax = fig.subplots()
-    image = ax.imshow(grid, cmap="magma_r", aspect="auto", interpolation="nearest")
+    image = ax.imshow(grid, cmap=palette.SCALES["entropy"][0], aspect="auto", interpolation="nearest")
     fig.colorbar(image, ax=ax, label="mean attention entropy (nats)")
     for axis, names, label in ((ax.xaxis, list(range(n_heads)), "head"), (ax.yaxis, layer_ids, "layer")):
         ticks = np.arange(0, len(names), _tick_step(len(names)))
@@ -188,7 +188,8 @@ def probe_scores(heads: pd.DataFrame, *, title: str) -> Figure:
     image = None
     for ax, pattern in zip(axes, PROBE_PATTERNS, strict=True):
         column = f"probe_{pattern}"
-        image = ax.imshow(_grid(heads, column), cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        share = palette.SCALES["share"][0]
+        image = ax.imshow(_grid(heads, column), cmap=share, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         chance = float(heads[f"{column}_chance"].iloc[0])
         ax.set_title(f"{pattern} (chance {chance:.3f})", fontsize=10)
         ticks = np.arange(0, n_heads, _tick_step(n_heads, 16))
@@ -211,7 +212,8 @@ def importance_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
     fig = _figure(float(np.clip(2.5 + 0.42 * n_heads, 6, 22)), float(np.clip(1.5 + 0.32 * n_layers, 4, 22)))
     ax = fig.subplots()
     limit = float(np.nanmax(np.abs(grid))) or 1.0  # symmetric: red raises the loss, blue lowers it
-    image = ax.imshow(grid, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    cmap = palette.SCALES["diverging"][0]
+    image = ax.imshow(grid, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
     fig.colorbar(image, ax=ax, label=f"{column} (nats of loss)")
     for axis, names, label in ((ax.xaxis, list(range(n_heads)), "head"), (ax.yaxis, layer_ids, "layer")):
         ticks = np.arange(0, len(names), _tick_step(len(names)))
@@ -279,6 +281,14 @@ def classification_map(classified: pd.DataFrame, thresholds: Thresholds, *, titl
     return fig
 
 
+def first_corpus_view(examples: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The rows of the first corpus sentence of the example views (None when there is none)."""
+    if examples is None:
+        return None
+    corpus = examples[examples["source"] == "corpus"]
+    return None if corpus.empty else corpus[corpus["sentence_id"] == corpus["sentence_id"].iloc[0]]
+
+
 def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *, title: str) -> Figure:
     """One attention matrix per head type, for the most typical head of that type, on one real sentence.
 
@@ -323,11 +333,13 @@ def draw_charts(report: Report, *, folder: Path, fmt: str) -> tuple[list[Path], 
         "importance_heatmap": lambda: importance_heatmap(heads, title=title),
         "importance_entropy": lambda: importance_against_entropy(heads, title=title),
         "classification_map": lambda: classification_map(heads, thresholds, title=title),
-        "examples": lambda: example_heads(report.examples, most_typical(heads, thresholds), title=title),
+        "examples": lambda: example_heads(
+            first_corpus_view(report.examples), most_typical(heads, thresholds), title=title
+        ),
     }
     no_importance = importance_column(heads) is None
     skipped = {
-        "examples": report.examples is None,
+        "examples": first_corpus_view(report.examples) is None,
         "probe_scores": heads["probe_induction"].isna().all(),
         "importance_heatmap": no_importance,
         "importance_entropy": no_importance,

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from headscope.columns import DELTAS, INTERVAL_METRICS, RATIOS, ROWS_LEFT_OUT
+from headscope.columns import DELTAS, INTERVAL_METRICS, MODEL_ONLY, RATIOS, ROWS_LEFT_OUT
 from headscope.config import COMPARE_REPLICATES
 from headscope.errors import OutputError, ResourceError
 from headscope.labels import HEAD_TYPES, ROLES
@@ -60,8 +60,7 @@ class Comparison:
 
     @property
     def title(self) -> str:
-        a, b = (self.record[side] for side in ("a", "b"))
-        return f"B: {b['model']} on {Path(str(b['corpus'])).name} - A: {a['model']} on {Path(str(a['corpus'])).name}"
+        return f"{self.record['b']['name']} against {self.record['a']['name']}"
 
 
 def read_side(folder: Path, name: str) -> Report:
@@ -89,8 +88,7 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
     ) == set(zip(rb.heads["layer"], rb.heads["head"], strict=True))
     record = {
         "schema_version": SCHEMA_VERSION,
-        "a": _identity(ra),
-        "b": _identity(rb),
+        **_identities(ra, rb),
         "same_grid": same_grid,
         "level": LEVEL,
         "fdr": {"method": "Benjamini-Hochberg", "rate": FDR, "over": "all heads, per metric"},
@@ -169,6 +167,17 @@ def _section(run: dict, key: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _identities(ra: Report, rb: Report) -> dict[str, dict]:
+    """Each side's identity, with a name saying which it is: "model on corpus", and the folder when those agree."""
+    sides = {"a": _identity(ra), "b": _identity(rb)}
+    for side in sides.values():
+        side["name"] = f"{side['model']} on {Path(str(side['corpus'])).name}"
+    if sides["a"]["name"] == sides["b"]["name"]:
+        for side in sides.values():
+            side["name"] += f" ({Path(side['folder']).name})"
+    return sides
+
+
 def _identity(report: Report) -> dict:
     model, corpus = _section(report.run, "model"), _section(report.run, "corpus")
     return {
@@ -188,8 +197,12 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     columns = {}
     numeric = [c for c in DELTAS if c in a.columns and c in b.columns]
     for column in numeric:
-        # Importance, say, only when both measured it; the interval metrics always (NaN where unmeasurable).
-        if column in INTERVAL_METRICS or (a[column].notna().any() and b[column].notna().any()):
+        # Importance, say, only when both measured it; the interval metrics always (NaN where unmeasurable);
+        # a probe score only when it differs (one model's probes are the same whatever the corpus).
+        measured = a[column].notna().any() and b[column].notna().any()
+        if column in MODEL_ONLY and a[column].equals(b[column]):
+            continue
+        if column in INTERVAL_METRICS or measured:
             columns[f"{column}_a"], columns[f"{column}_b"] = a[column], b[column]
             columns[f"{column}_delta"] = b[column] - a[column]
     for label in LABELS:

@@ -26,7 +26,8 @@ def delta_heatmap(heads: pd.DataFrame, *, title: str, metric: str = "entropy") -
     ax = fig.subplots()
     limit = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 0.0
     limit = limit or 1.0
-    image = ax.imshow(grid, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    cmap = palette.SCALES["diverging"][0]
+    image = ax.imshow(grid, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
     fig.colorbar(image, ax=ax, label=f"{metric}: B - A")
     significant = heads[heads[f"{metric}_significant"]] if f"{metric}_significant" in heads else heads.iloc[:0]
     rows = {layer: i for i, layer in enumerate(layer_ids)}

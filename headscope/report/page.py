@@ -20,15 +20,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headscope.columns import COLUMNS, HEADS_COLUMNS, IDS, INTERVAL_METRICS
+from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
 from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.output import atomic_path
 from headscope.report import palette
 from headscope.report.report import Report
 
 FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_FILE, RUN_FILE)
-# The all-heads table: who the head is and its labels, every column the selector offers, then the rest.
-TABLE = (*IDS, "head_type", "role", *(c.name for c in HEADS_COLUMNS if c.shown), "top_offset", "n_rows")
+# The all-heads table: who the head is, its role and why, the probe scores, then its type and every other column
+# the selector offers.
+_PROBES = tuple(f"probe_{pattern}" for pattern in PROBE_PATTERNS)
+TABLE = ("layer", "head", "role", "role_reason", *_PROBES, "head_type", "kv_head")
+TABLE += (*(c.name for c in HEADS_COLUMNS if c.shown and c.name not in _PROBES), "top_offset", "n_rows")
 # Columns report.js reads by name (the heads grid, labels, filter, classification map).
 SCRIPT_READS = ("layer", "head", "head_type", "role", "top_offset", "locality", "norm_entropy")
 
@@ -69,25 +72,62 @@ def _columns(frame: pd.DataFrame, names) -> dict[str, list]:
     return out
 
 
-def _examples(examples: pd.DataFrame | None) -> dict | None:
-    """The example sentence's tokens and every head's (t, t) attention as base64 bytes (weight * 255, rounded)."""
+# Example weights the page carries, one byte each; the report's examples.parquet holds them all, exactly.
+VIEW_BYTES = 6_000_000
+PROBE_ROLES = ("induction", "duplicate-token", "previous-token")  # roles that show on the probe sequence
+
+
+def _views(examples: pd.DataFrame | None, heads: pd.DataFrame) -> list[dict]:
+    """The example views for the page: per (source, sentence), its tokens and, for the heads it carries, every
+    (t, t) weight as base64 bytes (weight * 255, rounded). Within VIEW_BYTES, in this order: every head on the
+    first corpus sentence, the probe-role heads on the probe sequence, the other heads there, the other corpus
+    sentences."""
     if examples is None or examples.empty:
-        return None
-    n = int(max(examples["query"].max(), examples["key"].max())) + 1
+        return []
+    probe_heads = {(int(r.layer), int(r.head)) for r in heads.itertuples() if r.role in PROBE_ROLES}
+    groups = list(examples.groupby(["source", "sentence_id"], sort=False))
+    corpus = [key for key, _ in groups if key[0] == "corpus"]
+    sizes = {key: int(max(part["query"].max(), part["key"].max())) + 1 for key, part in groups}
+    ranked = []
+    for key, part in groups:
+        for layer, head in part[["layer", "head"]].drop_duplicates().itertuples(index=False):
+            pair = (int(layer), int(head))
+            rank = 0 if corpus and key == corpus[0] else 3 if key[0] == "corpus" else 1 if pair in probe_heads else 2
+            ranked.append((rank, key, pair))
+    kept: dict[tuple, list] = {}
+    spent = 0
+    for _, key, pair in sorted(ranked, key=lambda item: item[0]):
+        if spent + sizes[key] ** 2 > VIEW_BYTES:
+            continue
+        kept.setdefault(key, []).append(pair)
+        spent += sizes[key] ** 2
+    views = []
+    for key, part in groups:
+        if key in kept:
+            views.append(_view(key, part, sorted(kept[key]), sizes[key]))
+    return views
+
+
+def _view(key: tuple, part: pd.DataFrame, pairs: list, n: int) -> dict:
     tokens = [""] * n
-    for query, token in examples.drop_duplicates("query")[["query", "query_token"]].itertuples(index=False):
+    for query, token in part.drop_duplicates("query")[["query", "query_token"]].itertuples(index=False):
         tokens[int(query)] = str(token)
-    heads = examples[["layer", "head"]].drop_duplicates().sort_values(["layer", "head"])
-    grid = np.zeros((len(heads), n, n), dtype=np.uint8)
-    index = {(int(r.layer), int(r.head)): i for i, r in enumerate(heads.itertuples())}
-    rows = np.array([index[(int(a), int(b))] for a, b in zip(examples["layer"], examples["head"], strict=True)])
-    grid[rows, examples["query"].to_numpy(), examples["key"].to_numpy()] = np.clip(
-        np.round(np.nan_to_num(examples["weight"].to_numpy(float)) * 255), 0, 255
+    index = {pair: i for i, pair in enumerate(pairs)}
+    rows = np.array([index.get((int(a), int(b)), -1) for a, b in zip(part["layer"], part["head"], strict=True)])
+    keep = rows >= 0
+    grid = np.zeros((len(pairs), n, n), dtype=np.uint8)
+    weights = np.nan_to_num(part["weight"].to_numpy(float)[keep])
+    grid[rows[keep], part["query"].to_numpy()[keep], part["key"].to_numpy()[keep]] = np.clip(
+        np.round(weights * 255), 0, 255
     ).astype(np.uint8)
+    source, sentence_id = key
+    label = f"corpus sentence {sentence_id}" if source == "corpus" else "probe: repeated random tokens"
     return {
-        "sentence_id": int(examples["sentence_id"].iloc[0]),
+        "source": source,
+        "sentence_id": int(sentence_id),
+        "label": label,
         "tokens": tokens,
-        "heads": [[int(r.layer), int(r.head)] for r in heads.itertuples()],
+        "heads": [list(pair) for pair in pairs],
         "weights": base64.b64encode(grid.tobytes()).decode("ascii"),
     }
 
@@ -144,11 +184,12 @@ def report_page(report: Report, *, files_in: Path | None = None) -> str:
         "run": _run_summary(report.run),
         "heads": _columns(sent, sent.columns),
         "layers": _columns(report.layers, report.layers.columns) if report.layers is not None else None,
-        "examples": _examples(report.examples),
+        "views": _views(report.examples, heads),
+        "probe_roles": list(PROBE_ROLES),
         "thresholds": report.thresholds.to_dict(),
         "columns": {
             "selectable": shown,
-            "diverging": [name for name in shown if COLUMNS[name].diverging],
+            "scales": {name: COLUMNS[name].scale for name in shown},
             "table": [name for name in TABLE if name in present],
             "panel": present,
             "text": [name for name in present if not COLUMNS[name].numeric],
@@ -157,7 +198,7 @@ def report_page(report: Report, *, files_in: Path | None = None) -> str:
         "palette": palette.as_dict(),
         "files": [name for name in FILES if files_in is not None and (files_in / name).exists()],
     }
-    return _page("headscope", "report.html", "report.js", report.title, data)
+    return page_html("headscope", "report.html", "report.js", report.title, data)
 
 
 def compare_page(comparison) -> str:
@@ -180,10 +221,10 @@ def compare_page(comparison) -> str:
         "metrics": list(INTERVAL_METRICS),
         "palette": palette.as_dict(),
     }
-    return _page("headscope compare", "compare.html", "compare.js", comparison.title, data)
+    return page_html("headscope compare", "compare.html", "compare.js", comparison.title, data)
 
 
-def _page(heading: str, body: str, app: str, title: str, data: dict) -> str:
+def page_html(heading: str, body: str, app: str, title: str, data: dict) -> str:
     """The shell (assets/page.html) around a page's body and script, with its title and data."""
     title = html.escape(title)
     return _fill(

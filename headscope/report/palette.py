@@ -1,23 +1,56 @@
-"""One set of colours for the PNG charts and the page (which receives them in its data)."""
+"""One set of colours for the PNG charts and the page (which receives them in its data).
+
+Colour scales are named after what they show, each with the matplotlib colormap the charts use and the same
+colormap's colours at 11 even stops for the page (plotly.js has no magma; a test checks the stops against
+matplotlib's own). Higher values go the same way in both: darker for entropy, brighter for a share, red for a
+positive importance.
+"""
 
 from __future__ import annotations
 
 TYPES = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
+# Distinct from every type colour: a role and a type are never read as one another.
 ROLES = {
     "induction": "#e7298a",
     "duplicate-token": "#66a61e",
-    "previous-token": "#1b9e77",
-    "sink": "#d95f02",
+    "previous-token": "#17becf",
+    "sink": "#8c564b",
     "positional": "#e6ab02",
-    "broad": "#7570b3",
-    "other": "#bdbdbd",
+    "broad": "#1f77b4",
+    "other": "#c7c7c7",
 }
 MEAN = "#4c72b0"  # a layer mean, and report A
 INTERVAL = "#dd8452"  # a 95% interval band, and report B
 SIDES = {"a": MEAN, "b": INTERVAL}
 BANDS = {"early": "#2ca02c", "late": "#d62728"}
 
+_MAGMA = ["#000004", "#140e36", "#3b0f70", "#641a80", "#8c2981", "#b73779", "#de4968", "#f7705c", "#fe9f6d"]
+_MAGMA += ["#fecf92", "#fcfdbf"]
+_VIRIDIS = ["#440154", "#482475", "#414487", "#355f8d", "#2a788e", "#21918c", "#22a884", "#44bf70", "#7ad151"]
+_VIRIDIS += ["#bddf26", "#fde725"]
+_RDBU_R = ["#053061", "#2065ab", "#4393c3", "#90c4dd", "#d1e5f0", "#f7f6f6", "#fddbc7", "#f3a481", "#d6604d"]
+_RDBU_R += ["#b1182b", "#67001f"]
+
+# scale -> (matplotlib colormap, its colours from low to high values, fixed limits or None, symmetric around 0)
+SCALES: dict[str, tuple[str, list[str], tuple[float, float] | None, bool]] = {
+    "entropy": ("magma_r", _MAGMA[::-1], None, False),  # high entropy (diffuse) dark, focused light
+    "share": ("viridis", _VIRIDIS, (0.0, 1.0), False),  # a share of attention: more is brighter
+    "diverging": ("RdBu_r", _RDBU_R, None, True),  # importance: red raises the loss, blue lowers it
+}
+
 
 def as_dict() -> dict:
     """The palette as the page's data carries it."""
-    return {"types": TYPES, "roles": ROLES, "mean": MEAN, "interval": INTERVAL, "sides": SIDES, "bands": BANDS}
+    scales = {}
+    for name, (_, colours, limits, symmetric) in SCALES.items():
+        stops = [[i / (len(colours) - 1), colour] for i, colour in enumerate(colours)]
+        scales[name] = {"stops": stops, "range": limits, "symmetric": symmetric}
+    return {
+        "types": TYPES,
+        "roles": ROLES,
+        "mean": MEAN,
+        "interval": INTERVAL,
+        "sides": SIDES,
+        "bands": BANDS,
+        "scales": scales,
+    }

@@ -15,12 +15,21 @@ from headscope.columns import MEASURED_COLUMNS
 from headscope.config import RoleThresholds, Thresholds
 from headscope.errors import ConfigError, OutputError
 from headscope.labels import classification_record, label_heads
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.layout import (
+    EXAMPLES_FILE,
+    HEADS_FILE,
+    LAYERS_FILE,
+    PROBES_FILE,
+    RUN_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCES_FILE,
+)
 from headscope.summary import depth_bands, layer_entropy
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,
     LAYERS_SCHEMA,
+    PROBES_SCHEMA,
     SENTENCE_HEADS_SCHEMA,
     SENTENCES_SCHEMA,
     read_table,
@@ -32,7 +41,8 @@ class Report:
 
     heads            one row per (layer, head): the measurements, the head type and role
     layers           one row per layer (None for a report without it)
-    examples         every head's attention on the example sentence, long-form (None without one)
+    examples         every head's attention on the example views (corpus sentences, a probe sequence), long-form
+    probes           each probe sequence's score per (layer, head, probe) (None without probes)
     sentences        one row per corpus sentence (None when not kept)
     sentence_heads   one row per (sentence, layer, head) (None when the run skipped it)
     run              everything run.json holds
@@ -62,6 +72,11 @@ class Report:
     @property
     def examples(self) -> pd.DataFrame | None:
         return self._table(EXAMPLES_FILE)
+
+    @property
+    def probes(self) -> pd.DataFrame | None:
+        """Each probe sequence's score per (layer, head, probe), or None without probes."""
+        return self._table(PROBES_FILE)
 
     @property
     def sentences(self) -> pd.DataFrame | None:
@@ -184,7 +199,7 @@ def _read_heads(path: Path) -> pd.DataFrame:
 
 
 def _read_examples(path: Path) -> pd.DataFrame | None:
-    """Every head's attention on the example sentence, or None when the report has none."""
+    """Every head's attention on the example views, or None when the report has none."""
     if not path.is_file():
         return None
     examples = read_table(path, EXAMPLES_SCHEMA)
@@ -209,6 +224,7 @@ _READERS = {
     EXAMPLES_FILE: _read_examples,
     SENTENCES_FILE: _optional(SENTENCES_SCHEMA),
     SENTENCE_HEADS_FILE: _optional(SENTENCE_HEADS_SCHEMA),
+    PROBES_FILE: _optional(PROBES_SCHEMA),
 }
 
 

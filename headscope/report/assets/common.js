@@ -24,13 +24,26 @@ function headGrid(H) {
   return {N, layers, heads, cell, grid};
 }
 
-// The #heatmap plot of one column; diverging columns (deltas, locality) get symmetric limits around 0.
-function drawHeatmap(G, H, metric, diverging) {
-  const values = H[metric].filter(v => v !== null), limit = Math.max(...values.map(Math.abs), 1e-12);
-  const trace = {type: "heatmap", x: G.heads, y: G.layers, z: G.grid(H[metric]), hoverongaps: false,
-    colorscale: diverging ? "RdBu" : "Magma", reversescale: !diverging,
-    zmin: diverging ? -limit : undefined, zmax: diverging ? limit : undefined,
-    colorbar: {title: {text: metric}}, hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z}<extra></extra>"};
+// The #heatmap plot of one column, in its colour scale (the palette's, as the PNG charts draw it): fixed limits
+// for a share, symmetric ones around 0 for a signed column, the data's own otherwise. A categorical column (role,
+// head type) is drawn in its labels' colours, one colour per label.
+function drawHeatmap(G, H, metric, scale, categories) {
+  let trace;
+  if (categories) {
+    const names = Object.keys(categories), n = names.length;
+    const colorscale = names.flatMap((name, k) => [[k / n, categories[name]], [(k + 1) / n, categories[name]]]);
+    const z = H[metric].map(v => v === null ? null : names.indexOf(v) + 0.5);
+    trace = {type: "heatmap", x: G.heads, y: G.layers, z: G.grid(z), zmin: 0, zmax: n, colorscale: colorscale,
+      text: G.grid(H[metric]), hoverongaps: false, hovertemplate: "layer %{y}, head %{x}<br>" + metric +
+      " %{text}<extra></extra>", colorbar: {title: {text: metric}, tickvals: names.map((_, k) => k + 0.5),
+      ticktext: names}};
+  } else {
+    const values = H[metric].filter(v => v !== null), limit = Math.max(...values.map(Math.abs), 1e-12);
+    const range = scale.range || (scale.symmetric ? [-limit, limit] : [undefined, undefined]);
+    trace = {type: "heatmap", x: G.heads, y: G.layers, z: G.grid(H[metric]), hoverongaps: false,
+      colorscale: scale.stops, zmin: range[0], zmax: range[1], colorbar: {title: {text: metric}},
+      hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z}<extra></extra>"};
+  }
   const layout = {margin: {t: 10, r: 10, b: 40, l: 50}, height: Math.min(900, 160 + 22 * G.layers.length),
     xaxis: {title: {text: "head"}, dtick: G.heads.length > 32 ? 8 : 1}, yaxis: {title: {text: "layer"},
     autorange: "reversed", dtick: G.layers.length > 32 ? 8 : 1}};
@@ -61,4 +74,52 @@ function fillPanel(H, i, keys, about) {
     tr.title = (about || {})[k] || "";
   }
   document.getElementById("panel").replaceChildren(title, table);
+}
+
+// A table of H's rows in `columns`, into #<id>: click a header to sort by it (again: the other way), click a row
+// for onRow(i). keep() gives the predicate of the rows shown; count names the element that says how many.
+// Returns the function that redraws it.
+function headTable(id, H, columns, {about = {}, text = new Set(), keep = () => () => true, onRow = null,
+    selected = () => null, count = null, limit = 1000} = {}) {
+  const N = H.layer.length, order = [...Array(N).keys()];
+  let sortKey = null, sortUp = true;
+  function sortBy(c) {
+    sortUp = sortKey === c ? !sortUp : true; sortKey = c;
+    const sign = sortUp ? 1 : -1;
+    order.sort((a, b) => {
+      const x = H[c][a], y = H[c][b];
+      if (x === null) return 1; if (y === null) return -1;
+      return (x < y ? -1 : x > y ? 1 : a - b) * sign;
+    });
+    draw();
+  }
+  function draw() {
+    const wanted = keep(), shown = order.filter(i => wanted(i)), el = document.getElementById(id);
+    el.replaceChildren();
+    const head = el.createTHead().insertRow();
+    for (const c of columns) {
+      const th = document.createElement("th");
+      th.textContent = c + (sortKey === c ? (sortUp ? " \u25b2" : " \u25bc") : "");
+      th.title = about[c] || "";
+      if (text.has(c)) th.className = "text";
+      th.onclick = () => sortBy(c);
+      head.appendChild(th);
+    }
+    const body = el.createTBody();
+    for (const i of shown.slice(0, limit)) {
+      const tr = body.insertRow();
+      tr.dataset.row = i;
+      if (onRow) tr.onclick = () => onRow(i);
+      if (i === selected()) tr.classList.add("selected");
+      for (const c of columns) {
+        const td = tr.insertCell(); td.textContent = fmt(H[c][i]);
+        if (text.has(c)) td.className = "text";
+      }
+    }
+    if (count) {
+      document.getElementById(count).textContent = `${shown.length} of ${N} heads` +
+        (shown.length > limit ? ` (first ${limit} shown)` : "");
+    }
+  }
+  return draw;
 }

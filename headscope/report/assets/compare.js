@@ -4,8 +4,9 @@ document.getElementById("method").textContent = R.method + "; significance: Benj
 const sides = document.getElementById("sides");
 for (const side of ["a", "b"]) {
   const dt = document.createElement("dt"), dd = document.createElement("dd");
-  dt.textContent = side.toUpperCase();
-  dd.textContent = `${R[side].model} on ${R[side].corpus} (${R[side].layers} layers x ${R[side].heads} heads)`;
+  dt.textContent = side === "a" ? "A (before)" : "B (after)";
+  dd.textContent = `${R[side].name}: ${R[side].layers} layers x ${R[side].heads} heads; corpus ${R[side].corpus}; ` +
+    `folder ${R[side].folder}`;
   sides.append(dt, dd);
 }
 const L = D.layers, traces = [];
@@ -16,14 +17,14 @@ if (R.same_grid) {
       hoverinfo: "skip"});
     traces.push({x: L.layer, y: L[`entropy_${side}_ci_low`], mode: "lines", line: {width: 0}, fill: "tonexty",
       fillcolor: rgba(colour, 0.3), showlegend: false, hoverinfo: "skip"});
-    traces.push({x: L.layer, y: L[`entropy_${side}`], mode: "lines+markers", name: side.toUpperCase(),
+    traces.push({x: L.layer, y: L[`entropy_${side}`], mode: "lines+markers", name: R[side].name,
       line: {color: colour}});
   }
 } else {
   for (const side of ["a", "b"]) {
     const name = side.toUpperCase(), idx = L.report.map((r, i) => r === name ? i : -1).filter(i => i >= 0);
     traces.push({x: idx.map(i => L.relative_depth[i]), y: idx.map(i => L.entropy[i]), mode: "lines+markers",
-      name: name, line: {color: P.sides[side]}});
+      name: R[side].name, line: {color: P.sides[side]}});
   }
 }
 Plotly.react("gradient", traces, {height: 380, margin: {t: 10}, legend: {orientation: "h", y: -0.25},
@@ -31,10 +32,11 @@ Plotly.react("gradient", traces, {height: 380, margin: {t: 10}, legend: {orienta
 if (!H || !D.selectable.length) {  // different grids, or no delta with a value
   document.getElementById("heads-section").hidden = true;
   document.getElementById("transitions-section").hidden = true;
+  document.getElementById("table-section").hidden = true;
   document.body.dataset.ready = "true";
 } else {
   const G = headGrid(H), cell = G.cell;
-  const heatmap = metric => drawHeatmap(G, H, metric, true);  // every delta diverges around 0
+  const heatmap = metric => drawHeatmap(G, H, metric, P.scales.diverging);  // every delta diverges around 0
   const keys = [];
   for (const m of D.metrics) {
     for (const suffix of ["_a", "_b", "_delta", "_delta_ci_low", "_delta_ci_high", "_p", "_significant"]) {
@@ -47,6 +49,18 @@ if (!H || !D.selectable.length) {  // different grids, or no delta with a value
     gd.on("plotly_hover", e => fillPanel(H, cell[e.points[0].y + "," + e.points[0].x], keys));
     document.body.dataset.ready = "true";
   });
+  // The table: each interval metric's delta, p-value and verdict beside both sides' labels; sortable, and
+  // filtered to the heads with a significant change when the box is ticked.
+  const significant = D.metrics.map(m => `${m}_significant`).filter(c => c in H);
+  const columns = ["layer", "head", "role_a", "role_b", "head_type_a", "head_type_b",
+    ...D.metrics.flatMap(m => [`${m}_delta`, `${m}_delta_ci_low`, `${m}_delta_ci_high`, `${m}_p`])]
+    .filter(c => c in H);
+  const only = document.getElementById("significant-only");
+  const table = headTable("compare-table", H, columns, {text: new Set(["role_a", "role_b", "head_type_a",
+    "head_type_b"]), count: "table-count", onRow: i => fillPanel(H, i, keys),
+    keep: () => only.checked ? i => significant.some(c => H[c][i]) : () => true});
+  only.onchange = table;
+  table();
   const box = document.getElementById("transitions");
   const divs = Object.keys(D.transitions).map(name => {  // all in place first, so each plot gets its own width
     const div = document.createElement("div"); div.className = "grow"; div.id = `transition-${name}`;

@@ -1,46 +1,86 @@
 // report.html: every head of one report. Columns, their descriptions and colours come from the data (D).
 const H = D.heads, G = headGrid(H), {N, layers, cell} = G;
-const C = D.columns, P = D.palette;
+const C = D.columns, P = D.palette, V = D.views;
+const CATEGORIES = {role: P.roles, head_type: P.types};  // coloured by label, not by a scale
+let selected = null;  // the head shown in the panel and the example view
+
+const number = (v, digits = 3) => v === null || v === undefined ? "-" : Number(v).toFixed(digits);
+const count = v => v === null || v === undefined ? "-" : Number(v).toLocaleString("en");
 
 function runDetails() {
-  const r = D.run, t = r.timings || {}, a = r.architecture || {};
-  document.getElementById("run-line").textContent = `${r.sentences} sentences, ${r.tokens} tokens; ` +
+  const r = D.run, t = r.timings || {}, a = r.architecture || {}, p = r.probes, im = r.importance, b = r.bootstrap;
+  document.getElementById("run-line").textContent = `${count(r.sentences)} sentences, ${count(r.tokens)} tokens; ` +
     `${a.layers} layers x ${a.heads} heads (${a.kv_heads} KV heads); ${r.device}, ${r.dtype}; headscope ${r.headscope}`;
-  const rows = [["model", r.model], ["corpus", r.corpus], ["sentences", r.sentences], ["tokens", r.tokens],
-    ["truncated sentences", r.truncated], ["device, dtype", `${r.device}, ${r.dtype}`],
-    ["architecture", JSON.stringify(a)], ["timings (s)", `load ${t.load_seconds}, measure ${t.measure_seconds}, ` +
-    `probes ${t.probe_seconds}, importance ${t.importance_seconds}, write ${t.write_seconds}`],
-    ["tokens/s", t.tokens_per_second], ["probes", r.probes ? JSON.stringify(r.probes) : "not run"],
-    ["importance", r.importance ? JSON.stringify(r.importance) : "not measured"],
-    ["intervals", r.bootstrap ? `bootstrap over sentences, ${r.bootstrap.replicates} replicates` : "none"],
+  const chance = p && p.chance ? Object.entries(p.chance).map(([k, v]) => `${k} ${number(v)}`).join(", ") : "";
+  const rows = [["model", r.model], ["corpus", r.corpus], ["sentences", count(r.sentences)],
+    ["tokens", count(r.tokens)], ["truncated sentences", count(r.truncated)], ["device, dtype", `${r.device}, ${r.dtype}`],
+    ["architecture", `${a.model_type || "?"}: ${a.layers} layers, ${a.heads} query heads on ${a.kv_heads} key/value ` +
+      `heads, head size ${a.head_dim}`],
+    ["timings", `load ${number(t.load_seconds, 1)} s, measure ${number(t.measure_seconds, 1)} s, probes ` +
+      `${number(t.probe_seconds, 1)} s, importance ${number(t.importance_seconds, 1)} s, write ` +
+      `${number(t.write_seconds, 1)} s`],
+    ["speed", `${count(Math.round(t.tokens_per_second || 0))} tokens/s`],
+    ["probes", p ? `${p.seeds} sequences of ${p.length} random tokens x ${p.repeats}; chance: ${chance}` : "not run"],
+    ["importance", im ? `${im.mode}: clean loss ${number(im.clean_loss, 4)} nats over ${count(im.predicted_tokens)} ` +
+      "predicted tokens" : "not measured"],
+    ["intervals", b ? `95%, bootstrap over sentences, ${count(b.replicates)} replicates (seed ${b.seed})` : "none"],
     ["headscope", r.headscope], ["created", r.created]];
   const dl = document.getElementById("run-details");
   for (const [k, v] of rows) {
     const dt = document.createElement("dt"); dt.textContent = k; dl.appendChild(dt);
-    const dd = document.createElement("dd"); dd.textContent = fmt(v); dl.appendChild(dd);
+    const dd = document.createElement("dd"); dd.textContent = v === undefined || v === null ? "-" : v; dl.appendChild(dd);
   }
 }
 
-const heatmap = metric => drawHeatmap(G, H, metric, C.diverging.includes(metric));
+const heatmap = metric => drawHeatmap(G, H, metric, P.scales[C.scales[metric]], CATEGORIES[metric]);
 const panel = i => fillPanel(H, i, C.panel, C.about);
 
-function example(i) {
-  const E = D.examples, box = document.getElementById("example");
-  if (!E) { box.textContent = "This report has no example sentence."; return; }
-  const at = E.heads.findIndex(([l, h]) => l === H.layer[i] && h === H.head[i]);
-  if (at < 0) { box.textContent = "No example attention for this head."; return; }
-  const n = E.tokens.length, bytes = atob(E.weights), z = [];
-  for (let q = 0; q < n; q++) {
+// The views of the example texts that hold head i: [view, index] pairs.
+const viewsOf = i => V.map((v, n) => [v, n]).filter(([v]) => v.heads.some(([l, h]) => l === H.layer[i] &&
+  h === H.head[i]));
+
+// Head i's attention on example view n; by default where its role shows (a probe role on the probe sequence).
+function example(i, n) {
+  const box = document.getElementById("example"), pick = document.getElementById("views"), views = viewsOf(i);
+  if (!views.length) {
+    pick.replaceChildren();
+    box.textContent = "No example view of this page holds this head: see examples.parquet, or headscope inspect.";
+    return;
+  }
+  if (n === undefined || !views.some(([, m]) => m === n)) {
+    const probe = views.find(([v]) => v.source === "probe");
+    n = D.probe_roles.includes(H.role[i]) && probe ? probe[1] : views[0][1];
+  }
+  pick.replaceChildren(...views.map(([v, m]) => {
+    const button = document.createElement("button");
+    button.textContent = v.label; button.disabled = m === n; button.dataset.view = v.source;
+    button.onclick = () => example(i, m);
+    return button;
+  }));
+  const view = V[n], t = view.tokens.length, bytes = atob(view.weights), z = [];
+  const at = view.heads.findIndex(([l, h]) => l === H.layer[i] && h === H.head[i]);
+  for (let q = 0; q < t; q++) {
     const row = [];
-    for (let k = 0; k < n; k++) row.push(bytes.charCodeAt(at * n * n + q * n + k) / 255);
+    for (let k = 0; k < t; k++) row.push(k > q ? null : bytes.charCodeAt(at * t * t + q * t + k) / 255);
     z.push(row);
   }
-  const labels = E.tokens.map((t, j) => plain(`${j}: ${t}`));
+  const labels = view.tokens.map((token, j) => plain(`${j}: ${token}`));
   Plotly.react("example", [{type: "heatmap", z: z, x: labels, y: labels, zmin: 0, zmax: 1, colorscale: "Blues",
-    reversescale: true, hovertemplate: "query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"}],
-    {title: {text: `layer ${H.layer[i]}, head ${H.head[i]}: attention on sentence ${E.sentence_id}`},
-     height: 420 + 8 * n, margin: {l: 120, b: 120, t: 40}, yaxis: {autorange: "reversed", title: {text: "query"}},
+    reversescale: true, hoverongaps: false, hovertemplate: "query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"}],
+    {title: {text: `layer ${H.layer[i]}, head ${H.head[i]} (${H.role[i]}): attention on ${view.label}`},
+     height: 420 + 8 * t, margin: {l: 120, b: 120, t: 40}, yaxis: {autorange: "reversed", title: {text: "query"}},
      xaxis: {title: {text: "key (attended to)"}, tickangle: -60}}, CONFIG);
+}
+
+// Head i everywhere: the panel, its example view, a ring on its heatmap cell, its row in the table.
+function select(i) {
+  selected = i;
+  panel(i); example(i);
+  Plotly.relayout("heatmap", {shapes: [{type: "rect", x0: H.head[i] - 0.5, x1: H.head[i] + 0.5,
+    y0: H.layer[i] - 0.5, y1: H.layer[i] + 0.5, line: {color: "#00bcd4", width: 3}}]});
+  for (const tr of document.querySelectorAll("#heads-table tbody tr")) {
+    tr.classList.toggle("selected", Number(tr.dataset.row) === i);
+  }
 }
 
 function gradient() {
@@ -85,55 +125,19 @@ function classification() {
        line: {dash: "dot"}}]}, CONFIG);
 }
 
-let order = [...Array(N).keys()], sortKey = null, sortUp = true;
 const columns = C.table.filter(c => c in H && H[c].some(v => v !== null));
-const TEXT = new Set(C.text);
-const LIMIT = 1000;
 
 // A row's labels, each between bars: a filter term matches a whole label ("layer 3") or, without digits,
 // part of one ("induct").
 const LABELS = [...Array(N).keys()].map(i => `|layer ${H.layer[i]}|head ${H.head[i]}|${H.head_type[i]}|` +
   `${H.role[i]}|offset ${H.top_offset[i]}|`);
 const matches = (i, t) => LABELS[i].includes(`|${t}|`) || (!/\d/.test(t) && LABELS[i].includes(t));
-
-function table() {
-  const terms = document.getElementById("filter").value.toLowerCase().split(",").map(t => t.trim())
-    .filter(Boolean);
-  const shown = order.filter(i => terms.every(t => matches(i, t)));
-  const el = document.getElementById("heads-table");
-  el.replaceChildren();
-  const head = el.createTHead().insertRow();
-  for (const c of columns) {
-    const th = document.createElement("th");
-    th.textContent = c + (sortKey === c ? (sortUp ? " ▲" : " ▼") : "");
-    th.title = C.about[c] || "";
-    if (TEXT.has(c)) th.className = "text";
-    th.onclick = () => sortBy(c);
-    head.appendChild(th);
-  }
-  const body = el.createTBody();
-  for (const i of shown.slice(0, LIMIT)) {
-    const tr = body.insertRow();
-    tr.dataset.row = i;
-    for (const c of columns) {
-      const td = tr.insertCell(); td.textContent = fmt(H[c][i]);
-      if (TEXT.has(c)) td.className = "text";
-    }
-  }
-  document.getElementById("table-count").textContent = `${shown.length} of ${N} heads` +
-    (shown.length > LIMIT ? ` (first ${LIMIT} shown)` : "");
-}
-
-function sortBy(c) {
-  sortUp = sortKey === c ? !sortUp : true; sortKey = c;
-  const key = i => H[c][i], sign = sortUp ? 1 : -1;
-  order.sort((a, b) => {
-    const x = key(a), y = key(b);
-    if (x === null) return 1; if (y === null) return -1;
-    return (x < y ? -1 : x > y ? 1 : a - b) * sign;
-  });
-  table();
-}
+const table = headTable("heads-table", H, columns, {about: C.about, text: new Set(C.text), count: "table-count",
+  onRow: i => select(i), selected: () => selected, keep: () => {
+    const terms = document.getElementById("filter").value.toLowerCase().split(",").map(t => t.trim())
+      .filter(Boolean);
+    return i => terms.every(t => matches(i, t));
+  }});
 
 function files() {
   const ul = document.getElementById("files");
@@ -145,11 +149,12 @@ function files() {
 
 function main() {
   runDetails();
-  fillSelect(C.selectable, heatmap, C.about);
+  const metrics = [...C.selectable, ...Object.keys(CATEGORIES).filter(c => c in H)];
+  fillSelect(metrics, heatmap, C.about);
   if (C.selectable.length) {
     heatmap(C.selectable[0]).then(gd => {
       gd.on("plotly_hover", e => { const p = e.points[0]; panel(cell[p.y + "," + p.x]); });
-      gd.on("plotly_click", e => { const p = e.points[0]; const i = cell[p.y + "," + p.x]; panel(i); example(i); });
+      gd.on("plotly_click", e => { const p = e.points[0]; select(cell[p.y + "," + p.x]); });
       document.body.dataset.ready = "true";
     });
   } else {

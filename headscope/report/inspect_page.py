@@ -1,0 +1,71 @@
+"""inspect.html: one view per chosen head and text, self-contained like report.html (page.py fills the shell).
+
+The page carries each view's weights as 16-bit integers (weight x 65535, rounded: 4-5 significant digits) within
+VIEW_BYTES; texts longer than PAGE_MAX_TOKENS, and views beyond the budget, are left to attention.parquet, which
+holds every weight exactly, and the page says which.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pandas as pd
+
+from headscope.report import palette
+from headscope.report.page import page_html
+
+VIEW_BYTES = 48_000_000  # raw bytes of weights the page may carry (base64 adds a third)
+PAGE_MAX_TOKENS = 1_024  # a longer text's (t, t) view is more cells than a browser heatmap shows usefully
+
+
+class PageViews:
+    """The views the page carries, collected as `inspect` runs (one text at a time)."""
+
+    def __init__(self, budget: int = VIEW_BYTES) -> None:
+        self.budget = budget
+        self.views: list[dict] = []
+        self.left_out: list[tuple[int, tuple[int, int], str]] = []  # (text, head, why)
+
+    def add(self, text_id: int, pair: tuple[int, int], matrix: np.ndarray, visible: np.ndarray) -> None:
+        t = matrix.shape[0]
+        size = 2 * t * t
+        if t > PAGE_MAX_TOKENS:
+            self.left_out.append((text_id, pair, f"{t:,} tokens, more than the page shows ({PAGE_MAX_TOKENS:,})"))
+            return
+        if size > self.budget:
+            self.left_out.append((text_id, pair, "beyond the page's size budget"))
+            return
+        self.budget -= size
+        weights = np.where(visible, np.nan_to_num(matrix, nan=0.0), 0.0)
+        quantised = np.clip(np.round(weights * 65535), 0, 65535).astype("<u2")
+        self.views.append(
+            {
+                "text": text_id,
+                "head": f"{pair[0]}.{pair[1]}",
+                "weights": base64.b64encode(quantised.tobytes()).decode("ascii"),
+                "visible": base64.b64encode(np.packbits(visible, bitorder="little").tobytes()).decode("ascii"),
+            }
+        )
+
+
+def inspect_page(record: dict, texts, tokens: pd.DataFrame, views: PageViews) -> str:
+    """The whole inspect.html, as a string."""
+    title = f"{record['model']['input']}: {len(record['heads'])} heads on {len(record['texts'])} texts"
+    by_text = {text_id: part["token"].tolist() for text_id, part in tokens.groupby("text_id", sort=True)}
+    data = {
+        "title": title,
+        "model": record["model"]["input"],
+        "texts": [
+            {"id": entry["text_id"], "label": entry["label"], "source": entry["source"], "tokens": by_text[i]}
+            for i, entry in enumerate(record["texts"])
+        ],
+        "heads": [{"name": name, "role": record["roles"].get(name)} for name in record["heads"]],
+        "roles_from": record["roles_from"],
+        "probe_roles": ["induction", "duplicate-token", "previous-token"],
+        "summary": record["summary"],
+        "views": views.views,
+        "left_out": [{"text": t, "head": f"{p[0]}.{p[1]}", "why": why} for t, p, why in views.left_out],
+        "palette": palette.as_dict(),
+    }
+    return page_html("headscope inspect", "inspect.html", "inspect.js", title, data)
