@@ -5,6 +5,8 @@ report = headscope.analyze("gpt2", "sentences.txt", out="reports/gpt2")
 report.heads            # one row per (layer, head)
 report.layer_entropy()  # mean entropy per layer, in nats
 headscope.Report.open("reports/gpt2")  # the same report, read back from its folder
+seen = headscope.inspect("gpt2", texts=["When Mary and John went..."], heads=[(5, 1)])
+seen.attention          # text_id, layer, head, query, key, weight: every visible pair
 
 `import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
 """
@@ -14,9 +16,23 @@ import importlib
 from headscope.config import RunConfig, Thresholds
 from headscope.errors import HeadscopeError
 
-_LAZY = {"analyze": "headscope.pipeline", "Report": "headscope.report.report", "load_model": "headscope.loading"}
+_LAZY = {
+    "analyze": "headscope.pipeline",
+    "inspect": "headscope.inspection",
+    "Report": "headscope.report.report",
+    "load_model": "headscope.loading",
+}
 
-__all__ = ["AnalysisResult", "HeadscopeError", "Report", "RunConfig", "Thresholds", "analyze", "load_model"]
+__all__ = [
+    "AnalysisResult",
+    "HeadscopeError",
+    "Report",
+    "RunConfig",
+    "Thresholds",
+    "analyze",
+    "inspect",
+    "load_model",
+]
 
 
 def __getattr__(name: str):

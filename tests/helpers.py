@@ -87,3 +87,18 @@ class Interrupting(NullReporter):
 def refuse_to_load(source, settings, model_config):
     """A loader that fails the test: the check under test must come before the weights load."""
     raise AssertionError("the model was loaded before the bad option was refused")
+
+
+def tiny_llama(folder: Path, corpus_lines: list[str]) -> Path:
+    """A 2-layer Llama (standard eager attention, 8 heads on 4 KV heads) that takes 8,192 positions."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+    )
+    return tiny_model_folder(folder, config, LlamaModel, corpus_lines)

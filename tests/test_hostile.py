@@ -28,7 +28,7 @@ from helpers import (
     refuse_to_load,
     run_cli,
     snapshot,
-    tiny_model_folder,
+    tiny_llama,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,21 +95,6 @@ def test_a_huge_window_is_the_same_as_the_longest_sentence(planted_gpt2, corpus,
 
 
 # ---------------------------------------------------------------- memory
-
-
-def tiny_llama(folder: Path, corpus_lines: list[str]) -> Path:
-    """A 2-layer Llama (standard eager attention, 8 heads on 4 KV heads) that takes 8,192 positions."""
-    from transformers import LlamaConfig, LlamaModel
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-    )
-    return tiny_model_folder(folder, config, LlamaModel, corpus_lines)
 
 
 PEAK_SCRIPT = """

@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -298,3 +299,46 @@ def test_a_report_without_values_still_becomes_interactive(browser, tmp_path):
 
     assert "No metric has a value" in browser.find_element(By.ID, "heatmap").text
     assert console_problems(browser) == []
+
+
+@needs_browser
+@pytest.mark.slow
+def test_the_inspect_page_in_a_real_browser(browser, smollm2, tmp_path):
+    """inspect.html: an induction head opens on the probe text; hovering a token draws its row's weights (those
+    of attention.parquet); tokens that look like HTML are shown as text, never rendered or followed."""
+    from selenium.webdriver.common.by import By
+
+    import headscope
+
+    hostile = '<b>bold</b> <img src=x onerror="document.title=1"> <a href="https://example.com">x</a> & done'
+    out = tmp_path / "seen"
+    seen = headscope.inspect(smollm2, texts=[hostile], probes=["induction"], roles=["induction"], out=out)
+    assert "18.6" in seen.record["heads"]
+    open_page(browser, out / "inspect.html")
+    assert console_problems(browser) == []
+    assert all(url.startswith(("file:", "data:", "blob:")) for url in requested(browser)), requested(browser)
+
+    browser.find_element(By.CSS_SELECTOR, "#head option[value='18.6']").click()
+    time.sleep(0.3)
+    title = browser.execute_script("return document.getElementById('attention').layout.title.text")
+    assert title == "head 18.6 on probe seed 0"  # an induction head opens where its role shows
+    attention = pd.read_parquet(out / "attention.parquet")
+    probe = attention[(attention["text_id"] == 1) & (attention["layer"] == 18) & (attention["head"] == 6)]
+    spans = browser.find_elements(By.CSS_SELECTOR, "#tokens span")
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('mouseenter'))", spans[40])
+    drawn = browser.execute_script("const d = document.getElementById('row').data[0]; return [d.x, d.y];")
+    row = probe[probe["query"] == 40].sort_values("key")
+    assert drawn[0] == row["key"].tolist()
+    np.testing.assert_allclose(drawn[1], row["weight"], atol=1 / 65535)
+    assert "query 40" in browser.find_element(By.ID, "query-title").text
+
+    browser.find_element(By.CSS_SELECTOR, "#text option[value='0']").click()
+    time.sleep(0.3)
+    tokens = pd.read_parquet(out / "tokens.parquet").query("text_id == 0")["token"].tolist()
+    shown = [span.get_attribute("textContent") for span in browser.find_elements(By.CSS_SELECTOR, "#tokens span")]
+    assert shown == tokens  # each token as it is, spaces kept
+    assert browser.find_element(By.ID, "tokens").text.replace(" ", "").startswith("<b>bold</b>")
+    assert browser.execute_script("return document.querySelectorAll('#tokens *:not(span), #attention a').length") == 0
+    assert browser.title != "1"  # the <img onerror> never ran
+    assert console_problems(browser) == []
+    browser.save_screenshot(str(tmp_path / "inspect-page.png"))
