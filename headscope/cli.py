@@ -64,6 +64,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: whole option names at 80 columns (rich's table cut them)
 )
 
 
@@ -309,7 +310,7 @@ def classify(
     role_offset_share_min: RoleOffsetShareMin = ROLE_THRESHOLDS.offset_share_min,
 ) -> None:
     """Re-label the heads of REPORT (types and roles) with other thresholds (no model needed)."""
-    from headscope.console import print_label_counts
+    from headscope.console import print_label_counts, print_role_heads
     from headscope.report.write import reclassify
 
     with usage_errors(ctx):
@@ -318,6 +319,7 @@ def classify(
     with user_errors():
         relabelled = reclassify(report, thresholds, roles, out=out, overwrite=overwrite)
     print_label_counts(relabelled, str(report))
+    print_role_heads(relabelled)
     _say(f"wrote {(out or report) / 'heads.parquet'}")
 
 

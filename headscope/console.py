@@ -10,11 +10,19 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from headscope.config import head_name
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
 from headscope.layout import ATTENTION_FILE, INSPECT_RECORD, TOKENS_FILE
 from headscope.report.report import Report
 from headscope.reporting import printable
-from headscope.summary import early_late_entropy, importance_column, layer_bands, layer_entropy, most_important
+from headscope.summary import (
+    early_late_entropy,
+    importance_column,
+    layer_bands,
+    layer_entropy,
+    most_important,
+    top_heads_per_role,
+)
 
 
 class _Plain(Console):
@@ -80,7 +88,26 @@ def print_analysis(report: Report) -> None:
         )
     console.print(f"wrote {report.folder}/")
     print_label_counts(report, run["model"]["input"])
+    print_role_heads(report)
     _print_most_important(report)
+
+
+def print_role_heads(report: Report, count: int = 3) -> None:
+    """Each role's strongest heads, by the evidence that gave them the role, with their scores."""
+    found = top_heads_per_role(report.heads, count)
+    if not found:
+        return
+    title = _title("the strongest heads of each role, by the evidence for it")
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("role (heads)", no_wrap=True)
+    table.add_column("evidence", no_wrap=True)
+    for rank in range(1, count + 1):
+        table.add_column(f"#{rank}", no_wrap=True)
+    for entry in found:
+        top = [f"{head_name(layer, head)} {score:.3f}" for layer, head, score in entry["top"]]
+        role = f"{entry['role']} ({entry['heads']})"
+        table.add_row(role, entry["evidence"], *top, *[""] * (count - len(top)))
+    _console().print(table)
 
 
 def _print_most_important(report: Report) -> None:
@@ -95,11 +122,11 @@ def _print_most_important(report: Report) -> None:
         box=box.SIMPLE_HEAD,
     )
     for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
-        table.add_column(name, justify="left" if name in ("head", "role") else "right")
+        table.add_column(name, justify="left" if name in ("head", "role") else "right", no_wrap=name == "role")
     for row in most_important(heads).itertuples():
         values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
         cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
-        table.add_row(f"L{row.layer}H{row.head}", *cells, row.role, f"{row.entropy:.3f}")
+        table.add_row(head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
     _console().print(table)
 
 
@@ -172,7 +199,7 @@ def print_inspection(found) -> None:
     probes = record["probes"]
     table = Table(title=_title(f"{record['model']['input']}: where each head's rows put their largest weight"))
     for name in ("head", "role", "text", "largest weight at (share of rows)", "mean", *probes):
-        table.add_column(name, justify="left" if name in ("head", "role", "text") else "right")
+        table.add_column(name, justify="left" if name in ("head", "role", "text", "largest weight at") else "right")
     labels = {entry["text_id"]: entry["label"] for entry in record["texts"]}
     shown = record["summary"][:SUMMARY_ROWS]
     for entry in shown:

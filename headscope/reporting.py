@@ -1,12 +1,14 @@
 """Progress reporting. The library only calls a Reporter; the CLI decides how it looks.
 
-``NullReporter`` is the library default (silent). ``RichReporter`` draws a
-progress bar on stderr and stays quiet when stderr is not a terminal.
+``NullReporter`` is the library default (silent). ``RichReporter`` draws a progress bar on stderr when it is a
+terminal; otherwise (nohup, CI, a pipe) it writes log lines: one per stage, and one per tenth of a long pass with
+its rate and an estimate of the time left.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Protocol
 
 # C0 and C1 control characters and DEL: a model's config or a file name can hold terminal escape sequences.
@@ -28,8 +30,8 @@ class Reporter(Protocol):
     def warn(self, message: str) -> None:
         """Something went wrong that did not stop the run (a chart that could not be drawn...)."""
 
-    def start(self, total_sentences: int) -> None:
-        """Measuring starts over `total_sentences` sentences."""
+    def start(self, total_sentences: int, what: str = "measuring") -> None:
+        """A pass (`what`: measuring, importance...) starts over `total_sentences` sentences."""
 
     def advance(self, sentences: int, tokens: int) -> None:
         """`sentences` more sentences (with `tokens` tokens) are measured."""
@@ -48,7 +50,7 @@ class NullReporter:
     def warn(self, message: str) -> None:
         pass
 
-    def start(self, total_sentences: int) -> None:
+    def start(self, total_sentences: int, what: str = "measuring") -> None:
         pass
 
     def advance(self, sentences: int, tokens: int) -> None:
@@ -59,27 +61,38 @@ class NullReporter:
 
 
 class RichReporter:
-    """A rich progress bar: sentences done, tokens per second, time left."""
+    """A rich progress bar on a terminal (sentences done, tokens per second, time left); log lines elsewhere."""
 
-    def __init__(self) -> None:
+    def __init__(self, console=None, steps: int = 10) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        self.console = console or Console(stderr=True)
         self._progress = None
         self._task = None
+        self._log = None  # off a terminal: the pass being logged
         self._tokens = 0
+        self._steps = steps
+
+    def _line(self, text: str, style: str | None = None) -> None:
+        self.console.print(printable(text), style=style, markup=False, highlight=False, soft_wrap=True)
 
     def stage(self, message: str) -> None:
         if self.console.is_terminal:
-            self.console.print(printable(message), style="dim", markup=False, highlight=False, soft_wrap=True)
+            self._line(message, style="dim")
+        else:
+            self._line(f"{time.strftime('%H:%M:%S')} {message}")
 
     def note(self, message: str) -> None:
-        self.console.print(f"note: {printable(message)}", markup=False, highlight=False, soft_wrap=True)
+        self._line(f"note: {message}")
 
     def warn(self, message: str) -> None:
-        self.console.print(f"warning: {printable(message)}", markup=False, highlight=False, soft_wrap=True)
+        self._line(f"warning: {message}")
 
-    def start(self, total_sentences: int) -> None:
+    def start(self, total_sentences: int, what: str = "measuring") -> None:
+        if not self.console.is_terminal:
+            self._log = _PassLog(what, total_sentences, self._steps)
+            self._line(f"{time.strftime('%H:%M:%S')} {what}: {total_sentences:,} sentences")
+            return
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -90,7 +103,7 @@ class RichReporter:
         )
 
         self._progress = Progress(
-            TextColumn("measuring"),
+            TextColumn(printable(what), markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("sentences"),
@@ -99,7 +112,6 @@ class RichReporter:
             TextColumn("eta"),
             TimeRemainingColumn(),
             console=self.console,
-            disable=not self.console.is_terminal,
             transient=False,
         )
         self._progress.start()
@@ -107,6 +119,11 @@ class RichReporter:
         self._tokens = 0
 
     def advance(self, sentences: int, tokens: int) -> None:
+        if self._log is not None:
+            line = self._log.advance(sentences, tokens)
+            if line:
+                self._line(f"{time.strftime('%H:%M:%S')} {line}")
+            return
         if self._progress is None:
             return
         self._tokens += tokens
@@ -115,6 +132,42 @@ class RichReporter:
         self._progress.update(self._task, advance=sentences, rate=rate)
 
     def finish(self) -> None:
+        self._log = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+class _PassLog:
+    """A pass's progress as log lines: one each time another 1/steps of the sentences is done."""
+
+    def __init__(self, what: str, total: int, steps: int, clock=time.monotonic) -> None:
+        self.what, self.total, self.steps, self.clock = what, total, steps, clock
+        self.started = clock()
+        self.done = self.tokens = self.logged = 0
+
+    def advance(self, sentences: int, tokens: int) -> str | None:
+        self.done += sentences
+        self.tokens += tokens
+        step = self.done * self.steps // self.total if self.total else self.steps
+        if step <= self.logged:
+            return None
+        self.logged = step
+        elapsed = self.clock() - self.started
+        rate = f"{self.tokens / elapsed:,.0f} tokens/s" if elapsed > 0 else "- tokens/s"
+        left = elapsed * (self.total - self.done) / self.done if self.done else 0.0
+        return (
+            f"{self.what}: {100 * self.done // max(self.total, 1)}% ({self.done:,}/{self.total:,} sentences), "
+            f"{rate}, {_duration(elapsed)} elapsed, about {_duration(left)} left"
+        )
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

@@ -21,6 +21,41 @@ def most_important(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
     return heads.sort_values(column, ascending=False).head(count)
 
 
+# The evidence that gives each role (labels.ROLE_RULES): a role's heads are ranked by it. previous-token falls
+# back to the corpus's prev_token for heads the probes did not score, as its rule does.
+ROLE_EVIDENCE: dict[str, str] = {
+    "induction": "probe_induction",
+    "duplicate-token": "probe_duplicate",
+    "previous-token": "probe_previous",
+    "sink": "sink_rate",
+    "positional": "top_offset_share",
+    "broad": "norm_entropy",
+}
+
+
+def top_heads_per_role(heads: pd.DataFrame, count: int = 5) -> list[dict]:
+    """Per role that some head has (in the rule's order; "other" has no evidence to rank by): how many heads,
+    the evidence column, and the `count` heads with the most of it as (layer, head, score), highest first."""
+    found = []
+    for role, column in ROLE_EVIDENCE.items():
+        mine = heads[heads["role"] == role]
+        if mine.empty:
+            continue
+        score = mine[column] if column in mine else pd.Series(float("nan"), index=mine.index)
+        if role == "previous-token" and score.isna().all():
+            column, score = "prev_token", mine["prev_token"]
+        top = mine.assign(score=score).sort_values(["score", "layer", "head"], ascending=[False, True, True])
+        found.append(
+            {
+                "role": role,
+                "heads": len(mine),
+                "evidence": column,
+                "top": [(int(r.layer), int(r.head), float(r.score)) for r in top.head(count).itertuples()],
+            }
+        )
+    return found
+
+
 def depth_bands(depth: int) -> dict[str, range]:
     """The one band rule: early, middle and late layers of a model `depth` layers deep.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,11 +19,16 @@ def run_cli(*args, **seams):
     return runner.invoke(app, [str(a) for a in args], obj=seams or None)
 
 
+LOG_LINE = re.compile(r"\d\d:\d\d:\d\d |note: |warning: ")
+
+
 def assert_one_line_error(result, *fragments: str, code: int = 1) -> str:
-    """The command failed with exit `code`, one line `Error: ...` holding every fragment, and no traceback."""
+    """The command failed with exit `code`, one line `Error: ...` holding every fragment, and no traceback. Off a
+    terminal the log lines of the stages before it (time-stamped, or notes) may precede it."""
     assert result.exit_code == code, result.output
-    message = result.stderr.strip()
-    assert message.startswith("Error: ") and "\n" not in message, message
+    *log, message = result.stderr.strip().splitlines() or [""]
+    assert message.startswith("Error: "), result.stderr
+    assert all(LOG_LINE.match(line) for line in log), result.stderr
     assert "Traceback" not in result.output
     for fragment in fragments:
         assert fragment in message, message

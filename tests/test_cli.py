@@ -21,7 +21,8 @@ COMMANDS = typer.main.get_command(app).commands
 
 
 def words(text: str) -> str:
-    return " ".join(text.split())
+    """Whitespace collapsed, and a word the help wrapped at its hyphen joined again."""
+    return re.sub(r"(?<=\w)- (?=\w)", "-", " ".join(text.split()))
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -35,6 +36,19 @@ def test_every_command_and_option_has_its_own_help(name):
     for param in command.params:
         assert param.help, f"{name}: {param.name} has no help text"
         assert words(param.help) in shown, f"{name} --help does not show {param.name}'s help"
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_is_readable_at_80_columns(name):
+    """Every option's names whole (never cut with an ellipsis), no line past 80 columns."""
+    result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0
+    assert "\u2026" not in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    for param in COMMANDS[name].params:
+        for option in (*param.opts, *param.secondary_opts):
+            if option.startswith("-"):
+                assert re.search(rf"(^|[\s/,]){re.escape(option)}(\s|$|,)", result.output, re.M), (name, option)
 
 
 def test_top_level_help_lists_every_command_with_its_summary():

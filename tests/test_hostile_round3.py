@@ -430,7 +430,7 @@ def test_options_that_would_crash_or_do_nothing_are_refused(args, message, plant
 
 
 class MeasuringFails(NullReporter):
-    def start(self, total_sentences: int) -> None:
+    def start(self, total_sentences: int, what: str = "measuring") -> None:
         raise AssertionError("the corpus was measured before the bad option was refused")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -108,6 +109,21 @@ def test_importance_through_the_cli(copier, tmp_path):
         assert (out / f"{chart}.png").stat().st_size > 10_000
     plain = run_cli("analyze", folder, "--corpus", corpus, "--out", tmp_path / "plain", "--no-probes")
     assert plain.exit_code == 0 and "loss needs most" not in plain.output
+
+    # stderr is not a terminal here (as under nohup or in CI): each stage and each tenth of a pass is a log line.
+    log = result.stderr.splitlines()
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d loading .*", line) for line in log), log
+    for what in ("measuring", "importance \\(fast\\)"):
+        steps = [
+            re.fullmatch(
+                rf"\d\d:\d\d:\d\d {what}: (\d+)% \((\d+)/(\d+) sentences\), [\d,]+ tokens/s, "
+                r"\S+ elapsed, about \S+ left",
+                line,
+            )
+            for line in log
+        ]
+        done = [int(m[1]) for m in steps if m]
+        assert done and done == sorted(set(done)) and done[-1] == 100, (what, log)
 
 
 def test_importance_needs_the_lm_head(copier):

@@ -24,6 +24,7 @@ from headscope.measures.probes import (
 )
 from headscope.measures.statistics import head_row_sums
 from headscope.stats import metric_means
+from headscope.summary import top_heads_per_role
 
 from helpers import run_cli
 from planted import build_planted_induction, build_tokenizer, induction_words
@@ -208,7 +209,30 @@ def induction_report(tmp_path_factory):
     out = folder.parent / "report"
     result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--no-charts")
     assert result.exit_code == 0, result.output
+    # The summary names each role's strongest heads with the evidence: the planted circuit's two heads.
+    heads = pd.read_parquet(out / "heads.parquet").set_index(["layer", "head"])
+    shown = " ".join(result.stdout.split())
+    assert f"induction (1) probe_induction 1.0 {heads.loc[(1, 0), 'probe_induction']:.3f}" in shown
+    assert f"previous-token (1) probe_previous 0.0 {heads.loc[(0, 0), 'probe_previous']:.3f}" in shown
     return out
+
+
+def test_the_strongest_heads_of_each_role_by_its_evidence():
+    heads = pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1, 2, 2],
+            "head": [0, 1, 0, 1, 0, 1],
+            "role": ["induction", "induction", "previous-token", "previous-token", "induction", "other"],
+            "probe_induction": [0.5, 0.9, 0.1, 0.1, 0.7, 0.95],
+            "probe_previous": [np.nan] * 6,  # no probes: previous-token is ranked by the corpus's prev_token
+            "prev_token": [0.1, 0.1, 0.6, 0.8, 0.1, 0.1],
+        }
+    )
+    found = top_heads_per_role(heads, count=2)
+    assert found == [
+        {"role": "induction", "heads": 3, "evidence": "probe_induction", "top": [(0, 1, 0.9), (2, 0, 0.7)]},
+        {"role": "previous-token", "heads": 2, "evidence": "prev_token", "top": [(1, 1, 0.8), (1, 0, 0.6)]},
+    ]  # "other" has no evidence to rank by; the 0.95 of an "other" head is not an induction head's
 
 
 def test_a_planted_induction_circuit_is_found(induction_report):

@@ -170,7 +170,7 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         reporter.warn("no sentence has a token to predict (each has one token or none): importance is not measured")
         return Importance.unmeasured(settings.importance, len(plan.layers), plan.heads)
     reporter.stage(f"importance ({settings.importance}): {'attribution and ablation' if exact else 'attribution'}")
-    reporter.start(len(feed.corpus.sentences) * (2 if exact else 1))
+    reporter.start(len(feed.corpus.sentences) * (2 if exact else 1), what=f"importance ({settings.importance})")
     importance = measure_importance(
         capture,
         batches,
