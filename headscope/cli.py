@@ -5,58 +5,43 @@ Library errors (HeadscopeError) become one line `Error: ...` on stderr and exit 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
-from typer.exceptions import TyperException
 
-from headscope.config import (
-    CHART_FORMATS,
-    COMPARE_REPLICATES,
-    DEVICES,
-    DTYPES,
-    ENCODING_ERRORS,
-    IMPORTANCE_MODES,
-    RoleThresholds,
-    RunConfig,
-    Thresholds,
+from headscope.cli_inspect import inspect
+from headscope.cli_support import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DEFAULT_ENCODING_ERRORS,
+    DEFAULT_FORMAT,
+    DEFAULT_IMPORTANCE,
+    DEFAULTS,
+    ROLE_THRESHOLDS,
+    THRESHOLDS,
+    BroadMinNormEntropy,
+    CopyMaxNormEntropy,
+    DeviceChoice,
+    DTypeChoice,
+    EncodingErrors,
+    Format,
+    ImportanceMode,
+    LocalMinLocality,
+    OneLineErrors,
+    RoleOffsetShareMin,
+    RoleProbeMin,
+    RoleSinkRateMin,
+    raise_terminated,
+    say,
+    usage_errors,
+    user_errors,
 )
-from headscope.errors import ConfigError, HeadscopeError
-
-
-class OneLineErrors(TyperGroup):
-    """Typer's own usage errors (a bad option value, an unknown option) as one line, like every other error.
-
-    Exit codes: 0 done, 1 an error (`Error: ...`), 2 a usage error (`Error: ...`, naming the option),
-    130 interrupted, 143 terminated.
-    """
-
-    def main(self, *args, standalone_mode: bool = True, **kwargs):
-        try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
-        except TyperException as err:
-            context = getattr(err, "ctx", None)
-            # `headscope` alone raises this to show the help; Typer does not export its class.
-            if type(err).__name__ == "NoArgsIsHelpError":
-                err.show()
-            else:
-                where = f" (see {context.command_path} --help)" if context is not None else ""
-                typer.echo(f"Error: {' '.join(err.format_message().split())}{where}", err=True)
-            code = err.exit_code
-        except typer.Abort:
-            typer.echo("Aborted.", err=True)
-            code = 1
-        if not standalone_mode:
-            return code
-        sys.exit(code or 0)
-
+from headscope.config import COMPARE_REPLICATES, RoleThresholds, Thresholds
+from headscope.errors import HeadscopeError
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -68,89 +53,9 @@ app = typer.Typer(
 )
 
 
-def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """A str Enum of the values config.py allows: Typer shows and checks them; they are written there once."""
-    return Enum(name, {value: value for value in values}, type=str)
-
-
-DeviceChoice = _choices("DeviceChoice", DEVICES)
-DTypeChoice = _choices("DTypeChoice", DTYPES)
-EncodingErrors = _choices("EncodingErrors", ENCODING_ERRORS)
-ChartFormat = _choices("ChartFormat", CHART_FORMATS)
-ImportanceMode = _choices("ImportanceMode", IMPORTANCE_MODES)
-DEFAULTS, THRESHOLDS, ROLE_THRESHOLDS = RunConfig(), Thresholds(), RoleThresholds()
-DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
-DEFAULT_ENCODING_ERRORS = EncodingErrors(DEFAULTS.encoding_errors)
-DEFAULT_IMPORTANCE = ImportanceMode(DEFAULTS.importance)
-
-
-# Options shared by several commands, declared once.
-LocalMinLocality = Annotated[
-    float, typer.Option(help="local if locality >= this (1 = all mass within the window, 0 = as uniform).")
-]
-CopyMaxNormEntropy = Annotated[
-    float, typer.Option(help="copy if entropy / ln(visible keys) <= this (checked after local).")
-]
-BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
-RoleProbeMin = Annotated[
-    float, typer.Option(help="Role induction / duplicate-token / previous-token if that probe score >= this.")
-]
-RoleSinkRateMin = Annotated[float, typer.Option(help="Role sink if sink_rate >= this (after the probe roles).")]
-RoleOffsetShareMin = Annotated[
-    float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
-]
-Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
-DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
-
-
 @app.callback()
 def _commands() -> None:
     """Measure, classify and chart every attention head of a Hugging Face causal language model."""
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so that every cleanup (staging folders, temp files) runs."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated
-
-
-def _say(message: str, *, err: bool = False) -> None:
-    """Print a line (control characters escaped); under torchrun only rank 0 speaks: every rank's failure
-    reaches it (headscope.distributed.meet)."""
-    from headscope.reporting import printable
-
-    if os.environ.get("RANK", "0") == "0":
-        typer.echo(printable(message), err=err)
-
-
-@contextlib.contextmanager
-def usage_errors(ctx: typer.Context):
-    """Option values the settings refuse (out of range, inconsistent) are usage errors: one line naming the
-    option and where its help is, exit code 2, like Typer's own."""
-    try:
-        yield
-    except ConfigError as err:
-        _say(f"Error: {err} (see headscope {ctx.info_name} --help)", err=True)
-        raise typer.Exit(2) from None
-
-
-@contextlib.contextmanager
-def user_errors():
-    """Turn the library's own errors into a one-line message and exit code 1; signals into 130 / 143."""
-    say = _say
-    try:
-        yield
-    except HeadscopeError as err:
-        say(f"Error: {err}", err=True)
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        say("Interrupted; existing outputs were left as they were (--resume continues a checkpointed run).", err=True)
-        raise typer.Exit(130) from None
-    except Terminated:
-        say("Terminated; existing outputs were left as they were (--resume continues a checkpointed run).", err=True)
-        raise typer.Exit(143) from None
 
 
 @app.command()
@@ -320,7 +225,7 @@ def classify(
         relabelled = reclassify(report, thresholds, roles, out=out, overwrite=overwrite)
     print_label_counts(relabelled, str(report))
     print_role_heads(relabelled)
-    _say(f"wrote {(out or report) / 'heads.parquet'}")
+    say(f"wrote {(out or report) / 'heads.parquet'}")
 
 
 @app.command()
@@ -337,7 +242,7 @@ def plot(
     with user_errors():
         written, failed = plot_report(report, fmt=chart_format.value, out=out, page=page, overwrite=overwrite)
         for path in written:
-            _say(f"wrote {path}")
+            say(f"wrote {path}")
         if failed:
             raise HeadscopeError(f"could not draw {', '.join(failed)}")
 
@@ -378,115 +283,15 @@ def compare(
         )
     print_comparison(comparison)
     if failed:
-        _say(f"warning: could not draw {', '.join(failed)}; the tables are written", err=True)
-    _say(f"wrote {target}/")
+        say(f"warning: could not draw {', '.join(failed)}; the tables are written", err=True)
+    say(f"wrote {target}/")
 
 
-ProbeChoice = _choices("ProbeChoice", ("induction", "duplicate", "previous"))
-
-
-@app.command()
-def inspect(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")],
-    text: Annotated[list[str] | None, typer.Option(help="A text to inspect (repeat for more).")] = None,
-    sentences: Annotated[str | None, typer.Option(help="Sentences of --corpus to inspect, by id: 0,5,10-12.")] = None,
-    corpus: Annotated[
-        Path | None, typer.Option(help="The corpus --sentences names (default: the shipped 100 sentences).")
-    ] = None,
-    probe: Annotated[
-        list[ProbeChoice] | None,
-        typer.Option(help="Add the probe sequence (repeated random tokens) and score each head on this probe."),
-    ] = None,
-    heads: Annotated[str | None, typer.Option(help="Heads as LAYER.HEAD: 18.6,17.4.")] = None,
-    role: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Heads of this role: from --report, or (induction, duplicate-token, previous-token) "
-            "from the probes, run first."
-        ),
-    ] = None,
-    report: Annotated[
-        Path | None, typer.Option(help="A report of this model, for --role and the heads' roles.")
-    ] = None,
-    layers: Annotated[
-        str | None, typer.Option(help="Only heads of these layers, e.g. 0-5,10 (alone: every head of them).")
-    ] = None,
-    out: Annotated[Path | None, typer.Option(help="Output folder. Default: reports/inspect-<model-name>.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an inspection folder (and nothing else).")] = False,
-    page: Annotated[bool, typer.Option(help="Write inspect.html.")] = True,
-    max_length: Annotated[int | None, typer.Option(help="Cut texts to this many tokens.")] = DEFAULTS.max_length,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(help="Memory for the kept attention and the forward pass, e.g. 8GiB. Default: half the free."),
-    ] = DEFAULTS.max_memory,
-    probe_length: Annotated[int, typer.Option(help="Random tokens per copy in probe sequences.")] = (
-        DEFAULTS.probe_length
-    ),
-    probe_seeds: Annotated[int, typer.Option(help="Probe sequences run to find --role's heads.")] = (
-        DEFAULTS.probe_seeds
-    ),
-    role_probe_min: RoleProbeMin = ROLE_THRESHOLDS.probe_min,
-    text_column: Annotated[
-        str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
-    ] = DEFAULTS.text_column,
-    device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DEFAULT_DEVICE,
-    dtype: Annotated[
-        DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
-    ] = DEFAULT_DTYPE,
-    threads: Annotated[int | None, typer.Option(help="CPU threads torch may use. Default: torch's.")] = (
-        DEFAULTS.threads
-    ),
-    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = DEFAULTS.revision,
-    trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow the hub repo's own model code to run.")
-    ] = DEFAULTS.trust_remote_code,
-) -> None:
-    """Show chosen heads' attention on chosen texts, token by token (attention.parquet, inspect.html)."""
-    from headscope.config import parse_heads, parse_ids, settings_from_command_line
-    from headscope.console import print_inspection
-    from headscope.inspection import check_request
-    from headscope.inspection import inspect as run_inspection
-    from headscope.loading import quiet_transformers, resolve_source
-    from headscope.reporting import RichReporter
-
-    seams = ctx.obj if isinstance(ctx.obj, dict) else {}
-    reporter = seams.get("reporter") or RichReporter()
-    quiet_transformers(show_progress=getattr(reporter, "console", None) is not None and reporter.console.is_terminal)
-    with usage_errors(ctx):
-        settings = settings_from_command_line(ctx.params)
-        chosen = parse_heads(heads) if heads is not None else ()
-        ids = parse_ids(sentences, "--sentences") if sentences is not None else ()
-        roles = RoleThresholds(probe_min=role_probe_min)
-        if corpus is not None and sentences is None:
-            raise ConfigError("--corpus needs --sentences (the ids of the sentences to inspect, e.g. 0,5)")
-        probes = [p.value for p in probe or ()]
-        check_request(text or (), ids, probes, chosen, role or (), report)
-    with user_errors():
-        out = out or Path("reports") / f"inspect-{resolve_source(model).slug}"
-        seams = {"loader": seams["loader"]} if "loader" in seams else {}
-        found = run_inspection(
-            model,
-            texts=text or (),
-            corpus=corpus,
-            sentences=ids,
-            probes=probes,
-            heads=chosen,
-            roles=role or (),
-            report=report,
-            out=out,
-            overwrite=overwrite,
-            page=page,
-            config=settings,
-            role_thresholds=roles,
-            reporter=reporter,
-            **seams,
-        )
-    print_inspection(found)
+app.command()(inspect)  # in its own module, with its options
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
     if not sys.stderr.isatty():
         # No progress bars in a log: tqdm (transformers' GGUF de-quantizer uses it bare) reads this variable once,
         # when it is first imported, so it is set before anything imports it.

@@ -23,32 +23,37 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from headscope.capture import attached
+from headscope.columns import PROBE_PATTERNS
 from headscope.config import RoleThresholds, RunConfig, head_name, run_settings
 from headscope.corpus import Corpus, default_corpus_path, read_corpus
-from headscope.errors import ConfigError, ResourceError
+from headscope.errors import ConfigError
 from headscope.feed import CorpusFeed, char_limit, collate, token_texts, tokenize_sentences
 from headscope.labels import ROLES
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, SCHEMA_VERSION, TOKENS_FILE
 from headscope.loading import LoadedModel, Loader, load_for_run, model_files, open_model, resolve_source
-from headscope.measures.heads import HeadAttention, by_layer, largest_weight
-from headscope.measures.probes import ProbeSpec, check_probes, pattern_counts, pattern_mass, run_probes
-from headscope.memory import default_budget, readable
-from headscope.output import StagedDirectory, atomic_path, check_target, resolved
+from headscope.measures.heads import (
+    HeadAttention,
+    by_layer,
+    check_memory,
+    largest_weight,
+    probe_scores,
+    write_pairs,
+)
+from headscope.measures.probes import check_probes, run_probes
+from headscope.memory import default_budget
+from headscope.output import StagedDirectory, check_target, resolved
 from headscope.placement import dtype_name
 from headscope.plan import Plan, resolve_plan
 from headscope.record import versions
 from headscope.reporting import NullReporter, Reporter
-from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA
+from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
 
-PROBES = ("induction", "duplicate", "previous")  # --probe: the pattern whose score each head gets on the probe text
+PROBES = PROBE_PATTERNS  # --probe: the patterns whose score each head gets on the probe text
 PROBE_ROLES = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"}
 MAX_TEXTS = 1_000
-PAIRS_PER_WRITE = 1 << 20  # (query, key) rows per Parquet write: the writer's memory stays small at any length
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,10 @@ def inspect(
         check_target(resolved(out), kind="inspection", overwrite=overwrite, protected=protected)
         work = StagedDirectory(Path(out), kind="inspection", overwrite=overwrite, protected=protected)
     with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(work).path if out is not None else Path(stack.enter_context(_scratch()))
+        if out is not None:
+            folder = stack.enter_context(work).path
+        else:  # in memory: written to a scratch folder, read back, then gone
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-inspect-")))
         loaded = open_model(stack, model, source, settings, loader, reporter)
         plan = resolve_plan(
             settings,
@@ -134,13 +142,13 @@ def inspect(
             chosen, known, roles_from = _heads(
                 heads, roles, labelled, report, plan, capture, loaded, role_thresholds, reporter
             )
-            _check_memory(chosen, chosen_texts, plan)
+            check_memory(chosen, max(len(text.ids) for text in chosen_texts), plan.memory_budget)
             reporter.stage(f"inspecting {len(chosen)} heads on {len(chosen_texts)} texts")
             summary, views = _write_attention(folder / ATTENTION_FILE, capture, chosen, chosen_texts, plan, loaded)
         tokens = _tokens_frame(loaded.tokenizer, chosen_texts)
-        _write_table(tokens, TOKENS_SCHEMA, folder / TOKENS_FILE)
+        write_table(tokens, folder / TOKENS_FILE, TOKENS_SCHEMA)
         record = _record(loaded, plan, chosen_texts, chosen, known, roles_from, probes, summary)
-        _write_json(record, folder / INSPECT_RECORD)
+        write_json(record, folder / INSPECT_RECORD)
         if page:
             from headscope.report.inspect_page import inspect_page
             from headscope.report.page import write_page
@@ -150,12 +158,6 @@ def inspect(
     if out is None:
         return Inspection(record, tokens, summary, _attention=attention)
     return Inspection(record, tokens, summary, folder=work.target)
-
-
-@contextlib.contextmanager
-def _scratch():
-    with tempfile.TemporaryDirectory(prefix="headscope-inspect-") as folder:
-        yield folder
 
 
 def check_request(texts, sentences, probes, heads, roles, report) -> None:
@@ -293,24 +295,6 @@ def _probe_roles(capture, loaded, plan: Plan, thresholds: RoleThresholds, report
     return known
 
 
-def kept_bytes(heads: int, layers: int, tokens: int) -> int:
-    """What `HeadAttention` keeps for one text: a float32 (t, t) per head and a bool (t, t) per layer."""
-    return (4 * heads + layers) * tokens * tokens
-
-
-def _check_memory(chosen, texts: list[Text], plan: Plan) -> None:
-    layers = len({layer for layer, _ in chosen})
-    longest = max(len(text.ids) for text in texts)
-    needed = kept_bytes(len(chosen), layers, longest)
-    if needed > plan.memory_budget:
-        fits = int(np.sqrt(plan.memory_budget / (4 * len(chosen) + layers)))
-        raise ResourceError(
-            f"{len(chosen)} heads on a text of {longest:,} tokens keep {readable(needed)} of attention (4 bytes x "
-            f"heads x tokens²), more than the {readable(plan.memory_budget)} budget; choose fewer heads (--heads, "
-            f"--role, --layers), texts of at most {fits:,} tokens (--max-length), or raise --max-memory"
-        )
-
-
 def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan, loaded):
     """Run each text alone, keep the chosen heads' attention, stream it to attention.parquet; return each
     (text, head)'s summary and the views the page may carry."""
@@ -324,9 +308,9 @@ def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan,
             batch = collate([text_id], [text.ids], padding_side=plan.settings.padding_side, device=loaded.device)
             capture.run(batch, measures=[keeper])
             kept, visible = keeper.finish()
-            scores = _probe_scores(kept, visible, text, loaded.tokenizer, plan) if text.source == "probe" else {}
+            scores = probe_scores(kept, len(text.ids), plan.settings.probe_length) if text.source == "probe" else {}
             for (layer, head), matrix in kept.items():
-                _write_pairs(writer, text_id, layer, head, matrix, visible[layer])
+                write_pairs(writer, text_id, layer, head, matrix, visible[layer])
                 places, weight, counted = largest_weight(matrix, visible[layer])
                 rows.append(
                     {"text_id": text_id, "layer": layer, "head": head, "largest_at": places, "mean_largest": weight,
@@ -338,44 +322,6 @@ def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan,
     for pattern in PROBES:
         summary[f"probe_{pattern}"] = summary.get(f"probe_{pattern}", np.nan)
     return summary, views
-
-
-def _write_pairs(writer, text_id: int, layer: int, head: int, matrix: np.ndarray, visible: np.ndarray) -> None:
-    """One head's visible (query, key) pairs on one text, a slab of query rows at a time."""
-    t = matrix.shape[0]
-    step = max(1, PAIRS_PER_WRITE // t)
-    for first in range(0, t, step):
-        query, key = np.nonzero(visible[first : first + step])
-        query += first
-        writer.write_table(
-            pa.table(
-                {
-                    "text_id": np.full(len(query), text_id, dtype=np.int32),
-                    "layer": np.full(len(query), layer, dtype=np.int32),
-                    "head": np.full(len(query), head, dtype=np.int32),
-                    "query": query.astype(np.int32),
-                    "key": key.astype(np.int32),
-                    "weight": matrix[query, key].astype(np.float32),
-                },
-                schema=ATTENTION_SCHEMA,
-            )
-        )
-
-
-def _probe_scores(kept, visible, text: Text, tokenizer, plan: Plan) -> dict[tuple[int, int], dict[str, float]]:
-    """Each head's probe scores on the probe text: the battery's own sums (measures/probes.py) on this one
-    sequence, so that they equal probes.parquet's seed-0 scores."""
-    spec = ProbeSpec(seeds=2, length=plan.settings.probe_length)
-    prefix = len(text.ids) - spec.repeats * spec.length
-    t = len(text.ids)
-    valid, start = torch.ones(1, t, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
-    rows, _ = pattern_counts(valid, start, prefix, spec)  # (1, patterns)
-    scores = {}
-    for pair, matrix in kept.items():
-        probabilities = torch.from_numpy(matrix)[None, None]  # (1, 1, t, t)
-        mass = pattern_mass(probabilities, 0, start, valid, prefix, spec)  # (1, 1, patterns)
-        scores[pair] = {f"probe_{p}": float(mass[0, 0, i] / rows[0, i]) for i, p in enumerate(PROBES)}
-    return scores
 
 
 def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:
@@ -391,18 +337,6 @@ def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:
         for text_id, text in enumerate(texts)
     ]
     return pd.concat(frames, ignore_index=True)
-
-
-def _write_table(frame: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        pq.write_table(pa.Table.from_pandas(frame, schema=schema, preserve_index=False), tmp)
-
-
-def _write_json(record: dict, path: Path) -> None:
-    import json
-
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(record, indent=2, allow_nan=False), encoding="utf-8")
 
 
 def _record(loaded, plan: Plan, texts: list[Text], chosen, known, roles_from, probes, summary) -> dict:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from headscope.cli import app
 
-from helpers import refuse_to_load, run_cli, tiny_model_folder
+from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
 
 runner = CliRunner()
 
@@ -70,9 +70,9 @@ def test_missing_corpus_is_a_one_line_error(planted_gpt2, tmp_path):
 def test_unknown_hub_model_says_what_to_do(tmp_path):
     result = runner.invoke(app, ["analyze", "no-such-org/no-such-model", "--out", str(tmp_path / "o")])
     assert result.exit_code == 1
-    message = result.stderr.strip()
+    message = assert_one_line_error(result)
     assert message.startswith("Error: cannot load 'no-such-org/no-such-model' from the Hugging Face hub")
-    assert "local folder" in message and "\n" not in message
+    assert "local folder" in message
 
 
 def test_missing_model_folder(tmp_path):

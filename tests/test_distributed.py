@@ -13,7 +13,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples")
+from helpers import LOG_LINE
+
+TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples", "probes")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun (installed with torch) not found")
 
@@ -94,10 +96,12 @@ def test_a_failure_on_one_rank_stops_both_with_one_message_and_resume_continues(
     # The chunks were dealt among 2 ranks: another count is one line (here one process, which, like a third rank,
     # finds no checkpoint of its own, only the others'), never a collective that waits or a gloo traceback.
     other = analyze(planted_gpt2, out, "--resume", ranks=1)
-    assert other.returncode == 1 and other.stderr.count("\n") == 1, other.stderr
-    assert other.stderr.startswith(
-        "Error: the checkpoint in"
-    ) and "was written by 2 process(es), and this run has 1" in (other.stderr)
+    assert other.returncode == 1, other.stderr
+    *log, message = other.stderr.strip().splitlines()  # off a terminal, the stages before it are log lines
+    assert all(LOG_LINE.match(line) for line in log), other.stderr
+    assert message.startswith("Error: the checkpoint in") and "was written by 2 process(es), and this run has 1" in (
+        message
+    )
     assert "--nproc-per-node 2" in other.stderr
 
     resumed = analyze(planted_gpt2, out, "--resume", ranks=2)

@@ -296,9 +296,10 @@ def test_a_large_corpus_is_streamed_in_chunks(tmp_path, corpus_lines):
     loaded.tokenizer = counting = CountingTokenizer(loaded.tokenizer)
     out = tmp_path / "report"
     report = headscope.analyze(loaded, corpus, out=out, charts=None, page=False, sentence_heads=False, probes=False)
-    *chunks, example_sentence = counting.calls  # the last call tokenizes the example chart's one sentence
+    examples = report.examples.query("source == 'corpus'")["sentence_id"].nunique()
+    chunks, example_sentences = counting.calls[:-examples], counting.calls[-examples:]  # each example alone, last
     size = headscope.RunConfig().chunk_sentences
-    assert max(chunks) == size and len(chunks) == -(-150_000 // size) and example_sentence == 1
+    assert max(chunks) == size and len(chunks) == -(-150_000 // size) and example_sentences == [1] * examples
     assert report.run["corpus"]["sentences"] == 150_000
     per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
     assert report.run["corpus"]["tokens"] == int(per_sentence.sum())

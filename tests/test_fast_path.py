@@ -149,5 +149,7 @@ def test_the_example_attention_stays_small_when_every_sentence_is_long(planted_g
     long_sentences = [" ".join(corpus_lines[i : i + 8]) for i in range(0, 40, 8)]  # 60-90 words each
     result = headscope.analyze(str(planted_gpt2), long_sentences, sentence_heads=False)
     assert result.sentences["n_tokens"].min() == 64  # cut to the model's 64 positions
-    assert result.examples["query"].max() == 31  # the example sentence is cut to 32 tokens
-    assert len(result.examples) == 2 * 3 * 32 * 32
+    corpus = result.examples.query("source == 'corpus'")
+    assert corpus["sentence_id"].nunique() == 1  # every sentence has one length: one example of it
+    assert corpus["query"].max() == 31  # the example sentence is cut to 32 tokens
+    assert len(corpus) == 2 * 3 * 32 * 33 // 2  # every visible pair of every head

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from headscope.labels import HEAD_TYPES
 
-from helpers import run_cli, snapshot
+from helpers import assert_one_line_error, run_cli, snapshot
 
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 # What can go wrong with a file; "none" and "bom_crlf" leave it valid.
@@ -104,9 +104,7 @@ def corpora(draw):
 
 def assert_clean_failure(result) -> None:
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 1, result.output
-    message = result.stderr.strip()
-    assert message.startswith("Error: ") and "\n" not in message, message
+    assert_one_line_error(result)
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+import pyarrow as pa
 import torch
 
+from headscope.columns import PROBE_PATTERNS
+from headscope.errors import ResourceError
 from headscope.feed import Batch
+from headscope.memory import readable
+from headscope.tables import ATTENTION_SCHEMA
 
 
 def by_layer(heads: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
@@ -90,3 +95,60 @@ def largest_weight(matrix: np.ndarray, visible: np.ndarray, places: int = 3) -> 
     order = sorted(range(len(values)), key=lambda i: (-counts[i], values[i]))[:places]
     shares = [(str(values[i]), float(counts[i] / (t - 1))) for i in order]
     return [shares[0]] + [place for place in shares[1:] if place[1] >= 0.05], float(largest.mean()), t - 1
+
+
+def kept_bytes(heads: int, layers: int, tokens: int) -> int:
+    """What `HeadAttention` keeps for one text: a float32 (t, t) per head and a bool (t, t) per layer."""
+    return (4 * heads + layers) * tokens * tokens
+
+
+def check_memory(heads: Iterable[tuple[int, int]], longest: int, budget: int) -> None:
+    """Refuse, naming what would fit, when the chosen heads' attention on the longest text passes the budget."""
+    heads = list(heads)
+    layers = len({layer for layer, _ in heads})
+    needed = kept_bytes(len(heads), layers, longest)
+    if needed > budget:
+        fits = int(np.sqrt(budget / (4 * len(heads) + layers)))
+        raise ResourceError(
+            f"{len(heads)} heads on a text of {longest:,} tokens keep {readable(needed)} of attention (4 bytes x "
+            f"heads x tokens²), more than the {readable(budget)} budget; choose fewer heads (--heads, --role, "
+            f"--layers), texts of at most {fits:,} tokens (--max-length), or raise --max-memory"
+        )
+
+
+PAIRS_PER_WRITE = 1 << 20  # (query, key) rows per Parquet write: the writer's memory stays small at any length
+
+
+def write_pairs(writer, text_id: int, layer: int, head: int, matrix: np.ndarray, visible: np.ndarray) -> None:
+    """One head's visible (query, key) pairs on one text (tables.ATTENTION_SCHEMA), a slab of rows at a time."""
+    t = matrix.shape[0]
+    step = max(1, PAIRS_PER_WRITE // t)
+    for first in range(0, t, step):
+        query, key = np.nonzero(visible[first : first + step])
+        query += first
+        columns = {
+            "text_id": np.full(len(query), text_id, dtype=np.int32),
+            "layer": np.full(len(query), layer, dtype=np.int32),
+            "head": np.full(len(query), head, dtype=np.int32),
+            "query": query.astype(np.int32),
+            "key": key.astype(np.int32),
+            "weight": matrix[query, key].astype(np.float32),
+        }
+        writer.write_table(pa.table(columns, schema=ATTENTION_SCHEMA))
+
+
+def probe_scores(kept: Mapping[tuple[int, int], np.ndarray], tokens: int, length: int) -> dict:
+    """Each kept head's probe scores on one probe sequence of `tokens` tokens (copies of `length`): the battery's
+    own sums (measures/probes.py) on this sequence, so that they equal probes.parquet's score for its seed.
+    (layer, head) -> {"probe_<pattern>": score}."""
+    from headscope.measures.probes import ProbeSpec, pattern_counts, pattern_mass
+
+    spec = ProbeSpec(seeds=2, length=length)
+    prefix = tokens - spec.repeats * spec.length
+    valid, start = torch.ones(1, tokens, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
+    rows, _ = pattern_counts(valid, start, prefix, spec)  # (1, patterns)
+    scores = {}
+    for pair, matrix in kept.items():
+        mass = pattern_mass(torch.from_numpy(matrix)[None, None], 0, start, valid, prefix, spec)  # (1, 1, patterns)
+        scores[pair] = {f"probe_{p}": float(mass[0, 0, i] / rows[0, i]) for i, p in enumerate(PROBE_PATTERNS)}
+    return scores
