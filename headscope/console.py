@@ -172,7 +172,7 @@ def print_comparison(comparison) -> None:
         table.add_column(name, justify="left" if name in ("head", "role A -> B") else "right")
     for row in heads.reindex(heads["entropy_delta"].abs().sort_values(ascending=False).index).head(10).itertuples():
         table.add_row(
-            f"L{row.layer}H{row.head}",
+            head_name(row.layer, row.head),
             f"{row.entropy_a:.3f}",
             f"{row.entropy_b:.3f}",
             f"{row.entropy_delta:+.3g}",  # significant figures: a consistent 1e-5 shift must not read 0.000
@@ -199,7 +199,9 @@ def print_inspection(found) -> None:
     probes = record["probes"]
     table = Table(title=_title(f"{record['model']['input']}: where each head's rows put their largest weight"))
     for name in ("head", "role", "text", "largest weight at (share of rows)", "mean", *probes):
-        table.add_column(name, justify="left" if name in ("head", "role", "text", "largest weight at") else "right")
+        table.add_column(
+            name, justify="left" if name in ("head", "role", "text") or name.startswith("largest") else "right"
+        )
     labels = {entry["text_id"]: entry["label"] for entry in record["texts"]}
     shown = record["summary"][:SUMMARY_ROWS]
     for entry in shown:

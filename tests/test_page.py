@@ -342,3 +342,16 @@ def test_the_inspect_page_in_a_real_browser(browser, smollm2, tmp_path):
     assert browser.title != "1"  # the <img onerror> never ran
     assert console_problems(browser) == []
     browser.save_screenshot(str(tmp_path / "inspect-page.png"))
+
+
+def test_the_page_scales_are_the_charts_colormaps():
+    """The stops the page draws are matplotlib's own colormaps (the PNG charts'), sampled evenly, low to high."""
+    import matplotlib
+    from matplotlib.colors import to_hex
+
+    from headscope.report import palette
+
+    for name, (colormap, colours, _, _) in palette.SCALES.items():
+        sampled = matplotlib.colormaps[colormap]
+        expected = [to_hex(sampled(i / (len(colours) - 1))) for i in range(len(colours))]
+        assert colours == expected, name

@@ -24,8 +24,8 @@ INTERVAL = "#dd8452"  # a 95% interval band, and report B
 SIDES = {"a": MEAN, "b": INTERVAL}
 BANDS = {"early": "#2ca02c", "late": "#d62728"}
 
-_MAGMA = ["#000004", "#140e36", "#3b0f70", "#641a80", "#8c2981", "#b73779", "#de4968", "#f7705c", "#fe9f6d"]
-_MAGMA += ["#fecf92", "#fcfdbf"]
+_MAGMA_R = ["#fcfdbf", "#fecf92", "#fe9f6d", "#f7705c", "#de4968", "#b5367a", "#8c2981", "#641a80", "#3b0f70"]
+_MAGMA_R += ["#140e36", "#000004"]
 _VIRIDIS = ["#440154", "#482475", "#414487", "#355f8d", "#2a788e", "#21918c", "#22a884", "#44bf70", "#7ad151"]
 _VIRIDIS += ["#bddf26", "#fde725"]
 _RDBU_R = ["#053061", "#2065ab", "#4393c3", "#90c4dd", "#d1e5f0", "#f7f6f6", "#fddbc7", "#f3a481", "#d6604d"]
@@ -33,7 +33,7 @@ _RDBU_R += ["#b1182b", "#67001f"]
 
 # scale -> (matplotlib colormap, its colours from low to high values, fixed limits or None, symmetric around 0)
 SCALES: dict[str, tuple[str, list[str], tuple[float, float] | None, bool]] = {
-    "entropy": ("magma_r", _MAGMA[::-1], None, False),  # high entropy (diffuse) dark, focused light
+    "entropy": ("magma_r", _MAGMA_R, None, False),  # high entropy (diffuse) dark, focused light
     "share": ("viridis", _VIRIDIS, (0.0, 1.0), False),  # a share of attention: more is brighter
     "diverging": ("RdBu_r", _RDBU_R, None, True),  # importance: red raises the loss, blue lowers it
 }
