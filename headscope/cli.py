@@ -25,16 +25,20 @@ from headscope.cli_support import (
     THRESHOLDS,
     BroadMinNormEntropy,
     CopyMaxNormEntropy,
-    DeviceChoice,
-    DTypeChoice,
+    Device,
+    DType,
     EncodingErrors,
     Format,
     ImportanceMode,
     LocalMinLocality,
+    ModelArgument,
     OneLineErrors,
+    Revision,
     RoleOffsetShareMin,
     RoleProbeMin,
     RoleSinkRateMin,
+    TextColumn,
+    TrustRemoteCode,
     raise_terminated,
     say,
     usage_errors,
@@ -61,7 +65,7 @@ def _commands() -> None:
 @app.command()
 def analyze(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")],
+    model: ModelArgument,
     corpus: Annotated[
         Path | None,
         typer.Option(help="Sentences: .txt (one per line), .jsonl, .csv, .tsv or .parquet. Default: the shipped 100."),
@@ -73,16 +77,12 @@ def analyze(
         typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues."),
     ] = False,
     # From here to the thresholds, every option is the RunConfig field of the same name (its default there).
-    text_column: Annotated[
-        str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
-    ] = DEFAULTS.text_column,
+    text_column: TextColumn = DEFAULTS.text_column,
     encoding_errors: Annotated[
         EncodingErrors, typer.Option(help="Invalid UTF-8 in the corpus: strict (stop), replace, or skip the line.")
     ] = DEFAULT_ENCODING_ERRORS,
-    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = DEFAULTS.revision,
-    trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow the hub repo's own model code to run.")
-    ] = DEFAULTS.trust_remote_code,
+    revision: Revision = DEFAULTS.revision,
+    trust_remote_code: TrustRemoteCode = DEFAULTS.trust_remote_code,
     device_map: Annotated[
         str | None,
         typer.Option(
@@ -93,10 +93,8 @@ def analyze(
     offload_folder: Annotated[
         Path | None, typer.Option(help="With --device-map: where the layers that fit nowhere else are kept.")
     ] = DEFAULTS.offload_folder,
-    device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DEFAULT_DEVICE,
-    dtype: Annotated[
-        DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
-    ] = DEFAULT_DTYPE,
+    device: Device = DEFAULT_DEVICE,
+    dtype: DType = DEFAULT_DTYPE,
     max_length: Annotated[
         int | None, typer.Option(help="Truncate sentences to this many tokens (counted in run.json).")
     ] = DEFAULTS.max_length,

@@ -12,9 +12,13 @@ from headscope.cli_support import (
     DEFAULT_DTYPE,
     DEFAULTS,
     ROLE_THRESHOLDS,
-    DeviceChoice,
-    DTypeChoice,
+    Device,
+    DType,
+    ModelArgument,
+    Revision,
     RoleProbeMin,
+    TextColumn,
+    TrustRemoteCode,
     choices,
     usage_errors,
     user_errors,
@@ -27,7 +31,7 @@ ProbeChoice = choices("ProbeChoice", ("induction", "duplicate", "previous"))
 
 def inspect(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")],
+    model: ModelArgument,
     text: Annotated[list[str] | None, typer.Option(help="A text to inspect (repeat for more).")] = None,
     sentences: Annotated[str | None, typer.Option(help="Sentences of --corpus to inspect, by id: 0,5,10-12.")] = None,
     corpus: Annotated[
@@ -66,20 +70,14 @@ def inspect(
         DEFAULTS.probe_seeds
     ),
     role_probe_min: RoleProbeMin = ROLE_THRESHOLDS.probe_min,
-    text_column: Annotated[
-        str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
-    ] = DEFAULTS.text_column,
-    device: Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")] = DEFAULT_DEVICE,
-    dtype: Annotated[
-        DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")
-    ] = DEFAULT_DTYPE,
+    text_column: TextColumn = DEFAULTS.text_column,
+    device: Device = DEFAULT_DEVICE,
+    dtype: DType = DEFAULT_DTYPE,
     threads: Annotated[int | None, typer.Option(help="CPU threads torch may use. Default: torch's.")] = (
         DEFAULTS.threads
     ),
-    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")] = DEFAULTS.revision,
-    trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow the hub repo's own model code to run.")
-    ] = DEFAULTS.trust_remote_code,
+    revision: Revision = DEFAULTS.revision,
+    trust_remote_code: TrustRemoteCode = DEFAULTS.trust_remote_code,
 ) -> None:
     """Show chosen heads' attention on chosen texts, token by token (attention.parquet, inspect.html)."""
     from headscope.config import parse_heads, parse_ids, settings_from_command_line

@@ -84,6 +84,14 @@ RoleOffsetShareMin = Annotated[
     float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
 ]
 Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
+ModelArgument = Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")]
+TextColumn = Annotated[
+    str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
+]
+Revision = Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")]
+TrustRemoteCode = Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")]
+Device = Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")]
+DType = Annotated[DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")]
 DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
 
 

@@ -76,11 +76,15 @@ class RichReporter:
     def _line(self, text: str, style: str | None = None) -> None:
         self.console.print(printable(text), style=style, markup=False, highlight=False, soft_wrap=True)
 
+    def _stamped(self, text: str) -> None:
+        """A log line off a terminal: the wall-clock time, then the text."""
+        self._line(f"{time.strftime('%H:%M:%S')} {text}")
+
     def stage(self, message: str) -> None:
         if self.console.is_terminal:
             self._line(message, style="dim")
         else:
-            self._line(f"{time.strftime('%H:%M:%S')} {message}")
+            self._stamped(message)
 
     def note(self, message: str) -> None:
         self._line(f"note: {message}")
@@ -91,7 +95,7 @@ class RichReporter:
     def start(self, total_sentences: int, what: str = "measuring") -> None:
         if not self.console.is_terminal:
             self._log = _PassLog(what, total_sentences, self._steps)
-            self._line(f"{time.strftime('%H:%M:%S')} {what}: {total_sentences:,} sentences")
+            self._stamped(f"{what}: {total_sentences:,} sentences")
             return
         from rich.progress import (
             BarColumn,
@@ -122,7 +126,7 @@ class RichReporter:
         if self._log is not None:
             line = self._log.advance(sentences, tokens)
             if line:
-                self._line(f"{time.strftime('%H:%M:%S')} {line}")
+                self._stamped(line)
             return
         if self._progress is None:
             return

@@ -108,3 +108,23 @@ def tiny_llama(folder: Path, corpus_lines: list[str]) -> Path:
         max_position_embeddings=8192,
     )
     return tiny_model_folder(folder, config, LlamaModel, corpus_lines)
+
+
+def run_measuring_script(script: str, *args) -> dict:
+    """Run `script` (which prints one JSON line last) in a fresh Python, offline, so that its ru_maxrss is its own;
+    return that line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])

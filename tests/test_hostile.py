@@ -27,6 +27,7 @@ from helpers import (
     hidden_leftovers,
     refuse_to_load,
     run_cli,
+    run_measuring_script,
     snapshot,
     tiny_llama,
 )
@@ -117,16 +118,7 @@ def test_peak_memory_of_a_long_input_is_bounded_by_the_block_budget(tmp_path, co
     folder = tiny_llama(tmp_path / "llama", corpus_lines)
     words = tmp_path / "words.txt"
     words.write_text(" ".join(shipped_corpus.read_text().split() * 6))
-    done = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, str(folder), str(words)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = run_measuring_script(PEAK_SCRIPT, folder, words)
     assert measured["tokens"] == 4096
     assert "blockwise" in measured["paths"]["LlamaAttention"]
     assert measured["grew_kib"] * 1024 < 256 * 2**20, measured  # blocks and their temporaries, not t x t

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
@@ -18,7 +15,7 @@ from headscope.errors import ConfigError
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, TOKENS_FILE
 from headscope.measures.probes import ProbeSpec, probe_inputs
 
-from helpers import assert_one_line_error, run_cli, tiny_llama
+from helpers import assert_one_line_error, run_cli, run_measuring_script, tiny_llama
 from planted import FIRST, PREVIOUS, UNIFORM, build_planted_induction, expected_attention
 from reference import probe_scores
 
@@ -171,16 +168,7 @@ def test_4096_tokens_stay_within_the_chosen_heads_memory(tmp_path, corpus_lines,
     folder = tiny_llama(tmp_path / "llama", corpus_lines)
     words = tmp_path / "words.txt"
     words.write_text(" ".join(shipped_corpus.read_text().split() * 6))
-    done = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, str(folder), str(words), str(tmp_path / "seen")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = run_measuring_script(PEAK_SCRIPT, folder, words, tmp_path / "seen")
     assert measured["tokens"] == 4096
     kept = (4 * 2 + 2) * 4096**2
     assert measured["grew_kib"] * 1024 < kept + 192 * 2**20, measured
