@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 import headscope
+from headscope.config import RoleThresholds
 from headscope.errors import ConfigError
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, TOKENS_FILE
 from headscope.measures.probes import ProbeSpec, probe_inputs
@@ -230,3 +231,38 @@ def test_inspect_writes_only_inspection_folders(planted_gpt2, tmp_path):
     assert_one_line_error(run_cli(*ask, "--heads", "0.1", "--out", out), "--overwrite")
     assert run_cli(*ask, "--out", out, "--overwrite", "--heads", "1.1").exit_code == 0
     assert json.loads((out / INSPECT_RECORD).read_text())["heads"] == ["1.1"]
+
+
+def test_each_inspect_option_reaches_what_it_changes(planted_gpt2, tmp_path):
+    """--no-page, --max-length, --text-column (with --corpus), --probe-length, --probe-seeds and --role-probe-min,
+    each against the run without it."""
+    ask = ("inspect", planted_gpt2, "--heads", "0.1")
+    assert run_cli(*ask, "--text", "the cat sat on the mat", "--out", tmp_path / "a", "--no-page").exit_code == 0
+    assert not (tmp_path / "a" / INSPECT_PAGE).exists() and (tmp_path / "a" / ATTENTION_FILE).exists()
+
+    seen = headscope.inspect(str(planted_gpt2), texts=["the cat sat on the mat"], heads=[(0, 1)], max_length=3)
+    assert seen.record["texts"][0]["tokens"] == 3 and seen.record["texts"][0]["truncated"]
+    assert seen.record["settings"]["max_length"] == 3
+
+    table = tmp_path / "corpus.csv"
+    table.write_text("id,words\n1,the cat sat\n2,the dog ran on the mat\n")
+    result = run_cli(*ask, "--corpus", table, "--text-column", "words", "--sentences", "1", "--out", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    tokens = pd.read_parquet(tmp_path / "b" / TOKENS_FILE)
+    assert tokens["token"].str.strip().tolist() == ["the", "dog", "ran", "on", "the", "mat"]
+
+    for length in (8, 16):
+        seen = headscope.inspect(str(planted_gpt2), probes=["previous"], heads=[(0, 1)], probe_length=length)
+        assert seen.record["texts"][0]["tokens"] == 2 * length and seen.record["probe_length"] == length
+
+
+def test_the_role_options_reach_the_probes(tmp_path):
+    model = str(build_planted_induction(tmp_path / "induction"))
+    seen = headscope.inspect(model, probes=["induction"], roles=["induction"], probe_seeds=3)
+    assert seen.record["roles_from"].startswith("probes (3 seeds") and seen.record["heads"] == ["1.0"]
+    with pytest.raises(ConfigError, match="no head has role induction"):
+        headscope.inspect(
+            model, probes=["induction"], roles=["induction"], role_thresholds=RoleThresholds(probe_min=0.999)
+        )
+    result = run_cli("inspect", model, "--probe", "induction", "--role", "induction", "--role-probe-min", "0.999")
+    assert_one_line_error(result, "no head has role induction")
