@@ -7,6 +7,8 @@ report.layer_entropy()  # mean entropy per layer, in nats
 headscope.Report.open("reports/gpt2")  # the same report, read back from its folder
 seen = headscope.inspect("gpt2", texts=["When Mary and John went..."], heads=[(5, 1)])
 seen.attention          # text_id, layer, head, query, key, weight: every visible pair
+headscope.ablate("gpt2", heads=[[(5, 1), (5, 5)]], loss_on="repeats").groups  # heads removed together
+headscope.prune("gpt2", budget=0.05).record["heads"]  # as many heads as 0.05 nats of loss allows
 
 `import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
 """
@@ -19,6 +21,8 @@ from headscope.errors import HeadscopeError
 _LAZY = {
     "analyze": "headscope.pipeline",
     "inspect": "headscope.inspection",
+    "ablate": "headscope.ablation",
+    "prune": "headscope.pruning",
     "Report": "headscope.report.report",
     "load_model": "headscope.loading",
 }
@@ -29,9 +33,11 @@ __all__ = [
     "Report",
     "RunConfig",
     "Thresholds",
+    "ablate",
     "analyze",
     "inspect",
     "load_model",
+    "prune",
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from headscope.cli_inspect import inspect
+from headscope.cli_interventions import ablate, prune
 from headscope.cli_support import (
     DEFAULT_DEVICE,
     DEFAULT_DTYPE,
@@ -286,6 +287,8 @@ def compare(
 
 
 app.command()(inspect)  # in its own module, with its options
+app.command()(ablate)
+app.command()(prune)
 
 
 def main() -> None:

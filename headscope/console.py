@@ -12,7 +12,7 @@ from rich.text import Text
 
 from headscope.config import head_name
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
-from headscope.layout import ATTENTION_FILE, INSPECT_RECORD, TOKENS_FILE
+from headscope.layout import ABLATION_RECORD, ATTENTION_FILE, HEAD_MASK_FILE, INSPECT_RECORD, PRUNE_RECORD, TOKENS_FILE
 from headscope.report.report import Report
 from headscope.reporting import printable
 from headscope.summary import (
@@ -224,3 +224,49 @@ def print_inspection(found) -> None:
 
 
 SUMMARY_ROWS = 40  # the console shows this many (head, text) rows; inspect.json has them all
+
+
+def print_ablation(found) -> None:
+    """Per group: its heads, the scored tokens, clean and ablated loss, the delta and its 95% interval."""
+    record = found.record
+    console = _console()
+    title = f"{record['model']['input']}: heads removed together ({record['mode']}), loss on {record['loss_on']} tokens"
+    table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+    for name in ("group", "heads", "tokens", "clean", "ablated", "delta (nats)", "95% interval"):
+        table.add_column(name, justify="left" if name in ("group", "heads") else "right")
+    for entry in record["groups"]:
+        shown = ",".join(entry["heads"][:6]) + (f",... ({len(entry['heads'])})" if len(entry["heads"]) > 6 else "")
+        numbers = [entry[key] for key in ("clean_loss", "ablated_loss", "delta")]
+        low, high = entry["delta_ci_low"], entry["delta_ci_high"]
+        table.add_row(
+            entry["name"] if entry["name"] != ",".join(entry["heads"]) else "-",
+            shown,
+            f"{entry['tokens']:,}",
+            *("-" if value is None else f"{value:.4f}" for value in numbers[:2]),
+            "-" if numbers[2] is None else f"{numbers[2]:+.4f}",
+            "-" if low is None else f"[{low:+.4f}, {high:+.4f}]",
+        )
+    console.print(table)
+    if found.folder is not None:
+        console.print(f"wrote {found.folder}/{ABLATION_RECORD}")
+
+
+def print_pruning(found) -> None:
+    """How many heads went, the verified loss, the curve's steps and where the mask and checkpoint are."""
+    record = found.record
+    console = _console()
+    removed, total = len(record["heads"]), record["total_heads"]
+    console.print(
+        f"removed {removed} of {total} heads ({record['mode']}) within {record['budget']:g} nats: loss "
+        f"{record['clean_loss']:.4f} -> {record['pruned_loss']:.4f} ({record['delta']:+.4f}, verified with every "
+        "removed head removed together)"
+    )
+    steps = ", ".join(f"{step['heads_removed']}: {step['loss']:.4f}" for step in record["curve"])
+    console.print(_title(f"verified loss by heads removed: {steps}"))
+    if removed:
+        console.print(_title(f"removed, in order: {', '.join(record['heads'])}"))
+    saved = record.get("saved_model")
+    if saved:
+        console.print(_title(f"saved the pruned model to {saved['path']} (its own loss {saved['loss']:.4f}, checked)"))
+    if found.folder is not None:
+        console.print(_title(f"wrote {found.folder}/ ({PRUNE_RECORD}, {HEAD_MASK_FILE})"))

@@ -2,11 +2,12 @@
 
 Every command that writes a folder writes one of these kinds, each recognised by its record file: a report
 (`analyze`, `classify --out`: run.json), a comparison (`compare`: compare.json), charts drawn elsewhere
-(`plot --out`: plot.json), an inspection (`inspect`: inspect.json). `why_not_replaceable(folder, kind)` is the
-one rule every writing command follows: a folder is written only when it is empty or missing, and replaced (with
---overwrite) only when it is a headscope folder of the same kind, holding nothing but the files that kind
-writes. These lists are the files headscope may ever replace or delete. No third-party imports: an output
-folder is checked before anything heavy loads.
+(`plot --out`: plot.json), an inspection (`inspect`: inspect.json), an ablation (`ablate`: ablation.json), a
+pruning (`prune`: prune.json) and a pruned model (`prune --save-model`: pruned.json).
+`why_not_replaceable(folder, kind)` is the one rule every writing command follows: a folder is written only
+when it is empty or missing, and replaced (with --overwrite) only when it is a headscope folder of the same kind,
+holding nothing but the files that kind writes. These lists are the files headscope may ever replace or delete.
+No third-party imports: an output folder is checked before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ ATTENTION_FILE = "attention.parquet"
 TOKENS_FILE = "tokens.parquet"
 INSPECT_PAGE = "inspect.html"
 
+# What `headscope ablate` writes: groups of heads removed together, recognised by ablation.json.
+ABLATION_RECORD = "ablation.json"
+
+# What `headscope prune` writes, recognised by prune.json; --save-model writes a transformers checkpoint into a
+# folder of its own, recognised by pruned.json beside the files transformers writes.
+PRUNE_RECORD = "prune.json"
+HEAD_MASK_FILE = "head_mask.parquet"
+PRUNE_CHARTS = ("prune_curve",)
+PRUNED_MODEL_RECORD = "pruned.json"
+CHECKPOINT_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Kind:
@@ -77,6 +93,9 @@ KINDS = {
     "comparison": Kind("a headscope comparison", COMPARE_RECORD, (*COMPARE_TABLES, COMPARE_PAGE), COMPARE_CHARTS),
     "charts": Kind("a headscope chart folder", PLOT_RECORD, (PAGE_FILE,), CHART_NAMES),
     "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE)),
+    "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
+    "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE,), PRUNE_CHARTS),
+    "model": Kind("a model headscope pruned", PRUNED_MODEL_RECORD, CHECKPOINT_FILES),
 }
 
 

@@ -213,8 +213,12 @@ def copy_scales() -> tuple[float, float, int]:
     return c0, COPY_LOGIT / (2.0 * c_final * c0), dim
 
 
-def build_planted_copier(folder: Path) -> Path:
+def build_planted_copier(folder: Path, copiers: tuple[int, ...] = (0,), logit: float = COPY_LOGIT) -> Path:
     """A 2-layer GPT-2 LM in which only head 0 of layer 0 carries what the next token needs.
+
+    copiers, logit: the heads of layer 0 that copy (each writes the whole copy code: several are redundant
+    copies of one another), and the logit the LM head gives the copied token when one of them writes it (the
+    formulas below hold for one copier; with several the copy code is their sum).
 
     Codes in the residual stream (each a +1/-1 pair, zero-mean): token T = [0, 2V), copy C = [2V, 4V),
     position P = [4V, 4V + 2N). Head (0, 0) attends to its own position (score COPY_BETA) and its output
@@ -228,6 +232,7 @@ def build_planted_copier(folder: Path) -> Path:
 
     vocab, positions = COPY_VOCAB, COPY_POSITIONS
     c0, alpha, dim = copy_scales()
+    alpha *= logit / COPY_LOGIT
     head_dim = dim // COPY_HEADS
     assert head_dim >= max(vocab, positions)
     tokenizer = build_tokenizer(copy_words())
@@ -269,13 +274,18 @@ def build_planted_copier(folder: Path) -> Path:
             block.attn.c_attn.weight[:, v : v + head_dim] = 0.0
         attn = model.transformer.h[0].attn
         a = COPY_BETA * math.sqrt(head_dim) / c0**2
-        for p in range(positions):
-            attn.c_attn.weight[position + p, q + p] = a  # the query of position p looks for key p
-            attn.c_attn.weight[position + p, k + p] = 1.0
-        for t in range(vocab):
-            attn.c_attn.weight[t, v + t] = 1.0  # value: the token
-            attn.c_proj.weight[t, copy + t] = 1.0  # written into C
-            attn.c_proj.weight[t, copy + vocab + t] = -1.0
+        for head in copiers:
+            offset = head * head_dim
+            attn.c_attn.weight[:, q + offset : q + offset + head_dim] = 0.0
+            attn.c_attn.weight[:, k + offset : k + offset + head_dim] = 0.0
+            attn.c_attn.weight[:, v + offset : v + offset + head_dim] = 0.0
+            for p in range(positions):
+                attn.c_attn.weight[position + p, q + offset + p] = a  # the query of position p looks for key p
+                attn.c_attn.weight[position + p, k + offset + p] = 1.0
+            for t in range(vocab):
+                attn.c_attn.weight[t, v + offset + t] = 1.0  # value: the token
+                attn.c_proj.weight[offset + t, copy + t] = 1.0  # written into C
+                attn.c_proj.weight[offset + t, copy + vocab + t] = -1.0
         model.lm_head.weight.zero_()
         for t in range(vocab):
             model.lm_head.weight[t, copy + t] = alpha

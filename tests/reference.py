@@ -99,3 +99,79 @@ def probe_scores(attentions: list[np.ndarray], prefix: int, length: int) -> dict
             np.mean([attn[:, t, t - 1] for t in range(prefix + 1, prefix + 2 * length)], axis=0)
         )
     return {name: np.mean(values, axis=0) for name, values in per_seed.items()}
+
+
+# ---------------------------------------------------------------- heads removed together, by hooks
+
+
+def output_projection_of(layer):
+    """The attention's output projection, named per architecture (Llama: self_attn.o_proj, GPT-2: attn.c_proj)."""
+    attention = getattr(layer, "self_attn", None) or layer.attn
+    return getattr(attention, "o_proj", None) or attention.c_proj
+
+
+def repeat_positions(ids: list[int]) -> list[bool]:
+    """Brute force: t counts iff some j < t - 1 has ids[j] == ids[t-1] and ids[j+1] == ids[t]."""
+    return [
+        any(ids[j] == ids[t - 1] and ids[j + 1] == ids[t] for j in range(t - 1)) if t >= 2 else False
+        for t in range(len(ids))
+    ]
+
+
+def hooked_losses(lm, layers, sentences: list[list[int]], heads, mode: str, scoring: str, head_dim: int):
+    """(clean loss, ablated loss, scored tokens) of `heads` removed together, one sentence at a time, by forward
+    pre-hooks on each layer's output projection (its input is the heads' outputs side by side); float64 loss."""
+    import torch
+
+    projections = [output_projection_of(layer) for layer in layers]
+    means = {}
+    if mode == "mean":
+        sums, count = {}, 0
+
+        def summer(index):
+            def hook(module, args):
+                sums[index] = sums.get(index, 0) + args[0][0].double().sum(0)
+
+            return hook
+
+        hooks = [p.register_forward_pre_hook(summer(i)) for i, p in enumerate(projections)]
+        with torch.no_grad():
+            for ids in sentences:
+                lm(torch.tensor([ids]))
+                count += len(ids)
+        for hook in hooks:
+            hook.remove()
+        means = {index: total / count for index, total in sums.items()}
+
+    def remover(index, removed):
+        def hook(module, args):
+            x = args[0].clone()
+            for head in removed:
+                columns = slice(head * head_dim, (head + 1) * head_dim)
+                x[..., columns] = 0.0 if mode == "zero" else means[index][columns].to(x.dtype)
+            return (x, *args[1:])
+
+        return hook
+
+    def total(with_hooks: bool) -> tuple[float, int]:
+        hooks = []
+        if with_hooks:
+            for index in sorted({layer for layer, _ in heads}):
+                removed = [head for layer, head in heads if layer == index]
+                hooks.append(projections[index].register_forward_pre_hook(remover(index, removed)))
+        loss, tokens = 0.0, 0
+        with torch.no_grad():
+            for ids in sentences:
+                logp = torch.log_softmax(lm(torch.tensor([ids])).logits[0].double(), -1)
+                flags = repeat_positions(ids)
+                for p in range(len(ids) - 1):
+                    if scoring == "all" or flags[p + 1]:
+                        loss -= float(logp[p, ids[p + 1]])
+                        tokens += 1
+        for hook in hooks:
+            hook.remove()
+        return loss, tokens
+
+    clean, tokens = total(False)
+    ablated, _ = total(True)
+    return clean / tokens, ablated / tokens, tokens

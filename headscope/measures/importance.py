@@ -140,14 +140,14 @@ class Importance:
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
-def check_importance_fits(feed: CorpusFeed, plan) -> None:
+def check_importance_fits(feed: CorpusFeed, plan, what: str = "--importance") -> None:
     """Refuse, before anything is measured, a corpus whose longest sentence cannot fit in one importance pass: a
     sentence is never split, so it would take more memory than --max-memory allows (its chunks are tokenized
     now and kept: importance reads them again anyway)."""
     longest = max((len(ids) for index in range(len(feed)) for ids in feed.chunk(index).ids), default=0)
     if longest > plan.importance.max_tokens:
         raise ResourceError(
-            f"--importance fits {plan.importance.max_tokens:,} tokens in one gradient pass with "
+            f"{what} fits {plan.importance.max_tokens:,} tokens in one gradient pass with "
             f"{readable(plan.memory_budget)} of memory, and the longest sentence has {longest:,}: raise "
             f"--max-memory, or cut sentences with --max-length {plan.importance.max_tokens}"
         )

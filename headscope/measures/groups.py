@@ -1,0 +1,236 @@
+"""Heads removed together: the model's next-token loss with a group of heads' outputs replaced, per sentence.
+
+Definitions (the README has them too):
+- a head's output: its slice of the input to the layer's output projection (o_proj, c_proj, ...) at every
+  position, (batch, t, heads, head_dim), what `capture` hands OutputEditors.
+- removing a head: zero mode sets that output to 0 at every position; mean mode sets it to the head's mean
+  output over every real token position of the corpus on the clean model (`HeadMeans`), the same constant in
+  every pass, whichever other heads are removed.
+- scored tokens: `all`, every predicted token (a sentence of T tokens predicts T - 1); `repeats`, the tokens an
+  induction head can predict: x[t] (t >= 2) counts iff some j < t - 1 has x[j] == x[t-1] and x[j+1] == x[t]
+  (`repeat_tokens`).
+- loss: mean next-token cross-entropy (nats) over the scored tokens, token-weighted over the corpus.
+- a group's delta: its loss minus the clean loss on the same tokens; the 95% interval is a paired Poisson
+  bootstrap over sentences (stats.poisson_weights: the same draws in any order or batching of the corpus).
+
+Several groups share one clean pass per batch: the batch is replicated along the batch axis, each replica with
+its own group removed, and the decoder layers before the first removed head are skipped (they hand on what they
+returned on the clean pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headscope.capture import replicate
+from headscope.feed import Batch
+from headscope.reporting import Reporter
+from headscope.stats import percentile_interval, poisson_weights
+
+Head = tuple[int, int]  # (layer, head)
+SCORINGS = ("all", "repeats")
+MODES = ("zero", "mean")
+LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
+
+
+def repeat_tokens(ids: Sequence[int]) -> np.ndarray:
+    """(len(ids),) bool: True at t when the bigram (ids[t-1], ids[t]) occurred earlier: some j < t - 1 has
+    ids[j] == ids[t-1] and ids[j+1] == ids[t] (so t >= 2), the tokens an induction head can predict."""
+    flags = np.zeros(len(ids), dtype=bool)
+    seen: set[tuple[int, int]] = set()
+    for t in range(1, len(ids)):
+        bigram = (ids[t - 1], ids[t])
+        flags[t] = bigram in seen  # seen holds the bigrams ending at 1..t-1, i.e. starting at j < t - 1
+        seen.add(bigram)
+    return flags
+
+
+def scored_targets(batch: Batch, scoring: str) -> torch.Tensor:
+    """(batch, t - 1) bool: position p's prediction (of the token at p + 1) is scored. Padding never is."""
+    valid = batch.attention_mask.bool()
+    predicted = valid[:, :-1] & valid[:, 1:]
+    if scoring == "all":
+        return predicted
+    ids, real = batch.input_ids.cpu().numpy(), valid.cpu().numpy()
+    repeats = np.zeros(ids.shape, dtype=bool)
+    for row in range(len(ids)):
+        repeats[row, real[row]] = repeat_tokens(ids[row, real[row]].tolist())
+    return predicted & torch.from_numpy(repeats[:, 1:]).to(predicted.device)
+
+
+def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """(rows, t - 1) float32: next-token cross-entropy at every position (0 where nothing is predicted).
+
+    logits: (rows, t, vocab); batch: the rows' inputs (rows may be a multiple of it: replicas)."""
+    rows, t, vocab = logits.shape
+    valid = batch.attention_mask.bool()
+    predicted = valid[:, :-1] & valid[:, 1:]
+    per_chunk = max(1, LOSS_CHUNK_BYTES // max(1, 4 * t * vocab))
+    parts = []
+    for first in range(0, rows, per_chunk):
+        chunk = slice(first, first + per_chunk)
+        nll = torch.nn.functional.cross_entropy(
+            logits[chunk, :-1].float().transpose(1, 2), batch.input_ids[chunk, 1:], reduction="none"
+        )
+        parts.append(torch.where(predicted[chunk], nll, 0.0))
+    return torch.cat(parts)
+
+
+class HeadMeans:
+    """An OutputEditor that leaves outputs unchanged and sums them: `means()` is each head's mean output over every
+    real token position seen, (depth, heads, head_dim) float64."""
+
+    def __init__(self, depth: int, heads: int, head_dim: int) -> None:
+        self.sums = np.zeros((depth, heads, head_dim))
+        self.positions = 0
+        self._valid: torch.Tensor | None = None
+
+    def start(self, batch: Batch) -> None:
+        self._valid = batch.attention_mask.bool()
+        self.positions += batch.n_tokens
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        real = output[self._valid]  # (positions, heads, head_dim)
+        self.sums[layer] += real.double().sum(0).cpu().numpy()
+        return output
+
+    def means(self) -> np.ndarray:
+        return self.sums / max(self.positions, 1)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """How removed heads are replaced: zero, or each head's clean corpus mean (means: (depth, heads, head_dim))."""
+
+    mode: str
+    means: np.ndarray | None = None
+
+    def value(self, layer: int, head: int, head_dim: int) -> torch.Tensor:
+        if self.mode == "zero":
+            return torch.zeros(head_dim)
+        return torch.as_tensor(self.means[layer, head], dtype=torch.float32)
+
+
+class RemovedHeads:
+    """An OutputEditor for replicated batches: replica r (rows r * rows ... ) has the heads groups[r] removed."""
+
+    def __init__(self, groups: Sequence[Sequence[Head]], removal: Removal, rows: int) -> None:
+        self.rows = rows
+        self.by_layer: dict[int, list[tuple[int, int]]] = {}  # layer -> [(replica, head)]
+        for replica, group in enumerate(groups):
+            for layer, head in group:
+                self.by_layer.setdefault(layer, []).append((replica, head))
+        self.removal = removal
+        self._values: dict[tuple[int, int], torch.Tensor] = {}
+
+    def start(self, batch: Batch) -> None:
+        pass
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        if layer not in self.by_layer:
+            return output
+        output = output.clone()
+        for replica, head in self.by_layer[layer]:
+            key = (layer, head)
+            if key not in self._values:
+                self._values[key] = self.removal.value(layer, head, output.shape[-1]).to(output.device)
+            output[replica * self.rows : (replica + 1) * self.rows, :, head, :] = self._values[key].to(output.dtype)
+        return output
+
+
+@dataclass
+class GroupLosses:
+    """Per sentence: the clean and each group's summed loss (nats) on each scoring's tokens, and the token counts."""
+
+    sentence_ids: list[int] = field(default_factory=list)
+    tokens: dict[str, list[np.ndarray]] = field(default_factory=dict)  # scoring -> per batch (sentences,)
+    clean: dict[str, list[np.ndarray]] = field(default_factory=dict)  # scoring -> per batch (sentences,)
+    ablated: dict[str, list[np.ndarray]] = field(default_factory=dict)  # scoring -> per batch (groups, sentences)
+
+    def add(self, scoring: str, tokens: np.ndarray, clean: np.ndarray, ablated: np.ndarray) -> None:
+        """One batch's sums on `scoring`: tokens and clean (sentences,), ablated (groups, sentences)."""
+        self.tokens.setdefault(scoring, []).append(tokens)
+        self.clean.setdefault(scoring, []).append(clean)
+        self.ablated.setdefault(scoring, []).append(ablated)
+
+    def arrays(self, scoring: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens (S,), clean (S,), ablated (groups, S)) over every sentence, in the order seen."""
+        return (
+            np.concatenate(self.tokens[scoring]),
+            np.concatenate(self.clean[scoring]),
+            np.concatenate(self.ablated[scoring], axis=1),
+        )
+
+
+def group_losses(
+    capture,
+    batches: Callable[[], Iterable[Batch]],
+    groups: Sequence[Sequence[Head]],
+    removal: Removal,
+    *,
+    scorings: Sequence[str] = ("all",),
+    replicas_per_forward: Callable[[Batch], int],
+    reporter: Reporter | None = None,
+) -> GroupLosses:
+    """Every sentence's clean loss and its loss with each group of heads removed together, on each scoring.
+
+    capture: an attached causal LM; batches() -> the corpus's batches; replicas_per_forward(batch) -> how many
+    replicas of `batch` one forward pass may hold."""
+    result = GroupLosses()
+    for batch in batches():
+        masks = {scoring: scored_targets(batch, scoring) for scoring in scorings}
+        output, outputs = capture.run_keeping_layers(batch)
+        clean = token_nll(output.logits, batch)
+        del output
+        per_group = {scoring: [] for scoring in scorings}
+        per_forward = max(1, replicas_per_forward(batch))
+        for first in range(0, len(groups), per_forward):
+            chunk = groups[first : first + per_forward]
+            start = min((layer for group in chunk for layer, _ in group), default=len(outputs))
+            start = min(start, len(outputs) - 1)
+            replicated = batch.replicated(len(chunk))
+            editor = RemovedHeads(chunk, removal, len(batch.sentence_ids))
+            handed_on = replicate(outputs[start - 1], len(chunk)) if start > 0 else None
+            logits = capture.run(replicated, editors=[editor], start_at=start, handed_on=handed_on).logits
+            nll = token_nll(logits, replicated).view(len(chunk), *clean.shape)  # (groups, sentences, t - 1)
+            del logits
+            for scoring, mask in masks.items():
+                per_group[scoring].append(torch.where(mask, nll, 0.0).double().sum(-1).cpu().numpy())
+        for scoring, mask in masks.items():
+            ablated = np.concatenate(per_group[scoring]) if per_group[scoring] else np.zeros((0, len(mask)))
+            result.add(
+                scoring,
+                mask.sum(-1).cpu().numpy(),
+                torch.where(mask, clean, 0.0).double().sum(-1).cpu().numpy(),
+                ablated,
+            )
+        result.sentence_ids.extend(batch.sentence_ids)
+        if reporter is not None:
+            reporter.advance(len(batch.sentence_ids), batch.n_tokens)
+    return result
+
+
+def group_effect(losses: GroupLosses, group: int, scoring: str, *, replicates: int, seed: int) -> dict:
+    """One group's effect on one scoring: tokens, clean_loss, ablated_loss, delta and its 95% paired bootstrap
+    interval over sentences (delta_ci_low, delta_ci_high; None without replicates or tokens)."""
+    tokens, clean, ablated = losses.arrays(scoring)
+    ablated = ablated[group]
+    count = int(tokens.sum())
+    effect = {"tokens": count, "clean_loss": None, "ablated_loss": None, "delta": None}
+    effect |= {"delta_ci_low": None, "delta_ci_high": None}
+    if count == 0:
+        return effect
+    effect["clean_loss"] = float(clean.sum() / count)
+    effect["ablated_loss"] = float(ablated.sum() / count)
+    effect["delta"] = float((ablated - clean).sum() / count)
+    if replicates:
+        weights = poisson_weights(np.asarray(losses.sentence_ids), replicates, seed)  # (sentences, replicates)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            deltas = (weights.T @ (ablated - clean)) / (weights.T @ tokens)  # (replicates,)
+        low, high = percentile_interval(deltas)
+        effect["delta_ci_low"], effect["delta_ci_high"] = float(low), float(high)
+    return effect

@@ -1,0 +1,211 @@
+"""prune(): as many heads removed together as a loss budget allows, every step verified by a forward pass.
+
+the search     measures/prune_search.py: rank the remaining heads by the magnitude of their first-order estimate
+               on the model pruned so far, verify a few nested steps at once, keep the largest within budget
+the removal    zero, or each head's clean corpus mean (measures/groups.py)
+the output     prune.json (heads in removal order, clean and verified pruned loss, the curve), head_mask.parquet
+               ((layers, heads) 0/1, usable as `head_mask`), prune_curve.png; with save_model, a transformers
+               checkpoint with the heads removed from its weights (surgery.py), reloaded and its loss checked
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from headscope.ablation import SETTINGS_USED
+from headscope.config import CHART_FORMATS, RunConfig, head_name, run_settings
+from headscope.corpus import Corpus
+from headscope.errors import ConfigError, OutputError
+from headscope.intervening import LossModel, inputs_of, loss_model, plain_loss, read_run_corpus
+from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
+from headscope.loading import LoadedModel, Loader, load_for_run, resolve_source
+from headscope.measures.groups import MODES
+from headscope.measures.prune_search import PruneResult, prune_search
+from headscope.output import StagedDirectory, atomic_path, check_target, resolved
+from headscope.placement import dtype_name
+from headscope.record import versions
+from headscope.reporting import NullReporter, Reporter
+from headscope.tables import write_json
+
+SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
+SHORTLIST = 24  # heads verified alone per round of the search (the likeliest, by their first-order estimate)
+TRIES = 4  # nested steps verified per round
+
+
+@dataclass
+class Pruning:
+    """What `prune` found: its record (prune.json) and the head mask ((layers, heads), 1 kept, 0 removed)."""
+
+    record: dict
+    head_mask: pd.DataFrame
+    folder: Path | None = None
+
+
+def prune(
+    model: str | LoadedModel,
+    corpus: str | Path | Corpus | list[str] | None = None,
+    *,
+    budget: float,
+    mode: str = "mean",
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    save_model: str | Path | None = None,
+    charts: str | None = CHART_FORMATS[0],
+    config: RunConfig | None = None,
+    reporter: Reporter | None = None,
+    loader: Loader = load_for_run,
+    **options,
+) -> Pruning:
+    """Remove as many heads as `budget` (nats of corpus loss above the clean model's) allows; see the module.
+
+    save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint; charts: the curve's
+    format, or None; options / config: the RunConfig fields it reads (as `ablate`)."""
+    settings = run_settings(config, **options)
+    reporter = reporter or NullReporter()
+    if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
+        raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
+    if mode not in MODES:
+        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
+    if charts is not None and charts not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
+    corpus = read_run_corpus(corpus, settings)
+    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
+    protected = inputs_of(source, corpus)
+    targets = {"prune": out, "model": save_model}
+    if out is not None and save_model is not None and resolved(out) == resolved(save_model):
+        raise ConfigError("--out and --save-model name the same folder; the pruned model needs a folder of its own")
+    kinds = {"prune": "pruning", "model": "model"}
+    for name, target in ((k, t) for k, t in targets.items() if t is not None):
+        check_target(resolved(target), kind=kinds[name], overwrite=overwrite, protected=protected)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        folders = {
+            name: stack.enter_context(
+                StagedDirectory(Path(target), kind=kinds[name], overwrite=overwrite, protected=protected)
+            )
+            for name, target in targets.items()
+            if target is not None
+        }
+        with loss_model(stack, model, source, settings, loader, reporter, corpus, "prune") as lm:
+            result, means = _search(lm, budget, mode, reporter)
+        record = _record(lm, corpus, result, settings, mode, time.perf_counter() - started)
+        mask = head_mask(result.heads, lm.plan.depth, lm.plan.heads)
+        if "model" in folders:
+            record["saved_model"] = _save(lm, result, means, folders["model"].path, reporter)
+            record["saved_model"]["path"] = str(folders["model"].target)
+        if "prune" in folders:
+            _write(folders["prune"].path, record, mask, charts, reporter)
+    return Pruning(record, mask, folder=folders["prune"].target if "prune" in folders else None)
+
+
+def _search(lm: LossModel, budget: float, mode: str, reporter: Reporter) -> tuple[PruneResult, np.ndarray | None]:
+    removal = lm.removal(mode)
+    reporter.stage("clean loss")
+    tokens, clean, _ = lm.losses([], removal).arrays("all")
+    if tokens.sum() == 0:
+        raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to keep within budget")
+    clean_loss = float(clean.sum() / tokens.sum())
+
+    def verify(sets):
+        counts, _, ablated = lm.losses(sets, removal).arrays("all")
+        return list(ablated.sum(1) / counts.sum())
+
+    def estimate(removed):
+        return lm.attribution(removed, removal)
+
+    def step(found: PruneResult) -> None:
+        reporter.note(f"{len(found.heads)} heads removed: loss {found.loss:.4f} (+{found.loss - found.clean_loss:.4f})")
+
+    reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
+    result = prune_search(
+        lm.all_heads,
+        clean_loss=clean_loss,
+        budget=budget,
+        estimate=estimate,
+        verify=verify,
+        shortlist=SHORTLIST,
+        tries=TRIES,
+        on_step=step,
+    )
+    return result, removal.means
+
+
+def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
+    """(layers, heads) 0/1 float32, 0 where a head is removed: rows indexed by layer, one column per head."""
+    mask = np.ones((depth, count), dtype=np.float32)
+    for layer, head in heads:
+        mask[layer, head] = 0.0
+    return pd.DataFrame(mask, index=pd.RangeIndex(depth, name="layer"), columns=[str(h) for h in range(count)])
+
+
+def _record(lm: LossModel, corpus: Corpus, result: PruneResult, settings: RunConfig, mode: str, seconds) -> dict:
+    loaded = lm.loaded
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
+        "corpus": {"path": str(corpus.path), "sentences": len(corpus.sentences)},
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+        "mode": mode,
+        "budget": result.budget,
+        "clean_loss": result.clean_loss,
+        "pruned_loss": result.loss,
+        "delta": result.loss - result.clean_loss,
+        "heads": [head_name(*h) for h in result.heads],
+        "total_heads": len(lm.all_heads),
+        "curve": [{"heads_removed": n, "loss": loss} for n, loss in result.curve],
+        "set_aside": [head_name(*h) for h in result.set_aside],
+        "search": {
+            "rank": "shortlist by first-order estimate magnitude on the model pruned so far; then exact cost alone",
+            "shortlist": SHORTLIST,
+            "nested_steps": TRIES,
+            "verified_sets": result.verified_sets,
+        },
+        "seconds": round(seconds, 1),
+        "saved_model": None,
+        "settings": {k: v for k, v in settings.to_dict().items() if k in SETTINGS_USED},
+        "versions": versions(),
+    }
+
+
+def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, reporter: Reporter) -> None:
+    with atomic_path(folder / HEAD_MASK_FILE) as tmp:
+        mask.to_parquet(tmp)
+    write_json(record, folder / PRUNE_RECORD)
+    if charts:
+        from headscope.report.prune_chart import draw_prune_chart
+
+        for failed in draw_prune_chart(record, folder, charts)[1]:
+            reporter.warn(f"could not draw {failed}; prune.json and head_mask.parquet are written")
+
+
+def _save(lm: LossModel, result: PruneResult, means, folder: Path, reporter: Reporter) -> dict:
+    """Write the pruned checkpoint into `folder`, load it back with transformers and check its loss."""
+    from headscope.surgery import pruned_weights
+
+    loaded, plan = lm.loaded, lm.plan
+    reporter.stage(f"saving the pruned model ({len(result.heads)} heads removed from its weights)")
+    with pruned_weights(loaded.lm, result.heads, head_count=plan.heads, head_dim=plan.architecture["head_dim"],
+                        means=means):  # fmt: skip
+        loaded.lm.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    reporter.stage("loading the saved model back to check its loss")
+    loss = plain_loss(folder, lm)
+    if not abs(loss - result.loss) <= SAVED_TOLERANCE:
+        raise OutputError(
+            f"the saved model's loss is {loss:.6f} nats where the pruned model's was {result.loss:.6f}: this "
+            f"architecture computes something besides its output projection from the heads' outputs; nothing was saved"
+        )
+    saved = {"loss": loss, "mode": "mean" if means is not None else "zero"}
+    saved["heads_removed"] = [head_name(*h) for h in result.heads]
+    write_json({"schema_version": SCHEMA_VERSION, **saved, "versions": versions()}, folder / PRUNED_MODEL_RECORD)
+    return saved

@@ -1,0 +1,164 @@
+"""Pruning: the search's guarantees on a known cost function, the planted redundant pair, saved checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import headscope
+from headscope.errors import ConfigError
+from headscope.measures.prune_search import prune_search
+
+from helpers import assert_one_line_error, refuse_to_load, run_cli
+from reference import hooked_losses
+
+HEADS = [(layer, head) for layer in range(4) for head in range(6)]
+
+
+def cost_model(costs: dict, pairs: dict):
+    """A loss with additive per-head costs plus a penalty for each pair removed together."""
+    calls = {"verify": 0}
+
+    def loss(removed) -> float:
+        removed = set(removed)
+        total = 1.0 + sum(costs[h] for h in removed)
+        return total + sum(penalty for (a, b), penalty in pairs.items() if a in removed and b in removed)
+
+    def verify(sets):
+        calls["verify"] += len(sets)
+        return [loss(s) for s in sets]
+
+    def estimate(removed):  # honest about singles, blind to the pairs
+        return {h: costs[h] for h in HEADS if h not in removed}
+
+    return loss, verify, estimate, calls
+
+
+def test_the_search_never_exceeds_the_budget_and_reports_verified_losses():
+    rng = np.random.default_rng(0)
+    costs = {h: float(rng.exponential(0.01)) for h in HEADS}
+    costs[(0, 0)] = -0.02  # a head the model is better without
+    pairs = {((1, 1), (2, 2)): 5.0}  # redundant: cheap alone, expensive together
+    costs[(1, 1)] = costs[(2, 2)] = 0.0
+    loss, verify, estimate, calls = cost_model(costs, pairs)
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, shortlist=8, tries=3)
+    assert result.loss == pytest.approx(loss(result.heads)) and result.loss <= 1.05
+    assert len(set(result.heads)) == len(result.heads)
+    assert (0, 0) in result.heads  # it lowers the loss: taken
+    assert ((1, 1) in result.heads) != ((2, 2) in result.heads)  # exactly one of the redundant pair
+    assert [n for n, _ in result.curve] == sorted(n for n, _ in result.curve) and result.curve[-1][1] == result.loss
+    assert all(value == pytest.approx(loss(result.heads[:n])) for n, value in result.curve)
+    assert result.verified_sets == calls["verify"]
+    # Greedy by exact cost: as many heads as the cheapest additive choice, give or take the one the pair blocks.
+    cheapest = sorted(c for h, c in costs.items() if h != (2, 2))
+    affordable = int(np.searchsorted(np.cumsum(cheapest), 0.05, side="right"))
+    assert len(result.heads) >= affordable - 2
+
+
+def test_a_budget_nothing_fits_removes_nothing():
+    costs = {h: 1.0 for h in HEADS}
+    _, verify, estimate, _ = cost_model(costs, {})
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify)
+    assert result.heads == [] and result.loss == 1.0 and result.curve == [(0, 1.0)]
+
+
+# ---------------------------------------------------------------- on models
+
+
+@pytest.fixture(scope="module")
+def redundant(tmp_path_factory):
+    from planted import build_planted_copier, copy_words
+
+    folder = build_planted_copier(tmp_path_factory.mktemp("redundant") / "model", copiers=(0, 1), logit=20.0)
+    words = copy_words()
+    sentences = [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(30)]
+    return headscope.load_model(str(folder), device="cpu", lm_head=True), sentences
+
+
+def test_prune_keeps_one_of_two_redundant_heads_and_saves_a_model_that_computes_it(redundant, tmp_path):
+    loaded, sentences = redundant
+    found = headscope.prune(
+        loaded, sentences, budget=0.01, mode="zero", out=tmp_path / "prune", save_model=tmp_path / "model"
+    )
+    record = found.record
+    removed = {tuple(map(int, name.split("."))) for name in record["heads"]}
+    assert len(removed) == 7 and ((0, 0) in removed) != ((0, 1) in removed)  # every head but one copier
+    assert record["pruned_loss"] - record["clean_loss"] <= 0.01
+    ids = [loaded.tokenizer(s)["input_ids"] for s in sentences]
+    clean, ablated, _ = hooked_losses(loaded.lm, loaded.lm.transformer.h, ids, sorted(removed), "zero", "all", 24)
+    assert record["clean_loss"] == pytest.approx(clean, abs=1e-4)
+    assert record["pruned_loss"] == pytest.approx(ablated, abs=1e-4)
+    mask = pd.read_parquet(tmp_path / "prune" / "head_mask.parquet")
+    assert mask.shape == (2, 4) and mask.to_numpy().sum() == 1
+    assert all(mask.at[layer, str(head)] == 0 for layer, head in removed)
+    assert (tmp_path / "prune" / "prune_curve.png").stat().st_size > 0
+    assert json.loads((tmp_path / "prune" / "prune.json").read_text())["heads"] == record["heads"]
+    # The saved checkpoint, loaded by transformers alone, computes the pruned loss.
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    own, _, _ = hooked_losses(saved, saved.transformer.h, ids, [], "zero", "all", 24)
+    assert own == pytest.approx(record["pruned_loss"], abs=1e-4)
+    assert record["saved_model"]["loss"] == pytest.approx(own, abs=1e-5)
+    assert json.loads((tmp_path / "model" / "pruned.json").read_text())["heads_removed"] == record["heads"]
+
+
+def test_mean_pruning_a_llama_folds_the_means_into_new_biases(tmp_path, corpus_lines):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from helpers import tiny_model_folder
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4
+    )
+    folder = tiny_model_folder(tmp_path / "llama", config, LlamaForCausalLM, corpus_lines)
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    lines = corpus_lines[:10]
+    found = headscope.prune(loaded, lines, budget=0.02, mode="mean", save_model=tmp_path / "pruned", charts=None)
+    record = found.record
+    assert record["heads"] and record["pruned_loss"] - record["clean_loss"] <= 0.02
+    heads = [tuple(map(int, name.split("."))) for name in record["heads"]]
+    ids = [loaded.tokenizer(s)["input_ids"] for s in lines]
+    _, ablated, _ = hooked_losses(loaded.lm, loaded.lm.model.layers, ids, heads, "mean", "all", 8)
+    assert record["pruned_loss"] == pytest.approx(ablated, abs=1e-4)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
+    assert saved.config.attention_bias and saved.model.layers[0].self_attn.o_proj.bias is not None
+    own, _, _ = hooked_losses(saved, saved.model.layers, ids, [], "zero", "all", 8)
+    assert own == pytest.approx(record["pruned_loss"], abs=1e-4)
+    # The caller's model is as it was: no bias added, weights untouched.
+    assert loaded.lm.model.layers[0].self_attn.o_proj.bias is None and not loaded.lm.config.attention_bias
+    clean, _, _ = hooked_losses(loaded.lm, loaded.lm.model.layers, ids, [], "zero", "all", 8)
+    assert clean == pytest.approx(record["clean_loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--budget", "0"], ["--budget must be a positive number"]),
+        (["--budget", "nan"], ["--budget must be a positive number"]),
+        (["--budget", "0.1", "--mode", "half"], ["--mode"]),
+    ],
+)
+def test_prune_refuses_bad_options_before_loading(args, fragments, tmp_path):
+    result = run_cli("prune", "gpt2", *args, "--out", str(tmp_path / "p"), loader=refuse_to_load)
+    assert_one_line_error(result, *fragments, code=2 if "--mode" in args else 1)
+
+
+def test_prune_refuses_one_folder_for_both_outputs(tmp_path):
+    with pytest.raises(ConfigError, match="--out and --save-model name the same folder"):
+        headscope.prune("gpt2", budget=0.1, out=tmp_path / "x", save_model=tmp_path / "x", loader=refuse_to_load)
+
+
+def test_prune_through_the_cli(redundant, tmp_path):
+    loaded, sentences = redundant
+    corpus = tmp_path / "repeats.txt"
+    corpus.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    out = tmp_path / "prune"
+    args = ["prune", str(loaded.source.location), "--budget", "0.01", "--mode", "zero", "--corpus", str(corpus)]
+    result = run_cli(*args, "--out", str(out), "--no-charts")
+    assert result.exit_code == 0, result.output
+    assert "removed 7 of 8 heads" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["head_mask.parquet", "prune.json"]
