@@ -52,15 +52,7 @@ def write_tables(
     with timings.phase("write"):
         _merge_parts(parts, folder, measured, corpus, plan)
         replicates = measured.bootstrap.metrics() if measured.bootstrap is not None else None
-        frame = heads_frame(
-            measured.sums,
-            plan.architecture["kv_heads"],
-            np.array(plan.layers),
-            intervals=head_intervals(replicates) if replicates else None,
-            probes=probes,
-            importance=None if importance is None else importance.columns(),
-        )
-        heads = label_heads(frame, *rules)
+        heads = labelled_heads(plan, measured, probes, importance, rules, replicates)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
         write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
         write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
@@ -70,6 +62,19 @@ def write_tables(
     write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
     write_json(run, folder / RUN_FILE)
     return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: examples}
+
+
+def labelled_heads(plan, measured, probes, importance, rules, replicates=None) -> pd.DataFrame:
+    """The heads table with both labels, from what the passes measured (intervals when `replicates` are given)."""
+    frame = heads_frame(
+        measured.sums,
+        plan.architecture["kv_heads"],
+        np.array(plan.layers),
+        intervals=head_intervals(replicates) if replicates else None,
+        probes=probes,
+        importance=None if importance is None else importance.columns(),
+    )
+    return label_heads(frame, *rules)
 
 
 def _merge_parts(parts: PartFiles, folder: Path, measured, corpus, plan) -> None:

@@ -159,8 +159,9 @@ class Capture:
         finally:
             self._measures, self._editors = (), ()
 
-    def run_keeping_layers(self, batch: Batch) -> tuple[object, list]:
-        """A clean pass that also keeps every decoder layer's output (detached): (model output, outputs)."""
+    def run_keeping_layers(self, batch: Batch, editors: Sequence[OutputEditor] = ()) -> tuple[object, list]:
+        """A pass (clean, or edited by `editors`) that also keeps every decoder layer's output (detached):
+        (model output, outputs)."""
         outputs: list = [None] * len(self.decoder)
 
         def keeper(index: int):
@@ -171,7 +172,7 @@ class Capture:
 
         hooks = [layer.register_forward_hook(keeper(i)) for i, layer in enumerate(self.decoder)]
         try:
-            return self.run(batch), outputs  # no measure: the pass runs to the end
+            return self.run(batch, editors=editors), outputs  # no measure: the pass runs to the end
         finally:
             for hook in hooks:
                 hook.remove()

@@ -20,6 +20,7 @@ from headscope.summary import (
     importance_column,
     layer_bands,
     layer_entropy,
+    least_needed,
     most_important,
     top_heads_per_role,
 )
@@ -111,22 +112,58 @@ def print_role_heads(report: Report, count: int = 3) -> None:
 
 
 def _print_most_important(report: Report) -> None:
-    """The 10 heads whose removal hurts the loss most, with their role and entropy."""
+    """The 10 heads the loss needs most and the 10 it needs least, with their role and entropy; each role's heads
+    removed together. Signed attribution is never shown as if it were an ablation: without exact ablation the
+    tables rank by its magnitude and say that it is an estimate."""
     heads = report.heads
     column = importance_column(heads)
     if column is None:
         return
     importance = report.run["importance"]
-    table = Table(
-        title=_title(f"the 10 heads the loss needs most, by {column} (clean loss {importance['clean_loss']:.4f} nats)"),
-        box=box.SIMPLE_HEAD,
-    )
-    for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
-        table.add_column(name, justify="left" if name in ("head", "role") else "right", no_wrap=name == "role")
-    for row in most_important(heads).itertuples():
-        values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
-        cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
-        table.add_row(head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
+    console = _console()
+    exact = column.startswith("ablation")
+    how = f"by {column}" if exact else f"by |{column}|, a first-order estimate"
+    clean = f"clean loss {importance['clean_loss']:.4f} nats"
+    for title, chosen in (
+        (f"the 10 heads the loss needs most, {how} ({clean})", most_important(heads)),
+        (f"the 10 heads it needs least alone, {how} (headscope prune removes heads together, verified)",
+         least_needed(heads)),
+    ):  # fmt: skip
+        table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+        for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
+            table.add_column(name, justify="left" if name in ("head", "role") else "right", no_wrap=name == "role")
+        for row in chosen.itertuples():
+            values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
+            cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
+            table.add_row(head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
+        console.print(table)
+    if not exact:
+        console.print(
+            "note: attribution is a first-order estimate from one gradient pass, not an ablation; it fails for heads "
+            "in saturated layers, where removing a head costs more than its gradient says. Measure removals with "
+            "--importance exact, headscope ablate (heads together) or headscope prune."
+        )
+    _print_role_groups(importance.get("roles") or [])
+
+
+def _print_role_groups(entries: list[dict]) -> None:
+    """Each role's heads removed together: the delta on every token and on repeated tokens, with intervals."""
+    if not entries:
+        return
+    table = Table(title=_title("each role's heads removed together (exact, nats of loss)"), box=box.SIMPLE_HEAD)
+    for name in ("role (heads)", "removal", "all tokens", "repeated tokens"):
+        table.add_column(name, justify="left" if name.startswith("role") or name == "removal" else "right")
+    for entry in entries:
+        cells = []
+        for scoring in ("all", "repeats"):
+            effect = entry[scoring]
+            if effect["delta"] is None:
+                cells.append("- (no tokens)")
+                continue
+            low, high = effect["delta_ci_low"], effect["delta_ci_high"]
+            interval = "" if low is None else f" [{low:+.3f}, {high:+.3f}]"
+            cells.append(f"{effect['delta']:+.4f}{interval} ({effect['tokens']:,})")
+        table.add_row(f"{entry['role']} ({len(entry['heads'])})", entry["mode"], *cells)
     _console().print(table)
 
 

@@ -66,9 +66,18 @@ class LossModel:
     def removal(self, mode: str) -> Removal:
         return Removal(mode, self.means() if mode == "mean" else None)
 
-    def losses(self, groups: Sequence[Sequence[Head]], removal: Removal, scorings=("all",)) -> GroupLosses:
+    def losses(
+        self, groups: Sequence[Sequence[Head]], removal: Removal, scorings=("all",), base: Sequence[Head] = ()
+    ) -> GroupLosses:
+        """group_losses over the corpus; base: heads every group holds (see group_losses)."""
         return group_losses(
-            self.capture, self.batches, groups, removal, scorings=scorings, replicas_per_forward=self.replicas
+            self.capture,
+            self.batches,
+            groups,
+            removal,
+            scorings=scorings,
+            replicas_per_forward=self.replicas,
+            base=base,
         )
 
     def attribution(self, removed: Sequence[Head], removal: Removal) -> dict[Head, float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from headscope.assemble import write_tables
+from headscope.assemble import labelled_heads, write_tables
 from headscope.capture import attached
 from headscope.checkpoint import PartFiles, Progress
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, run_settings
@@ -156,8 +156,9 @@ def analyze(
                 )
             with timings.phase("importance"):
                 importance = None
-                if settings.importance != "none":
-                    importance = run_importance(capture, feed, plan, reporter, device=loaded.device)
+                if settings.importance != "none":  # each role's heads are ablated together too
+                    labelled = labelled_heads(plan, measured, probes, None, (thresholds, roles))
+                    importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled)
             with timings.phase("write"):  # the example views: their attention is written with the tables
                 examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
         reporter.stage("writing tables")

@@ -127,6 +127,7 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
             "clean_loss": round(importance.clean_loss, 6) if math.isfinite(importance.clean_loss) else None,
             "predicted_tokens": importance.predicted_tokens,
             "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
+            "roles": importance.roles,
         },
         "classification": classification_record(heads, *rules),
     }

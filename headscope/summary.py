@@ -14,11 +14,23 @@ def importance_column(heads: pd.DataFrame) -> str | None:
 
 
 def most_important(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
-    """The `count` heads whose removal raises the loss most (by `importance_column`), most important first."""
+    """The `count` heads the loss needs most, most first: by exact mean ablation when measured, else by the
+    magnitude of its first-order estimate (a signed estimate below 0 does not mean the model is better without
+    the head: in saturated layers the gradient understates what removing a head costs)."""
     column = importance_column(heads)
     if column is None:
         return heads.iloc[0:0]
-    return heads.sort_values(column, ascending=False).head(count)
+    key = heads[column] if column.startswith("ablation") else heads[column].abs()
+    return heads.loc[key.sort_values(ascending=False).index[:count]]
+
+
+def least_needed(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
+    """The `count` heads whose removal alone changes the loss least in magnitude (exact, else estimated), least
+    first: candidates for `headscope prune`, which verifies removing them together."""
+    column = importance_column(heads)
+    if column is None:
+        return heads.iloc[0:0]
+    return heads.loc[heads[column].abs().sort_values().index[:count]]
 
 
 # The evidence that gives each role (labels.ROLE_RULES): a role's heads are ranked by it. previous-token falls

@@ -193,3 +193,36 @@ def test_each_role_ablates_every_role_of_a_report(redundant, tmp_path):
     expected = {role: count for role, count in roles.items() if role != "other"}
     assert {g["name"]: len(g["heads"]) for g in found.record["groups"]} == expected
     assert torch.get_num_threads() > 0  # the run left torch as it was found (threads restored)
+
+
+def test_analyze_with_importance_removes_each_role_together_as_ablate_does(redundant, tmp_path):
+    loaded, sentences = redundant
+    report = headscope.analyze(loaded, sentences, importance="fast", probes=False, sentence_heads=False)
+    entries = report.run["importance"]["roles"]
+    heads = report.heads
+    roles = [role for role in heads["role"].unique() if role != "other"]
+    assert roles and sorted({e["role"] for e in entries}) == sorted(roles)
+    assert sorted({e["mode"] for e in entries}) == ["mean", "zero"]
+    for entry in entries:
+        members = heads[heads["role"] == entry["role"]]
+        assert entry["heads"] == [f"{r.layer}.{r.head}" for r in members.itertuples()]
+        chosen = [tuple(map(int, name.split("."))) for name in entry["heads"]]
+        for scoring in ("all", "repeats"):
+            alone = headscope.ablate(loaded, sentences, heads=[chosen], mode=entry["mode"], loss_on=scoring)
+            expected = alone.record["groups"][0]
+            assert entry[scoring]["tokens"] == expected["tokens"]
+            assert entry[scoring]["delta"] == pytest.approx(expected["delta"], abs=1e-6)
+            assert entry[scoring]["delta_ci_low"] == pytest.approx(expected["delta_ci_low"], abs=1e-6)
+
+
+def test_the_cli_never_shows_signed_attribution_as_an_ablation(redundant, tmp_path):
+    loaded, sentences = redundant
+    corpus = tmp_path / "repeats.txt"
+    corpus.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    args = ["analyze", str(loaded.source.location), "--corpus", str(corpus), "--importance", "fast", "--no-probes"]
+    result = run_cli(*args, "--out", str(tmp_path / "r"), "--no-charts", "--no-page")
+    assert result.exit_code == 0, result.output
+    assert "by |attribution_mean|, a first-order estimate" in result.output
+    assert "not an ablation" in result.output and "saturated" in result.output
+    assert "the 10 heads it needs least alone" in result.output
+    assert "each role's heads removed together" in result.output

@@ -97,7 +97,7 @@ def test_importance_through_the_cli(copier, tmp_path):
     out = tmp_path / "report"
     result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--importance", "fast", "--no-probes")
     assert result.exit_code == 0, result.output
-    assert "the 10 heads the loss needs most, by attribution_mean" in result.output
+    assert "the 10 heads the loss needs most, by |attribution_mean|, a first-order estimate" in result.output
     heads = pd.read_parquet(out / "heads.parquet")
     assert heads[["attribution_zero", "attribution_mean"]].notna().all().all()
     assert heads[["ablation_zero", "ablation_mean"]].isna().all().all()  # fast: no ablation

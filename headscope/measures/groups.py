@@ -175,22 +175,29 @@ def group_losses(
     scorings: Sequence[str] = ("all",),
     replicas_per_forward: Callable[[Batch], int],
     reporter: Reporter | None = None,
+    base: Sequence[Head] = (),
 ) -> GroupLosses:
     """Every sentence's clean loss and its loss with each group of heads removed together, on each scoring.
 
     capture: an attached causal LM; batches() -> the corpus's batches; replicas_per_forward(batch) -> how many
-    replicas of `batch` one forward pass may hold."""
+    replicas of `batch` one forward pass may hold. base: heads every group holds; the first pass removes them
+    (its losses are then the "clean" ones) and each group's replica starts at the first layer where it removes
+    more, so that groups which differ from the base only in late layers cost only those layers."""
     result = GroupLosses()
+    base = set(base)
     for batch in batches():
         masks = {scoring: scored_targets(batch, scoring) for scoring in scorings}
-        output, outputs = capture.run_keeping_layers(batch)
+        first = [RemovedHeads([sorted(base)], removal, len(batch.sentence_ids))] if base else []
+        output, outputs = capture.run_keeping_layers(batch, editors=first)
         clean = token_nll(output.logits, batch)
         del output
         per_group = {scoring: [] for scoring in scorings}
         per_forward = max(1, replicas_per_forward(batch))
         for first in range(0, len(groups), per_forward):
             chunk = groups[first : first + per_forward]
-            start = min((layer for group in chunk for layer, _ in group), default=len(outputs))
+            start = min(
+                (layer for group in chunk for layer, head in group if (layer, head) not in base), default=len(outputs)
+            )
             start = min(start, len(outputs) - 1)
             replicated = batch.replicated(len(chunk))
             editor = RemovedHeads(chunk, removal, len(batch.sentence_ids))

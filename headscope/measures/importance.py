@@ -26,8 +26,11 @@ import numpy as np
 import torch
 
 from headscope.capture import replicate
+from headscope.config import head_name
 from headscope.errors import ResourceError
 from headscope.feed import Batch, CorpusFeed
+from headscope.labels import ROLES
+from headscope.measures.groups import MODES, SCORINGS, Removal, group_effect, group_losses
 from headscope.memory import readable
 from headscope.reporting import Reporter
 
@@ -126,6 +129,8 @@ class Importance:
     attribution_mean: np.ndarray
     ablation_zero: np.ndarray | None = None  # (layers, heads), exact mode only
     ablation_mean: np.ndarray | None = None
+    means: np.ndarray | None = None  # (layers, heads, head_dim): each head's mean output over the corpus
+    roles: list[dict] | None = None  # each role's heads removed together (`role_groups`)
 
     @classmethod
     def unmeasured(cls, mode: str, layers: int, heads: int) -> Importance:
@@ -153,8 +158,9 @@ def check_importance_fits(feed: CorpusFeed, plan, what: str = "--importance") ->
         )
 
 
-def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, device) -> Importance:
-    """Head importance of every measured head over the feed's corpus, through `capture` (an attached LM)."""
+def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, device, roles=None) -> Importance:
+    """Head importance of every measured head over the feed's corpus, through `capture` (an attached LM); with
+    `roles` (the heads table, labelled), also each role's heads removed together (`role_groups`)."""
     settings = plan.settings
     exact = settings.importance == "exact"
 
@@ -182,7 +188,53 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         reporter=reporter,
     )
     reporter.finish()
+    if roles is not None:
+        sentences = len(feed.corpus.sentences)
+        importance.roles = role_groups(capture, batches, plan, roles, importance.means, sentences, reporter)
     return importance
+
+
+def role_groups(capture, batches, plan, labelled, means: np.ndarray, sentences: int, reporter: Reporter) -> list[dict]:
+    """Per role that some measured head has (but "other") and per removal mode: the role's heads removed together,
+    the delta on every predicted token and on the repeated tokens, with 95% paired bootstrap intervals."""
+    groups = {
+        role: [(int(r.layer), int(r.head)) for r in labelled[labelled["role"] == role].itertuples()]
+        for role in ROLES
+        if role != "other"
+    }
+    groups = {role: heads for role, heads in groups.items() if heads}
+    if not groups:
+        return []
+    full = np.zeros((plan.depth, plan.heads, means.shape[-1]))
+    full[list(plan.layers)] = means  # only measured layers have roles, and means
+    settings, entries = plan.settings, []
+    reporter.stage(f"each role's heads removed together ({len(groups)} roles, zero and mean)")
+    reporter.start(len(MODES) * sentences, what="role ablation")
+    for mode in MODES:
+        removal = Removal(mode, full if mode == "mean" else None)
+        losses = group_losses(
+            capture,
+            batches,
+            list(groups.values()),
+            removal,
+            scorings=SCORINGS,
+            replicas_per_forward=lambda batch: plan.replica_tokens // batch.input_ids.numel(),
+            reporter=reporter,
+        )
+        for index, (role, heads) in enumerate(groups.items()):
+            entry = {"role": role, "mode": mode, "heads": [head_name(*h) for h in heads]}
+            for scoring in SCORINGS:
+                effect = group_effect(
+                    losses, index, scoring, replicates=settings.bootstrap, seed=settings.bootstrap_seed
+                )
+                entry[scoring] = {key: _rounded(value) for key, value in effect.items()}
+            entries.append(entry)
+    reporter.finish()
+    return entries
+
+
+def _rounded(value):
+    return round(value, 6) if isinstance(value, float) else value
 
 
 def measure_importance(
@@ -215,6 +267,7 @@ def measure_importance(
         reporter.advance(len(batch.sentence_ids), batch.n_tokens)
     means = recorder.means()
     result = Importance(
+        means=means,
         mode="exact" if exact else "fast",
         clean_loss=clean / max(tokens, 1),
         predicted_tokens=tokens,
