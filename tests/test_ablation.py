@@ -226,3 +226,24 @@ def test_the_cli_never_shows_signed_attribution_as_an_ablation(redundant, tmp_pa
     assert "not an ablation" in result.output and "saturated" in result.output
     assert "the 10 heads it needs least alone" in result.output
     assert "each role's heads removed together" in result.output
+
+
+def test_each_ablate_option_changes_what_it_says(redundant):
+    loaded, sentences = redundant
+    heads = [[(0, 0), (0, 1)]]
+
+    def entry(**options):
+        return headscope.ablate(loaded, sentences, heads=heads, **options).record["groups"][0]
+
+    base = entry(mode="zero", bootstrap=50)
+    assert entry(mode="mean", bootstrap=50)["delta"] != pytest.approx(base["delta"], abs=1e-3)
+    repeats = entry(mode="zero", bootstrap=50, loss_on="repeats")
+    assert 0 < repeats["tokens"] < base["tokens"]
+    assert entry(mode="zero", bootstrap=0)["delta_ci_low"] is None
+    mean, other_seed = (entry(mode="mean", bootstrap=50, bootstrap_seed=seed) for seed in (0, 7))
+    assert other_seed["delta"] == mean["delta"] and other_seed["delta_ci_low"] != mean["delta_ci_low"]
+    cut = entry(mode="zero", bootstrap=50, max_length=3)
+    assert cut["tokens"] == 2 * len(sentences)
+    neutral = entry(mode="zero", bootstrap=50, batch_size=2, padding_side="left", max_memory=2**24)
+    assert neutral["delta"] == pytest.approx(base["delta"], abs=1e-6)
+    assert neutral["delta_ci_high"] == pytest.approx(base["delta_ci_high"], abs=1e-6)

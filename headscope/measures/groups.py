@@ -191,14 +191,9 @@ def group_losses(
         output, outputs = capture.run_keeping_layers(batch, editors=first)
         clean = token_nll(output.logits, batch)
         del output
-        per_group = {scoring: [] for scoring in scorings}
-        per_forward = max(1, replicas_per_forward(batch))
-        for first in range(0, len(groups), per_forward):
-            chunk = groups[first : first + per_forward]
-            start = min(
-                (layer for group in chunk for layer, head in group if (layer, head) not in base), default=len(outputs)
-            )
-            start = min(start, len(outputs) - 1)
+        ablated = {scoring: np.zeros((len(groups), len(batch.sentence_ids))) for scoring in scorings}
+        for start, members in _forwards(groups, base, len(outputs), max(1, replicas_per_forward(batch))):
+            chunk = [groups[index] for index in members]
             replicated = batch.replicated(len(chunk))
             editor = RemovedHeads(chunk, removal, len(batch.sentence_ids))
             handed_on = replicate(outputs[start - 1], len(chunk)) if start > 0 else None
@@ -206,19 +201,29 @@ def group_losses(
             nll = token_nll(logits, replicated).view(len(chunk), *clean.shape)  # (groups, sentences, t - 1)
             del logits
             for scoring, mask in masks.items():
-                per_group[scoring].append(torch.where(mask, nll, 0.0).double().sum(-1).cpu().numpy())
+                ablated[scoring][members] = torch.where(mask, nll, 0.0).double().sum(-1).cpu().numpy()
         for scoring, mask in masks.items():
-            ablated = np.concatenate(per_group[scoring]) if per_group[scoring] else np.zeros((0, len(mask)))
-            result.add(
-                scoring,
-                mask.sum(-1).cpu().numpy(),
-                torch.where(mask, clean, 0.0).double().sum(-1).cpu().numpy(),
-                ablated,
-            )
+            clean_sums = torch.where(mask, clean, 0.0).double().sum(-1).cpu().numpy()
+            result.add(scoring, mask.sum(-1).cpu().numpy(), clean_sums, ablated[scoring])
         result.sentence_ids.extend(batch.sentence_ids)
         if reporter is not None:
             reporter.advance(len(batch.sentence_ids), batch.n_tokens)
     return result
+
+
+def _forwards(groups, base: set, depth: int, per_forward: int) -> list[tuple[int, list[int]]]:
+    """The replicated forward passes for `groups`: (first layer to run, the groups' indices), at most `per_forward`
+    groups each, every group in a pass that starts at its own first removed layer beyond `base` (a pass that
+    started earlier would recompute clean layers for it)."""
+    starts = {}
+    for index, group in enumerate(groups):
+        extra = [layer for layer, head in group if (layer, head) not in base]
+        starts.setdefault(min(min(extra, default=depth - 1), depth - 1), []).append(index)
+    return [
+        (start, members[first : first + per_forward])
+        for start, members in sorted(starts.items())
+        for first in range(0, len(members), per_forward)
+    ]
 
 
 def group_effect(losses: GroupLosses, group: int, scoring: str, *, replicates: int, seed: int) -> dict:
