@@ -11,9 +11,10 @@ Definitions (the README has them too):
   backward pass for all heads: sum over positions of (replacement - output) . dLoss/d(output), averaged like
   the loss. With m the head's mean output, sum (m - o) . g = m . (sum g) - sum o . g, so one pass gives both.
 
-Exact ablation is batched: each batch runs once clean, keeping every decoder layer's output; then, for each
-ablated layer, the batch is replicated along the batch axis, a different (head, replacement) in each replica,
-and the layers before the ablated one are skipped (they hand on the clean output they had). Every pass goes
+Exact ablation removes each head as a group of one (measures.groups, the same passes as `headscope ablate`): each
+batch runs once clean, keeping every decoder layer's output; then, per ablated layer, the batch is replicated along
+the batch axis, a different head removed in each replica, and the layers before it are skipped (they hand on the
+clean output they had). Every pass goes
 through headscope.capture, which freezes the parameters for the gradient pass and restores them after.
 """
 
@@ -25,16 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headscope.capture import replicate
 from headscope.config import head_name
 from headscope.errors import ResourceError
 from headscope.feed import Batch, CorpusFeed
 from headscope.labels import ROLES
-from headscope.measures.groups import MODES, SCORINGS, Removal, group_effect, group_losses
+from headscope.measures.groups import MODES, SCORINGS, Removal, group_effect, group_losses, token_nll
 from headscope.memory import readable
 from headscope.reporting import Reporter
-
-LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
 
 
 def token_losses(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,19 +41,8 @@ def token_losses(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
     logits: (batch, t, vocab), the model's own. Position p predicts the token at p + 1 when both are real
     tokens, so padding (on either side) never counts.
     """
-    rows, t, vocab = logits.shape
     valid = batch.attention_mask.bool()
-    predicted = valid[:, :-1] & valid[:, 1:]  # (batch, t - 1)
-    targets = batch.input_ids[:, 1:]
-    per_chunk = max(1, LOSS_CHUNK_BYTES // max(1, 4 * t * vocab))
-    sums = []
-    for first in range(0, rows, per_chunk):
-        chunk = slice(first, first + per_chunk)
-        nll = torch.nn.functional.cross_entropy(
-            logits[chunk, :-1].float().transpose(1, 2), targets[chunk], reduction="none"
-        )  # (chunk, t - 1)
-        sums.append(torch.where(predicted[chunk], nll, 0.0).sum(-1).double())
-    return torch.cat(sums), predicted.sum(-1)
+    return token_nll(logits, batch).sum(-1).double(), (valid[:, :-1] & valid[:, 1:]).sum(-1)
 
 
 class HeadOutputs:
@@ -96,26 +83,6 @@ class HeadOutputs:
     def means(self) -> np.ndarray:
         """(layers, heads, head_dim): each head's mean output over every real position of the corpus."""
         return self.sum_output / max(self.positions, 1)
-
-
-class Ablations:
-    """An OutputEditor for replicated batches: in replica r, head heads[r] of `layer` outputs replacements[r]."""
-
-    def __init__(self, layer: int, heads: Sequence[int], replacements: torch.Tensor, rows: int) -> None:
-        """replacements: (replicas, head_dim); rows: sentences per replica."""
-        self.layer, self.heads, self.replacements, self.rows = layer, list(heads), replacements, rows
-
-    def start(self, batch: Batch) -> None:
-        pass
-
-    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        if layer != self.layer:
-            return output
-        output = output.clone()
-        for replica, head in enumerate(self.heads):
-            rows = slice(replica * self.rows, (replica + 1) * self.rows)
-            output[rows, :, head, :] = self.replacements[replica].to(output.dtype)
-        return output
 
 
 @dataclass
@@ -176,7 +143,8 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         reporter.warn("no sentence has a token to predict (each has one token or none): importance is not measured")
         return Importance.unmeasured(settings.importance, len(plan.layers), plan.heads)
     reporter.stage(f"importance ({settings.importance}): {'attribution and ablation' if exact else 'attribution'}")
-    reporter.start(len(feed.corpus.sentences) * (2 if exact else 1), what=f"importance ({settings.importance})")
+    passes = 1 + len(MODES) if exact else 1  # the gradient pass, then one ablation pass per mode
+    reporter.start(len(feed.corpus.sentences) * passes, what=f"importance ({settings.importance})")
     importance = measure_importance(
         capture,
         batches,
@@ -281,29 +249,17 @@ def measure_importance(
 
 
 def _ablate(capture, batches, layer_ids, heads, means, replicas_per_forward, reporter):
-    """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus."""
-    zero, mean = np.zeros((len(layer_ids), heads)), np.zeros((len(layer_ids), heads))
-    plan = [(head, kind) for head in range(heads) for kind in ("zero", "mean")]
-    for batch in batches():
-        output, outputs = capture.run_keeping_layers(batch)
-        clean = token_losses(output.logits, batch)[0].sum()
-        per_forward = max(1, replicas_per_forward(batch))
-        for index, layer in enumerate(layer_ids):
-            for first in range(0, len(plan), per_forward):
-                group = plan[first : first + per_forward]
-                replacements = torch.stack(
-                    [
-                        torch.zeros(means.shape[-1]) if kind == "zero" else torch.as_tensor(means[index, head])
-                        for head, kind in group
-                    ]
-                ).to(batch.input_ids.device)
-                editor = Ablations(layer, [head for head, _ in group], replacements, len(batch.sentence_ids))
-                handed_on = replicate(outputs[layer - 1], len(group)) if layer > 0 else None
-                replicated = batch.replicated(len(group))
-                logits = capture.run(replicated, editors=[editor], start_at=layer, handed_on=handed_on).logits
-                losses = token_losses(logits, replicated)[0].view(len(group), -1).sum(-1)
-                for (head, kind), loss in zip(group, losses, strict=True):
-                    target = zero if kind == "zero" else mean
-                    target[index, head] += float(loss - clean)
-        reporter.advance(len(batch.sentence_ids), batch.n_tokens)
-    return zero, mean
+    """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus: each head a group
+    of one (measures.groups), the replicas of a batch sharing its clean pass and starting at their head's layer."""
+    full = np.zeros((max(layer_ids) + 1, heads, means.shape[-1]))
+    full[list(layer_ids)] = means
+    singles = [[(layer, head)] for layer in layer_ids for head in range(heads)]
+    increases = []
+    for mode in MODES:
+        removal = Removal(mode, full if mode == "mean" else None)
+        losses = group_losses(
+            capture, batches, singles, removal, replicas_per_forward=replicas_per_forward, reporter=reporter
+        )
+        _, clean, ablated = losses.arrays("all")
+        increases.append((ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads))
+    return tuple(increases)
