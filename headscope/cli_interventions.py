@@ -23,10 +23,10 @@ from headscope.cli_support import (
     usage_errors,
     user_errors,
 )
-from headscope.measures.groups import MODES, SCORINGS
+from headscope.config import LOSS_ON, REMOVAL_MODES
 
-ModeChoice = choices("ModeChoice", MODES)
-LossOnChoice = choices("LossOnChoice", SCORINGS)
+ModeChoice = choices("ModeChoice", REMOVAL_MODES)
+LossOnChoice = choices("LossOnChoice", LOSS_ON)
 DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice("mean"), LossOnChoice("all")
 
 Mode = Annotated[
@@ -140,11 +140,13 @@ def prune(
     from headscope.config import settings_from_command_line
     from headscope.console import print_pruning
     from headscope.loading import resolve_source
+    from headscope.pruning import check_request
     from headscope.pruning import prune as run_pruning
 
     reporter, seams = _seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
+        check_request(budget, mode.value, chart_format.value if charts else None)
     with user_errors():
         out = out or Path("reports") / f"prune-{resolve_source(model).slug}"
         found = run_pruning(

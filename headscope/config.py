@@ -22,6 +22,8 @@ ENCODING_ERRORS: tuple[str, ...] = ("strict", "replace", "skip")
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 CHART_FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
 IMPORTANCE_MODES: tuple[str, ...] = ("none", "fast", "exact")
+REMOVAL_MODES: tuple[str, ...] = ("zero", "mean")  # how ablate and prune remove a head (measures.groups)
+LOSS_ON: tuple[str, ...] = ("all", "repeats")  # which predicted tokens ablate scores (measures.groups)
 COMPARE_REPLICATES = 500  # paired bootstrap replicates of `compare`
 SINK_THRESHOLD = 0.3  # a row is a sink row when its mass on the first token exceeds this (Gu et al. 2024)
 # float32 logits of one block of query rows; a layer's attention larger than this is reduced block by block

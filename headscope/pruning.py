@@ -70,12 +70,7 @@ def prune(
     format, or None; options / config: the RunConfig fields it reads (as `ablate`)."""
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
-    if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
-        raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
-    if mode not in MODES:
-        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
-    if charts is not None and charts not in CHART_FORMATS:
-        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
+    check_request(budget, mode, charts)
     corpus = read_run_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
     protected = inputs_of(source, corpus)
@@ -104,6 +99,16 @@ def prune(
         if "prune" in folders:
             _write(folders["prune"].path, record, mask, charts, reporter)
     return Pruning(record, mask, folder=folders["prune"].target if "prune" in folders else None)
+
+
+def check_request(budget, mode: str, charts: str | None) -> None:
+    """Refuse a budget, mode or chart format that cannot be, before anything loads."""
+    if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
+        raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
+    if mode not in MODES:
+        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
+    if charts is not None and charts not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
 
 
 def _search(lm: LossModel, budget: float, mode: str, reporter: Reporter) -> tuple[PruneResult, np.ndarray | None]:

@@ -144,7 +144,7 @@ def test_mean_pruning_a_llama_folds_the_means_into_new_biases(tmp_path, corpus_l
 )
 def test_prune_refuses_bad_options_before_loading(args, fragments, tmp_path):
     result = run_cli("prune", "gpt2", *args, "--out", str(tmp_path / "p"), loader=refuse_to_load)
-    assert_one_line_error(result, *fragments, code=2 if "--mode" in args else 1)
+    assert_one_line_error(result, *fragments, code=2)
 
 
 def test_prune_refuses_one_folder_for_both_outputs(tmp_path):

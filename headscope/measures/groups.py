@@ -27,13 +27,14 @@ import numpy as np
 import torch
 
 from headscope.capture import replicate
+from headscope.config import LOSS_ON, REMOVAL_MODES
 from headscope.feed import Batch
 from headscope.reporting import Reporter
 from headscope.stats import percentile_interval, poisson_weights
 
 Head = tuple[int, int]  # (layer, head)
-SCORINGS = ("all", "repeats")
-MODES = ("zero", "mean")
+SCORINGS = LOSS_ON
+MODES = REMOVAL_MODES
 LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
 
 
