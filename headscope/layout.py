@@ -82,6 +82,7 @@ class Kind:
     record: str  # the file that says a folder is of this kind, written by headscope
     files: tuple[str, ...]  # every other file it may hold
     charts: tuple[str, ...] = ()  # chart names, in any of CHART_FORMATS
+    option: str = "--out"  # the option that names such a folder, as messages say it
 
     def holds(self, name: str) -> bool:
         stem, _, extension = name.rpartition(".")
@@ -95,7 +96,7 @@ KINDS = {
     "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE)),
     "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
     "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE,), PRUNE_CHARTS),
-    "model": Kind("a model headscope pruned", PRUNED_MODEL_RECORD, CHECKPOINT_FILES),
+    "model": Kind("a headscope pruned model", PRUNED_MODEL_RECORD, CHECKPOINT_FILES, option="--save-model"),
 }
 
 

@@ -77,18 +77,19 @@ def resolved(path: Path | str) -> Path:
 def check_target(target: Path, *, kind: str, overwrite: bool, protected: Mapping[str, Path] | None = None) -> None:
     """Refuse an output folder headscope must not write (see the module's rules). `target` is resolved;
     `protected` maps a description ("the model", "the corpus") to a path that must survive the run."""
+    option = KINDS[kind].option
     if target.parent == target:
-        raise OutputError(f"--out {target} is the root of the file system; name a folder for the output")
+        raise OutputError(f"{option} {target} is the root of the file system; name a folder for the output")
     cwd = resolved(Path.cwd())
     if target == cwd or target in cwd.parents:
         raise OutputError(
-            f"--out {target} is the current folder or holds it; headscope replaces its output folder as a "
-            f"whole, so name a folder inside it (e.g. --out {target / 'report'})"
+            f"{option} {target} is the current folder or holds it; headscope replaces its output folder as a "
+            f"whole, so name a folder inside it (e.g. {option} {target / 'report'})"
         )
     for what, path in (protected or {}).items():
         path = resolved(path)
         if path == target or target in path.parents:
-            raise OutputError(f"--out {target} holds {what} ({path}); choose another output folder")
+            raise OutputError(f"{option} {target} holds {what} ({path}); choose another output folder")
     if target.exists() and not target.is_dir():
         raise OutputError(f"output path {target} exists and is not a folder")
     if not target.is_dir():
@@ -101,7 +102,7 @@ def check_target(target: Path, *, kind: str, overwrite: bool, protected: Mapping
     if reason is not None:
         raise OutputError(
             f"output folder {target} is not {KINDS[kind].name} ({reason}); --overwrite replaces only "
-            f"{KINDS[kind].name}, so choose another --out"
+            f"{KINDS[kind].name}, so choose another {option}"
         )
     if not empty and not overwrite:
         raise OutputError(f"output folder {target} holds {KINDS[kind].name}; pass --overwrite to replace it")
@@ -192,7 +193,7 @@ class StagedDirectory:
                 if busy or (self.path.is_dir() and _held(self.path)):
                     raise OutputError(
                         f"another headscope run is writing {self.target} (its work folder {(busy or [self.path])[0]} "
-                        "is in use); wait for it to finish or choose another --out"
+                        f"is in use); wait for it to finish or choose another {KINDS[self.kind].option}"
                     )
                 if self.path.exists() and not (self.path.is_dir() and _ours(self.path, self.target)):
                     raise OutputError(f"{self.path} is in the way and headscope did not make it; move it away")

@@ -162,3 +162,37 @@ def test_prune_through_the_cli(redundant, tmp_path):
     assert result.exit_code == 0, result.output
     assert "removed 7 of 8 heads" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["head_mask.parquet", "prune.json"]
+
+
+@pytest.mark.parametrize("state", ["users", "ablation"])
+@pytest.mark.parametrize("target", ["prune --out", "prune --save-model", "ablate --out"])
+def test_ablate_and_prune_never_replace_what_they_did_not_make(redundant, tmp_path, state, target):
+    from helpers import snapshot
+
+    loaded, sentences = redundant
+    corpus = tmp_path / "repeats.txt"
+    corpus.write_text("\n".join(sentences[:6]) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    if state == "users":
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # a name a checkpoint holds, but the user's
+        (out / "notes.md").write_text("mine\n")
+    else:
+        assert (
+            run_cli("ablate", loaded.source.location, "--heads", "0.0", "--corpus", corpus, "--out", out).exit_code == 0
+        )
+    model = str(loaded.source.location)
+    args = {
+        "prune --out": ["prune", model, "--budget", "0.01", "--out", out],
+        "prune --save-model": ["prune", model, "--budget", "0.01", "--out", tmp_path / "p", "--save-model", out],
+        "ablate --out": ["ablate", model, "--heads", "0.1", "--out", out],
+    }[target]
+    before = snapshot(tmp_path)
+    result = run_cli(*args, "--corpus", corpus, "--overwrite")
+    if state == "ablation" and target == "ablate --out":
+        assert result.exit_code == 0, result.output  # its own kind, with --overwrite
+        assert json.loads((out / "ablation.json").read_text())["groups"][0]["heads"] == ["0.1"]
+        return
+    assert_one_line_error(result, "is not a headscope")
+    assert snapshot(tmp_path) == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
