@@ -42,7 +42,7 @@ def token_losses(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
     tokens, so padding (on either side) never counts.
     """
     valid = batch.attention_mask.bool()
-    return token_nll(logits, batch).sum(-1).double(), (valid[:, :-1] & valid[:, 1:]).sum(-1)
+    return token_nll(logits, batch).sum(-1), (valid[:, :-1] & valid[:, 1:]).sum(-1)
 
 
 class HeadOutputs:
