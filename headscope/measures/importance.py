@@ -143,7 +143,7 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         reporter.warn("no sentence has a token to predict (each has one token or none): importance is not measured")
         return Importance.unmeasured(settings.importance, len(plan.layers), plan.heads)
     reporter.stage(f"importance ({settings.importance}): {'attribution and ablation' if exact else 'attribution'}")
-    passes = 1 + len(MODES) if exact else 1  # the gradient pass, then one ablation pass per mode
+    passes = 2 if exact else 1  # the gradient pass, then the ablation pass
     reporter.start(len(feed.corpus.sentences) * passes, what=f"importance ({settings.importance})")
     importance = measure_importance(
         capture,
@@ -253,13 +253,11 @@ def _ablate(capture, batches, layer_ids, heads, means, replicas_per_forward, rep
     of one (measures.groups), the replicas of a batch sharing its clean pass and starting at their head's layer."""
     full = np.zeros((max(layer_ids) + 1, heads, means.shape[-1]))
     full[list(layer_ids)] = means
-    singles = [[(layer, head)] for layer in layer_ids for head in range(heads)]
-    increases = []
-    for mode in MODES:
-        removal = Removal(mode, full if mode == "mean" else None)
-        losses = group_losses(
-            capture, batches, singles, removal, replicas_per_forward=replicas_per_forward, reporter=reporter
-        )
-        _, clean, ablated = losses.arrays("all")
-        increases.append((ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads))
-    return tuple(increases)
+    singles = [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in MODES]
+    removals = [Removal(mode, full if mode == "mean" else None) for mode in MODES] * (len(singles) // len(MODES))
+    losses = group_losses(
+        capture, batches, singles, removals, replicas_per_forward=replicas_per_forward, reporter=reporter
+    )
+    _, clean, ablated = losses.arrays("all")
+    increases = (ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads, len(MODES))
+    return tuple(increases[..., MODES.index(mode)] for mode in ("zero", "mean"))
