@@ -215,6 +215,9 @@ def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_pa
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        # A shell's background job (nohup ... &) starts with SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt: give the child the default disposition, as a terminal's foreground job has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not hidden_leftovers(tmp_path) and time.monotonic() < deadline:  # the staging folder appears
