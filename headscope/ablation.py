@@ -12,7 +12,6 @@ Every group shares each batch's clean pass (measures.ablation.group_losses).
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +19,14 @@ from pathlib import Path
 import pandas as pd
 
 from headscope.config import RunConfig, head_name, run_settings
-from headscope.corpus import Corpus
+from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError
-from headscope.intervening import check_heads, inputs_of, loss_model, read_run_corpus
+from headscope.intervening import check_heads, loss_model, record_header
 from headscope.labels import ROLES
-from headscope.layout import ABLATION_RECORD, SCHEMA_VERSION
-from headscope.loading import LoadedModel, Loader, load_for_run, resolve_source
+from headscope.layout import ABLATION_RECORD
+from headscope.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
 from headscope.measures.groups import MODES, SCORINGS, Head, group_effect
 from headscope.output import StagedDirectory, check_target, resolved
-from headscope.placement import dtype_name
 from headscope.record import versions
 from headscope.reporting import NullReporter, Reporter
 from headscope.tables import write_json
@@ -83,9 +81,9 @@ def ablate(
     groups = [Group(",".join(head_name(*h) for h in sorted(set(g))), tuple(sorted(set(g)))) for g in heads]
     if report is not None:
         groups += role_groups(report, roles, each_role)
-    corpus = read_run_corpus(corpus, settings)
+    corpus = as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    protected = inputs_of(source, corpus, Path(report) if report is not None else None)
+    protected = protected_inputs(source, corpus, Path(report) if report is not None else None)
     if out is not None:
         check_target(resolved(out), kind="ablation", overwrite=overwrite, protected=protected)
         work = StagedDirectory(Path(out), kind="ablation", overwrite=overwrite, protected=protected)
@@ -152,12 +150,7 @@ def _record(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig
             | effect
         )
     return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
-        "corpus": {"path": str(corpus.path), "sentences": len(corpus.sentences)},
-        "device": str(loaded.device),
-        "dtype": dtype_name(loaded.dtype),
+        **record_header(loaded, corpus),
         "mode": mode,
         "loss_on": loss_on,
         "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},

@@ -259,3 +259,14 @@ def corpus_from_texts(texts: list[str], *, name: str = "<texts>") -> Corpus:
         raise CorpusError("the list of texts holds no non-blank sentence")
     digest = hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()
     return Corpus(path=Path(name), sha256=digest, sentences=sentences, blank_skipped=blank)
+
+
+def as_corpus(corpus, settings) -> Corpus:
+    """What every command takes as a corpus, as a Corpus: a Corpus, a list of sentences, a file path, or None (the
+    shipped corpus); a file is read with the settings' (a RunConfig's) text column and encoding rule."""
+    if isinstance(corpus, Corpus):
+        return corpus
+    if isinstance(corpus, list):
+        return corpus_from_texts(corpus)
+    path = corpus if corpus is not None else default_corpus_path()
+    return read_corpus(path, text_column=settings.text_column, encoding_errors=settings.encoding_errors)

@@ -28,12 +28,12 @@ import pyarrow.parquet as pq
 from headscope.capture import attached
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import RoleThresholds, RunConfig, head_name, run_settings
-from headscope.corpus import Corpus, default_corpus_path, read_corpus
+from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError
 from headscope.feed import CorpusFeed, char_limit, collate, token_texts, tokenize_sentences
 from headscope.labels import ROLES
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, SCHEMA_VERSION, TOKENS_FILE
-from headscope.loading import LoadedModel, Loader, load_for_run, model_files, open_model, resolve_source
+from headscope.loading import LoadedModel, Loader, load_for_run, open_model, protected_inputs, resolve_source
 from headscope.measures.heads import (
     HeadAttention,
     by_layer,
@@ -43,10 +43,9 @@ from headscope.measures.heads import (
     write_pairs,
 )
 from headscope.measures.probes import check_probes, run_probes
-from headscope.memory import default_budget
 from headscope.output import StagedDirectory, check_target, resolved
 from headscope.placement import dtype_name
-from headscope.plan import Plan, resolve_plan
+from headscope.plan import Plan, plan_for_model
 from headscope.record import versions
 from headscope.reporting import NullReporter, Reporter
 from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
@@ -115,12 +114,12 @@ def inspect(
     reporter = reporter or NullReporter()
     role_thresholds = role_thresholds or RoleThresholds()
     check_request(texts, sentences, probes, heads, roles, report)
-    corpus = _corpus(corpus, settings) if sentences else None
+    corpus = as_corpus(corpus, settings) if sentences else None
     if corpus is not None:
         _check_sentences(sentences, corpus)
     labelled = _report_roles(report) if report is not None else None
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    protected = _inputs(source, corpus)
+    protected = protected_inputs(source, corpus)
     if out is not None:
         check_target(resolved(out), kind="inspection", overwrite=overwrite, protected=protected)
         work = StagedDirectory(Path(out), kind="inspection", overwrite=overwrite, protected=protected)
@@ -130,13 +129,7 @@ def inspect(
         else:  # in memory: written to a scratch folder, read back, then gone
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-inspect-")))
         loaded = open_model(stack, model, source, settings, loader, reporter)
-        plan = resolve_plan(
-            settings,
-            loaded.model.config,
-            dtype=loaded.dtype,
-            device_type=loaded.device.type,
-            budget=settings.max_memory or default_budget(loaded.device),
-        )
+        plan = plan_for_model(settings, loaded)
         chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
             chosen, known, roles_from = _heads(
@@ -186,13 +179,6 @@ def check_request(texts, sentences, probes, heads, roles, report) -> None:
         )
 
 
-def _corpus(corpus, settings: RunConfig) -> Corpus:
-    if isinstance(corpus, Corpus):
-        return corpus
-    path = corpus if corpus is not None else default_corpus_path()
-    return read_corpus(path, text_column=settings.text_column, encoding_errors=settings.encoding_errors)
-
-
 def _check_sentences(sentences: Sequence[int], corpus: Corpus) -> None:
     count = len(corpus.sentences)
     beyond = [i for i in sentences if not 0 <= i < count]
@@ -205,14 +191,6 @@ def _report_roles(report) -> pd.DataFrame:
 
     labelled = Report.open(report).heads
     return labelled[["layer", "head", "role"]]
-
-
-def _inputs(source, corpus: Corpus | None) -> dict[str, Path]:
-    inputs = {"the corpus": corpus.path} if corpus is not None and corpus.path.exists() else {}
-    files = model_files(source)
-    if files is not None:
-        inputs["the model"] = files
-    return inputs
 
 
 def _texts(tokenizer, plan: Plan, texts, corpus, sentences, probes) -> list[Text]:

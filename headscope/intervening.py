@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +21,15 @@ import torch
 
 from headscope.capture import Capture, attached
 from headscope.config import RunConfig, head_name
-from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
+from headscope.corpus import Corpus
 from headscope.errors import ConfigError
 from headscope.feed import Batch, CorpusFeed
-from headscope.loading import LoadedModel, Loader, model_files, open_model
+from headscope.layout import SCHEMA_VERSION
+from headscope.loading import LoadedModel, Loader, open_model
 from headscope.measures.groups import GroupLosses, Head, HeadMeans, Removal, RemovedHeads, group_losses
 from headscope.measures.importance import HeadOutputs, check_importance_fits, token_losses
-from headscope.memory import default_budget
-from headscope.plan import Plan, resolve_plan
+from headscope.placement import dtype_name
+from headscope.plan import Plan, plan_for_model
 from headscope.reporting import Reporter
 
 
@@ -116,13 +118,7 @@ def loss_model(
         raise ConfigError(f"{what} needs the model's LM head: load it with headscope.load_model(..., lm_head=True)")
     # The loaders load the LM head for any importance setting; this command scores the loss, so it needs it.
     loaded = open_model(stack, model, source, dataclasses.replace(settings, importance="exact"), loader, reporter)
-    plan = resolve_plan(
-        settings,
-        loaded.model.config,
-        dtype=loaded.dtype,
-        device_type=loaded.device.type,
-        budget=settings.max_memory or default_budget(loaded.device),
-    )
+    plan = plan_for_model(settings, loaded)
     chunk = max(1, len(corpus.sentences))  # one chunk: every pass reads the whole corpus again
     feed = CorpusFeed(corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
     check_importance_fits(feed, plan, what)
@@ -154,27 +150,6 @@ def plain_loss(folder: Path, lm: LossModel) -> float:
     return total / max(tokens, 1)
 
 
-def read_run_corpus(corpus, settings: RunConfig) -> Corpus:
-    """A Corpus, a list of sentences, a file path, or None (the shipped corpus) as a Corpus."""
-    if isinstance(corpus, Corpus):
-        return corpus
-    if isinstance(corpus, list):
-        return corpus_from_texts(corpus)
-    path = corpus if corpus is not None else default_corpus_path()
-    return read_corpus(path, text_column=settings.text_column, encoding_errors=settings.encoding_errors)
-
-
-def inputs_of(source, corpus: Corpus, report: Path | None = None) -> dict[str, Path]:
-    """The files a command reads, which its output folder must never replace."""
-    inputs = {"the corpus": corpus.path} if corpus.path.exists() else {}
-    if report is not None:
-        inputs["the report"] = Path(report)
-    files = model_files(source)
-    if files is not None:
-        inputs["the model"] = files
-    return inputs
-
-
 def check_heads(heads: Sequence[Head], plan: Plan, option: str = "--heads") -> None:
     for layer, head in heads:
         if layer >= plan.depth or head >= plan.heads:
@@ -182,3 +157,15 @@ def check_heads(heads: Sequence[Head], plan: Plan, option: str = "--heads") -> N
                 f"{option} names {head_name(layer, head)}; the model has layers 0-{plan.depth - 1} with heads "
                 f"0-{plan.heads - 1}"
             )
+
+
+def record_header(loaded: LoadedModel, corpus: Corpus) -> dict:
+    """What ablation.json and prune.json open with: schema, time, model, corpus, device and dtype."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
+        "corpus": {"path": str(corpus.path), "sentences": len(corpus.sentences)},
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+    }

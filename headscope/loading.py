@@ -293,6 +293,18 @@ def model_files(source: ModelSource) -> Path | None:
     return Path(source.location) / source.gguf_file if source.gguf_file else Path(source.location)
 
 
+def protected_inputs(source: ModelSource, corpus=None, report: Path | None = None) -> dict[str, Path]:
+    """The files a command reads (the model's, the corpus, a report), which its output folder must never replace:
+    description -> path, for output.check_target."""
+    inputs = {"the corpus": corpus.path} if corpus is not None and corpus.path.exists() else {}
+    if report is not None:
+        inputs["the report"] = Path(report)
+    files = model_files(source)
+    if files is not None:
+        inputs["the model"] = files
+    return inputs
+
+
 def check_causal_lm(config, display: str) -> None:
     """Refuse models whose attention we cannot measure as causal self-attention."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -26,7 +26,7 @@ from headscope.assemble import labelled_heads, write_tables
 from headscope.capture import attached
 from headscope.checkpoint import PartFiles, Progress
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, run_settings
-from headscope.corpus import Corpus, corpus_from_texts, default_corpus_path, read_corpus
+from headscope.corpus import Corpus, as_corpus
 from headscope.corpus_pass import measure_corpus
 from headscope.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
 from headscope.errors import ConfigError, OutputError
@@ -35,20 +35,18 @@ from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.loading import (
     LoadedModel,
     Loader,
-    ModelSource,
     load_for_run,
-    model_files,
     open_model,
     pick_device,
+    protected_inputs,
 )
 from headscope.loading import resolve_source as resolve_model
 from headscope.measures.example import example_views
 from headscope.measures.importance import check_importance_fits, run_importance
 from headscope.measures.probes import check_probes, run_probes
-from headscope.memory import default_budget
 from headscope.output import StagedDirectory, check_target, resolved
 from headscope.placement import check_offload_folder
-from headscope.plan import Plan, resized, resolve_plan
+from headscope.plan import Plan, plan_for_model, resized
 from headscope.record import Timings, fingerprint
 from headscope.report.report import Report
 from headscope.reporting import NullReporter, Reporter
@@ -97,10 +95,10 @@ def analyze(
         settings = dataclasses.replace(settings, device=rank_device(ranks, settings.device))
         reporter = reporter if ranks.main else NullReporter()  # one progress bar, one summary
     # Everything that can be refused without the model is refused before it loads (which can take minutes).
-    corpus = _as_corpus(corpus, settings)
+    corpus = as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_model(model)
     if out is not None:  # every rank checks: a refusal stops them all at once, before any of them waits
-        check_target(resolved(out), kind="report", overwrite=overwrite, protected=_inputs(source, corpus))
+        check_target(resolved(out), kind="report", overwrite=overwrite, protected=protected_inputs(source, corpus))
     if not isinstance(model, LoadedModel):
         within = {"--out": Path(out)} if out is not None else {}
         if source.kind != "hub":
@@ -108,7 +106,7 @@ def analyze(
         check_offload_folder(settings.offload_folder, within=within, equal={"the corpus's folder": corpus.path.parent})
     if out is not None and ranks.main:
         work = StagedDirectory(
-            Path(out), kind="report", overwrite=overwrite, resumable=resume, protected=_inputs(source, corpus)
+            Path(out), kind="report", overwrite=overwrite, resumable=resume, protected=protected_inputs(source, corpus)
         )
     timings = Timings()
 
@@ -197,10 +195,11 @@ def _together(ranks: Ranks, step: Callable):
 
 def _plan(loaded: LoadedModel, settings: RunConfig, ranks: Ranks) -> Plan:
     """The run's plan; in a data-parallel run, batched as rank 0's (batches decide the order of float sums)."""
-    facts = {"dtype": loaded.dtype, "device_type": loaded.device.type}
-    budget = settings.max_memory or default_budget(loaded.device)
-    plan = resolve_plan(settings, loaded.model.config, budget=budget, **facts)
-    return resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, **facts) if ranks.parallel else plan
+    plan = plan_for_model(settings, loaded)
+    if not ranks.parallel:
+        return plan
+    return resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, dtype=loaded.dtype,
+                   device_type=loaded.device.type)  # fmt: skip
 
 
 def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Reporter):
@@ -227,24 +226,6 @@ def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Report
     return progress, running, plan
 
 
-def _inputs(source: ModelSource, corpus: Corpus) -> dict[str, Path]:
-    """The files a run reads, which its output folder must never replace."""
-    inputs = {"the corpus": corpus.path} if corpus.path.exists() else {}
-    files = model_files(source)
-    if files is not None:
-        inputs["the model"] = files
-    return inputs
-
-
 def _report_cleaned(stage: StagedDirectory, reporter: Reporter) -> None:
     while stage.cleaned:
         reporter.note(f"removed {stage.cleaned.pop(0)}, left behind by an interrupted run")
-
-
-def _as_corpus(corpus, settings: RunConfig) -> Corpus:
-    if isinstance(corpus, Corpus):
-        return corpus
-    if isinstance(corpus, list):
-        return corpus_from_texts(corpus)
-    path = corpus if corpus is not None else default_corpus_path()
-    return read_corpus(path, text_column=settings.text_column, encoding_errors=settings.encoding_errors)

@@ -23,6 +23,7 @@ from headscope.errors import ConfigError, ResourceError
 from headscope.memory import (
     MAX_AUTO_SENTENCES,
     bytes_per_token,
+    default_budget,
     host_free_memory,
     importance_bytes_per_token,
     readable,
@@ -182,6 +183,15 @@ def resolve_plan(settings: RunConfig, model_config, *, dtype: torch.dtype, devic
         ),
         importance=Batching(sentences, max(1, int(IMPORTANCE_SHARE * budget) // with_grad)),
         replica_tokens=max(1, int(IMPORTANCE_SHARE * budget) // without_grad),
+    )
+
+
+def plan_for_model(settings: RunConfig, loaded) -> Plan:
+    """The plan for `settings` on a loaded model (headscope.loading.LoadedModel), within settings.max_memory or,
+    by default, half the memory its device has free."""
+    budget = settings.max_memory or default_budget(loaded.device)
+    return resolve_plan(
+        settings, loaded.model.config, dtype=loaded.dtype, device_type=loaded.device.type, budget=budget
     )
 
 

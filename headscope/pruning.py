@@ -11,7 +11,6 @@ the output     prune.json (heads in removal order, clean and verified pruned los
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import math
 import time
 from dataclasses import dataclass
@@ -22,15 +21,14 @@ import pandas as pd
 
 from headscope.ablation import SETTINGS_USED
 from headscope.config import CHART_FORMATS, RunConfig, head_name, run_settings
-from headscope.corpus import Corpus
+from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError, OutputError
-from headscope.intervening import LossModel, inputs_of, loss_model, plain_loss, read_run_corpus
+from headscope.intervening import LossModel, loss_model, plain_loss, record_header
 from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
-from headscope.loading import LoadedModel, Loader, load_for_run, resolve_source
+from headscope.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
 from headscope.measures.groups import MODES
 from headscope.measures.prune_search import PruneResult, prune_search
 from headscope.output import StagedDirectory, atomic_path, check_target, resolved
-from headscope.placement import dtype_name
 from headscope.record import versions
 from headscope.reporting import NullReporter, Reporter
 from headscope.tables import write_json
@@ -71,9 +69,9 @@ def prune(
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
     check_request(budget, mode, charts)
-    corpus = read_run_corpus(corpus, settings)
+    corpus = as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    protected = inputs_of(source, corpus)
+    protected = protected_inputs(source, corpus)
     targets = {"prune": out, "model": save_model}
     if out is not None and save_model is not None and resolved(out) == resolved(save_model):
         raise ConfigError("--out and --save-model name the same folder; the pruned model needs a folder of its own")
@@ -155,12 +153,7 @@ def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
 def _record(lm: LossModel, corpus: Corpus, result: PruneResult, settings: RunConfig, mode: str, seconds) -> dict:
     loaded = lm.loaded
     return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
-        "corpus": {"path": str(corpus.path), "sentences": len(corpus.sentences)},
-        "device": str(loaded.device),
-        "dtype": dtype_name(loaded.dtype),
+        **record_header(loaded, corpus),
         "mode": mode,
         "budget": result.budget,
         "clean_loss": result.clean_loss,
