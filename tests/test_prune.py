@@ -196,3 +196,9 @@ def test_ablate_and_prune_never_replace_what_they_did_not_make(redundant, tmp_pa
     assert_one_line_error(result, "is not a headscope")
     assert snapshot(tmp_path) == before
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_prune_draws_its_curve_in_the_format_asked(redundant, tmp_path):
+    loaded, sentences = redundant
+    headscope.prune(loaded, sentences[:8], budget=0.01, mode="zero", out=tmp_path / "p", charts="svg")
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["head_mask.parquet", "prune.json", "prune_curve.svg"]
