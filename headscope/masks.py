@@ -75,3 +75,55 @@ def key_visibility(
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask eager attention functions add to their scores: 0 where visible, the minimum elsewhere."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+class TileVisibility:
+    """Which keys query rows may see, asked tile by tile or key by key (the fused path never builds a row's
+    whole visibility at once).
+
+    mask: what the attention function received (see `key_visibility`); None is plain causal attention without
+    padding. Rows are (rows,) long query positions, increasing.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor | None) -> None:
+        self.mask = attention_mask
+
+    def _mask_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(batch or 1, 1, rows, kv) bool: the mask's rows `rows`."""
+        return visible_keys(_rows_of(self.mask, rows))
+
+    def tile(self, rows: torch.Tensor, keys: slice) -> tuple[bool, torch.Tensor | None]:
+        """(does any row see any key of the tile, which keys are hidden: a (batch or 1, 1, 1, rows, keys) bool, True =
+        hidden; or, for plain causal attention, a (rows,) long of the last key each row sees counted from the
+        tile's first; or None when every row sees every key)."""
+        if self.mask is None:
+            if keys.start > int(rows[-1]):
+                return False, None
+            if keys.stop - 1 <= int(rows[0]):
+                return True, None
+            return True, rows - keys.start  # causal: row r sees the tile's first r - start + 1 keys
+        visible = self._mask_rows(rows)[..., keys]
+        if not bool(visible.any()):
+            return False, None
+        if bool(visible.all()):
+            return True, None
+        return True, ~visible[:, :, None]
+
+    def points(self, rows: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """May row r see key `key_positions[b, r, j]`? (batch, 1, rows, j) bool; positions outside the sequence
+        are not visible."""
+        if self.mask is None:
+            seen = (key_positions >= 0) & (key_positions <= rows[None, :, None])
+            return seen[:, None]
+        mask_rows = self._mask_rows(rows)  # (batch or 1, 1, rows, kv)
+        keys = mask_rows.shape[-1]
+        inside = (key_positions >= 0) & (key_positions < keys)
+        index = key_positions.clamp(0, keys - 1)[:, None]  # (batch, 1, rows, j)
+        mask_rows = mask_rows.expand(index.shape[0], -1, -1, -1)
+        return mask_rows.gather(-1, index) & inside[:, None]
+
+    def counts(self, rows: torch.Tensor) -> torch.Tensor:
+        """(batch or 1, 1, rows) long: how many keys each row may see."""
+        if self.mask is None:
+            return (rows + 1)[None, None]
+        return self._mask_rows(rows).sum(-1)

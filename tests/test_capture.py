@@ -60,7 +60,7 @@ def test_a_new_measure_rides_beside_the_statistics(two_loads, corpus_lines, bloc
         capture.run(batch, measures=[alone])
         capture.run(batch, measures=[beside, peer])
         paths = set(capture.paths.values())
-    assert ("blockwise" in " ".join(paths)) == (block_bytes == TINY_BLOCKS)
+    assert ("fused" in " ".join(paths)) == (block_bytes == TINY_BLOCKS)
     torch.testing.assert_close(beside.finish(), alone.finish(), rtol=0, atol=0)  # the peer changes nothing
     heads = loaded.architecture["heads"]
     tokens = torch.tensor([len(row) for row in ids], dtype=torch.float32)
@@ -79,7 +79,9 @@ def test_every_attach_checks_its_model_afresh(two_loads, corpus_lines):
         with attached(loaded.model, block_bytes=TINY_BLOCKS) as capture:
             assert capture.paths == {}  # nothing known yet
             capture.run(batch, measures=[measure])
-            assert set(capture.paths.values()) == {"blockwise (sdpa output, probabilities by blocks of query rows)"}
+            assert set(capture.paths.values()) == {
+                "fused (row statistics in one pass over tiles of keys; output from sdpa)"
+            }
         results.append(measure.finish())
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
     torch.testing.assert_close(results[2], results[0], rtol=0, atol=0)

@@ -26,22 +26,22 @@ def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
 
 
 @pytest.mark.slow
-def test_blockwise_path_matches_eager_path_on_smollm2(smollm2, shipped_corpus):
+def test_fused_path_matches_eager_path_on_smollm2(smollm2, shipped_corpus):
     eager = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, charts=None)
-    blockwise = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, block_bytes=TINY_BLOCKS)
+    fused = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, block_bytes=TINY_BLOCKS)
     assert "eager" in eager.run["attention_implementation"]["LlamaAttention"]
-    assert "blockwise" in blockwise.run["attention_implementation"]["LlamaAttention"]
-    assert_same_heads(blockwise.heads, eager.heads)
+    assert "fused" in fused.run["attention_implementation"]["LlamaAttention"]
+    assert_same_heads(fused.heads, eager.heads)
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_blockwise_path_on_gpt2_with_either_padding(planted_gpt2, corpus_lines, padding_side):
+def test_fused_path_on_gpt2_with_either_padding(planted_gpt2, corpus_lines, padding_side):
     eager = headscope.analyze(str(planted_gpt2), corpus_lines[:30], sentence_heads=False)
-    blockwise = headscope.analyze(
+    fused = headscope.analyze(
         str(planted_gpt2), corpus_lines[:30], block_bytes=TINY_BLOCKS, padding_side=padding_side, batch_size=7
     )
-    assert "blockwise" in blockwise.run["attention_implementation"]["GPT2Attention"]
-    assert_same_heads(blockwise.heads, eager.heads)
+    assert "fused" in fused.run["attention_implementation"]["GPT2Attention"]
+    assert_same_heads(fused.heads, eager.heads)
 
 
 def test_layer_selection_measures_only_those_layers(planted_gpt2, corpus_lines):
@@ -123,12 +123,17 @@ def gemma2_folder(tmp_path_factory, corpus_lines):
     return tiny_model_folder(tmp_path_factory.mktemp("gemma2"), config, Gemma2Model, corpus_lines, sharpen)
 
 
-def test_model_specific_attention_stays_on_its_own_eager_function(gemma2_folder, corpus_lines):
+def test_softcapped_sliding_window_model_takes_the_fused_path(gemma2_folder, corpus_lines):
+    """Gemma 2's eager function softcaps the logits and its mask slides: the fused pass equals the model's own
+    attention weights, and headscope's eager path, on every statistic (grouped KV heads too: 4 on 2)."""
     from transformers import AutoModel, AutoTokenizer
 
     sentences = corpus_lines[:25]
     result = headscope.analyze(str(gemma2_folder), sentences, block_bytes=TINY_BLOCKS, sentence_heads=False)
-    assert "eager" in result.run["attention_implementation"]["Gemma2Attention"]
+    assert "fused" in result.run["attention_implementation"]["Gemma2Attention"]
+    eager = headscope.analyze(str(gemma2_folder), sentences, sentence_heads=False, charts=None)
+    assert "eager" in eager.run["attention_implementation"]["Gemma2Attention"]
+    assert_same_heads(result.heads, eager.heads)
     tokenizer = AutoTokenizer.from_pretrained(gemma2_folder)
     model = AutoModel.from_pretrained(gemma2_folder, attn_implementation="eager").eval()
     per_layer: list[list[np.ndarray]] = [[], []]
@@ -143,6 +148,17 @@ def test_model_specific_attention_stays_on_its_own_eager_function(gemma2_folder,
         got = result.heads[result.heads["layer"] == layer].sort_values("head")
         for name in ("entropy", "diagonal", "sink", "prev_token", "max_weight"):
             np.testing.assert_allclose(got[name], expected[name], atol=1e-5, err_msg=f"{layer} {name}")
+
+
+def test_a_model_with_its_own_attention_maths_stays_on_its_eager_function(tmp_path, corpus_lines):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
+    )
+    folder = tiny_model_folder(tmp_path / "neox", config, GPTNeoXForCausalLM, corpus_lines)
+    result = headscope.analyze(str(folder), corpus_lines[:10], block_bytes=TINY_BLOCKS, sentence_heads=False)
+    assert result.run["attention_implementation"] == {"GPTNeoXAttention": "eager (the model's own attention function)"}
 
 
 def test_the_example_attention_stays_small_when_every_sentence_is_long(planted_gpt2, corpus_lines):

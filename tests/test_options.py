@@ -252,7 +252,7 @@ def neutral(**options):
 
 def check_block_bytes(planted, texts, baseline, tmp_path):
     report = headscope.analyze(str(planted), texts, block_bytes=4096, **FAST)
-    assert "blockwise" in " ".join(report.run["attention_implementation"].values())
+    assert "fused" in " ".join(report.run["attention_implementation"].values())
     assert_same_numbers(report, baseline, atol=1e-5)
 
 

@@ -35,6 +35,7 @@ from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, RATIOS, STATS
 from headscope.config import SINK_THRESHOLD
 from headscope.errors import ModelLoadError
 from headscope.feed import Batch
+from headscope.fused import RowValues
 
 
 class AttentionStatistics:
@@ -91,6 +92,20 @@ class AttentionStatistics:
             sums = head_row_sums(block.weights, mass_tolerance=tolerance, **common)
         else:
             sums = head_row_sums_from_logits(block.logits, **common)
+        self._add(layer, sums)
+
+    def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
+        """A whole layer's per-row values from the fused pass (headscope.fused), computed with our `window`."""
+        sums = head_row_sums_from_values(
+            values,
+            query_valid=query_valid,
+            seq_start=seq_start,
+            accum_dtype=self.accum_dtype,
+            sink_threshold=self.sink_threshold,
+        )
+        self._add(layer, sums)
+
+    def _add(self, layer: int, sums: torch.Tensor) -> None:
         self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
 
     def finish(self) -> torch.Tensor:
@@ -171,7 +186,14 @@ def head_row_sums(
         **_positional_mass(probs, seq_start, window, row_offset),
     }
     return _sum_rows(
-        per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, mass_tolerance, sink_threshold
+        per_row,
+        *_visible_counts(key_visible, window, row_offset),
+        query_valid,
+        seq_start,
+        row_offset,
+        accum_dtype,
+        mass_tolerance,
+        sink_threshold,
     )
 
 
@@ -206,7 +228,48 @@ def head_row_sums_from_logits(
         "top_tied": (shifted == 0).sum(-1) > 1,  # the largest logit is shifted to exactly 0
         **{name: mass / total for name, mass in _positional_mass(unnormalised, seq_start, window, row_offset).items()},
     }
-    return _sum_rows(per_row, key_visible, query_valid, seq_start, window, row_offset, accum_dtype, 1.0, sink_threshold)
+    n_visible, band_visible = _visible_counts(key_visible, window, row_offset)
+    return _sum_rows(
+        per_row, n_visible, band_visible, query_valid, seq_start, row_offset, accum_dtype, 1.0, sink_threshold
+    )
+
+
+def head_row_sums_from_values(
+    values: RowValues,
+    *,
+    query_valid: torch.Tensor,
+    seq_start: torch.Tensor,
+    accum_dtype: torch.dtype = torch.float64,
+    sink_threshold: float = SINK_THRESHOLD,
+) -> torch.Tensor:
+    """``head_row_sums`` of every row of a layer, from the per-row values the fused pass computed
+    (headscope.fused): (batch, heads, len(STATS)). query_valid: (batch, t) bool."""
+    per_row = {
+        "entropy": values.entropy,
+        "max_weight": values.max_weight,
+        "mass": torch.ones_like(values.entropy),  # normalised by construction, as on the logits path
+        "top_key": values.top_key,
+        "top_tied": values.top_tied,
+        "diagonal": values.diagonal,
+        "sink": values.sink,
+        "prev_token": values.prev_token,
+    }
+    return _sum_rows(
+        per_row,
+        values.n_visible,
+        values.band_visible,
+        query_valid,
+        seq_start,
+        0,
+        accum_dtype,
+        1.0,
+        sink_threshold,
+    )
+
+
+def _visible_counts(key_visible: torch.Tensor, window: int, row_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys each row may see, of them within the +-window band): (batch or 1, 1 or heads, rows) each."""
+    return key_visible.sum(-1), band_row_sums(key_visible.float(), window, row_offset)
 
 
 def _positional_mass(
@@ -225,10 +288,10 @@ def _positional_mass(
 
 def _sum_rows(
     per_row: dict[str, torch.Tensor],
-    key_visible: torch.Tensor,
+    n_visible: torch.Tensor,
+    band_visible: torch.Tensor,
     query_valid: torch.Tensor,
     seq_start: torch.Tensor,
-    window: int,
     row_offset: int,
     accum_dtype: torch.dtype,
     mass_tolerance: float,
@@ -239,10 +302,10 @@ def _sum_rows(
     batch, heads, rows = entropy.shape
     mass = per_row["mass"]
     finite = torch.isfinite(entropy) & torch.isfinite(per_row["max_weight"]) & torch.isfinite(mass)
-    n_visible = key_visible.sum(-1)  # (batch, 1 or heads, rows)
+    # n_visible, band_visible: (batch or 1, 1 or heads, rows), keys each row may see, and of them within the band.
     # ln(1) = 0 for rows seeing one key: they are left out of norm_entropy, so clamp to avoid 0/0.
     norm_entropy = entropy / torch.log(n_visible.clamp(min=2).float())
-    diagonal_uniform = band_row_sums(key_visible.float(), window, row_offset) / n_visible.clamp(min=1)
+    diagonal_uniform = band_visible / n_visible.clamp(min=1)
 
     # Row masks, (batch, 1, rows): padding rows count nowhere.
     position = torch.arange(row_offset, row_offset + rows, device=entropy.device)[None, :] - seq_start[:, None]

@@ -1,0 +1,179 @@
+"""The fused pass (headscope.fused) against probabilities computed in full, in float64, on hand-built tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from headscope.fused import TileKernel, _tile_step, fused_attention, tile_shape
+from headscope.masks import TileVisibility
+
+HEADS, KV_HEADS, HEAD_DIM, T = 6, 2, 8, 23
+WINDOW = 2
+
+
+def hand_built(seed: int = 0, batch: int = 2, logit_scale: float = 3.0):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, HEADS, T, HEAD_DIM, generator=generator) * logit_scale
+    key = torch.randn(batch, KV_HEADS, T, HEAD_DIM, generator=generator)
+    value = torch.randn(batch, KV_HEADS, T, HEAD_DIM, generator=generator)
+    return query, key, value
+
+
+def masks(batch: int = 2) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+    """name -> (the mask the attention function gets, (batch, t, t) bool visibility, seq_start)."""
+    causal = torch.ones(T, T).tril().bool()
+    left_padded = causal.repeat(batch, 1, 1)
+    left_padded[1, :, :5] = False  # sentence 1 starts at position 5
+    sliding = causal & ~torch.ones(T, T).tril(-4).bool()  # each row sees itself and the 3 keys before it
+    return {
+        "causal": (None, causal.repeat(batch, 1, 1), torch.zeros(batch, dtype=torch.long)),
+        "left padded": (left_padded[:, None], left_padded, torch.tensor([0, 5])),
+        "sliding window": (sliding[None, None], sliding.repeat(batch, 1, 1), torch.zeros(batch, dtype=torch.long)),
+    }
+
+
+def reference(query, key, value, visible, seq_start, softcap=None):
+    """Per-row statistics from the full float64 probabilities, as the eager functions compute them."""
+    groups = HEADS // KV_HEADS
+    q, k, v = query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * HEAD_DIM**-0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible[:, None], -math.inf)
+    probs = torch.softmax(scores, -1)
+    rows = torch.arange(T)
+    offset = rows[None, :] - rows[:, None]  # key - query
+    return {
+        "output": (probs @ v).transpose(1, 2),
+        "entropy": torch.special.entr(probs).sum(-1),
+        "max_weight": probs.amax(-1),
+        "top_key": probs.argmax(-1),
+        "diagonal": (probs * (offset.abs() <= WINDOW)).sum(-1),
+        "sink": probs.gather(-1, seq_start.view(-1, 1, 1, 1).expand(-1, HEADS, T, 1)).squeeze(-1),
+        "prev_token": (probs * (offset == -1)).sum(-1),
+        "n_visible": visible.sum(-1)[:, None],
+        "band_visible": (visible & (offset.abs() <= WINDOW)).sum(-1)[:, None],
+    }
+
+
+def fused(query, key, value, mask, seq_start, softcap=None, step=_tile_step, block_rows=5, tile_keys=7):
+    return fused_attention(
+        query,
+        key,
+        value,
+        TileVisibility(mask),
+        scaling=HEAD_DIM**-0.5,
+        softcap=softcap,
+        seq_start=seq_start,
+        window=WINDOW,
+        step=step,
+        block_rows=block_rows,
+        tile_keys=tile_keys,
+    )
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
+def test_fused_rows_equal_the_full_probabilities(mask_name, softcap):
+    """Tiles of 5 rows x 7 keys (several per row, the diagonal one first) give every statistic and the output."""
+    query, key, value = hand_built()
+    mask, visible, seq_start = masks()[mask_name]
+    output, values = fused(query, key, value, mask, seq_start, softcap)
+    expected = reference(query, key, value, visible, seq_start, softcap)
+    real = visible.any(-1)  # (batch, t): padding rows see nothing, and may hold anything
+    torch.testing.assert_close(output.double()[real], expected["output"][real], rtol=0, atol=1e-5)
+    for name in ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible"):
+        got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
+    assert not values.top_tied.transpose(1, 2)[real].any()  # random logits: one largest key per row
+    assert torch.equal(values.top_key.transpose(1, 2)[real], expected["top_key"].transpose(1, 2)[real])
+
+
+def test_tiles_and_blocks_do_not_change_the_numbers():
+    query, key, value = hand_built(seed=1)
+    mask, visible, seq_start = masks()["left padded"]
+    real = visible.any(-1)  # padding rows may hold anything
+    one = fused(query, key, value, mask, seq_start, block_rows=T, tile_keys=T)
+    many = fused(query, key, value, mask, seq_start, block_rows=3, tile_keys=2)
+    torch.testing.assert_close(many[0][real], one[0][real], rtol=0, atol=1e-6)
+    for name, got in vars(many[1]).items():
+        got, want = torch.broadcast_tensors(got, getattr(one[1], name))
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
+
+
+def test_tied_rows_are_uniform_and_marked_tied():
+    """A zero query gives every visible key the same logit: entropy ln(n), max weight 1/n, several top keys."""
+    _, key, value = hand_built()
+    query = torch.zeros(2, HEADS, T, HEAD_DIM)
+    mask, visible, seq_start = masks()["sliding window"]
+    _, values = fused(query, key, value, mask, seq_start)
+    seen = visible.sum(-1)[:, None].expand(-1, HEADS, -1).double()  # (batch, heads, t)
+    torch.testing.assert_close(values.entropy.double(), seen.log(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(values.max_weight.double(), 1 / seen, rtol=0, atol=1e-7)
+    assert torch.equal(values.top_tied, seen > 1)
+
+
+def test_huge_logits_neither_overflow_nor_lose_the_entropy():
+    """Logits in the hundreds (a saturated head): one key holds nearly everything, entropy near 0, all finite."""
+    query, key, value = hand_built(logit_scale=300.0)
+    mask, visible, seq_start = masks()["causal"]
+    output, values = fused(query, key, value, mask, seq_start)
+    expected = reference(query, key, value, visible, seq_start)
+    assert torch.isfinite(values.entropy).all() and torch.isfinite(output).all()
+    torch.testing.assert_close(values.entropy.double(), expected["entropy"], rtol=0, atol=1e-5)
+
+
+def test_selected_rows_equal_the_same_rows_of_the_whole():
+    """The first-call check runs the pass on a few spread rows only."""
+    query, key, value = hand_built(seed=2)
+    mask, visible, seq_start = masks()["left padded"]
+    _, whole = fused(query, key, value, mask, seq_start)
+    positions = torch.tensor([0, 4, 5, 11, 22])
+    _, some = fused_attention(
+        query,
+        key,
+        value,
+        TileVisibility(mask),
+        scaling=HEAD_DIM**-0.5,
+        softcap=None,
+        seq_start=seq_start,
+        window=WINDOW,
+        step=_tile_step,
+        positions=positions,
+    )
+    real = visible.any(-1)[:, positions]  # (batch, 5): sentence 1's rows 0 and 4 are padding
+    for name, got in vars(some).items():
+        got, want = torch.broadcast_tensors(got, getattr(whole, name)[..., positions])
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
+
+
+def test_compiled_steps_equal_the_op_by_op_steps():
+    """What long sequences run (torch.compile of the tile step) is the same maths as the op-by-op step."""
+    query, key, value = hand_built(seed=3)
+    mask, visible, seq_start = masks()["left padded"]
+    real = visible.any(-1)
+    kernel = TileKernel(compile_from=0)
+    compiled = fused(query, key, value, mask, seq_start, step=kernel.step(1))
+    plain = fused(query, key, value, mask, seq_start)
+    assert kernel.failed is None
+    torch.testing.assert_close(compiled[0][real], plain[0][real], rtol=0, atol=1e-6)
+    for name, got in vars(compiled[1]).items():
+        got, want = torch.broadcast_tensors(got, getattr(plain[1], name))
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
+
+
+def test_small_layers_run_op_by_op_and_large_ones_compiled():
+    kernel = TileKernel(compile_from=1000)
+    assert kernel.step(999) is _tile_step
+    assert kernel.step(1000) is not _tile_step
+
+
+def test_tiles_fit_the_block_budget():
+    assert tile_shape(1, 9, 32 * 2**20) == (128, 1024)
+    for batch, heads, budget in [(16, 12, 32 * 2**20), (7, 3, 4096), (1, 64, 2**20)]:
+        rows, keys = tile_shape(batch, heads, budget)
+        assert rows >= 1 and keys >= 1
+        assert 4 * batch * heads * rows * keys <= max(budget, 4 * batch * heads)
