@@ -165,10 +165,12 @@ def test_compiled_steps_equal_the_op_by_op_steps():
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
 
 
-def test_small_layers_run_op_by_op_and_large_ones_compiled():
+def test_a_capture_compiles_once_it_has_folded_enough_logits():
     kernel = TileKernel(compile_from=1000)
-    assert kernel.step(999) is _tile_step
-    assert kernel.step(1000) is not _tile_step
+    assert kernel.step(600) is _tile_step
+    assert kernel.step(399) is _tile_step
+    assert kernel.step(1) is not _tile_step  # 1,000 in all
+    assert kernel.step(0) is not _tile_step
 
 
 def test_tiles_fit_the_block_budget():

@@ -96,3 +96,21 @@ def test_no_bootstrap_leaves_the_intervals_empty(planted_gpt2, corpus_lines, tmp
     layers = pd.read_parquet(tmp_path / "r" / "layers.parquet")
     assert layers["entropy_ci_low"].isna().all() and layers["entropy"].notna().all()
     assert result.run["bootstrap"] is None
+
+
+def test_percentile_intervals_equal_numpys_nan_aware_ones():
+    """Columns without NaN take a vectorised path; NaN-holding ones (a head no replicate saw) the nan-aware one."""
+    import warnings
+
+    from headscope.stats import percentile_interval
+
+    replicates = np.random.default_rng(0).normal(size=(200, 3, 5))
+    replicates[5, 1, 2] = np.nan  # one replicate without rows for this head
+    replicates[:, 0, 0] = np.nan  # a head no replicate saw
+    low, high = percentile_interval(replicates)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected_low, expected_high = np.nanpercentile(replicates, [2.5, 97.5], axis=0)
+    np.testing.assert_allclose(low, expected_low, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(high, expected_high, rtol=0, atol=1e-12)
+    assert np.isnan(low[0, 0]) and np.isnan(low).sum() == 1
