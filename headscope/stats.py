@@ -129,11 +129,14 @@ def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[np
     tail = 100 * (1 - level) / 2
     # np.nanpercentile works column by column in Python (apply_along_axis): 0.23 s for SmolLM2's heads. Columns
     # without NaN take np.percentile's vectorised path, which gives the same numbers (to an ulp of rounding).
-    has_nan = np.isnan(replicates).any(axis=0)
-    low, high = np.percentile(replicates, [tail, 100 - tail], axis=0)
-    if has_nan.any():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN slice (a head without rows): NaN is right
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN slice (a head without rows): NaN is right
+        if replicates.ndim < 2:  # one column: scalars, as nanpercentile gives them
+            low, high = np.nanpercentile(replicates, [tail, 100 - tail], axis=0)
+            return low, high
+        has_nan = np.isnan(replicates).any(axis=0)
+        low, high = np.percentile(replicates, [tail, 100 - tail], axis=0)
+        if has_nan.any():
             low[has_nan], high[has_nan] = np.nanpercentile(replicates[:, has_nan], [tail, 100 - tail], axis=0)
     return low, high
 

@@ -114,3 +114,5 @@ def test_percentile_intervals_equal_numpys_nan_aware_ones():
     np.testing.assert_allclose(low, expected_low, rtol=0, atol=1e-12)
     np.testing.assert_allclose(high, expected_high, rtol=0, atol=1e-12)
     assert np.isnan(low[0, 0]) and np.isnan(low).sum() == 1
+    one_low, one_high = percentile_interval(replicates[:, 1, 2])  # one column (a single group's delta, say)
+    assert np.isclose(one_low, expected_low[1, 2], rtol=0, atol=1e-12) and np.ndim(one_high) == 0
