@@ -37,8 +37,9 @@ import torch
 from headscope.masks import TileVisibility
 
 # Query rows per block and keys per tile: a tile of logits for 9 heads is 9 x 128 x 1,024 floats (4.5 MiB),
-# which stays in the CPU's last-level cache between the passes over it; measured on SmolLM2 at 8,192 tokens
-# (benchmarks/README.md), 128 x 1,024 beat 128 x 512, 256 x 1,024 and 64 x 2,048.
+# which stays in the CPU's last-level cache between the passes over it. Measured on one SmolLM2 layer at 8,192
+# tokens (benchmarks/README.md): 128 x 512, 256 x 1,024, 256 x 2,048 and 512 x 1,024 within noise of it,
+# 64 x 512 and 128 x 256 slower (more tiles, more dispatch).
 BLOCK_ROWS = 128
 TILE_KEYS = 1024
 # Offsets of the diagonal band handled per gather: bounds the (rows x offsets x head_dim) keys gathered.
