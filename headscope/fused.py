@@ -66,6 +66,11 @@ class RowValues:
     band_visible: torch.Tensor  # (batch, 1, rows): of them, within the diagonal band
 
 
+def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """c tanh(scores / c), Gemma 2's logit softcapping (the scores themselves when there is none)."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def _tile_step(
     query: torch.Tensor,  # (batch, kv_heads, groups * rows, head_dim), already scaled
     key: torch.Tensor,  # (batch, kv_heads, keys, head_dim)
@@ -108,9 +113,7 @@ def _fold(scores, hidden, limit, m, total, weighted, count, softcap: float | Non
     The tile's top key is the first key holding the new maximum, found in the same pass as the sums (a
     max-with-index pass vectorises poorly); when several keys hold it the row is tied and `top` is not used.
     """
-    scores = scores.float()
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = softcapped(scores.float(), softcap)
     if hidden is not None:
         scores = scores.masked_fill(hidden, torch.finfo(torch.float32).min)
     if limit is not None:  # causal, computed in the loop: no (rows, keys) mask to read
@@ -296,9 +299,7 @@ def _point_probability(grouped_query, key, m, total, softcap, key_positions: tor
     picked = key.gather(2, index.expand(batch, kv_heads, n_rows * points, head_dim))
     picked = picked.view(batch, kv_heads, 1, n_rows, points, head_dim)
     scores = torch.linalg.vecdot(grouped_query[..., None, :], picked).float()  # (batch, kv, groups, rows, points)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(batch, kv_heads * groups, n_rows, points)
+    scores = softcapped(scores, softcap).view(batch, kv_heads * groups, n_rows, points)
     return torch.exp(scores - m[..., None]) / total[..., None]
 
 

@@ -89,8 +89,10 @@ class TileVisibility:
         self.mask = attention_mask
 
     def _mask_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """(batch or 1, 1, rows, kv) bool: the mask's rows `rows`."""
-        return visible_keys(_rows_of(self.mask, rows))
+        """(batch or 1, 1, rows, kv) bool: the mask's rows `rows` (a view, not a copy, when they are consecutive:
+        this is asked for every tile)."""
+        first, stop = int(rows[0]), int(rows[-1]) + 1
+        return visible_keys(_rows_of(self.mask, slice(first, stop) if stop - first == len(rows) else rows))
 
     def tile(self, rows: torch.Tensor, keys: slice) -> tuple[bool, torch.Tensor | None]:
         """(does any row see any key of the tile, which keys are hidden: a (batch or 1, 1, 1, rows, keys) bool, True =

@@ -31,7 +31,7 @@ from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
 from headscope.errors import ModelLoadError
-from headscope.fused import TileKernel, fused_attention, tile_shape
+from headscope.fused import TileKernel, fused_attention, softcapped, tile_shape
 from headscope.masks import TileVisibility, additive_mask, key_visibility
 
 # Rows per block, at most: small blocks let causal attention skip most keys after each block's last row.
@@ -114,18 +114,16 @@ def standard_logits(
     visible: (batch or 1, 1, rows, keys) bool from `key_visibility`; rows: a slice or (rows,) long positions.
     Returns (batch, heads, rows, keys); softmax over the last axis (in float32) gives the eager probabilities.
     """
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scaling = resolved_scaling(query, scaling)
     picked = query[..., rows, :] if isinstance(rows, slice) else query.index_select(-2, rows)
     # Scaling the (rows, head_dim) queries instead of the (rows, keys) scores: the same numbers up to
     # float rounding (verified against the eager weights), at a fraction of the memory traffic.
-    scores = torch.matmul(picked * scaling, key[:, :, :keys].transpose(2, 3))
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = softcapped(torch.matmul(picked * scaling, key[:, :, :keys].transpose(2, 3)), softcap)
     return scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
 
 
-def _scaling(query: torch.Tensor, kwargs: dict) -> float:
-    scaling = kwargs.get("scaling")
+def resolved_scaling(query: torch.Tensor, scaling: float | None) -> float:
+    """The scaling an eager function applies: the one it is given, else 1 / sqrt(head_dim)."""
     return query.shape[-1] ** -0.5 if scaling is None else scaling
 
 
@@ -236,7 +234,7 @@ class Readout:
             key,
             value if softcap is not None else None,
             TileVisibility(mask),
-            scaling=_scaling(query, kwargs),
+            scaling=resolved_scaling(query, kwargs.get("scaling")),
             softcap=softcap,
             seq_start=self.seq_start,
             window=window,
@@ -310,19 +308,27 @@ class Readout:
         tolerance = 1e-5 if weights.dtype == torch.float32 else 1e-2  # half types round probabilities to ~3 digits
         same_weights = bool((weights.float() - expected).abs().max() <= tolerance)
         self._verified[eager] = same_weights and self._fused_matches(
-            output, weights.float(), query[one], key[one], value[one], mask, self.seq_start[one], positions, kwargs
+            output,
+            weights.float(),
+            query[one],
+            key[one],
+            value[one],
+            mask,
+            self.seq_start[one],
+            positions,
+            kwargs,
+            tolerance,
         )
 
-    def _fused_matches(self, output, weights, query, key, value, mask, seq_start, positions, kwargs) -> bool:
+    def _fused_matches(self, output, weights, query, key, value, mask, seq_start, positions, kwargs, tolerance) -> bool:
         """Do the fused pass's output and row statistics on rows `positions` of one sentence equal those of the
         model's eager `output` ((1, rows, heads, head_dim)) and `weights` ((1, heads, rows, keys), float32)?"""
-        tolerance = 1e-5 if output.dtype == torch.float32 else 1e-2
         fused_output, values = fused_attention(
             query,
             key,
             value,
             TileVisibility(mask),
-            scaling=_scaling(query, kwargs),
+            scaling=resolved_scaling(query, kwargs.get("scaling")),
             softcap=kwargs.get("softcap"),
             seq_start=seq_start,
             window=CHECK_WINDOW,

@@ -59,7 +59,7 @@ def reference(query, key, value, visible, seq_start, softcap=None):
     }
 
 
-def fused(query, key, value, mask, seq_start, softcap=None, step=_tile_step, block_rows=5, tile_keys=7):
+def fused(query, key, value, mask, seq_start, softcap=None, step=_tile_step, block_rows=5, tile_keys=7, positions=None):
     return fused_attention(
         query,
         key,
@@ -70,6 +70,7 @@ def fused(query, key, value, mask, seq_start, softcap=None, step=_tile_step, blo
         seq_start=seq_start,
         window=WINDOW,
         step=step,
+        positions=positions,
         block_rows=block_rows,
         tile_keys=tile_keys,
     )
@@ -132,18 +133,7 @@ def test_selected_rows_equal_the_same_rows_of_the_whole():
     mask, visible, seq_start = masks()["left padded"]
     _, whole = fused(query, key, value, mask, seq_start)
     positions = torch.tensor([0, 4, 5, 11, 22])
-    _, some = fused_attention(
-        query,
-        key,
-        value,
-        TileVisibility(mask),
-        scaling=HEAD_DIM**-0.5,
-        softcap=None,
-        seq_start=seq_start,
-        window=WINDOW,
-        step=_tile_step,
-        positions=positions,
-    )
+    _, some = fused(query, key, value, mask, seq_start, positions=positions)
     real = visible.any(-1)[:, positions]  # (batch, 5): sentence 1's rows 0 and 4 are padding
     for name, got in vars(some).items():
         got, want = torch.broadcast_tensors(got, getattr(whole, name)[..., positions])
