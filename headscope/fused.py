@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headscope import native
 from headscope.masks import TileVisibility
 
 # Query rows per block and keys per tile: a tile of logits for 9 heads is 9 x 128 x 1,024 floats (4.5 MiB),
@@ -47,6 +48,8 @@ BAND_CHUNK = 32
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
 # one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
 COMPILE_FROM = 2**25
+# Rows on which the C++ kernel's first result is checked against the tile loop.
+NATIVE_CHECK_ROWS = 8
 
 _log = logging.getLogger(__name__)
 
@@ -155,15 +158,24 @@ def _compiled(scores, hidden, limit, *rest):
 
 
 class TileKernel:
-    """Chooses how tile steps run: op by op until `compile_from` logits have gone through this kernel (one per
-    capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
-    disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
-    either way (tested to 1e-6)."""
+    """Chooses how a capture's fused passes run.
 
-    def __init__(self, compile_from: int = COMPILE_FROM) -> None:
+    - Tile steps (`step`) run op by op until `compile_from` logits have gone through this kernel (one per
+      capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
+      disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
+      either way (tested to 1e-6).
+    - Past the same threshold, statistics alone of float32 attention on the CPU come from headscope's C++ kernel
+      (`row_state`, headscope.native), once it is built and its first result agrees with the tile loop on a few
+      rows; otherwise from the tile loop.
+    """
+
+    def __init__(self, compile_from: int = COMPILE_FROM, native_loader: Callable | None = None) -> None:
         self.compile_from = compile_from
+        self.native_loader = native_loader or native.row_state_module  # () -> the built module, or why not
         self.folded = 0  # logits handed to `step` so far
         self.failed: str | None = None  # why compiling failed, once it has
+        self.native_failed: str | None = None  # why the C++ kernel is not used, once that is known
+        self._native_checked = False
 
     def step(self, logits: int) -> Callable:
         """The tile step for a layer of `logits` (batch x heads x visible pairs) logits."""
@@ -180,6 +192,44 @@ class TileKernel:
                 self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
                 _log.warning("torch.compile of the fused statistics failed (%s); running them op by op", self.failed)
         return _tile_step(*args)
+
+    def row_state(self, query: torch.Tensor, value: torch.Tensor | None) -> Callable | None:
+        """The C++ kernel for a layer's row states (after `step` has counted the layer), or None where it does
+        not apply: an output wanted, fewer logits than `compile_from` so far, not float32 on the CPU, or a
+        kernel that could not be built or disagreed."""
+        if (
+            value is not None
+            or self.folded < self.compile_from
+            or self.native_failed is not None
+            or query.device.type != "cpu"
+            or query.dtype != torch.float32
+        ):
+            return None
+        module = self.native_loader()
+        if isinstance(module, str):
+            self.native_failed = module
+            return None
+        return functools.partial(self._native, module)
+
+    def _native(self, module, scaled, key, positions, visibility, softcap) -> tuple | None:
+        states = native.row_state(module, scaled, key, positions, visibility, softcap)
+        if states is None or self._native_checked:
+            return states
+        # Its first result against the tile loop, on the last rows (they see the most keys).
+        batch, heads, t, head_dim = scaled.shape
+        rows = positions[-NATIVE_CHECK_ROWS:]
+        grouped = scaled.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows)
+        expected = _fold_tiles(grouped, key, None, visibility, rows, softcap, _tile_step, TILE_KEYS)
+        got = [x[..., -len(rows) :] for x in states]
+        agrees = all(
+            torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got[1:3], expected[1:3], strict=True)
+        ) and torch.equal(got[3] > 1, expected[3] > 1)
+        self._native_checked = True
+        if not agrees:
+            self.native_failed = "its first result disagreed with the tile loop"
+            _log.warning("headscope's C++ row-statistics kernel %s; using the tile loop", self.native_failed)
+            return None
+        return states
 
 
 def tile_shape(batch: int, heads: int, block_bytes: int) -> tuple[int, int]:
@@ -204,27 +254,35 @@ def fused_attention(
     positions: torch.Tensor | None = None,
     block_rows: int = BLOCK_ROWS,
     tile_keys: int = TILE_KEYS,
+    row_state: Callable | None = None,
 ) -> tuple[torch.Tensor | None, RowValues]:
     """The attention output and per-row statistics of query rows `positions` (default: every row).
 
     query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim), unrepeated (query head h
     reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
     seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`, or `_tile_step`
-    itself. Returns the output (batch, rows, heads, head_dim) in the query's dtype, as attention functions
-    return it (None without `value`), and the rows' `RowValues`.
+    itself. row_state: `TileKernel.row_state(...)`: when given (statistics alone), it computes every row's
+    running state in one call instead of the tile loop. Returns the output (batch, rows, heads, head_dim) in the
+    query's dtype, as attention functions return it (None without `value`), and the rows' `RowValues`.
     """
     batch, heads, t, head_dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     positions = torch.arange(t, device=query.device) if positions is None else positions
-    grouped_query = (query * scaling).view(batch, kv_heads, groups, t, head_dim)
+    scaled = query * scaling
+    grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
+    states = None
+    if row_state is not None and value is None:
+        states = row_state(scaled, key, positions, visibility, softcap)
     outputs, values = [], []
     for first in range(0, len(positions), block_rows):
         rows = positions[first : first + block_rows]
         block_query = grouped_query.index_select(3, rows) if len(rows) != t else grouped_query
-        output, row_values = _block(
-            block_query, key, value, visibility, rows, softcap, seq_start, window, step, tile_keys
-        )
+        if states is None:
+            state = _fold_tiles(block_query, key, value, visibility, rows, softcap, step, tile_keys)
+        else:
+            state = (*(x[..., first : first + block_rows] for x in states), None)
+        output, row_values = _read_off(block_query, key, visibility, rows, state, softcap, seq_start, window)
         outputs.append(output)
         values.append(row_values)
     output = None
@@ -235,8 +293,9 @@ def fused_attention(
     return output, joined
 
 
-def _block(grouped_query, key, value, visibility, rows, softcap, seq_start, window, step, tile_keys):
-    """One block of query rows: fold in every key tile it may see, then read off its statistics."""
+def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile_keys) -> tuple:
+    """Fold every key tile a block of query rows may see: its m, A, B, n, top ((batch, heads, rows) each) and
+    output sum ((batch, heads, rows, head_dim); None without `value`)."""
     batch, kv_heads, groups, n_rows, head_dim = grouped_query.shape
     flat_query = grouped_query.reshape(batch, kv_heads, groups * n_rows, head_dim)
     shape = (batch, kv_heads, groups * n_rows)
@@ -257,9 +316,13 @@ def _block(grouped_query, key, value, visibility, rows, softcap, seq_start, wind
             continue
         tile_values = None if value is None else value[:, :, keys]
         state = step(flat_query, key[:, :, keys], tile_values, hidden, state, keys.start, softcap)
-    m, total, weighted, count, top, output = (
-        None if x is None else x.view(batch, kv_heads * groups, n_rows, *x.shape[3:]) for x in state
-    )
+    return tuple(None if x is None else x.view(batch, kv_heads * groups, n_rows, *x.shape[3:]) for x in state)
+
+
+def _read_off(grouped_query, key, visibility, rows, state, softcap, seq_start, window):
+    """A block of rows' output and statistics from its folded state."""
+    batch, _, _, n_rows, _ = grouped_query.shape
+    m, total, weighted, count, top, output = state
     output = None if output is None else output / total[..., None]
     point = functools.partial(_point_probability, grouped_query, key, m, total, softcap)
     diagonal, band_visible = _band(point, visibility, rows, window, batch)

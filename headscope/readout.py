@@ -229,18 +229,22 @@ class Readout:
         # a softcapped model's from the fused pass.
         softcap = kwargs.get("softcap")
         output = None if softcap is not None else sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+        fused_value = value if softcap is not None else None
+        step = self.kernel.step(batch * heads * t * (t + 1) // 2)
+        row_state = self.kernel.row_state(query, fused_value)
         fused_output, values = fused_attention(
             query,
             key,
-            value if softcap is not None else None,
+            fused_value,
             TileVisibility(mask),
             scaling=resolved_scaling(query, kwargs.get("scaling")),
             softcap=softcap,
             seq_start=self.seq_start,
             window=window,
-            step=self.kernel.step(batch * heads * t * (t + 1) // 2),
+            step=step,
             block_rows=rows,
             tile_keys=keys,
+            row_state=row_state,
         )
         for reader in row_readers:
             reader.row_values(layer, values, self.query_valid, self.seq_start)
@@ -248,11 +252,12 @@ class Readout:
         if block_readers:
             self._blocks(block_readers, layer, query, key, mask, kwargs)
         # Recorded even if short batches took the eager weights: the fused path is the one worth naming.
-        self.paths[name] = (
-            "fused (row statistics in one pass over tiles of keys; output from sdpa)"
-            if output is not None
-            else "fused (output and row statistics in one pass over tiles of keys)"
-        )
+        if output is None:
+            self.paths[name] = "fused (output and row statistics in one pass over tiles of keys)"
+        elif row_state is not None and self.kernel.native_failed is None:
+            self.paths[name] = "fused (row statistics by headscope's C++ kernel; output from sdpa)"
+        else:
+            self.paths[name] = "fused (row statistics in one pass over tiles of keys; output from sdpa)"
         return fused_output if output is None else output
 
     def _fits_one_block(self, query: torch.Tensor) -> bool:

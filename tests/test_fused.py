@@ -14,20 +14,20 @@ HEADS, KV_HEADS, HEAD_DIM, T = 6, 2, 8, 23
 WINDOW = 2
 
 
-def hand_built(seed: int = 0, batch: int = 2, logit_scale: float = 3.0):
+def hand_built(seed: int = 0, batch: int = 2, logit_scale: float = 3.0, t: int = T):
     generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, HEADS, T, HEAD_DIM, generator=generator) * logit_scale
-    key = torch.randn(batch, KV_HEADS, T, HEAD_DIM, generator=generator)
-    value = torch.randn(batch, KV_HEADS, T, HEAD_DIM, generator=generator)
+    query = torch.randn(batch, HEADS, t, HEAD_DIM, generator=generator) * logit_scale
+    key = torch.randn(batch, KV_HEADS, t, HEAD_DIM, generator=generator)
+    value = torch.randn(batch, KV_HEADS, t, HEAD_DIM, generator=generator)
     return query, key, value
 
 
-def masks(batch: int = 2) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+def masks(batch: int = 2, t: int = T, window: int = 3) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
     """name -> (the mask the attention function gets, (batch, t, t) bool visibility, seq_start)."""
-    causal = torch.ones(T, T).tril().bool()
+    causal = torch.ones(t, t).tril().bool()
     left_padded = causal.repeat(batch, 1, 1)
     left_padded[1, :, :5] = False  # sentence 1 starts at position 5
-    sliding = causal & ~torch.ones(T, T).tril(-4).bool()  # each row sees itself and the 3 keys before it
+    sliding = causal & ~torch.ones(t, t).tril(-window - 1).bool()  # each row sees itself and `window` keys before
     return {
         "causal": (None, causal.repeat(batch, 1, 1), torch.zeros(batch, dtype=torch.long)),
         "left padded": (left_padded[:, None], left_padded, torch.tensor([0, 5])),
@@ -44,7 +44,8 @@ def reference(query, key, value, visible, seq_start, softcap=None):
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None], -math.inf)
     probs = torch.softmax(scores, -1)
-    rows = torch.arange(T)
+    t = query.shape[2]
+    rows = torch.arange(t)
     offset = rows[None, :] - rows[:, None]  # key - query
     return {
         "output": (probs @ v).transpose(1, 2),
@@ -52,14 +53,26 @@ def reference(query, key, value, visible, seq_start, softcap=None):
         "max_weight": probs.amax(-1),
         "top_key": probs.argmax(-1),
         "diagonal": (probs * (offset.abs() <= WINDOW)).sum(-1),
-        "sink": probs.gather(-1, seq_start.view(-1, 1, 1, 1).expand(-1, HEADS, T, 1)).squeeze(-1),
+        "sink": probs.gather(-1, seq_start.view(-1, 1, 1, 1).expand(-1, HEADS, t, 1)).squeeze(-1),
         "prev_token": (probs * (offset == -1)).sum(-1),
         "n_visible": visible.sum(-1)[:, None],
         "band_visible": (visible & (offset.abs() <= WINDOW)).sum(-1)[:, None],
     }
 
 
-def fused(query, key, value, mask, seq_start, softcap=None, step=_tile_step, block_rows=5, tile_keys=7, positions=None):
+def fused(
+    query,
+    key,
+    value,
+    mask,
+    seq_start,
+    softcap=None,
+    step=_tile_step,
+    block_rows=5,
+    tile_keys=7,
+    positions=None,
+    row_state=None,
+):
     return fused_attention(
         query,
         key,
@@ -73,6 +86,7 @@ def fused(query, key, value, mask, seq_start, softcap=None, step=_tile_step, blo
         positions=positions,
         block_rows=block_rows,
         tile_keys=tile_keys,
+        row_state=row_state,
     )
 
 

@@ -1,0 +1,136 @@
+"""headscope's C++ row-statistics kernel (headscope.native) against float64 probabilities and the tile loop, and
+how the fused pass chooses it (or does without it)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_fast_path import assert_same_heads
+from test_fused import HEADS, fused, hand_built, masks, reference
+
+import headscope
+from headscope import native
+from headscope.fused import TileKernel
+
+# Long enough for several blocks of the kernel's rows (64) and keys (512).
+LONG = 700
+STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible")
+
+
+@pytest.fixture(scope="module")
+def kernel_module():
+    module = native.row_state_module()
+    if isinstance(module, str) and shutil.which("c++") is None:
+        pytest.skip(f"no C++ compiler to build the kernel with: {module}")
+    assert not isinstance(module, str), module  # with a compiler it must build
+    return module
+
+
+def native_kernel(module) -> TileKernel:
+    return TileKernel(compile_from=0, native_loader=lambda: module)
+
+
+# A softcap of 10, not 2: over 700 keys, 2 tanh(s / 2) saturates into exact float32 ties the float64 reference lacks.
+@pytest.mark.parametrize("softcap", [None, 10.0])
+@pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
+def test_kernel_rows_equal_the_full_probabilities(kernel_module, mask_name, softcap):
+    query, key, value = hand_built(seed=4, t=LONG)
+    mask, visible, seq_start = masks(t=LONG, window=300)[mask_name]
+    kernel = native_kernel(kernel_module)
+    row_state = kernel.row_state(query, None)
+    assert row_state is not None
+    _, values = fused(query, key, None, mask, seq_start, softcap, row_state=row_state)
+    assert kernel.native_failed is None  # its first result agreed with the tile loop
+    expected = reference(query, key, value, visible, seq_start, softcap)
+    real = visible.any(-1)
+    for name in STATISTICS:
+        got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
+    assert not values.top_tied.transpose(1, 2)[real].any()
+    assert torch.equal(values.top_key.transpose(1, 2)[real], expected["top_key"].transpose(1, 2)[real])
+
+
+def test_kernel_rows_equal_the_tile_loop_on_selected_rows_and_ties(kernel_module):
+    """Selected rows (the first-call check's), and exact ties: half the heads get a zero query (uniform rows)."""
+    query, key, _ = hand_built(seed=5, t=LONG)
+    query[:, : HEADS // 2] = 0
+    mask, visible, seq_start = masks(t=LONG)["left padded"]
+    positions = torch.tensor([0, 3, 5, 6, 63, 64, 65, 511, 512, 513, LONG - 1])
+    real = visible.any(-1)[:, positions]
+    kernel = native_kernel(kernel_module)
+    _, got = fused(query, key, None, mask, seq_start, positions=positions, row_state=kernel.row_state(query, None))
+    _, want = fused(query, key, None, mask, seq_start, positions=positions)
+    for name, value in vars(got).items():
+        if name == "top_key":  # where it means something: the tile loop meets tied keys in another order
+            value, expected = value[~got.top_tied], want.top_key[~got.top_tied]
+            assert torch.equal(value, expected)
+            continue
+        value, expected = torch.broadcast_tensors(value, getattr(want, name))
+        torch.testing.assert_close(
+            value.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name
+        )
+    seeing_several = visible.sum(-1)[:, positions] > 1  # (batch, rows)
+    assert torch.equal(got.top_tied[:, : HEADS // 2].transpose(1, 2)[real].all(-1), seeing_several[real])
+
+
+def test_huge_logits_stay_finite_and_exact(kernel_module):
+    """Logits in the thousands: float32 logits are then good to ~1e-4 (an ulp at 2,500 is 2.4e-4), whichever
+    product computes them, and so are the entropies (the tile loop's as well: 3.3e-5 from float64 here)."""
+    query, key, value = hand_built(seed=6, logit_scale=300.0, t=LONG)
+    mask, visible, seq_start = masks(t=LONG)["causal"]
+    kernel = native_kernel(kernel_module)
+    _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
+    assert torch.isfinite(values.entropy).all()
+    expected = reference(query, key, value, visible, seq_start)
+    torch.testing.assert_close(values.entropy.double(), expected["entropy"], rtol=0, atol=1e-4)
+
+
+def test_the_kernel_is_only_offered_where_it_applies(kernel_module):
+    query, _, value = hand_built(t=8)
+    assert native_kernel(kernel_module).row_state(query, value) is None  # an output is wanted: the tile loop
+    assert native_kernel(kernel_module).row_state(query.bfloat16(), None) is None  # float32 only
+    below = TileKernel(compile_from=10**9, native_loader=lambda: kernel_module)
+    below.step(100)
+    assert below.row_state(query, None) is None  # short work: not worth a build
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_tile_loop():
+    kernel = TileKernel(compile_from=0, native_loader=lambda: "OSError: no C++ compiler")
+    query, _, _ = hand_built(t=8)
+    assert kernel.row_state(query, None) is None
+    assert kernel.native_failed == "OSError: no C++ compiler"
+
+
+def test_a_kernel_whose_first_result_disagrees_is_dropped():
+    """A kernel returning wrong sums is caught by its first-call check; the tile loop's numbers are returned."""
+    query, key, value = hand_built(seed=7, t=40)
+    mask, visible, seq_start = masks(t=40)["causal"]
+
+    def wrong(query, key, positions, mask, softcap):
+        shape = (query.shape[0], query.shape[1], query.shape[2])
+        ones = torch.ones(shape)
+        return ones, ones * 2, ones, torch.ones(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+
+    kernel = TileKernel(compile_from=0, native_loader=lambda: SimpleNamespace(row_state=wrong))
+    _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
+    assert kernel.native_failed == "its first result disagreed with the tile loop"
+    assert kernel.row_state(query, None) is None
+    expected = reference(query, key, value, visible, seq_start)
+    torch.testing.assert_close(values.entropy.double(), expected["entropy"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_long_text_on_smollm2_takes_the_kernel_and_matches_the_eager_path(smollm2, corpus_lines, kernel_module):
+    """700 tokens through 30 layers pass the 2^25-logit threshold halfway: the first layers take the tile loop,
+    the rest the kernel, and every head's statistics equal the eager weights' to 1e-5."""
+    text = " ".join(corpus_lines)
+    eager = headscope.analyze(smollm2, [text], max_length=LONG, sentence_heads=False, charts=None, probes=False)
+    fused = headscope.analyze(
+        smollm2, [text], max_length=LONG, sentence_heads=False, charts=None, probes=False, block_bytes=2**20
+    )
+    assert "eager" in eager.run["attention_implementation"]["LlamaAttention"]
+    assert "C++ kernel" in fused.run["attention_implementation"]["LlamaAttention"]
+    assert_same_heads(fused.heads, eager.heads)
