@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, RATIOS, STATS
+from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, OFFSET_CATEGORIES, RATIOS, STATS
 from headscope.config import SINK_THRESHOLD
 from headscope.errors import ModelLoadError
 from headscope.feed import Batch
@@ -314,12 +314,16 @@ def _sum_rows(
     valid = real & finite
     unnormalised = valid & ((mass - 1.0).abs() > mass_tolerance)
     evidence = valid & (position >= EVIDENCE_FROM)[:, None, :]
-    # Where each row's largest weight sits: on the sentence's first token, or this many positions back.
-    # A row whose largest weight is shared by several keys (uniform attention) has no such place: "other".
-    tied = per_row["top_tied"]
-    on_first = ~tied & (per_row["top_key"] == seq_start[:, None, None])  # (batch, heads, rows)
+    # Where each row's largest weight sits (columns.OFFSET_CATEGORIES): on the sentence's first token, this many
+    # positions back (0..MAX_OFFSET), or "other" (further, or a largest weight shared by several keys: uniform
+    # attention has no such place). Rows before EVIDENCE_FROM go to an extra category that is not kept.
     offset = torch.arange(row_offset, row_offset + rows, device=entropy.device) - per_row["top_key"]
-    fixed = ~tied & ~on_first
+    on_first = per_row["top_key"] == seq_start[:, None, None]  # (batch, heads, rows)
+    other = per_row["top_tied"] | (offset < 0) | (offset > MAX_OFFSET)
+    category = torch.where(other, MAX_OFFSET + 2, offset + 1).masked_fill(on_first & ~per_row["top_tied"], 0)
+    category = category.masked_fill(~evidence, MAX_OFFSET + 3)
+    top = torch.zeros(batch, heads, MAX_OFFSET + 4, dtype=accum_dtype, device=entropy.device)
+    top.scatter_add_(-1, category, torch.ones_like(category, dtype=accum_dtype))
 
     # The rows each row count counts; a ratio's numerator is summed over its denominator's rows (columns.RATIOS).
     counted = {
@@ -327,8 +331,10 @@ def _sum_rows(
         "norm_rows": valid & (n_visible >= 2),
         "prev_rows": valid & (position >= 1)[:, None, :],
         "evidence_rows": evidence,
+        "nonfinite_rows": nonfinite,
+        "unnormalised_rows": unnormalised,
     }
-    row_values = {  # the numerators of columns.RATIOS, per row
+    row_values = {  # the numerators of columns.RATIOS, and the squares for the spread, per row
         "entropy": entropy,
         "norm_entropy": norm_entropy,
         "diagonal": per_row["diagonal"],
@@ -337,21 +343,19 @@ def _sum_rows(
         "prev_token": per_row["prev_token"],
         "max_weight": per_row["max_weight"],
         "sink_hits": (per_row["sink"] > sink_threshold).to(entropy.dtype),
+        "entropy_sq": entropy.square(),
     }
-    ones = torch.ones_like(entropy)
-    columns = {
-        **{count: (ones, rows) for count, rows in counted.items()},
-        **{numerator: (row_values[numerator], counted[denominator]) for numerator, denominator in RATIOS.values()},
-        "entropy_sq": (entropy.square(), valid),
-        "nonfinite_rows": (ones, nonfinite),
-        "unnormalised_rows": (ones, unnormalised),
-        "top_first": (ones, evidence & on_first),
-        "top_other": (ones, evidence & (tied | (fixed & (offset > MAX_OFFSET)))),
-        **{f"top_{k}": (ones, evidence & fixed & (offset == k)) for k in range(MAX_OFFSET + 1)},
-    }
-    # Every column in one pass: (batch, heads, stats, rows) values and masks, summed over the rows.
-    # `where`, not multiply: padding rows may hold anything, NaN included, and must add exactly 0.
+    denominator = {numerator: rows_of for numerator, rows_of in RATIOS.values()} | {"entropy_sq": "n_rows"}
+    # Every value column in one pass: (batch, heads, values, rows), summed over the rows. `where`, not multiply:
+    # padding rows may hold anything, NaN included, and must add exactly 0.
     shape = (batch, heads, rows)
-    values = torch.stack([columns[name][0].expand(shape) for name in STATS], dim=-2)
-    masks = torch.stack([columns[name][1].expand(shape) for name in STATS], dim=-2)
-    return torch.where(masks, values, 0.0).to(accum_dtype).sum(-1)
+    values = torch.stack([value.expand(shape) for value in row_values.values()], dim=-2)
+    masks = torch.stack([counted[denominator[name]].expand(shape) for name in row_values], dim=-2)
+    value_sums = torch.where(masks, values, 0.0).to(accum_dtype).sum(-1)
+    row_counts = torch.stack([rows_of.expand(shape) for rows_of in counted.values()], dim=-2).sum(-1)
+    sums = {
+        **dict(zip(row_values, value_sums.unbind(-1), strict=True)),
+        **dict(zip(counted, row_counts.unbind(-1), strict=True)),
+        **{f"top_{name}": top[..., i] for i, name in enumerate(OFFSET_CATEGORIES)},
+    }
+    return torch.stack([sums[name].to(accum_dtype) for name in STATS], dim=-1)
