@@ -16,7 +16,8 @@ when that exceeds half of the machine's available memory.
 
 Reported: tokens per second (median of the repeats), its ratio to the floor, peak memory above the pre-run
 baseline (CPU: resident set size sampled every 2 ms; CUDA: torch's peak allocation). The first headscope run
-of a process compiles its fused statistics (torch.compile): `first_run_seconds` says what that costs.
+of a process loads (or, the first time on a machine, builds) headscope's C++ kernel for the statistics, or compiles
+the tile loop where the kernel does not apply: `first_run_seconds` says what that costs.
 """
 
 from __future__ import annotations
