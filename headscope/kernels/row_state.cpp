@@ -12,6 +12,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -86,7 +87,7 @@ void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest) 
 // query: (batch, heads, rows, dim) float32 contiguous, already scaled; key: (batch, kv_heads, keys, dim) float32
 // contiguous (head h reads kv head h / (heads / kv_heads)); positions: (rows,) long, increasing; mask: (batch or 1,
 // query positions, keys) bool, True = visible, or None for plain causal attention. Returns m, A, B (float32) and
-// n, top (long), each (batch, heads, rows).
+// n, top (long), each (batch, heads, rows); rows that see no key keep m = lowest, A = 0 (padding: never read).
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const at::Tensor& positions,
                                   const c10::optional<at::Tensor>& mask, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
@@ -127,30 +128,52 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
       for (int64_t i = 0; i < n_rows; ++i) state[i] = {lowest, 0.f, 0.f, 0, 0};
       const int64_t stop = std::min(keys, position[first_row + n_rows - 1] + 1);  // causal: no key after the last row
-      for (int64_t key0 = 0; key0 < stop; key0 += KEYS) {
-        const int n_keys = static_cast<int>(std::min(KEYS, stop - key0)), n = static_cast<int>(n_rows);
+      // Each row's first visible key, and whether it sees every key from there to itself (padding and sliding
+      // windows leave such runs; then the mask is not read key by key). A row seeing nothing is padding: skipped.
+      int64_t first[ROWS];
+      bool run[ROWS];
+      int64_t start = stop;
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t row = position[first_row + i];
+        first[i] = 0;
+        run[i] = true;
+        if (sentence_mask) {
+          const bool* row_mask = sentence_mask + row * keys;
+          const void* seen = std::memchr(row_mask, 1, row + 1);
+          first[i] = seen ? static_cast<const bool*>(seen) - row_mask : row + 1;
+          run[i] = !seen || std::memchr(row_mask + first[i], 0, row + 1 - first[i]) == nullptr;
+        }
+        start = std::min(start, first[i]);  // no key before the first one any row of the block sees
+      }
+      for (int64_t key0 = start; key0 < stop; key0 += KEYS) {
+        const int n_keys = static_cast<int>(std::min(KEYS, stop - key0)), block_rows = static_cast<int>(n_rows);
         const int depth = static_cast<int>(dim), ld = static_cast<int>(dim);
         const float one = 1.f, zero = 0.f;
         // scores (n_rows x n_keys, row-major) = block_query . keys^T, in BLAS's column-major terms.
-        sgemm_("T", "N", &n_keys, &n, &depth, &one, head_keys + key0 * dim, &ld, block_query, &ld, &zero,
+        sgemm_("T", "N", &n_keys, &block_rows, &depth, &one, head_keys + key0 * dim, &ld, block_query, &ld, &zero,
                scores.data(), &n_keys);
         for (int64_t i = 0; i < n_rows; ++i) {
           const int64_t row = position[first_row + i];
+          // Keys [key0 + lo, key0 + n_seen) of this block: none before the row's first visible key nor after the
+          // row (causal); in a row that is not one run, the keys the mask hides get the lowest logit, as the eager
+          // functions give them.
           const int64_t n_seen = std::min<int64_t>(n_keys, row + 1 - key0);
-          if (n_seen <= 0) continue;
-          float* s = scores.data() + i * n_keys;
+          const int64_t lo = std::max<int64_t>(0, first[i] - key0);
+          if (n_seen <= lo) continue;
+          float* s = scores.data() + i * n_keys + lo;
+          const int64_t n = n_seen - lo;
           if (cap > 0) {
             int64_t j = 0;
-            for (; j + Vec::size() <= n_seen; j += Vec::size()) {
+            for (; j + Vec::size() <= n; j += Vec::size()) {
               ((Vec::loadu(s + j) / Vec(cap)).tanh() * Vec(cap)).store(s + j);
             }
-            for (; j < n_seen; ++j) s[j] = std::tanh(s[j] / cap) * cap;
+            for (; j < n; ++j) s[j] = std::tanh(s[j] / cap) * cap;
           }
-          if (sentence_mask) {
-            const bool* row_mask = sentence_mask + row * keys + key0;
-            for (int64_t j = 0; j < n_seen; ++j) s[j] = row_mask[j] ? s[j] : lowest;
+          if (!run[i]) {
+            const bool* row_mask = sentence_mask + row * keys + key0 + lo;
+            for (int64_t j = 0; j < n; ++j) s[j] = row_mask[j] ? s[j] : lowest;
           }
-          fold(state[i], s, n_seen, key0, lowest);
+          fold(state[i], s, n, key0 + lo, lowest);
         }
       }
       for (int64_t i = 0; i < n_rows; ++i) {
