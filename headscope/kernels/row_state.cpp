@@ -116,6 +116,24 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   const float cap = static_cast<float>(softcap);
   const int64_t row_blocks = (rows + ROWS - 1) / ROWS;
 
+  // Each masked row's first visible key, and whether it sees every key from there to itself (padding and sliding
+  // windows leave such runs; their rows never read the mask again), found once per sentence for all heads.
+  // A row seeing nothing is padding: its first key is past itself, so it is skipped.
+  std::vector<int64_t> first_seen(visible ? mask_batch * mask_rows : 0);
+  std::vector<char> one_run(visible ? mask_batch * mask_rows : 0);
+  if (visible) {
+    at::parallel_for(0, mask_batch * mask_rows, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t row = index % mask_rows;
+        const int64_t last = std::min(row, keys - 1);
+        const bool* row_mask = visible + index * keys;
+        const void* seen = std::memchr(row_mask, 1, last + 1);
+        first_seen[index] = seen ? static_cast<const bool*>(seen) - row_mask : last + 1;
+        one_run[index] = !seen || std::memchr(row_mask + first_seen[index], 0, last + 1 - first_seen[index]) == nullptr;
+      }
+    });
+  }
+
   at::parallel_for(0, batch * heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(ROWS * KEYS);
     RowState state[ROWS];
@@ -128,22 +146,15 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
       for (int64_t i = 0; i < n_rows; ++i) state[i] = {lowest, 0.f, 0.f, 0, 0};
       const int64_t stop = std::min(keys, position[first_row + n_rows - 1] + 1);  // causal: no key after the last row
-      // Each row's first visible key, and whether it sees every key from there to itself (padding and sliding
-      // windows leave such runs; then the mask is not read key by key). A row seeing nothing is padding: skipped.
+      const int64_t sentence_rows = (mask_batch == 1 ? 0 : b) * mask_rows;
       int64_t first[ROWS];
       bool run[ROWS];
-      int64_t start = stop;
+      int64_t start = stop;  // no key before the first one any row of the block sees
       for (int64_t i = 0; i < n_rows; ++i) {
         const int64_t row = position[first_row + i];
-        first[i] = 0;
-        run[i] = true;
-        if (sentence_mask) {
-          const bool* row_mask = sentence_mask + row * keys;
-          const void* seen = std::memchr(row_mask, 1, row + 1);
-          first[i] = seen ? static_cast<const bool*>(seen) - row_mask : row + 1;
-          run[i] = !seen || std::memchr(row_mask + first[i], 0, row + 1 - first[i]) == nullptr;
-        }
-        start = std::min(start, first[i]);  // no key before the first one any row of the block sees
+        first[i] = sentence_mask ? first_seen[sentence_rows + row] : 0;
+        run[i] = !sentence_mask || one_run[sentence_rows + row];
+        start = std::min(start, first[i]);
       }
       for (int64_t key0 = start; key0 < stop; key0 += KEYS) {
         const int n_keys = static_cast<int>(std::min(KEYS, stop - key0)), block_rows = static_cast<int>(n_rows);
