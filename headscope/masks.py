@@ -77,6 +77,14 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
+def count_visible(visible: torch.Tensor) -> torch.Tensor:
+    """How many keys each row of a (..., rows, keys) bool visibility may see: (..., rows) long.
+
+    Summed as bytes, twice as fast as summing the bools (which widens each one to int64 first).
+    """
+    return visible.view(torch.uint8).sum(-1, dtype=torch.int32).long()
+
+
 class TileVisibility:
     """Which keys query rows may see, asked tile by tile or key by key (the fused path never builds a row's
     whole visibility at once).
@@ -128,5 +136,4 @@ class TileVisibility:
         """(batch or 1, 1, rows) long: how many keys each row may see."""
         if self.mask is None:
             return (rows + 1)[None, None]
-        # Summed as bytes: twice as fast as summing bools (which widens each one to int64 first).
-        return self._mask_rows(rows).view(torch.uint8).sum(-1, dtype=torch.int32).long()
+        return count_visible(self._mask_rows(rows))

@@ -146,6 +146,13 @@ def eager_row_values(
     }
 
 
+def _layer_fused_pass(query, key, value, mask, kwargs, **options):
+    """`fused.fused_attention` with the layer's own scaling and softcap, as its attention kwargs give them."""
+    scaling = resolved_scaling(query, kwargs.get("scaling"))
+    visibility = TileVisibility(mask)
+    return fused_attention(query, key, value, visibility, scaling=scaling, softcap=kwargs.get("softcap"), **options)
+
+
 def repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
     """(batch, kv_heads, keys, d) -> (batch, heads, keys, d): query head h reads KV head h // groups."""
     groups = heads // key.shape[1]
@@ -232,13 +239,12 @@ class Readout:
         fused_value = value if softcap is not None else None
         step = self.kernel.step(batch * heads * t * (t + 1) // 2)
         row_state = self.kernel.row_state(query, fused_value)
-        fused_output, values = fused_attention(
+        fused_output, values = _layer_fused_pass(
             query,
             key,
             fused_value,
-            TileVisibility(mask),
-            scaling=resolved_scaling(query, kwargs.get("scaling")),
-            softcap=softcap,
+            mask,
+            kwargs,
             seq_start=self.seq_start,
             window=window,
             step=step,
@@ -328,13 +334,12 @@ class Readout:
     def _fused_matches(self, output, weights, query, key, value, mask, seq_start, positions, kwargs, tolerance) -> bool:
         """Do the fused pass's output and row statistics on rows `positions` of one sentence equal those of the
         model's eager `output` ((1, rows, heads, head_dim)) and `weights` ((1, heads, rows, keys), float32)?"""
-        fused_output, values = fused_attention(
+        fused_output, values = _layer_fused_pass(
             query,
             key,
             value,
-            TileVisibility(mask),
-            scaling=resolved_scaling(query, kwargs.get("scaling")),
-            softcap=kwargs.get("softcap"),
+            mask,
+            kwargs,
             seq_start=seq_start,
             window=CHECK_WINDOW,
             step=self.kernel.step(0),

@@ -36,6 +36,7 @@ from headscope.config import SINK_THRESHOLD
 from headscope.errors import ModelLoadError
 from headscope.feed import Batch
 from headscope.fused import RowValues
+from headscope.masks import count_visible
 
 
 class AttentionStatistics:
@@ -269,7 +270,7 @@ def head_row_sums_from_values(
 
 def _visible_counts(key_visible: torch.Tensor, window: int, row_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys each row may see, of them within the +-window band): (batch or 1, 1 or heads, rows) each."""
-    return key_visible.sum(-1), band_row_sums(key_visible.float(), window, row_offset)
+    return count_visible(key_visible), band_row_sums(key_visible.float(), window, row_offset)
 
 
 def _positional_mass(
