@@ -3,7 +3,10 @@ how the fused pass chooses it (or does without it)."""
 
 from __future__ import annotations
 
+import platform
 import shutil
+import subprocess
+import sysconfig
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +30,83 @@ def kernel_module():
         pytest.skip(f"no C++ compiler to build the kernel with: {module}")
     assert not isinstance(module, str), module  # with a compiler it must build
     return module
+
+
+def _variants() -> tuple[str, ...]:
+    """Every instruction set torch dispatches to on this architecture (x86: DEFAULT, AVX2, AVX512)."""
+    return native.X86_ISAS if platform.machine().lower() in ("x86_64", "amd64") else ("DEFAULT",)
+
+
+def _host_runs(isa: str) -> bool:
+    """Can this CPU run code built for `isa`? (An x86 CPU runs every set up to the one torch dispatches to.)"""
+    host = native.host_isa()
+    if isa == "DEFAULT" or isa == host:
+        return True
+    return host in native.X86_ISAS and native.X86_ISAS.index(isa) <= native.X86_ISAS.index(host)
+
+
+def _compile_only(isa: str, tmp_path) -> subprocess.CompletedProcess:
+    """Compile the kernel for `isa` to an object file, as torch's extension builder does, without running it:
+    compiling for AVX-512 needs no AVX-512 CPU."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    command = [
+        shutil.which("c++") or "c++",
+        "-DTORCH_EXTENSION_NAME=headscope_row_state_check",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *includes,
+        "-fPIC",
+        "-std=c++20",
+        *native.CFLAGS,
+        *native.ISA_FLAGS[isa],
+        "-c",
+        str(native.SOURCE),
+        "-o",
+        str(tmp_path / f"row_state_{isa.lower()}.o"),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", _variants())
+def test_every_instruction_set_variant_builds_and_the_runnable_ones_agree(isa, tmp_path):
+    """torch's vector headers differ per instruction set (an API one set lacks broke the AVX-512 build once, on
+    machines the suite never ran on): every variant is compiled here, whatever this CPU, and each variant this
+    CPU can run is run against float64 probabilities."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    if not _host_runs(isa):
+        compiled = _compile_only(isa, tmp_path)
+        assert compiled.returncode == 0, f"{isa}: {native.first_error_line(compiled.stderr)}"
+        return
+    module = native.row_state_module(isa)
+    assert not isinstance(module, str), f"{isa}: {module}"
+    query, key, value = hand_built(seed=9, t=LONG)
+    mask, visible, seq_start = masks(t=LONG, window=300)["left padded"]
+    kernel = native_kernel(module)
+    _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
+    assert kernel.native_failed is None
+    expected = reference(query, key, value, visible, seq_start)
+    real = visible.any(-1)
+    for name in STATISTICS:
+        got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_failed_build_is_reported_by_the_compilers_first_error_line():
+    """ninja prints the command before the compiler's output: the reason a user sees is the error itself."""
+    log = (
+        "Error building extension 'headscope_row_state_avx512': [1/2] c++ -MMD -DCPU_CAPABILITY_AVX512 -c row_state.cpp\n"
+        "FAILED: row_state.o\n"
+        "row_state.cpp: In function 'float reduce_max(Vec)':\n"
+        "row_state.cpp:31:40: error: no matching function for call to 'vec_reduce_all<float>'\n"
+        "row_state.cpp:35:40: error: no matching function for call to 'vec_reduce_all<float>'\n"
+    )
+    assert native.first_error_line(log) == "row_state.cpp:31:40: error: no matching function for call to 'vec_reduce_all<float>'"
+    assert native.first_error_line("ninja is required to load C++ extensions\nmore") == (
+        "ninja is required to load C++ extensions"
+    )
 
 
 def native_kernel(module) -> TileKernel:

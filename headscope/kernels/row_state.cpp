@@ -27,12 +27,23 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t ROWS = 64;
 constexpr int64_t KEYS = 512;
 
-float reduce_max(Vec v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
+// Horizontal reductions written out: at::vec::vec_reduce_all has no overload taking a lambda on AVX-512 in
+// torch 2.13, and every instruction set torch dispatches to (DEFAULT, AVX2, AVX512, aarch64's NEON/SVE) shares
+// Vectorized::size() and store(). Once per row and block of 512 keys, so the scalar loop costs nothing measurable.
+float reduce_max(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float result = lanes[0];
+  for (int64_t i = 1; i < Vec::size(); ++i) result = std::max(result, lanes[i]);
+  return result;
 }
 
-float reduce_sum(Vec v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+float reduce_sum(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float result = 0.f;
+  for (int64_t i = 0; i < Vec::size(); ++i) result += lanes[i];
+  return result;
 }
 
 struct RowState {
