@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import headscope
-from headscope.config import parse_bytes
+from headscope.arguments import parse_bytes
 from headscope.loading import load_model, quiet_transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

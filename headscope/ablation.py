@@ -18,17 +18,21 @@ from pathlib import Path
 
 import pandas as pd
 
-from headscope.config import RunConfig, head_name, run_settings
+from headscope.arguments import as_head_groups, as_texts, head_name
+from headscope.config import RunConfig, run_settings
 from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError
-from headscope.intervening import check_heads, loss_model, record_header
+from headscope.identity import check_report_model
+from headscope.intervening import loss_model, record_header
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
 from headscope.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
 from headscope.measures.groups import MODES, SCORINGS, Head, group_effect
 from headscope.output import StagedDirectory, check_target, resolved
 from headscope.record import versions
+from headscope.report.report import Report, read_run
 from headscope.reporting import NullReporter, Reporter
+from headscope.stats import ONE_SENTENCE_NOTE
 from headscope.tables import write_json
 
 
@@ -77,8 +81,10 @@ def ablate(
     """
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
+    heads = as_head_groups(heads) if heads is not None else []
+    roles = as_texts(roles, "--role")
     check_request(heads, roles, each_role, report, mode, loss_on)
-    groups = [Group(",".join(head_name(*h) for h in sorted(set(g))), tuple(sorted(set(g)))) for g in heads]
+    groups = [Group(",".join(head_name(*h) for h in group), group) for group in heads]
     if report is not None:
         groups += role_groups(report, roles, each_role)
     corpus = as_corpus(corpus, settings)
@@ -90,8 +96,10 @@ def ablate(
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(work).path if out is not None else None
         with loss_model(stack, model, source, settings, loader, reporter, corpus, "ablate") as lm:
+            if report is not None:
+                check_report_model(read_run(Path(report)), lm.loaded, report)
             for group in groups:
-                check_heads(group.heads, lm.plan, group.source)
+                lm.plan.check_heads(group.heads, group.source)
             removal = lm.removal(mode)
             plural = "s" * (len(groups) != 1)
             reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
@@ -99,6 +107,10 @@ def ablate(
             losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,))
             reporter.finish()
             record = _record(lm, corpus, groups, losses, settings, mode, loss_on)
+            if settings.bootstrap and any(
+                g["delta"] is not None and g["delta_ci_low"] is None for g in record["groups"]
+            ):
+                reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
         if folder is not None:
             write_json(record, folder / ABLATION_RECORD)
     return Ablation(record, folder=work.target if out is not None else None)
@@ -106,6 +118,8 @@ def ablate(
 
 def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str) -> None:
     """Refuse what asks for nothing or contradicts itself, before anything loads."""
+    if not isinstance(each_role, bool):
+        raise ConfigError(f"each_role takes True or False; got {each_role!r}")
     if mode not in MODES:
         raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
     if loss_on not in SCORINGS:
@@ -123,8 +137,6 @@ def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str
 
 def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
     """One group per asked role (each_role: every role some head has, but "other"), its heads from `report`."""
-    from headscope.report.report import Report
-
     labelled = Report.open(report).heads
     wanted = [role for role in ROLES if role != "other"] if each_role else list(dict.fromkeys(roles))
     groups = []

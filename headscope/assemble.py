@@ -25,7 +25,7 @@ from headscope.layout import (
     SENTENCES_FILE,
 )
 from headscope.record import Timings, run_record
-from headscope.stats import head_intervals, layer_intervals
+from headscope.stats import MIN_BOOTSTRAP_SENTENCES, head_intervals, layer_intervals
 from headscope.tables import (
     EXAMPLES_SCHEMA,
     HEADS_SCHEMA,
@@ -51,7 +51,8 @@ def write_tables(
     probes, importance = extras
     with timings.phase("write"):
         _merge_parts(parts, folder, measured, corpus, plan)
-        replicates = measured.bootstrap.metrics() if measured.bootstrap is not None else None
+        resampled = measured.progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES
+        replicates = measured.bootstrap.metrics() if measured.bootstrap is not None and resampled else None
         heads = labelled_heads(plan, measured, probes, importance, rules, replicates)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
         write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)

@@ -140,7 +140,8 @@ class PartFiles:
             )
 
     def merged(self, kind: str, schema: pa.Schema, destination: Path, chunks: int) -> int:
-        """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts.
+        """Concatenate the part files of `kind`, in chunk order, into `destination`; remove the parts (with
+        checkpoints, only in `discard_checkpoint`: a run interrupted after this still has what --resume needs).
 
         Returns the number of rows written, for the caller to check against what the run measured.
         """
@@ -156,10 +157,13 @@ class PartFiles:
                     raise OutputError(f"{part} is unreadable ({err}); delete {self.folder}") from None
                 writer.write_table(table)
                 rows += table.num_rows
-        for part in parts:
-            part.unlink()
+        if not self.checkpoints:
+            for part in parts:
+                part.unlink()
         return rows
 
     def discard_checkpoint(self) -> None:
-        for path in [*self.folder.glob("checkpoint*.json"), *self.folder.glob("checkpoint*.npy")]:  # every rank's
-            path.unlink(missing_ok=True)
+        """The report is complete: the checkpoint and the parts it counts are not part of it (every rank's)."""
+        for pattern in ("checkpoint*.json", "checkpoint*.npy", "*.part-*.parquet"):
+            for path in self.folder.glob(pattern):
+                path.unlink(missing_ok=True)

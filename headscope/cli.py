@@ -174,7 +174,7 @@ def analyze(
         settings = settings_from_command_line(ctx.params)
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
-    with user_errors():
+    with user_errors(ctx):
         out = out or Path("reports") / resolve_source(model).slug
         seams = {"loader": seams["loader"]} if "loader" in seams else {}
         report = run_analysis(
@@ -220,7 +220,7 @@ def classify(
     with usage_errors(ctx):
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
-    with user_errors():
+    with user_errors(ctx):
         relabelled = reclassify(report, thresholds, roles, out=out, overwrite=overwrite)
     print_label_counts(relabelled, str(report))
     print_role_heads(relabelled)
@@ -229,6 +229,7 @@ def classify(
 
 @app.command()
 def plot(
+    ctx: typer.Context,
     report: Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")],
     out: Annotated[Path | None, typer.Option(help="A new folder for the charts (default: REPORT itself).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the charts an earlier plot --out drew there.")] = False,
@@ -238,7 +239,7 @@ def plot(
     """Draw the charts and report.html of REPORT from its tables (no model needed)."""
     from headscope.report.write import plot_report
 
-    with user_errors():
+    with user_errors(ctx):
         written, failed = plot_report(report, fmt=chart_format.value, out=out, page=page, overwrite=overwrite)
         for path in written:
             say(f"wrote {path}")
@@ -274,7 +275,7 @@ def compare(
     with usage_errors(ctx):
         check_replicates("--replicates", replicates)
         check_seed("--seed", seed)
-    with user_errors():
+    with user_errors(ctx):
         comparison = compare_reports(a, b, replicates=replicates, seed=seed)
         out = out or Path("reports") / f"compare-{a.resolve().name}-vs-{b.resolve().name}"
         target, failed = write_comparison(

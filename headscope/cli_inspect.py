@@ -80,7 +80,8 @@ def inspect(
     trust_remote_code: TrustRemoteCode = DEFAULTS.trust_remote_code,
 ) -> None:
     """Show chosen heads' attention on chosen texts, token by token (attention.parquet, inspect.html)."""
-    from headscope.config import parse_heads, parse_ids, settings_from_command_line
+    from headscope.arguments import parse_heads, parse_ids
+    from headscope.config import settings_from_command_line
     from headscope.console import print_inspection
     from headscope.inspection import check_request
     from headscope.inspection import inspect as run_inspection
@@ -99,7 +100,7 @@ def inspect(
             raise ConfigError("--corpus needs --sentences (the ids of the sentences to inspect, e.g. 0,5)")
         probes = [p.value for p in probe or ()]
         check_request(text or (), ids, probes, chosen, role or (), report)
-    with user_errors():
+    with user_errors(ctx):
         out = out or Path("reports") / f"inspect-{resolve_source(model).slug}"
         seams = {"loader": seams["loader"]} if "loader" in seams else {}
         found = run_inspection(

@@ -84,7 +84,8 @@ def ablate(
     """Remove groups of heads together and measure the loss they cost, with a 95% interval (ablation.json)."""
     from headscope.ablation import ablate as run_ablation
     from headscope.ablation import check_request
-    from headscope.config import parse_heads, settings_from_command_line
+    from headscope.arguments import parse_heads
+    from headscope.config import settings_from_command_line
     from headscope.console import print_ablation
     from headscope.loading import resolve_source
 
@@ -93,7 +94,7 @@ def ablate(
         settings = settings_from_command_line(ctx.params)
         groups = [parse_heads(text) for text in heads or ()]
         check_request(groups, role or (), each_role, report, mode.value, loss_on.value)
-    with user_errors():
+    with user_errors(ctx):
         out = out or Path("reports") / f"ablate-{resolve_source(model).slug}"
         found = run_ablation(
             model,
@@ -147,7 +148,7 @@ def prune(
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         check_request(budget, mode.value, chart_format.value if charts else None)
-    with user_errors():
+    with user_errors(ctx):
         out = out or Path("reports") / f"prune-{resolve_source(model).slug}"
         found = run_pruning(
             model,

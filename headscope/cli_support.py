@@ -47,6 +47,13 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("Aborted.", err=True)
             code = 1
+        # A signal before a command's own handler is in place (while it imports torch, say): still one line.
+        except KeyboardInterrupt:
+            typer.echo(f"{INTERRUPTED[130]}.", err=True)
+            code = 130
+        except Terminated:
+            typer.echo(f"{INTERRUPTED[143]}.", err=True)
+            code = 143
         if not standalone_mode:
             return code
         sys.exit(code or 0)
@@ -95,6 +102,10 @@ DType = Annotated[DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float1
 DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
 
 
+INTERRUPTED = {130: "Interrupted; existing outputs were left as they were",
+               143: "Terminated; existing outputs were left as they were"}  # fmt: skip
+
+
 class Terminated(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so that every cleanup (staging folders, temp files) runs."""
 
@@ -119,21 +130,30 @@ def usage_errors(ctx: typer.Context):
     try:
         yield
     except ConfigError as err:
-        say(f"Error: {err} (see headscope {ctx.info_name} --help)", err=True)
-        raise typer.Exit(2) from None
+        _usage_error(ctx, err)
+
+
+def _usage_error(ctx: typer.Context, err: ConfigError):
+    say(f"Error: {err} (see headscope {ctx.info_name} --help)", err=True)
+    raise typer.Exit(2) from None
 
 
 @contextlib.contextmanager
-def user_errors():
-    """Turn the library's own errors into a one-line message and exit code 1; signals into 130 / 143."""
+def user_errors(ctx: typer.Context):
+    """Turn the library's own errors into a one-line message and exit code 1 (2 for an option's value the
+    library refuses once it knows the model or the corpus: a usage error too); signals into 130 / 143."""
+    # Only a command that checkpoints can be continued; the others say nothing of --resume.
+    hint = " (--resume continues a checkpointed run)" if "resume" in ctx.params else ""
     try:
         yield
+    except ConfigError as err:
+        _usage_error(ctx, err)
     except HeadscopeError as err:
         say(f"Error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        say("Interrupted; existing outputs were left as they were (--resume continues a checkpointed run).", err=True)
+        say(f"{INTERRUPTED[130]}{hint}.", err=True)
         raise typer.Exit(130) from None
     except Terminated:
-        say("Terminated; existing outputs were left as they were (--resume continues a checkpointed run).", err=True)
+        say(f"{INTERRUPTED[143]}{hint}.", err=True)
         raise typer.Exit(143) from None

@@ -11,6 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
+from headscope.arguments import parse_batch_size, parse_bytes, parse_layers, whole_number
 from headscope.errors import ConfigError
 
 Device = Literal["auto", "cuda", "cpu", "mps"]
@@ -74,6 +75,7 @@ class RunConfig:
     examples: int = 3  # corpus sentences (spread over lengths) whose attention the report keeps whole; 0: none
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -125,8 +127,53 @@ class RunConfig:
         if self.offload_folder is not None and self.device_map is None:
             raise ConfigError("--offload-folder keeps what a --device-map sends to disk: give --device-map too")
 
+    def _check_types(self) -> None:
+        """Values from Python (not the CLI, which parses text) are checked for their kind before any range, so that
+        `layers="0"` or `bootstrap=True` is refused in one line naming the option, not a TypeError three calls
+        later. Text the CLI would parse (layers "0-5", max_memory "8GiB", batch_size "auto") is parsed the same
+        way; a path where a folder is named becomes its string."""
+        parsed = {"layers": parse_layers, "max_memory": parse_bytes, "batch_size": parse_batch_size}
+        for field in dataclasses.fields(self):
+            name, value, annotation = field.name, getattr(self, field.name), str(field.type)
+            option = f"--{name.replace('_', '-')}"
+            if name in parsed and isinstance(value, str):
+                value = parsed[name](value)
+            elif isinstance(value, Path) and "str" in annotation:
+                value = str(value)
+            elif name == "layers" and isinstance(value, list | tuple | range):
+                if not all(whole_number(layer) for layer in value):
+                    raise ConfigError(f"{option} takes whole numbers (layer indices); got {value!r}")
+                value = tuple(int(layer) for layer in value)
+            if not _of_kind(value, annotation):
+                raise ConfigError(f"{option} takes {_described(annotation)}; got {value!r}")
+            object.__setattr__(self, name, value)
+
     def to_dict(self) -> dict:
         return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+
+
+_KIND_WORDS = {
+    "bool": "True or False", "int": "a whole number", "float": "a number", "str": "text", "Device": "text",
+    "DType": "text", "dict": "a dict", "tuple": "layer numbers", "None": "None",
+}  # fmt: skip
+
+
+def _described(annotation: str) -> str:
+    """'int | None' -> 'a whole number or None'."""
+    words = [word for kind, word in _KIND_WORDS.items() if re.search(rf"\b{kind}\b", annotation)]
+    return " or ".join(dict.fromkeys(words))
+
+
+def _of_kind(value, annotation: str) -> bool:
+    """Is `value` of the kind a RunConfig field's annotation (a string: postponed annotations) names?"""
+    if value is None:
+        return "None" in annotation
+    if isinstance(value, bool):
+        return annotation.startswith("bool")
+    kinds = {"int": whole_number(value), "float": isinstance(value, int | float) and not isinstance(value, bool),
+             "str": isinstance(value, str), "Device": isinstance(value, str), "DType": isinstance(value, str),
+             "dict": isinstance(value, dict), "tuple": isinstance(value, tuple)}  # fmt: skip
+    return any(ok for kind, ok in kinds.items() if re.search(rf"\b{kind}\b", annotation))
 
 
 SETTINGS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RunConfig))
@@ -166,77 +213,6 @@ def settings_from_command_line(values: dict) -> RunConfig:
             value = _PARSERS[name](value)
         settings[name] = value
     return RunConfig(**settings)
-
-
-# Layer numbers above this are refused while parsing, before a range is expanded into a set (a range to
-# 10**10 once took 12 GB); the model's real depth is checked as soon as its config is read.
-MAX_LAYER = 9_999
-
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    """'0-5,10,12-13' -> (0, 1, 2, 3, 4, 5, 10, 12, 13)."""
-    layers: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        first, _, last = part.partition("-")
-        try:
-            low, high = int(first), int(last or first)
-        except ValueError:
-            raise ConfigError(f"--layers takes numbers and ranges like 0-5,10; got {text!r}") from None
-        if low < 0 or high < low:
-            raise ConfigError(f"--layers range {part!r} is empty or negative")
-        if high > MAX_LAYER:
-            raise ConfigError(f"--layers names layer {high}; layer numbers stop at {MAX_LAYER} (no model is that deep)")
-        layers.update(range(low, high + 1))
-    return tuple(sorted(layers))
-
-
-def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
-    """'18.6,17.4' -> ((17, 4), (18, 6)): heads written LAYER.HEAD, as every command and output writes them."""
-    heads: set[tuple[int, int]] = set()
-    for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d{1,4})\.(\d{1,4})\s*", part)
-        if not match:
-            raise ConfigError(f"--heads takes heads written LAYER.HEAD, like 18.6,17.4; got {part.strip()!r}")
-        heads.add((int(match.group(1)), int(match.group(2))))
-    return tuple(sorted(heads))
-
-
-def head_name(layer: int, head: int) -> str:
-    """(18, 6) -> '18.6'."""
-    return f"{layer}.{head}"
-
-
-def parse_ids(text: str, option: str) -> tuple[int, ...]:
-    """'0,5,10-12' -> (0, 5, 10, 11, 12): sentence ids, in the order given (repeats dropped)."""
-    ids: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()) or len(first) > 9 or len(last) > 9:
-            raise ConfigError(f"{option} takes ids and ranges like 0,5,10-12; got {text!r}")
-        low, high = int(first), int(last or first)
-        if high < low or high - low > 10_000:
-            raise ConfigError(f"{option} range {part.strip()!r} is empty or longer than 10,000 ids")
-        ids.extend(i for i in range(low, high + 1) if i not in ids)
-    return tuple(ids)
-
-
-def parse_batch_size(text: str) -> int | None:
-    """'auto' -> None (sized from the memory budget); '16' -> 16."""
-    if text.strip().lower() == "auto":
-        return None
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ConfigError(f"--batch-size takes a whole number of 1 or more, or auto; got {text!r}")
-    return int(text)
-
-
-def parse_bytes(text: str) -> int:
-    """'8GiB', '512MB', '2g', '1000000' -> bytes (binary units either way)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
-    if not match:
-        raise ConfigError(f"--max-memory takes a size like 8GiB or 512MiB; got {text!r}")
-    number, unit = float(match.group(1)), match.group(2)
-    return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
 _PARSERS = {"batch_size": parse_batch_size, "max_memory": parse_bytes, "layers": parse_layers}

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from headscope.config import head_name
+from headscope.arguments import head_name
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
-from headscope.layout import ABLATION_RECORD, ATTENTION_FILE, HEAD_MASK_FILE, INSPECT_RECORD, PRUNE_RECORD, TOKENS_FILE
+from headscope.layout import ABLATION_RECORD, HEAD_MASK_FILE, INSPECT_RECORD, PRUNE_RECORD
 from headscope.report.report import Report
 from headscope.reporting import printable
 from headscope.summary import (
@@ -257,7 +257,8 @@ def print_inspection(found) -> None:
     if record["roles_from"]:
         console.print(f"roles from {record['roles_from']}")
     if found.folder is not None:
-        console.print(f"wrote {found.folder}/ ({ATTENTION_FILE}, {TOKENS_FILE}, {INSPECT_RECORD})")
+        written = sorted(path.name for path in found.folder.iterdir())  # what is there, inspect.html included
+        console.print(f"wrote {found.folder}/ ({', '.join(written)})")
 
 
 SUMMARY_ROWS = 40  # the console shows this many (head, text) rows; inspect.json has them all

@@ -16,12 +16,13 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from headscope.config import ENCODING_ERRORS
-from headscope.errors import CorpusError
+from headscope.errors import ConfigError, CorpusError
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "english-100.txt"
 _LINE_BREAK = re.compile(rb"\r\n|\n|\r")
@@ -67,8 +68,8 @@ def read_corpus(path: str | Path, *, text_column: str | None = None, encoding_er
         raise CorpusError(f"--encoding-errors must be one of {', '.join(ENCODING_ERRORS)}; got {encoding_errors!r}")
     path = Path(path)
     suffix = path.suffix.lower()
-    if text_column is not None and suffix not in TABLE_FORMATS:
-        raise CorpusError(
+    if text_column is not None and suffix not in TABLE_FORMATS:  # an option that cannot apply: a usage error
+        raise ConfigError(
             f"--text-column applies to {', '.join(TABLE_FORMATS)} corpora; {path} is read as plain text, "
             "one sentence per line"
         )
@@ -266,7 +267,12 @@ def as_corpus(corpus, settings) -> Corpus:
     shipped corpus); a file is read with the settings' (a RunConfig's) text column and encoding rule."""
     if isinstance(corpus, Corpus):
         return corpus
-    if isinstance(corpus, list):
-        return corpus_from_texts(corpus)
+    if isinstance(corpus, list | tuple):
+        wrong = [text for text in corpus if not isinstance(text, str)]
+        if wrong:
+            raise ConfigError(f"a corpus given as a list holds strings (sentences); got {wrong[0]!r} in it")
+        return corpus_from_texts(list(corpus))
+    if corpus is not None and not isinstance(corpus, str | os.PathLike):
+        raise ConfigError(f"corpus takes a file path, a list of sentences or None (the shipped corpus); got {corpus!r}")
     path = corpus if corpus is not None else default_corpus_path()
     return read_corpus(path, text_column=settings.text_column, encoding_errors=settings.encoding_errors)

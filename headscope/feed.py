@@ -301,9 +301,10 @@ class CorpusFeed:
                 self.chunk(index), max_sentences=max_sentences, max_tokens=max_tokens, padding_side=padding_side
             )
 
-    def token_ids(self, sentence_id: int, max_length: int | None) -> list[int]:
-        """One sentence's ids, cut to `max_length` (and the feed's own) as the corpus pass cuts them."""
+    def token_ids(self, sentence_id: int, max_length: int | None) -> tuple[list[int], bool]:
+        """One sentence's ids, cut to `max_length` (and the feed's own) as the corpus pass cuts them, and whether
+        they were cut."""
         limits = [x for x in (max_length, self.max_length) if x is not None]
         text = self.corpus.sentences[sentence_id].text
-        ids, _ = tokenize_sentences(self.tokenizer, [text], min(limits) if limits else None, max_chars=self.max_chars)
-        return ids[0]
+        ids, cut = tokenize_sentences(self.tokenizer, [text], min(limits) if limits else None, max_chars=self.max_chars)
+        return ids[0], cut[0]

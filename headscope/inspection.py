@@ -25,12 +25,14 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_texts, head_name
 from headscope.capture import attached
 from headscope.columns import PROBE_PATTERNS
-from headscope.config import RoleThresholds, RunConfig, head_name, run_settings
+from headscope.config import RoleThresholds, RunConfig, run_settings
 from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError
 from headscope.feed import CorpusFeed, char_limit, collate, token_texts, tokenize_sentences
+from headscope.identity import check_report_model
 from headscope.labels import ROLES
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, SCHEMA_VERSION, TOKENS_FILE
 from headscope.loading import LoadedModel, Loader, load_for_run, open_model, protected_inputs, resolve_source
@@ -47,12 +49,12 @@ from headscope.output import StagedDirectory, check_target, resolved
 from headscope.placement import dtype_name
 from headscope.plan import Plan, plan_for_model
 from headscope.record import versions
+from headscope.report.report import Report, read_run
 from headscope.reporting import NullReporter, Reporter
 from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
 
 PROBES = PROBE_PATTERNS  # --probe: the patterns whose score each head gets on the probe text
 PROBE_ROLES = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"}
-MAX_TEXTS = 1_000
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def inspect(
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
     role_thresholds = role_thresholds or RoleThresholds()
+    texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")
+    sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
     check_request(texts, sentences, probes, heads, roles, report)
     corpus = as_corpus(corpus, settings) if sentences else None
     if corpus is not None:
@@ -129,6 +133,8 @@ def inspect(
         else:  # in memory: written to a scratch folder, read back, then gone
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-inspect-")))
         loaded = open_model(stack, model, source, settings, loader, reporter)
+        if report is not None:
+            check_report_model(read_run(Path(report)), loaded, report)
         plan = plan_for_model(settings, loaded)
         chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
@@ -158,8 +164,8 @@ def check_request(texts, sentences, probes, heads, roles, report) -> None:
     usage errors)."""
     if not (texts or sentences or probes):
         raise ConfigError("nothing to inspect: pass --text, --sentences (of --corpus) or --probe")
-    if len(texts) + len(sentences) + bool(probes) > MAX_TEXTS:
-        raise ConfigError(f"inspect takes at most {MAX_TEXTS:,} texts at once")
+    if len(texts) + len(sentences) + bool(probes) > MAX_INSPECT_TEXTS:
+        raise ConfigError(f"inspect takes at most {MAX_INSPECT_TEXTS:,} texts at once")
     for number, text in enumerate(texts):
         if not text.strip():
             raise ConfigError(f"--text number {number + 1} is empty")
@@ -187,8 +193,6 @@ def _check_sentences(sentences: Sequence[int], corpus: Corpus) -> None:
 
 
 def _report_roles(report) -> pd.DataFrame:
-    from headscope.report.report import Report
-
     labelled = Report.open(report).heads
     return labelled[["layer", "head", "role"]]
 
@@ -201,14 +205,14 @@ def _texts(tokenizer, plan: Plan, texts, corpus, sentences, probes) -> list[Text
         [ids], [cut] = tokenize_sentences(tokenizer, [text], plan.max_length, max_chars=limit)
         if not ids:
             raise ConfigError(f"--text number {number + 1} has no tokens")
-        chosen.append(Text("text", f"text {number}", ids, truncated=cut or len(text) > (limit or len(text))))
+        chosen.append(Text("text", f"text {number}", ids, truncated=cut))  # a text cut to `limit` is cut anyway
     if sentences:
         feed = CorpusFeed(corpus, tokenizer, max_length=plan.max_length, chunk_sentences=1, keep=False)
         for sentence_id in sentences:
-            ids = feed.token_ids(sentence_id, None)
+            ids, cut = feed.token_ids(sentence_id, None)
             if not ids:
                 raise ConfigError(f"sentence {sentence_id} of {corpus.path} has no tokens")
-            chosen.append(Text("corpus", f"sentence {sentence_id}", ids, sentence_id))
+            chosen.append(Text("corpus", f"sentence {sentence_id}", ids, sentence_id, truncated=cut))
     if probes:
         _, sequence, _, _ = check_probes(tokenizer, plan)
         chosen.append(Text("probe", "probe seed 0", sequence(0), 0))
@@ -217,19 +221,8 @@ def _texts(tokenizer, plan: Plan, texts, corpus, sentences, probes) -> list[Text
 
 def _heads(heads, roles, labelled, report, plan: Plan, capture, loaded, role_thresholds, reporter):
     """The chosen (layer, head) pairs, ascending; the roles known for them (name -> role); where those came from."""
-    depth, count = plan.depth, plan.heads
-    if labelled is not None:
-        layers_there, heads_there = int(labelled["layer"].max()) + 1, int(labelled["head"].max()) + 1
-        if heads_there != count or layers_there > depth:
-            raise ConfigError(
-                f"--report {report} holds {layers_there} layers x {heads_there} heads; the model has {depth} x "
-                f"{count}: a report of another model"
-            )
-    for layer, head in heads:
-        if layer >= depth or head >= count:
-            raise ConfigError(
-                f"--heads names {head_name(layer, head)}; the model has layers 0-{depth - 1} with heads 0-{count - 1}"
-            )
+    count = plan.heads
+    plan.check_heads(heads)
     known, roles_from = {}, None
     if labelled is not None:
         known = {(int(r.layer), int(r.head)): str(r.role) for r in labelled.itertuples()}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from headscope.capture import Capture, attached
-from headscope.config import RunConfig, head_name
+from headscope.config import RunConfig
 from headscope.corpus import Corpus
 from headscope.errors import ConfigError
 from headscope.feed import Batch, CorpusFeed
@@ -148,15 +148,6 @@ def plain_loss(folder: Path, lm: LossModel) -> float:
             losses, counts = token_losses(model(**kwargs).logits, batch)
             total, tokens = total + float(losses.sum()), tokens + int(counts.sum())
     return total / max(tokens, 1)
-
-
-def check_heads(heads: Sequence[Head], plan: Plan, option: str = "--heads") -> None:
-    for layer, head in heads:
-        if layer >= plan.depth or head >= plan.heads:
-            raise ConfigError(
-                f"{option} names {head_name(layer, head)}; the model has layers 0-{plan.depth - 1} with heads "
-                f"0-{plan.heads - 1}"
-            )
 
 
 def record_header(loaded: LoadedModel, corpus: Corpus) -> dict:

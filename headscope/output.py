@@ -23,10 +23,11 @@ import json
 import os
 import re
 import shutil
+import signal
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from headscope.errors import OutputError
+from headscope.errors import HeadscopeError, OutputError
 from headscope.layout import KINDS, why_not_replaceable
 
 try:  # POSIX only; elsewhere runs are not protected from each other, which the README says
@@ -63,6 +64,24 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise
 
 
+# What file systems answer when they refuse a write, and how libraries that wrap the error (pyarrow, safetensors'
+# Rust writer) spell it: a full disk or quota, a file over the size limit, a read-only file system.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_DISK_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "Read-only file system",
+               "StorageFull", "FileTooLarge", "ReadOnlyFilesystem")  # fmt: skip
+
+
+def disk_refusal(error: BaseException) -> str | None:
+    """Why the file system refused a write, if that is what `error` is (from any library), else None. headscope's
+    own errors already say which file."""
+    if isinstance(error, HeadscopeError):
+        return None
+    if isinstance(error, OSError) and error.errno in _DISK_ERRNOS:
+        return error.strerror or os.strerror(error.errno)
+    text = str(error)
+    return next((word for word in _DISK_WORDS if word in text), None) if isinstance(error, Exception) else None
+
+
 def _remove_quietly(path: Path) -> None:
     # Cleanup must never replace the error being reported (on a read-only mount, unlink fails too).
     with contextlib.suppress(OSError):
@@ -74,9 +93,17 @@ def resolved(path: Path | str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def check_target(target: Path, *, kind: str, overwrite: bool, protected: Mapping[str, Path] | None = None) -> None:
+def check_target(
+    target: Path,
+    *,
+    kind: str,
+    overwrite: bool,
+    protected: Mapping[str, Path] | None = None,
+    resumable: bool = False,
+) -> None:
     """Refuse an output folder headscope must not write (see the module's rules). `target` is resolved;
-    `protected` maps a description ("the model", "the corpus") to a path that must survive the run."""
+    `protected` maps a description ("the model", "the corpus") to a path that must survive the run; resumable:
+    this run continues (or starts) the checkpoint beside the target."""
     option = KINDS[kind].option
     if target.parent == target:
         raise OutputError(f"{option} {target} is the root of the file system; name a folder for the output")
@@ -92,6 +119,7 @@ def check_target(target: Path, *, kind: str, overwrite: bool, protected: Mapping
             raise OutputError(f"{option} {target} holds {what} ({path}); choose another output folder")
     if target.exists() and not target.is_dir():
         raise OutputError(f"output path {target} exists and is not a folder")
+    _check_checkpoint(target, option, continuing=resumable and kind == RESUMABLE_KIND)
     if not target.is_dir():
         return
     try:
@@ -106,6 +134,43 @@ def check_target(target: Path, *, kind: str, overwrite: bool, protected: Mapping
         )
     if not empty and not overwrite:
         raise OutputError(f"output folder {target} holds {KINDS[kind].name}; pass --overwrite to replace it")
+
+
+RESUMABLE_KIND = "report"  # the only kind a run checkpoints (analyze --resume)
+
+
+def checkpoint_of(target: Path) -> Path:
+    """Where a resumable run into `target` keeps its checkpoint."""
+    return target.parent / f".{target.name}.partial"
+
+
+def _check_checkpoint(target: Path, option: str, *, continuing: bool) -> None:
+    """A checkpoint belongs to the run that wrote it: only the same command with --resume continues it (and
+    consumes it when it publishes). Any other run into that folder name is refused, saying what is there, instead
+    of replacing or deleting hours of measuring."""
+    checkpoint = checkpoint_of(target)
+    if continuing or not (checkpoint.is_dir() and _ours(checkpoint, target) and _holds_work(checkpoint)):
+        return
+    raise OutputError(
+        f"{checkpoint} holds the checkpoint of an interrupted `headscope analyze --resume` run into {target}; "
+        f"continue it (the same command with --resume), delete that folder, or choose another {option}"
+    )
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends: renames that must happen together (the old folder out, the new
+    one in; a set of files replaced in place) are never cut between two of them."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - no pthreads (Windows)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
@@ -125,6 +190,19 @@ def _folder_lock(folder: Path) -> Iterator[None]:
 def _mark(folder: Path, target: Path) -> None:
     """Say in `folder` that this process made it, as work for `target`."""
     (folder / MARKER).write_text(json.dumps({"target": target.name, "pid": os.getpid()}))
+
+
+def _lock_marker(folder: Path) -> int | None:
+    """Lock `folder`'s marker for as long as the returned descriptor is open: the folder is in use."""
+    if fcntl is None:  # pragma: no cover
+        return None
+    descriptor = os.open(folder / MARKER, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        raise OutputError(f"another headscope run is using {folder}; wait for it to finish") from None
+    return descriptor
 
 
 def _ours(folder: Path, target: Path) -> bool:
@@ -173,10 +251,8 @@ class StagedDirectory:
         a failed or interrupted run, so that a later run can continue from the checkpoint inside it."""
         self.target = resolved(target)
         self.kind, self.overwrite, self.resumable = kind, overwrite, resumable
-        check_target(self.target, kind=kind, overwrite=overwrite, protected=protected)
-        suffix = "partial" if resumable else f"staging-{os.getpid()}"
-        self.path = self._work(suffix)
-        self.checkpoint = self._work("partial")
+        check_target(self.target, kind=kind, overwrite=overwrite, protected=protected, resumable=resumable)
+        self.path = checkpoint_of(self.target) if resumable else self._work(f"staging-{os.getpid()}")
         self.cleaned: list[str] = []
         self._lock: int | None = None
 
@@ -226,15 +302,7 @@ class StagedDirectory:
 
     def _take_lock(self) -> int | None:
         _mark(self.path, self.target)
-        if fcntl is None:  # pragma: no cover
-            return None
-        descriptor = os.open(self.path / MARKER, os.O_RDWR)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(descriptor)
-            raise OutputError(f"another headscope run is using {self.path}; wait for it to finish") from None
-        return descriptor
+        return _lock_marker(self.path)
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -249,14 +317,17 @@ class StagedDirectory:
                 shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._release_lock()
+        refused = disk_refusal(exc) if exc is not None else None
+        if refused is not None:  # a full disk while writing (any library's error): one line, nothing published
+            raise OutputError(f"cannot write {self.target}: {refused}; nothing there was changed") from None
 
     def _publish(self) -> None:
         parent = self.target.parent
         old = self._work(f"old-{os.getpid()}")
-        with _folder_lock(parent):
+        with _folder_lock(parent), _signals_held():
             # What held when the run started may not hold now (another run published meanwhile): check again.
             try:
-                check_target(self.target, kind=self.kind, overwrite=self.overwrite)
+                check_target(self.target, kind=self.kind, overwrite=self.overwrite, resumable=self.resumable)
             except OutputError as err:
                 shutil.rmtree(self.path, ignore_errors=True)
                 raise OutputError(f"{err} (it changed while this run was working; nothing was written)") from None
@@ -281,13 +352,41 @@ class StagedDirectory:
                     ) from None
                 raise OutputError(f"cannot move the new output into {self.target}: {err.strerror}") from None
             shutil.rmtree(old, ignore_errors=True)
-            superseded = self.checkpoint.is_dir() and _ours(self.checkpoint, self.target)
-            if not self.resumable and superseded and not _held(self.checkpoint):
-                # A checkpoint of an earlier interrupted run is superseded by this complete output.
-                shutil.rmtree(self.checkpoint, ignore_errors=True)
-                self.cleaned.append(str(self.checkpoint))
 
 
 def _holds_work(folder: Path) -> bool:
     """Does a checkpoint folder hold anything worth resuming from (more than its marker)?"""
     return any(entry.name != MARKER for entry in folder.iterdir()) if folder.is_dir() else False
+
+
+@contextlib.contextmanager
+def replacing_files(folder: Path) -> Iterator[Path]:
+    """Rewrite files of an existing headscope folder in place (plot and classify without --out): yield a hidden
+    work folder beside it to write them into; when the block succeeds each file is moved into `folder`, with
+    Ctrl-C held off while they move, so the folder holds all the old files or all the new ones, never a mix; when
+    it fails (or is interrupted) nothing in `folder` changes. Its marker lets a later run clean it up if killed."""
+    folder = resolved(folder)
+    work = folder.parent / f".{folder.name}.staging-{os.getpid()}"
+    try:
+        with _folder_lock(folder.parent):
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            _mark(work, folder)
+            lock = _lock_marker(work)
+    except OSError as err:
+        raise OutputError(f"cannot write beside {folder}: {err.strerror or err}") from None
+    try:
+        yield work
+        with _signals_held():
+            for path in sorted(work.iterdir()):
+                if path.name != MARKER:
+                    os.replace(path, folder / path.name)
+    except Exception as err:
+        refused = disk_refusal(err) or (err.strerror if isinstance(err, OSError) else None)
+        if refused is None:
+            raise
+        raise OutputError(f"cannot write into {folder}: {refused}; nothing there was changed") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)

@@ -50,6 +50,7 @@ from headscope.plan import Plan, plan_for_model, resized
 from headscope.record import Timings, fingerprint
 from headscope.report.report import Report
 from headscope.reporting import NullReporter, Reporter
+from headscope.stats import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE
 
 
 def analyze(
@@ -98,7 +99,8 @@ def analyze(
     corpus = as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_model(model)
     if out is not None:  # every rank checks: a refusal stops them all at once, before any of them waits
-        check_target(resolved(out), kind="report", overwrite=overwrite, protected=protected_inputs(source, corpus))
+        protected = protected_inputs(source, corpus)
+        check_target(resolved(out), kind="report", overwrite=overwrite, protected=protected, resumable=resume)
     if not isinstance(model, LoadedModel):
         within = {"--out": Path(out)} if out is not None else {}
         if source.kind != "hub":
@@ -159,24 +161,30 @@ def analyze(
                     importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled)
             with timings.phase("write"):  # the example views: their attention is written with the tables
                 examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
+        if settings.bootstrap and measured.progress.measured_sentences < MIN_BOOTSTRAP_SENTENCES:
+            reporter.note(ONE_SENTENCE_NOTE)
         reporter.stage("writing tables")
         extras, rules = (probes, importance), (thresholds, roles)
         run, tables = write_tables(folder, loaded, corpus, plan, parts, measured, extras, examples, rules, timings)
-        parts.discard_checkpoint()
+        report = Report(run, folder=folder, tables=tables)
+        if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
+            _draw(report, folder, charts, page, work.target, reporter)
+        parts.discard_checkpoint()  # only now: an interrupted drawing leaves a checkpoint that --resume continues
         # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
         if out is None:
-            tables |= Report(run, folder=folder).tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
+            tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
     if out is None:
         return Report(run, tables=tables)
-    _report_cleaned(work, reporter)  # the tables and run.json are published: drawing cannot lose them
-    report = Report(run, folder=work.target, tables=tables)
-    if charts or page:
-        from headscope.report.write import write_presentation
+    _report_cleaned(work, reporter)
+    return Report(run, folder=work.target, tables=tables)
 
-        reporter.stage("drawing charts and writing report.html")
-        for what in write_presentation(report, work.target, fmt=charts, page=page)[1]:
-            reporter.warn(f"could not draw {what}; the tables are written (headscope plot {work.target} tries again)")
-    return report
+
+def _draw(report: Report, folder: Path, charts: str | None, page: bool, target: Path, reporter: Reporter) -> None:
+    from headscope.report.write import write_presentation
+
+    reporter.stage("drawing charts and writing report.html")
+    for what in write_presentation(report, folder, fmt=charts, page=page)[1]:
+        reporter.warn(f"could not draw {what}; the tables are written (headscope plot {target} tries again)")
 
 
 def _together(ranks: Ranks, step: Callable):

@@ -62,6 +62,16 @@ class Plan:
     def heads(self) -> int:
         return self.architecture["heads"]
 
+    def check_heads(self, heads, option: str = "--heads") -> None:
+        """Refuse a head the model does not have (heads: (layer, head) pairs, already checked to be whole numbers
+        0 or more by config.as_heads / parse_heads): the one range check of every command."""
+        for layer, head in heads:
+            if layer >= self.depth or head >= self.heads:
+                raise ConfigError(
+                    f"{option} names {layer}.{head}; the model has layers 0-{self.depth - 1} with heads "
+                    f"0-{self.heads - 1}"
+                )
+
     @property
     def sums_shape(self) -> tuple[int, int, int]:
         """(measured layers, heads, row sums) of the corpus-wide statistics."""

@@ -20,17 +20,19 @@ import numpy as np
 import pandas as pd
 
 from headscope.ablation import SETTINGS_USED
-from headscope.config import CHART_FORMATS, RunConfig, head_name, run_settings
+from headscope.arguments import head_name
+from headscope.config import CHART_FORMATS, RunConfig, run_settings
 from headscope.corpus import Corpus, as_corpus
-from headscope.errors import ConfigError, OutputError
+from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.intervening import LossModel, loss_model, plain_loss, record_header
 from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
 from headscope.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
 from headscope.measures.groups import MODES
 from headscope.measures.prune_search import PruneResult, prune_search
-from headscope.output import StagedDirectory, atomic_path, check_target, resolved
+from headscope.output import StagedDirectory, atomic_path, resolved
 from headscope.record import versions
 from headscope.reporting import NullReporter, Reporter
+from headscope.surgery import check_savable
 from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
@@ -69,39 +71,58 @@ def prune(
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
     check_request(budget, mode, charts)
+    _check_folders(out, save_model)
     corpus = as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
     protected = protected_inputs(source, corpus)
-    targets = {"prune": out, "model": save_model}
-    if out is not None and save_model is not None and resolved(out) == resolved(save_model):
-        raise ConfigError("--out and --save-model name the same folder; the pruned model needs a folder of its own")
-    kinds = {"prune": "pruning", "model": "model"}
-    for name, target in ((k, t) for k, t in targets.items() if t is not None):
-        check_target(resolved(target), kind=kinds[name], overwrite=overwrite, protected=protected)
+    # Every check that can be made before the search is made before it (the folders now, the model once loaded).
+    stages = {
+        name: StagedDirectory(Path(target), kind=kind, overwrite=overwrite, protected=protected) if target else None
+        for name, kind, target in (("prune", "pruning", out), ("model", "model", save_model))
+    }
     started = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        folders = {
-            name: stack.enter_context(
-                StagedDirectory(Path(target), kind=kinds[name], overwrite=overwrite, protected=protected)
-            )
-            for name, target in targets.items()
-            if target is not None
-        }
+    with contextlib.ExitStack() as stack, stages["prune"] or contextlib.nullcontext() as prune_stage:
         with loss_model(stack, model, source, settings, loader, reporter, corpus, "prune") as lm:
+            if save_model is not None:
+                check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
+                              head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
             result, means = _search(lm, budget, mode, reporter)
         record = _record(lm, corpus, result, settings, mode, time.perf_counter() - started)
         mask = head_mask(result.heads, lm.plan.depth, lm.plan.heads)
-        if "model" in folders:
-            record["saved_model"] = _save(lm, result, means, folders["model"].path, reporter)
-            record["saved_model"]["path"] = str(folders["model"].target)
-        if "prune" in folders:
-            _write(folders["prune"].path, record, mask, charts, reporter)
-    return Pruning(record, mask, folder=folders["prune"].target if "prune" in folders else None)
+        failure = None
+        if save_model is not None:
+            try:  # published (or removed) when this block ends, before the pruning's own folder
+                with stages["model"] as model_stage:
+                    saved = _save(lm, result, means, model_stage.path, reporter)
+                record["saved_model"] = saved | {"path": str(model_stage.target)}
+            # Whatever goes wrong in saving (a full disk, an architecture transformers cannot write), the verified
+            # search is still worth keeping: prune.json says what failed.
+            except Exception as err:
+                failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
+                record["saved_model"] = {"error": failure, "path": None}
+        if prune_stage is not None:
+            _write(prune_stage.path, record, mask, charts, reporter)
+    if failure is not None:
+        kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
+        raise OutputError(f"the pruned model was not saved: {failure}{kept}")
+    return Pruning(record, mask, folder=prune_stage.target if prune_stage is not None else None)
+
+
+def _check_folders(out, save_model) -> None:
+    """--out and --save-model each need a folder of their own, neither inside the other."""
+    if out is None or save_model is None:
+        return
+    a, b = resolved(out), resolved(save_model)
+    if a == b:
+        raise ConfigError("--out and --save-model name the same folder; the pruned model needs a folder of its own")
+    if a in b.parents or b in a.parents:
+        inner, outer = ("--save-model", "--out") if a in b.parents else ("--out", "--save-model")
+        raise ConfigError(f"{inner} is inside {outer}; each needs a folder of its own, side by side")
 
 
 def check_request(budget, mode: str, charts: str | None) -> None:
     """Refuse a budget, mode or chart format that cannot be, before anything loads."""
-    if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
+    if isinstance(budget, bool) or not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
         raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
     if mode not in MODES:
         raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
@@ -125,8 +146,14 @@ def _search(lm: LossModel, budget: float, mode: str, reporter: Reporter) -> tupl
     def estimate(removed):
         return lm.attribution(removed, removal)
 
+    removed_before = 0
+
     def step(found: PruneResult) -> None:
-        reporter.note(f"{len(found.heads)} heads removed: loss {found.loss:.4f} (+{found.loss - found.clean_loss:.4f})")
+        nonlocal removed_before
+        added = ",".join(head_name(*head) for head in found.heads[removed_before:])
+        removed_before = len(found.heads)
+        delta = found.loss - found.clean_loss  # signed: removing a head can lower the loss
+        reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
 
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
     result = prune_search(
@@ -189,12 +216,12 @@ def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, r
 
 def _save(lm: LossModel, result: PruneResult, means, folder: Path, reporter: Reporter) -> dict:
     """Write the pruned checkpoint into `folder`, load it back with transformers and check its loss."""
-    from headscope.surgery import pruned_weights
+    from headscope.surgery import plain_checkpoint, pruned_weights
 
     loaded, plan = lm.loaded, lm.plan
     reporter.stage(f"saving the pruned model ({len(result.heads)} heads removed from its weights)")
     with pruned_weights(loaded.lm, result.heads, head_count=plan.heads, head_dim=plan.architecture["head_dim"],
-                        means=means):  # fmt: skip
+                        means=means), plain_checkpoint(loaded.lm):  # fmt: skip
         loaded.lm.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     reporter.stage("loading the saved model back to check its loss")

@@ -15,9 +15,11 @@ from importlib import metadata
 
 import torch
 
+from headscope.identity import model_identity
 from headscope.labels import classification_record
 from headscope.layout import SCHEMA_VERSION
 from headscope.placement import dtype_name
+from headscope.stats import MIN_BOOTSTRAP_SENTENCES
 from headscope.summary import layer_entropy
 
 PACKAGES = ("headscope", "torch", "transformers", "tokenizers", "gguf", "pandas", "pyarrow")
@@ -73,6 +75,7 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
             "revision": loaded.revision,
             "architecture": loaded.architecture,
             "device_map": loaded.device_map,  # module -> device (GPU index, cpu or disk) with --device-map
+            **model_identity(loaded),  # weights_sha256, weights_dtype: is a later run's model this one?
         },
         "device": str(loaded.device),
         "dtype": dtype_name(loaded.dtype),
@@ -117,7 +120,12 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
             "prefix_tokens": probes.prefix,
             "chance": {pattern: round(level, 6) for pattern, level in probes.chance.items()},
         },
-        "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed}
+        "bootstrap": {
+            "replicates": settings.bootstrap,
+            "seed": settings.bootstrap_seed,
+            "sentences": progress.measured_sentences,
+            "intervals": progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES,
+        }
         if settings.bootstrap
         else None,
         "importance": None

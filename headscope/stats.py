@@ -72,6 +72,12 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+# A bootstrap over sentences needs at least this many: over one sentence every replicate is that sentence again,
+# and the "interval" has zero width whatever the sentence's own spread.
+MIN_BOOTSTRAP_SENTENCES = 2
+ONE_SENTENCE_NOTE = "a 95% interval needs two or more sentences: the intervals are left empty (NaN)"
+
+
 def poisson_weights(sentence_ids: np.ndarray, replicates: int, seed: int) -> np.ndarray:
     """(sentences, replicates) Poisson(1) counts: bootstrap weights that are a pure function of
     (seed, sentence id, replicate), so any order or split of the corpus draws the same ones."""

@@ -7,18 +7,25 @@ owns input features h * head_dim ... (h + 1) * head_dim. With W_h those columns 
     W x + b  with x_h := m_h   ==   W' x + (b + W_h m_h),   W' = W with W_h zeroed.
 A model whose projection has no bias gets one where its config can say so (`attention_bias`, as Llama's); there it
 also gives the attention's other projections zero biases, which change nothing.
+
+`check_savable` refuses, before any search, what `save` could only find out at the end: a model whose projections
+cannot take a bias (mean mode), weights still packed in GGUF blocks, a disk that cannot hold the checkpoint.
+A GGUF model de-quantized on loading is saved as its float weights (`plain_checkpoint`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from headscope.capture import decoder_layers
-from headscope.errors import ConfigError, ModelLoadError
+from headscope.errors import ConfigError, ModelLoadError, ResourceError
+from headscope.memory import readable
 
 OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo")  # the output projection, by architecture
 
@@ -95,11 +102,7 @@ def _remove(projection: torch.nn.Module, heads: list[int], head_dim: int, means:
 def _add_biases(model: torch.nn.Module, decoder, inputs: int) -> list[torch.nn.Module]:
     """Give every layer's attention linear maps zero biases (the config's `attention_bias` gives them all one on
     loading), where the config can say so; returns the modules changed."""
-    if getattr(model.config, "attention_bias", None) is None:
-        raise ConfigError(
-            f"mean removal folds each head's mean into its output projection's bias, and {type(model).__name__}'s "
-            "output projections have none its config can add: save with --mode zero"
-        )
+    _check_bias(model)
     model.config.attention_bias = True
     changed = []
     for layer in decoder:
@@ -110,3 +113,65 @@ def _add_biases(model: torch.nn.Module, decoder, inputs: int) -> list[torch.nn.M
                 module.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
                 changed.append(module)
     return changed
+
+
+def _check_bias(model: torch.nn.Module) -> None:
+    if getattr(model.config, "attention_bias", None) is None:
+        raise ConfigError(
+            f"mean removal folds each head's mean into its output projection's bias, and {type(model).__name__}'s "
+            "output projections have none its config can add: save with --mode zero"
+        )
+
+
+# Headroom over the weights' own bytes for what else a checkpoint folder holds (config, tokenizer, index).
+SAVE_HEADROOM = 64 * 2**20
+
+
+def check_savable(model: torch.nn.Module, folder: Path, *, mean: bool, head_count: int, head_dim: int) -> None:
+    """Refuse, before any search, a pruned checkpoint that could not be written into `folder`."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and getattr(quantizer, "packed_modules", None):
+        raise ConfigError(
+            f"--save-model: {type(model).__name__} keeps its GGUF weights packed (transformers' GGUF kernels), "
+            "which cannot be edited or saved; load it de-quantized (without the `kernels` package) to save it"
+        )
+    if mean:
+        decoder = decoder_layers(model)
+        if any(output_projection(layer, head_count * head_dim)[1].bias is None for layer in decoder):
+            _check_bias(model)
+    needed = sum(p.numel() * p.element_size() for p in model.parameters()) + SAVE_HEADROOM
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise ResourceError(
+            f"--save-model {folder}: the pruned checkpoint needs about {readable(needed)}, and {existing} has "
+            f"{readable(free)} free"
+        )
+
+
+@contextlib.contextmanager
+def plain_checkpoint(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block `model` saves as a plain checkpoint of its float weights. A GGUF file loaded de-quantized
+    holds float weights, but transformers refuses to save a model its GGUF quantizer is still attached to ("not
+    serializable"): the quantizer and its config entry are set aside for the block and put back after it."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        yield
+        return
+    config = model.config
+    attributes = {name: getattr(model, name) for name in ("hf_quantizer", "is_quantized") if hasattr(model, name)}
+    method = model.__dict__.get("quantization_method")
+    quantization = config.__dict__.get("quantization_config")
+    try:
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.__dict__.pop("quantization_method", None)
+        config.__dict__.pop("quantization_config", None)
+        yield
+    finally:
+        for name, value in attributes.items():
+            setattr(model, name, value)
+        if method is not None:
+            model.quantization_method = method
+        if quantization is not None:
+            config.quantization_config = quantization

@@ -41,7 +41,7 @@ def test_a_device_map_from_a_json_file_on_the_command_line(planted_gpt2, tmp_pat
     out = tmp_path / "report"
     options = ["--no-charts", "--no-page", "--no-probes", "--bootstrap", "0"]
     result = run_cli("analyze", planted_gpt2, "--out", out, "--device-map", tmp_path / "map.json", *options)
-    assert_one_line_error(result, "give --offload-folder DIR")
+    assert_one_line_error(result, "give --offload-folder DIR", code=2)
     result = run_cli(
         "analyze", planted_gpt2, "--out", out, "--device-map", tmp_path / "map.json",
         "--offload-folder", tmp_path / "offload", *options,

@@ -113,7 +113,10 @@ def test_what_a_data_parallel_run_cannot_do_is_refused_once(planted_gpt2, tmp_pa
     result = analyze(planted_gpt2, tmp_path / "report", "--importance", "fast", ranks=2)
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
-    assert ours == ["Error: --importance is not split between ranks yet; run it in one process (without torchrun)"]
+    assert ours == [
+        "Error: --importance is not split between ranks yet; run it in one process (without torchrun) "
+        "(see headscope analyze --help)"
+    ]
 
 
 def test_a_refusal_on_rank_0_stops_every_rank_at_once(planted_gpt2, one_process):

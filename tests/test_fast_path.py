@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import headscope
-from headscope.config import parse_batch_size, parse_bytes, parse_layers
+from headscope.arguments import parse_batch_size, parse_bytes, parse_layers
 from headscope.errors import ConfigError
 from headscope.feed import plan_batches
 

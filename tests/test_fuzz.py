@@ -103,8 +103,9 @@ def corpora(draw):
 
 
 def assert_clean_failure(result) -> None:
+    """An error (1) or a usage error (2: an option's value refused), in one line, never a traceback."""
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert_one_line_error(result)
+    assert_one_line_error(result, code=2 if result.exit_code == 2 else 1)
 
 
 @pytest.fixture(autouse=True)

@@ -65,6 +65,7 @@ def test_layers_beyond_the_model_are_refused_before_its_weights_load(planted_gpt
     assert_one_line_error(  # the model's config is read, its weights are not
         no_model_loading("analyze", planted_gpt2, "--layers", "0-5", "--out", tmp_path / "o"),
         "--layers names layer 2, but the model has layers 0-1",
+        code=2,
     )
     assert not (tmp_path / "o").exists() and hidden_leftovers(tmp_path) == []
 
@@ -254,6 +255,7 @@ def test_text_column_reads_a_tsv_and_is_refused_for_plain_text(planted_gpt2, tmp
     assert_one_line_error(
         run_cli("analyze", planted_gpt2, "--corpus", txt, "--text-column", "sentence", "--out", tmp_path / "p"),
         "is read as plain text, one sentence per line",
+        code=2,
     )
 
 
@@ -342,37 +344,6 @@ def test_classify_and_plot_refuse_a_heads_table_without_rows(finished_report, tm
         assert_one_line_error(run_cli(command, report), "heads.parquet has no rows")
 
 
-def test_classify_and_plot_on_a_read_only_folder(finished_report, tmp_path, monkeypatch):
-    import errno
-    import shutil
-
-    report = tmp_path / "report"
-    shutil.copytree(finished_report, report)
-    mounted = (
-        subprocess.run(
-            ["mount", "--bind", "-o", "ro", str(report), str(report)], capture_output=True, check=False
-        ).returncode
-        == 0
-    )
-    if not mounted:  # not root: the same error from the file system calls
-        real_open = os.open
-
-        def read_only(path, flags, *args, **kwargs):
-            if str(path).startswith(str(report)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-                raise OSError(errno.EROFS, "Read-only file system", str(path))
-            return real_open(path, flags, *args, **kwargs)
-
-        monkeypatch.setattr(os, "open", read_only)
-    try:
-        before = snapshot(report)
-        assert_one_line_error(run_cli("classify", report), "cannot write", "Read-only file system")
-        assert_one_line_error(run_cli("plot", report), "cannot write", "Read-only file system")
-        assert snapshot(report) == before
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(report)], check=True)
-
-
 # ---------------------------------------------------------------- leftovers
 
 
@@ -395,11 +366,17 @@ def test_a_killed_runs_staging_folder_is_cleaned_by_the_next_run(planted_gpt2, t
     assert hidden_leftovers(tmp_path) == []
 
 
-def test_a_stale_checkpoint_is_removed_by_a_later_complete_run(planted_gpt2, interrupted):
+def test_a_checkpoint_belongs_to_the_run_that_wrote_it(planted_gpt2, interrupted):
+    """Only the same command with --resume continues (and then consumes) a checkpoint: a run without --resume is
+    refused, saying what is there, and the checkpoint is left for --resume."""
     corpus, out, checkpoint = interrupted
+    before = snapshot(checkpoint)
     result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--no-charts")
+    assert_one_line_error(result, str(checkpoint), "interrupted `headscope analyze --resume` run", "delete that folder")
+    assert snapshot(checkpoint) == before and not out.exists()
+    result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--no-charts", "--resume")
     assert result.exit_code == 0, result.output
-    assert not checkpoint.exists() and f"removed {checkpoint}" in result.stderr
+    assert not checkpoint.exists() and hidden_leftovers(out.parent) == []
 
 
 # ---------------------------------------------------------------- docs and messages

@@ -139,7 +139,7 @@ def test_a_device_map_value_that_is_no_device_is_refused(value, message, planted
     path.write_text(json.dumps({"": value}))
     started = time.perf_counter()
     result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", "--device-map", path, *QUICK)
-    assert_one_line_error(result, "--device-map sends 'the model' to", message)
+    assert_one_line_error(result, "--device-map sends 'the model' to", message, code=2)
     assert time.perf_counter() - started < 20 and not (tmp_path / "o").exists()
 
 
@@ -147,7 +147,9 @@ def test_a_device_map_naming_modules_the_model_lacks_is_refused(planted_gpt2, tm
     path = tmp_path / "map.json"
     path.write_text(json.dumps({"wte": "cpu", "transformer.h.0": "cpu", "h": "cpu"}))
     result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", "--device-map", path, *QUICK)
-    assert_one_line_error(result, "names modules", "does not have: 'transformer.h.0'", "top-level modules: drop, h")
+    assert_one_line_error(
+        result, "names modules", "does not have: 'transformer.h.0'", "top-level modules: drop, h", code=2
+    )
 
 
 def test_run_json_records_the_device_map_applied(planted_gpt2, tmp_path):
@@ -172,7 +174,7 @@ def test_the_offload_folder_may_not_be_an_input_or_the_output(where, planted_gpt
         "analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--device-map", "auto",
         "--offload-folder", offload, *QUICK, loader=refuse_to_load,
     )  # fmt: skip
-    assert_one_line_error(result, "--offload-folder", "choose a folder of its own")
+    assert_one_line_error(result, "--offload-folder", "choose a folder of its own", code=2)
     assert snapshot(planted_gpt2) == before
 
 
@@ -443,4 +445,4 @@ class MeasuringFails(NullReporter):
 )
 def test_a_probe_battery_that_cannot_run_is_refused_before_measuring(args, message, planted_gpt2, tmp_path):
     result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", *args, reporter=MeasuringFails())
-    assert_one_line_error(result, message)
+    assert_one_line_error(result, message, code=2)

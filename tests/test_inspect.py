@@ -208,13 +208,15 @@ def test_requests_that_ask_for_nothing_or_contradict_themselves_are_usage_errors
 
 
 def test_heads_and_sentences_beyond_the_model_or_corpus_are_refused(planted_gpt2, tmp_path):
-    assert_one_line_error(run_cli("inspect", planted_gpt2, "--text", "the cat", "--heads", "5.0"), "5.0", "layers 0-1")
+    assert_one_line_error(
+        run_cli("inspect", planted_gpt2, "--text", "the cat", "--heads", "5.0"), "5.0", "layers 0-1", code=2
+    )
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sat\nthe dog ran\n")
     result = run_cli("inspect", planted_gpt2, "--corpus", corpus, "--sentences", "0,2")
-    assert_one_line_error(result, "sentence 2", "has 2")
+    assert_one_line_error(result, "sentence 2", "has 2", code=2)
     result = run_cli("inspect", planted_gpt2, "--text", "the cat", "--heads", "1.0", "--layers", "0")
-    assert_one_line_error(result, "none of the --heads lies in --layers 0")
+    assert_one_line_error(result, "none of the --heads lies in --layers 0", code=2)
     with pytest.raises(ConfigError, match="nothing to inspect"):
         headscope.inspect(str(planted_gpt2))
 
@@ -265,4 +267,4 @@ def test_the_role_options_reach_the_probes(tmp_path):
             model, probes=["induction"], roles=["induction"], role_thresholds=RoleThresholds(probe_min=0.999)
         )
     result = run_cli("inspect", model, "--probe", "induction", "--role", "induction", "--role-probe-min", "0.999")
-    assert_one_line_error(result, "no head has role induction")
+    assert_one_line_error(result, "no head has role induction", code=2)

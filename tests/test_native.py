@@ -97,13 +97,16 @@ def test_every_instruction_set_variant_builds_and_the_runnable_ones_agree(isa, t
 def test_a_failed_build_is_reported_by_the_compilers_first_error_line():
     """ninja prints the command before the compiler's output: the reason a user sees is the error itself."""
     log = (
-        "Error building extension 'headscope_row_state_avx512': [1/2] c++ -MMD -DCPU_CAPABILITY_AVX512 -c row_state.cpp\n"
+        "Error building extension 'headscope_row_state_avx512': [1/2] c++ -DCPU_CAPABILITY_AVX512 -c row_state.cpp\n"
         "FAILED: row_state.o\n"
         "row_state.cpp: In function 'float reduce_max(Vec)':\n"
         "row_state.cpp:31:40: error: no matching function for call to 'vec_reduce_all<float>'\n"
         "row_state.cpp:35:40: error: no matching function for call to 'vec_reduce_all<float>'\n"
     )
-    assert native.first_error_line(log) == "row_state.cpp:31:40: error: no matching function for call to 'vec_reduce_all<float>'"
+    assert (
+        native.first_error_line(log)
+        == "row_state.cpp:31:40: error: no matching function for call to 'vec_reduce_all<float>'"
+    )
     assert native.first_error_line("ninja is required to load C++ extensions\nmore") == (
         "ninja is required to load C++ extensions"
     )

@@ -43,7 +43,7 @@ def example_views(capture, feed: CorpusFeed, plan, lengths: dict[str, list[int]]
     settings = plan.settings
     frames = []
     for sentence_id in choose_examples(lengths, settings.examples):
-        ids = feed.token_ids(sentence_id, EXAMPLE_MAX_TOKENS)
+        ids, _ = feed.token_ids(sentence_id, EXAMPLE_MAX_TOKENS)
         frames.append(_view(capture, "corpus", sentence_id, ids, feed.tokenizer, settings.padding_side, device))
     if settings.probes and settings.examples:
         spec = ProbeSpec(seeds=2, length=min(settings.probe_length, PROBE_EXAMPLE_LENGTH))

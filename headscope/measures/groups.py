@@ -30,7 +30,7 @@ from headscope.capture import replicate
 from headscope.config import LOSS_ON, REMOVAL_MODES
 from headscope.feed import Batch
 from headscope.reporting import Reporter
-from headscope.stats import percentile_interval, poisson_weights
+from headscope.stats import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
 
 Head = tuple[int, int]  # (layer, head)
 SCORINGS = LOSS_ON
@@ -246,7 +246,7 @@ def group_effect(losses: GroupLosses, group: int, scoring: str, *, replicates: i
     effect["clean_loss"] = float(clean.sum() / count)
     effect["ablated_loss"] = float(ablated.sum() / count)
     effect["delta"] = float((ablated - clean).sum() / count)
-    if replicates:
+    if replicates and (tokens > 0).sum() >= MIN_BOOTSTRAP_SENTENCES:  # one sentence has no spread to resample
         weights = poisson_weights(np.asarray(losses.sentence_ids), replicates, seed)  # (sentences, replicates)
         with np.errstate(invalid="ignore", divide="ignore"):
             deltas = (weights.T @ (ablated - clean)) / (weights.T @ tokens)  # (replicates,)

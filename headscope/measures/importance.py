@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headscope.config import head_name
+from headscope.arguments import head_name
 from headscope.errors import ResourceError
 from headscope.feed import Batch, CorpusFeed
 from headscope.labels import ROLES

@@ -305,7 +305,7 @@ def example_heads(examples: pd.DataFrame, chosen: dict[str, tuple[int, int]], *,
         part = examples[(examples["layer"] == layer) & (examples["head"] == head)]
         matrix = np.full((n, n), np.nan)
         matrix[part["query"].to_numpy(), part["key"].to_numpy()] = part["weight"].to_numpy()
-        image = ax.imshow(matrix, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+        image = ax.imshow(matrix, cmap=palette.SCALES["share"][0], vmin=0, vmax=1, interpolation="nearest")
         ax.set_xticks(range(n), [plain(t) for t in tokens], rotation=90, fontsize=7)
         ax.set_yticks(range(n), [plain(t) for t in tokens], fontsize=7)
         ax.set_xlabel("key (attended to)")

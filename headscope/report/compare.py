@@ -21,13 +21,11 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow.parquet as pq
 
 from headscope.columns import DELTAS, INTERVAL_METRICS, MODEL_ONLY, RATIOS, ROWS_LEFT_OUT
 from headscope.config import COMPARE_REPLICATES
@@ -36,7 +34,8 @@ from headscope.labels import HEAD_TYPES, ROLES
 from headscope.layout import SCHEMA_VERSION, SENTENCE_HEADS_FILE
 from headscope.memory import host_free_memory, readable
 from headscope.report.report import Report
-from headscope.stats import percentile_interval, poisson_weights
+from headscope.report.sentence_rows import SENTENCES_AT_ONCE, sentence_rows
+from headscope.stats import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE, percentile_interval, poisson_weights
 
 LEVEL = 0.95
 Z = 1.959963984540054  # the standard normal's 97.5th percentile
@@ -106,6 +105,8 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
         check_fits(replicates, len(heads))
         head_stats, layer_stats = paired_intervals(ra, rb, heads, layer_ids, replicates, seed)
         record["method"] = f"paired (the same sentences): Poisson bootstrap over sentences, {replicates} replicates"
+        if len(ra.sentences) < MIN_BOOTSTRAP_SENTENCES:
+            record["method"] += f"; {ONE_SENTENCE_NOTE}"
         record.update(replicates=replicates, seed=seed)
     else:
         head_stats, layer_stats = unpaired_intervals(ra, rb, heads)
@@ -210,51 +211,21 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(columns, index=a.index).reset_index()
 
 
-SENTENCES_AT_ONCE = 512  # sentences of a sentence_heads table read, and bootstrapped, at once
-
-
-def _sentences(path: Path, cells: int, metrics, chunk: int = SENTENCES_AT_ONCE) -> Iterator[tuple[np.ndarray, ...]]:
-    """Complete sentences of a sentence_heads table, `chunk` at a time: (ids, n_tokens, values per metric),
-    values as (sentences, cells). Rows run sentence by sentence, (layer, head) within, as analyze writes them."""
-    columns = ["sentence_id", "n_tokens", *metrics]
-    buffered: list[pd.DataFrame] = []
-    rows = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk * cells, columns=columns):
-        buffered.append(batch.to_pandas())
-        rows += batch.num_rows
-        if rows >= chunk * cells:
-            frame = pd.concat(buffered, ignore_index=True)
-            whole = (len(frame) // cells) * cells
-            yield _shaped(frame.iloc[:whole], cells, metrics)
-            buffered, rows = [frame.iloc[whole:]], len(frame) - whole
-    frame = pd.concat(buffered, ignore_index=True) if buffered else pd.DataFrame(columns=columns)
-    if len(frame):
-        if len(frame) % cells:
-            raise OutputError(f"{path} does not hold a row for every (layer, head) of every sentence")
-        yield _shaped(frame, cells, metrics)
-
-
-def _shaped(frame: pd.DataFrame, cells: int, metrics) -> tuple[np.ndarray, ...]:
-    ids = frame["sentence_id"].to_numpy().reshape(-1, cells)
-    if (ids != ids[:, :1]).any():
-        raise OutputError("a sentence_heads table is not sorted by sentence")
-    n = frame["n_tokens"].to_numpy(float).reshape(-1, cells)[:, 0]
-    return (ids[:, 0], n, *(frame[m].to_numpy(float).reshape(-1, cells) for m in metrics))
-
-
 def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, replicates: int, seed: int):
     """Bootstrap intervals of every head's and every layer mean's delta, resampling sentences in pairs."""
     cells = len(heads)
     metrics = INTERVAL_METRICS
     sums = {side: {m: np.zeros((2, replicates, cells)) for m in metrics} for side in ("a", "b")}
     streams = zip(
-        _sentences(ra.folder / SENTENCE_HEADS_FILE, cells, metrics),
-        _sentences(rb.folder / SENTENCE_HEADS_FILE, cells, metrics),
+        sentence_rows(ra.folder / SENTENCE_HEADS_FILE, cells, metrics),
+        sentence_rows(rb.folder / SENTENCE_HEADS_FILE, cells, metrics),
         strict=True,
     )
+    sentences = 0
     for part_a, part_b in _checked(streams):
         if not np.array_equal(part_a[0], part_b[0]):
             raise OutputError("the two reports' sentence_heads tables hold different sentences")
+        sentences += len(part_a[0])
         weights = poisson_weights(part_a[0], replicates, seed).T  # (replicates, sentences)
         for side, part in (("a", part_a), ("b", part_b)):
             n = part[1]
@@ -278,7 +249,15 @@ def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, rep
             }
             layer_delta = per_layer["b"] - per_layer["a"]  # (replicates, layers)
             layer_stats[metric] = (*percentile_interval(layer_delta, LEVEL), _bootstrap_p(layer_delta))
+    if sentences < MIN_BOOTSTRAP_SENTENCES:  # every replicate resamples the one sentence: no interval, no test
+        head_stats = {metric: _undefined(stats) for metric, stats in head_stats.items()}
+        layer_stats = {metric: _undefined(stats) for metric, stats in layer_stats.items()}
     return head_stats, layer_stats
+
+
+def _undefined(stats: tuple) -> tuple[np.ndarray, ...]:
+    """NaN in the shape of each of `stats` (interval bounds, p-values)."""
+    return tuple(np.full(np.shape(x), np.nan) for x in stats)
 
 
 def _checked(streams):

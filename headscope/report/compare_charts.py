@@ -79,7 +79,7 @@ def transitions(comparison: Comparison, *, title: str) -> Figure:
     fig = _figure(12, 5.5)
     axes = fig.subplots(1, len(comparison.transitions))
     for ax, (label, table) in zip(np.atleast_1d(axes), comparison.transitions.items(), strict=True):
-        ax.imshow(table.to_numpy(), cmap="Greys", aspect="auto", interpolation="nearest")
+        ax.imshow(table.to_numpy(), cmap=palette.SCALES["count"][0], aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(table.columns)), table.columns, rotation=45, ha="right", fontsize=8)
         ax.set_yticks(range(len(table.index)), table.index, fontsize=8)
         middle = table.to_numpy().max() / 2 if table.to_numpy().size else 0

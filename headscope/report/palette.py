@@ -30,12 +30,15 @@ _VIRIDIS = ["#440154", "#482475", "#414487", "#355f8d", "#2a788e", "#21918c", "#
 _VIRIDIS += ["#bddf26", "#fde725"]
 _RDBU_R = ["#053061", "#2065ab", "#4393c3", "#90c4dd", "#d1e5f0", "#f7f6f6", "#fddbc7", "#f3a481", "#d6604d"]
 _RDBU_R += ["#b1182b", "#67001f"]
+_GREYS = ["#ffffff", "#f3f3f3", "#e2e2e2", "#cecece", "#b5b5b5", "#959595", "#7a7a7a", "#5f5f5f", "#404040"]
+_GREYS += ["#1d1d1d", "#000000"]
 
 # scale -> (matplotlib colormap, its colours from low to high values, fixed limits or None, symmetric around 0)
 SCALES: dict[str, tuple[str, list[str], tuple[float, float] | None, bool]] = {
     "entropy": ("magma_r", _MAGMA_R, None, False),  # high entropy (diffuse) dark, focused light
     "share": ("viridis", _VIRIDIS, (0.0, 1.0), False),  # a share of attention: more is brighter
     "diverging": ("RdBu_r", _RDBU_R, None, True),  # importance: red raises the loss, blue lowers it
+    "count": ("Greys", _GREYS, None, False),  # how many heads: more is darker
 }
 
 

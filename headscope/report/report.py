@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
+from headscope.arguments import MAX_HEAD, MAX_LAYER, whole_number
 from headscope.columns import MEASURED_COLUMNS
 from headscope.config import RoleThresholds, Thresholds
 from headscope.errors import ConfigError, OutputError
@@ -58,6 +60,8 @@ class Report:
     @classmethod
     def open(cls, folder: Path | str) -> Report:
         """The report in `folder` (its run.json read now, its tables when first used)."""
+        if not isinstance(folder, str | os.PathLike):
+            raise ConfigError(f"a report is opened from its folder (a path); got {folder!r}")
         folder = Path(folder)
         return cls(read_run(folder), folder=folder)
 
@@ -95,16 +99,15 @@ class Report:
         if name not in self._tables:
             if self.folder is None:
                 return None
-            self._tables[name] = _READERS[name](self.folder / name)
+            path = self.folder / name
+            self._tables[name] = _read_heads(path, _grid(self.run)) if name == HEADS_FILE else _READERS[name](path)
         return self._tables[name]
 
     @property
     def depth(self) -> int:
         """The model's number of layers (run.json's architecture), whichever layers the report measured."""
-        architecture = _section(_section(self.run, "model"), "architecture")
-        layers = architecture.get("layers")
-        measured = int(self.heads["layer"].max()) + 1
-        return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers >= measured else measured
+        layers = _grid(self.run)[0]
+        return layers if layers is not None else int(self.heads["layer"].max()) + 1
 
     @property
     def head_count(self) -> int:
@@ -179,11 +182,28 @@ def read_run(folder: Path) -> dict:
     model, corpus = run.get("model"), run.get("corpus")
     if not isinstance(model, dict) or not isinstance(model.get("input"), str) or not isinstance(corpus, dict):
         raise OutputError(f"{path} is not a headscope run record (it has no model and corpus); run analyze again")
+    _check_architecture(run, path)
     return run
 
 
-def _read_heads(path: Path) -> pd.DataFrame:
-    """The heads table, refused unless it has one row per (layer, head)."""
+def _grid(run: dict) -> tuple[int | None, int | None]:
+    """The model's (layers, heads per layer) as run.json records them (None where it does not; read_run has
+    checked what it does record)."""
+    architecture = _section(_section(run, "model"), "architecture")
+    return architecture.get("layers"), architecture.get("heads")
+
+
+def _check_architecture(run: dict, path: Path) -> None:
+    """run.json's layers and heads size every grid a report draws: they must be counts a model can have."""
+    for key, limit in zip(("layers", "heads"), (MAX_LAYER, MAX_HEAD), strict=True):
+        value = _section(_section(run, "model"), "architecture").get(key)
+        if value is not None and not (whole_number(value) and 1 <= value <= limit + 1):
+            raise OutputError(f"{path} says the model has {value!r} {key}; a damaged run record: run analyze again")
+
+
+def _read_heads(path: Path, grid: tuple[int | None, int | None] = (None, None)) -> pd.DataFrame:
+    """The heads table, refused unless it has one row per (layer, head), each within the model's grid (run.json's
+    layers and heads, or the largest any model has): a number read from a table never sizes anything unchecked."""
     heads = read_table(path, HEADS_SCHEMA)
     if heads.empty:
         raise OutputError(f"{path} has no rows; run `headscope analyze` again")
@@ -191,6 +211,14 @@ def _read_heads(path: Path) -> pd.DataFrame:
         raise OutputError(f"{path} has rows without a layer or head number")
     if (heads[["layer", "head"]] < 0).any().any():
         raise OutputError(f"{path} has negative layer or head numbers")
+    layers, count = grid[0] or MAX_LAYER + 1, grid[1] or MAX_HEAD + 1
+    beyond = heads[(heads["layer"] >= layers) | (heads["head"] >= count)]
+    if len(beyond):
+        layer, head = (int(x) for x in beyond.iloc[0][["layer", "head"]])
+        raise OutputError(
+            f"{path} lists head {layer}.{head}, beyond the model's {layers} layers x {count} heads (run.json): a "
+            "damaged report; run analyze again"
+        )
     repeated = heads.duplicated(["layer", "head"])
     if repeated.any():
         first = heads[repeated].iloc[0]
@@ -219,7 +247,6 @@ def _optional(schema):
 
 
 _READERS = {
-    HEADS_FILE: _read_heads,
     LAYERS_FILE: _optional(LAYERS_SCHEMA),
     EXAMPLES_FILE: _read_examples,
     SENTENCES_FILE: _optional(SENTENCES_SCHEMA),

@@ -1,7 +1,8 @@
 """Writing what reads a report: charts and report.html (analyze, plot), relabelled heads (classify), and a
-comparison folder (compare). Every file is written atomically; a new folder is staged and published whole
-(headscope.output: only into an empty folder, or over one of the same kind with --overwrite). Tables are always
-published before anything is drawn: a chart or page that fails is reported and never takes the tables with it."""
+comparison folder (compare). A new folder is staged and published whole, tables, charts and page together
+(headscope.output: only into an empty folder, or over one of the same kind with --overwrite), so an interrupted
+run leaves the previous folder as it was; files rewritten in place are staged beside the folder and moved in
+together. A chart or page that fails is reported and never takes the tables with it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from headscope.layout import (
     RUN_FILE,
     SCHEMA_VERSION,
 )
-from headscope.output import StagedDirectory, resolved
+from headscope.output import StagedDirectory, replacing_files, resolved
 from headscope.report.compare import Comparison
 from headscope.report.report import Report
 from headscope.tables import HEADS_SCHEMA, parquet_metadata, write_frame, write_json, write_table
@@ -63,7 +64,9 @@ def plot_report(
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {fmt!r}")
     report = Report.open(folder).checked()
     if out is None or resolved(out) == resolved(folder):
-        return write_presentation(report, Path(folder), fmt=fmt, page=page)
+        with replacing_files(Path(folder)) as work:
+            written, failed = write_presentation(report, work, fmt=fmt, page=page)
+        return [Path(folder) / path.name for path in written], failed
     stage = StagedDirectory(Path(out), kind="charts", overwrite=overwrite, protected={"the report": Path(folder)})
     with stage:
         record = {"schema_version": SCHEMA_VERSION, "report": str(resolved(folder)), "format": fmt}
@@ -86,7 +89,8 @@ def reclassify(
     folder = Path(folder)
     relabelled = Report.open(folder).relabelled(thresholds, roles or RoleThresholds())
     if out is None or resolved(out) == resolved(folder):
-        _write_labels(relabelled, folder)
+        with replacing_files(folder) as work:  # heads.parquet and run.json: both new, or both as they were
+            _write_labels(relabelled, work)
         return relabelled
     stage = StagedDirectory(Path(out), kind="report", overwrite=overwrite, protected={"the report": folder})
     with stage:
@@ -105,30 +109,28 @@ def _write_labels(report: Report, folder: Path) -> None:
 def write_comparison(
     comparison: Comparison, out: Path, *, a: Path, b: Path, overwrite: bool, fmt: str | None, page: bool = True
 ) -> tuple[Path, list[str]]:
-    """Write the comparison into `out`: its tables and compare.json staged and published atomically, then its
-    charts and page. Returns the folder and, for each chart or page that could not be drawn, "NAME (error)"."""
-    from headscope.output import StagedDirectory
-
+    """Write the comparison into `out`: its tables, compare.json, charts and page staged and published together.
+    Returns the folder and, for each chart or page that could not be drawn, "NAME (error)"."""
     stage = StagedDirectory(
         Path(out), kind="comparison", overwrite=overwrite, protected={"report A": Path(a), "report B": Path(b)}
     )
-    with stage:  # the tables and compare.json are published first: drawing cannot lose them
+    failed = []
+    with stage:
         tables = {COMPARE_LAYERS_FILE: comparison.layers, COMPARE_BANDS_FILE: comparison.bands}
         if comparison.heads is not None:
             tables[COMPARE_FILE] = comparison.heads
         for name, frame in tables.items():
             write_frame(frame, stage.path / name)
         write_json(comparison.record, stage.path / COMPARE_RECORD)
-    failed = []
-    if fmt:
-        from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
+        if fmt:
+            from headscope.report.compare_charts import draw_comparison  # matplotlib only when drawing
 
-        failed += draw_comparison(comparison, folder=stage.target, fmt=fmt)[1]
-    if page:
-        from headscope.report.page import compare_page, write_page  # plotly only for the page
+            failed += draw_comparison(comparison, folder=stage.path, fmt=fmt)[1]
+        if page:
+            from headscope.report.page import compare_page, write_page  # plotly only for the page
 
-        try:
-            write_page(compare_page(comparison), stage.target / COMPARE_PAGE)
-        except Exception as err:  # any failure of the page: the tables stay, the user is told
-            failed.append(f"{COMPARE_PAGE} ({one_line(err)})")
+            try:
+                write_page(compare_page(comparison), stage.path / COMPARE_PAGE)
+            except Exception as err:  # any failure of the page: the tables stay, the user is told
+                failed.append(f"{COMPARE_PAGE} ({one_line(err)})")
     return stage.target, failed

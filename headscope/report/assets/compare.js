@@ -68,8 +68,8 @@ if (!H || !D.selectable.length) {  // different grids, or no delta with a value
     return div;
   });
   for (const [index, [name, t]] of Object.entries(D.transitions).entries()) {
-    Plotly.react(divs[index], [{type: "heatmap", z: t.values, x: t.columns, y: t.index, colorscale: "Greys",
-      reversescale: true, showscale: false, text: t.values, texttemplate: "%{text}",
+    Plotly.react(divs[index], [{type: "heatmap", z: t.values, x: t.columns, y: t.index, colorscale: P.scales.count.stops,
+      showscale: false, text: t.values, texttemplate: "%{text}",
       hovertemplate: "A %{y} -> B %{x}: %{z} heads<extra></extra>"}],
       {title: {text: name.replace("_", " ")}, height: 360, yaxis: {autorange: "reversed"}, margin: {l: 110}}, CONFIG);
   }

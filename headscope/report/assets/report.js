@@ -65,8 +65,8 @@ function example(i, n) {
     z.push(row);
   }
   const labels = view.tokens.map((token, j) => plain(`${j}: ${token}`));
-  Plotly.react("example", [{type: "heatmap", z: z, x: labels, y: labels, zmin: 0, zmax: 1, colorscale: "Blues",
-    reversescale: true, hoverongaps: false, hovertemplate: "query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"}],
+  Plotly.react("example", [{type: "heatmap", z: z, x: labels, y: labels, zmin: 0, zmax: 1, colorscale: P.scales.share.stops,
+    hoverongaps: false, hovertemplate: "query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"}],
     {title: {text: `layer ${H.layer[i]}, head ${H.head[i]} (${H.role[i]}): attention on ${view.label}`},
      height: 420 + 8 * t, margin: {l: 120, b: 120, t: 40}, yaxis: {autorange: "reversed", title: {text: "query"}},
      xaxis: {title: {text: "key (attended to)"}, tickangle: -60}}, CONFIG);
