@@ -157,3 +157,11 @@ def user_errors(ctx: typer.Context):
     except Terminated:
         say(f"{INTERRUPTED[143]}{hint}.", err=True)
         raise typer.Exit(143) from None
+    except Exception as err:  # a full disk reported by a library outside any staged folder: still one line
+        from headscope.output import disk_refusal
+
+        refused = disk_refusal(err)
+        if refused is None:
+            raise  # a bug: its traceback is the report
+        say(f"Error: cannot write the output: {refused}", err=True)
+        raise typer.Exit(1) from None

@@ -89,8 +89,20 @@ def _remove_quietly(path: Path) -> None:
 
 
 def resolved(path: Path | str) -> Path:
-    """Absolute, with every symlink followed (also for a path that does not exist yet)."""
-    return Path(path).expanduser().resolve()
+    """Absolute, with every symlink followed (also for a path that does not exist yet); a path that cannot be
+    resolved (links that loop, a name too long) is one line naming it."""
+    try:
+        return Path(path).expanduser().resolve(strict=False)
+    except RuntimeError:  # Python < 3.13 reports a loop so
+        raise OutputError(f"{path}: its symbolic links loop back on themselves") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OutputError(f"{path}: its symbolic links loop back on themselves") from None
+        raise OutputError(f"{path}: {err.strerror or err}") from None
+
+
+# The longest suffix headscope adds to a folder's name for its work folders: ".NAME.staging-PID".
+_WORK_NAME_EXTRA = len("..staging-") + 10
 
 
 def check_target(
@@ -105,6 +117,22 @@ def check_target(
     `protected` maps a description ("the model", "the corpus") to a path that must survive the run; resumable:
     this run continues (or starts) the checkpoint beside the target."""
     option = KINDS[kind].option
+    try:
+        _check_target(target, kind, option, overwrite, protected, resumable)
+    except OSError as err:  # a name too long, a folder that cannot be read: one line naming the option's path
+        raise OutputError(f"{option} {target}: {err.strerror or err}") from None
+
+
+def _check_target(target: Path, kind: str, option: str, overwrite: bool, protected, resumable: bool) -> None:
+    existing = next(path for path in target.parents if path.exists())
+    if not existing.is_dir():
+        raise OutputError(f"{option} {target} lies under {existing}, which is a file, not a folder")
+    name_max = os.pathconf(target.parent, "PC_NAME_MAX") if target.parent.is_dir() else 255
+    if len(os.fsencode(target.name)) + _WORK_NAME_EXTRA > name_max:
+        raise OutputError(
+            f"{option} names a folder whose name has {len(os.fsencode(target.name))} bytes; headscope needs "
+            f"{_WORK_NAME_EXTRA} more for its work folder beside it (at most {name_max}): choose a shorter name"
+        )
     if target.parent == target:
         raise OutputError(f"{option} {target} is the root of the file system; name a folder for the output")
     cwd = resolved(Path.cwd())

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -163,7 +164,7 @@ def check_report(out: Path, data: bytes) -> None:
 
 # ---------------------------------------------------------------- report folders
 
-REPORT_FILES = ("heads.parquet", "run.json", "examples.parquet")
+REPORT_FILES = ("heads.parquet", "run.json", "examples.parquet", "sentences.parquet", "sentence_heads.parquet")
 FILE_STATES = ("valid", "missing", "empty", "truncated", "random", "wrong")
 
 
@@ -187,11 +188,15 @@ def wrong_version(name: str, valid: Path, draw) -> bytes:
                     b'{"classification": {"thresholds": [1, 2]}}',
                     b'{"classification": {"thresholds": {"copy_max_norm_entropy": 7}}}',
                     b'{"classification": 3}',
+                    b'{"model": {"input": "m", "architecture": {"layers": 1000000000000, "heads": 9}}, "corpus": {}}',
+                    b'{"model": {"input": "m", "architecture": {"layers": 30, "heads": -3}}, "corpus": {}}',
+                    b'{"model": {"input": "m", "architecture": {"layers": true, "heads": 2.5}}, "corpus": {}}',
                 ]
             )
         )
     table = pq.read_table(valid / name)
-    kind = draw(st.sampled_from(["no_rows", "drop_column", "strings", "duplicates", "nan", "negative", "extra"]))
+    kinds = ["no_rows", "drop_column", "strings", "duplicates", "nan", "negative", "extra", "huge"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "no_rows":
         table = table.slice(0, 0)
     elif kind == "drop_column":
@@ -207,10 +212,11 @@ def wrong_version(name: str, valid: Path, draw) -> bytes:
         numeric = [c for c in frame.columns if frame[c].dtype.kind == "f"]
         frame[draw(st.sampled_from(numeric))] = float("nan")
         table = pa.Table.from_pandas(frame, preserve_index=False)
-    elif kind == "negative":
+    elif kind in ("negative", "huge"):  # a huge value must never size an array (a layer 10**9 once took minutes)
         frame = table.to_pandas()
         integer = [c for c in frame.columns if frame[c].dtype.kind == "i"]
-        frame[draw(st.sampled_from(integer))] = -7
+        column = draw(st.sampled_from(integer))
+        frame.loc[draw(st.integers(0, len(frame) - 1)), column] = -7 if kind == "negative" else 10**9
         table = pa.Table.from_pandas(frame, preserve_index=False)
     else:
         table = table.append_column("surprise", pa.array([1.5] * table.num_rows))
@@ -220,7 +226,7 @@ def wrong_version(name: str, valid: Path, draw) -> bytes:
 
 
 @settings(FUZZ, max_examples=max(FUZZ.max_examples // 2, 1))  # each draws charts: half the examples in CI
-@given(st.data(), st.sampled_from(["classify", "classify_out", "plot"]))
+@given(st.data(), st.sampled_from(["classify", "classify_out", "plot", "compare"]))
 def test_classify_and_plot_on_random_report_folders(valid_report, data, command):
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "report"
@@ -246,6 +252,7 @@ def test_classify_and_plot_on_random_report_folders(valid_report, data, command)
             "classify": ["classify", folder],
             "classify_out": ["classify", folder, "--out", other],
             "plot": ["plot", folder, "--format", "svg"],
+            "compare": ["compare", folder, valid_report, "--out", other, "--replicates", "10", "--no-charts"],
         }[command]
         before = snapshot(Path(scratch), skip=(folder, other))
         started = time.perf_counter()
@@ -256,8 +263,10 @@ def test_classify_and_plot_on_random_report_folders(valid_report, data, command)
         if result.exit_code != 0:
             assert_clean_failure(result)
             return
-        written = other if command == "classify_out" else folder
-        if command.startswith("classify"):
+        written = other if command in ("classify_out", "compare") else folder
+        if command == "compare":
+            assert (other / "compare.json").is_file()
+        elif command.startswith("classify"):
             heads = pd.read_parquet(written / "heads.parquet")
             assert len(heads) > 0 and heads["head_type"].isin(HEAD_TYPES).all()
         else:
@@ -408,3 +417,192 @@ def test_every_byte_of_a_users_files_survives_every_command(valid_report, plante
         assert {k: v for k, v in snapshot(folder).items() if not k.startswith("out/")} == {
             k: v for k, v in before.items() if not k.startswith("out/")
         }
+
+
+# ---------------------------------------------------------------- head indices, from Python and from the CLI
+
+ANYTHING = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner)),
+    max_leaves=8,
+)
+HEAD_TEXT = st.text(alphabet="0123456789.,- ²٣_x", max_size=16)
+
+
+@FUZZ
+@given(st.one_of(ANYTHING, HEAD_TEXT))
+def test_random_heads_are_pairs_of_whole_numbers_or_one_error(value):
+    """Any value where heads go: (layer, head) pairs of ints 0 or more within the limits, or a ConfigError; never
+    a wrapped index, a bool taken for 1 or another exception."""
+    from headscope.arguments import MAX_HEAD, MAX_LAYER, as_head_groups, as_heads
+    from headscope.errors import ConfigError
+
+    for parse in (as_heads, as_head_groups):
+        try:
+            found = parse(value)
+        except ConfigError:
+            continue
+        pairs = [pair for group in found for pair in group] if parse is as_head_groups else list(found)
+        for layer, head in pairs:
+            assert type(layer) is int and type(head) is int
+            assert 0 <= layer <= MAX_LAYER and 0 <= head <= MAX_HEAD
+
+
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 4, 1))
+@given(HEAD_TEXT, HEAD_TEXT)
+def test_random_heads_and_sentences_on_the_command_line(planted_gpt2, heads, sentences):
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        result = run_cli("inspect", planted_gpt2, "--sentences", sentences or "0", "--heads", heads or "0.0",
+                         "--out", Path(scratch) / "o", "--no-page")  # fmt: skip
+        assert time.perf_counter() - started < SECONDS_PER_RUN
+        event(f"exit {result.exit_code}")
+        if result.exit_code != 0:
+            assert_clean_failure(result)
+
+
+# ---------------------------------------------------------------- reports of other models
+
+
+@pytest.fixture(scope="module")
+def copier_report(tmp_path_factory):
+    from planted import build_planted_copier, copy_words
+
+    root = tmp_path_factory.mktemp("copier")
+    model = build_planted_copier(root / "model", copiers=(0, 1), logit=20.0)
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(copy_words()[i : i + 5]) for i in range(6)) + "\n")
+    report = root / "report"
+    assert run_cli("analyze", model, "--corpus", corpus, "--out", report, "--no-probes", "--no-charts").exit_code == 0
+    return model, corpus, report
+
+
+IDENTITY = {
+    ("architecture", "layers"): st.integers(1, 4),
+    ("architecture", "heads"): st.integers(1, 6),
+    ("architecture", "kv_heads"): st.integers(1, 6),
+    ("architecture", "head_dim"): st.integers(1, 64),
+    ("architecture", "model_type"): st.sampled_from(["gpt2", "llama"]),
+    ("weights_sha256",): st.sampled_from([None, "0" * 64]),
+    ("weights_dtype",): st.sampled_from(["float32", "bfloat16"]),
+    ("location",): st.sampled_from(["/elsewhere", None]),
+}
+
+
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 3, 1))
+@given(st.data())
+def test_a_report_is_used_only_on_the_model_it_was_measured_on(copier_report, data):
+    """Change what identifies the report's model: ablate --report accepts it exactly when the change leaves it
+    identifying the same model (the fingerprint when comparable, else the source), and otherwise refuses."""
+    model, corpus, report = copier_report
+    with tempfile.TemporaryDirectory() as scratch:
+        changed = Path(scratch) / "report"
+        shutil.copytree(report, changed)
+        run = json.loads((changed / "run.json").read_text())
+        original = json.loads(json.dumps(run["model"]))
+        for path in data.draw(st.lists(st.sampled_from(sorted(IDENTITY)), min_size=1, max_size=3, unique=True)):
+            section = run["model"]["architecture"] if path[0] == "architecture" else run["model"]
+            section[path[-1]] = data.draw(IDENTITY[path], label="/".join(path))
+        (changed / "run.json").write_text(json.dumps(run))
+        result = run_cli("ablate", model, "--corpus", corpus, "--each-role", "--report", changed,
+                         "--bootstrap", "0", "--out", Path(scratch) / "o")  # fmt: skip
+        now, was = run["model"], original
+        comparable = now["weights_sha256"] is not None and now["weights_dtype"] == was["weights_dtype"]
+        same = now["architecture"] == was["architecture"] and (
+            now["weights_sha256"] == was["weights_sha256"] if comparable else now["location"] == was["location"]
+        )
+        event(f"same model: {same}, exit {result.exit_code}")
+        if same:
+            assert result.exit_code == 0 or "has a role" in result.output, result.output
+        else:  # refused: another model's, or a run.json that contradicts its own heads table
+            assert_clean_failure(result)
+            assert "was measured on" in result.stderr or "a damaged report" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- interrupted publishing
+
+
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 6, 1))  # each runs a whole command twice
+@given(st.sampled_from(["analyze", "compare", "plot", "plot --out", "classify", "inspect"]), st.integers(1, 12))
+def test_a_command_interrupted_at_any_file_leaves_the_previous_output_whole(valid_report, planted_gpt2, name, k):
+    """Ctrl-C as the k-th file of a command is put in place (with --overwrite over its previous output): either
+    the command had finished (fewer files) or the previous output is byte for byte as it was."""
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        out = root / "out"
+        commands = {
+            "analyze": ["analyze", planted_gpt2, "--out", out, "--no-probes", "--bootstrap", "0", "--overwrite"],
+            "compare": ["compare", valid_report, valid_report, "--out", out, "--replicates", "10", "--overwrite"],
+            "plot": ["plot", out, "--format", "svg"],
+            "plot --out": ["plot", valid_report, "--out", out, "--format", "svg", "--overwrite"],
+            "classify": ["classify", out, "--role-probe-min", "0.9"],
+            "inspect": ["inspect", planted_gpt2, "--text", "the cat sat", "--out", out, "--overwrite"],
+        }
+        if name in ("plot", "classify"):
+            shutil.copytree(valid_report, out)
+        else:
+            assert run_cli(*commands[name]).exit_code == 0
+        before = snapshot(root)
+        calls, real = [0], os.replace
+
+        def replace(source, destination, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == k:
+                raise KeyboardInterrupt
+            return real(source, destination, *args, **kwargs)
+
+        os.replace = replace
+        try:
+            result = run_cli(*commands[name])
+        finally:
+            os.replace = real
+        event(f"{name}: exit {result.exit_code}")
+        assert result.exit_code in (0, 130), result.output
+        if result.exit_code == 130:
+            assert snapshot(root) == before
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------------------------- paths that loop or are too long
+
+PATHS = st.sampled_from(["loop", "a/sub", "x" * 300, "y" * 250 + "/z", "dangling", "file", "file/sub", "ok"])
+
+
+@settings(FUZZ, max_examples=max(FUZZ.max_examples // 3, 1))
+@given(PATHS, st.sampled_from(["classify", "plot", "compare", "inspect", "ablate", "prune --save-model"]))
+def test_paths_that_loop_or_are_too_long(valid_report, planted_gpt2, name, command):
+    """An output path that is a symlink loop, too long, a file, or under one: one line, nothing written."""
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        (root / "loop").symlink_to(root / "loop")
+        (root / "a").symlink_to(root / "b")
+        (root / "b").symlink_to(root / "a")
+        (root / "dangling").symlink_to(root / "nowhere" / "deeper")
+        (root / "file").write_text("a file")
+        target = root / name
+        args = {
+            "classify": ["classify", valid_report, "--out", target],
+            "plot": ["plot", valid_report, "--out", target, "--no-page", "--format", "svg"],
+            "compare": ["compare", valid_report, valid_report, "--out", target, "--replicates", "10", "--no-charts"],
+            "inspect": ["inspect", planted_gpt2, "--text", "the cat", "--out", target, "--no-page"],
+            "ablate": ["ablate", planted_gpt2, "--heads", "0.0", "--bootstrap", "0", "--out", target],
+            "prune --save-model": [
+                "prune",
+                planted_gpt2,
+                "--budget",
+                "0.01",
+                "--save-model",
+                target,
+                "--no-charts",
+                "--out",
+                root / "prune",
+            ],
+        }[command]
+        before = snapshot(root)
+        result = run_cli(*args)
+        event(f"{command} {name[:8]}: exit {result.exit_code}")
+        if result.exit_code != 0:
+            assert_clean_failure(result)
+            assert snapshot(root) == before
+        else:  # a folder that can be made: a new one, one a dangling link points to, one under a long (legal) name
+            assert name in ("ok", "dangling", "y" * 250 + "/z")

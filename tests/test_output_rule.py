@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_one_line_error, run_cli, snapshot
+from helpers import Interrupting, assert_one_line_error, refuse_to_load, run_cli, snapshot
 
 QUICK = ("--no-probes", "--bootstrap", "0")
 
@@ -139,3 +139,96 @@ def test_a_work_folder_in_the_way_that_headscope_did_not_make_is_refused(planted
     )
     assert_one_line_error(result, "is in the way and headscope did not make it")
     assert (tmp_path / ".rep.partial" / "mine.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- a checkpoint belongs to its run
+
+
+@pytest.fixture
+def checkpointed(planted_gpt2, tmp_path, corpus_lines):
+    """`analyze --resume --chunk-sentences 5 --out shared` on 15 sentences, Ctrl-C after its first checkpoint."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(corpus_lines[:15]) + "\n")
+    out = tmp_path / "shared"
+    args = ("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--resume", "--chunk-sentences", "5", *QUICK)
+    result = run_cli(*args, "--no-charts", reporter=Interrupting(after=5))
+    assert result.exit_code == 130, result.output
+    checkpoint = tmp_path / ".shared.partial"
+    assert json.loads((checkpoint / "checkpoint.json").read_text())["progress"]["chunks_done"] == 1
+    return args, out, checkpoint
+
+
+def test_no_other_command_removes_a_checkpoint(checkpointed, folders, planted_gpt2):
+    """Every other command (and analyze without --resume) that wants the checkpoint's folder name says what is
+    there and stops; the checkpoint is byte for byte as it was, and --resume then finishes from it."""
+    args, out, checkpoint = checkpointed
+    report = folders["report"]
+    others = {
+        "analyze": ["analyze", planted_gpt2, "--out", out, *QUICK, "--no-charts"],
+        "ablate": ["ablate", planted_gpt2, "--heads", "0.0", "--out", out, "--bootstrap", "0"],
+        "prune": ["prune", planted_gpt2, "--budget", "0.1", "--out", out, "--no-charts"],
+        "inspect": ["inspect", planted_gpt2, "--text", "the cat", "--out", out, "--no-page"],
+        "classify --out": ["classify", report, "--out", out],
+        "compare --out": ["compare", report, report, "--out", out, "--replicates", "20", "--no-charts"],
+        "plot --out": ["plot", report, "--out", out, "--no-page"],
+    }
+    before = snapshot(checkpoint)
+    for name, command in others.items():
+        result = run_cli(*command, loader=refuse_to_load)
+        assert_one_line_error(result, str(checkpoint), "interrupted `headscope analyze --resume` run")
+        assert snapshot(checkpoint) == before, name
+        assert not out.exists(), name
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.output
+    assert not checkpoint.exists() and (out / "run.json").is_file()
+
+
+# ---------------------------------------------------------------- interrupted publishing
+
+
+def interrupt_when_writing(monkeypatch, wanted) -> None:
+    """Ctrl-C the moment a file whose name `wanted(name)` accepts is about to be put in place (every file
+    headscope writes goes through os.replace, from its temporary name)."""
+    real = os.replace
+
+    def replace(source, destination, *args, **kwargs):
+        if wanted(Path(destination).name):
+            raise KeyboardInterrupt
+        return real(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+DRAWN = (".png", ".svg", ".pdf", ".html")
+
+
+@pytest.mark.parametrize(
+    "name", ["analyze", "compare", "plot --out", "plot", "classify", "classify --out", "inspect", "prune"]
+)
+def test_an_interrupted_command_leaves_the_previous_output_whole(name, folders, planted_gpt2, tmp_path, monkeypatch):
+    """Ctrl-C while a command draws its charts or page (classify: while it writes run.json) over an existing
+    output, with --overwrite: exit 130 and the previous output is byte for byte as it was, with no work folder
+    left beside it. (Before, analyze and compare published their tables first and lost the old charts.)"""
+    report, corpus = folders["report"], folders["corpus"]
+    out = tmp_path / "out"
+    commands = {
+        "analyze": ["analyze", planted_gpt2, "--corpus", corpus, "--out", out, *QUICK, "--overwrite"],
+        "compare": ["compare", report, report, "--out", out, "--replicates", "20", "--overwrite"],
+        "plot --out": ["plot", report, "--out", out, "--overwrite"],
+        "plot": ["plot", out],
+        "classify": ["classify", out, "--role-probe-min", "0.9"],
+        "classify --out": ["classify", report, "--out", out, "--role-probe-min", "0.9", "--overwrite"],
+        "inspect": ["inspect", planted_gpt2, "--text", "the cat sat", "--out", out, "--overwrite"],
+        "prune": ["prune", planted_gpt2, "--corpus", corpus, "--budget", "0.05", "--out", out, "--overwrite"],
+    }
+    first = {"plot": ["analyze", planted_gpt2, "--corpus", corpus, "--out", out, *QUICK],
+             "classify": ["analyze", planted_gpt2, "--corpus", corpus, "--out", out, *QUICK]}  # fmt: skip
+    assert run_cli(*first.get(name, commands[name])).exit_code == 0
+    before = snapshot(tmp_path)
+    wanted = (lambda file: file == "run.json") if name.startswith("classify") else (lambda file: file.endswith(DRAWN))
+    interrupt_when_writing(monkeypatch, wanted)
+    result = run_cli(*commands[name])
+    assert result.exit_code == 130, result.output
+    assert "existing outputs were left as they were" in result.stderr
+    assert snapshot(tmp_path) == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -1,0 +1,77 @@
+"""A report's roles name heads by (layer, head): read into another model they name heads that do something else.
+ablate and inspect take --report only when it was measured on this model: the same architecture and weights
+(a fingerprint of every parameter), or, where weights cannot be compared, the same source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import headscope
+from headscope.errors import ConfigError
+
+from helpers import assert_one_line_error, run_cli, tiny_model_folder
+from planted import build_planted_copier, copy_words
+
+SENTENCES = [" ".join(copy_words()[i : i + 5]) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two copiers of one architecture whose weights differ (which heads copy), a copy of the first in another
+    folder, a Llama of another architecture, and a report of the first."""
+    root = tmp_path_factory.mktemp("identity")
+    first = build_planted_copier(root / "first", copiers=(0, 1), logit=20.0)
+    second = build_planted_copier(root / "second", copiers=(0,), logit=20.0)
+    shutil.copytree(first, root / "copy")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    llama = tiny_model_folder(root / "llama", config, LlamaForCausalLM, SENTENCES)
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(SENTENCES) + "\n")
+    report = root / "report"
+    assert (
+        run_cli(
+            "analyze", first, "--corpus", corpus, "--out", report, "--no-charts", "--no-page", "--no-probes"
+        ).exit_code
+        == 0
+    )
+    return {"first": first, "second": second, "copy": root / "copy", "llama": llama, "report": report,
+            "corpus": corpus}  # fmt: skip
+
+
+def test_a_report_of_another_architecture_is_refused(models, tmp_path):
+    for command in (
+        ["ablate", models["llama"], "--each-role", "--report", models["report"], "--corpus", models["corpus"]],
+        ["inspect", models["llama"], "--text", SENTENCES[0], "--report", models["report"], "--role", "sink"],
+    ):
+        result = run_cli(*command, "--out", tmp_path / command[0])
+        assert_one_line_error(result, f"--report {models['report']} was measured on", "another model's heads", code=2)
+        assert not (tmp_path / command[0]).exists()
+
+
+def test_a_report_of_other_weights_of_the_same_architecture_is_refused(models, tmp_path):
+    result = run_cli("ablate", models["second"], "--each-role", "--report", models["report"],
+                     "--corpus", models["corpus"], "--out", tmp_path / "a")  # fmt: skip
+    assert_one_line_error(result, "whose weights differ", code=2)
+
+
+def test_the_same_weights_from_another_folder_are_the_same_model(models):
+    found = headscope.ablate(str(models["copy"]), SENTENCES, each_role=True, report=models["report"], bootstrap=0)
+    assert found.record["groups"]
+
+
+def test_a_report_without_a_fingerprint_is_matched_by_its_source(models, tmp_path):
+    """Older reports (or a model offloaded to disk) carry no fingerprint: then the source must be the same."""
+    report = tmp_path / "report"
+    shutil.copytree(models["report"], report)
+    run = json.loads((report / "run.json").read_text())
+    run["model"]["weights_sha256"] = None
+    (report / "run.json").write_text(json.dumps(run))
+    assert headscope.ablate(str(models["first"]), SENTENCES, each_role=True, report=report, bootstrap=0)
+    with pytest.raises(ConfigError, match="their weights cannot be compared here"):
+        headscope.ablate(str(models["copy"]), SENTENCES, each_role=True, report=report, bootstrap=0)
