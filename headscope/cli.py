@@ -22,6 +22,7 @@ from headscope.cli_support import (
     DEFAULT_FORMAT,
     DEFAULT_IMPORTANCE,
     DEFAULTS,
+    INTERRUPTED,
     ROLE_THRESHOLDS,
     THRESHOLDS,
     BroadMinNormEntropy,
@@ -38,6 +39,7 @@ from headscope.cli_support import (
     RoleOffsetShareMin,
     RoleProbeMin,
     RoleSinkRateMin,
+    Terminated,
     TextColumn,
     TrustRemoteCode,
     raise_terminated,
@@ -298,4 +300,13 @@ def main() -> None:
         # No progress bars in a log: tqdm (transformers' GGUF de-quantizer uses it bare) reads this variable once,
         # when it is first imported, so it is set before anything imports it.
         os.environ.setdefault("TQDM_DISABLE", "1")
-    app()
+    try:
+        app()
+    # A signal before a command's own handler is in place (while Typer builds the commands, or a command imports
+    # torch): still one line and the signal's exit code.
+    except KeyboardInterrupt:
+        say(f"{INTERRUPTED[130]}.", err=True)
+        sys.exit(130)
+    except Terminated:
+        say(f"{INTERRUPTED[143]}.", err=True)
+        sys.exit(143)

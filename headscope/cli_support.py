@@ -47,13 +47,7 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("Aborted.", err=True)
             code = 1
-        # A signal before a command's own handler is in place (while it imports torch, say): still one line.
-        except KeyboardInterrupt:
-            typer.echo(f"{INTERRUPTED[130]}.", err=True)
-            code = 130
-        except Terminated:
-            typer.echo(f"{INTERRUPTED[143]}.", err=True)
-            code = 143
+
         if not standalone_mode:
             return code
         sys.exit(code or 0)

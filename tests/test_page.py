@@ -355,3 +355,23 @@ def test_the_page_scales_are_the_charts_colormaps():
         sampled = matplotlib.colormaps[colormap]
         expected = [to_hex(sampled(i / (len(colours) - 1))) for i in range(len(colours))]
         assert colours == expected, name
+
+
+def test_every_page_draws_with_the_palettes_stops_never_a_named_scale():
+    """The report's example heatmap once used Plotly's own "Blues" where the inspection page used the palette: the
+    pages and the PNGs share one palette (palette.py), so no asset names a scale of its own, and no chart names a
+    colormap the palette does not hold."""
+    import re
+    from pathlib import Path
+
+    from headscope.report import palette
+
+    root = Path(palette.__file__).parent
+    for script in sorted((root / "assets").glob("*.js")):
+        named = re.findall(r"colorscale:\s*[\"'][A-Za-z]+", script.read_text())
+        assert not named, f"{script.name} names a Plotly colour scale: {named}"
+        assert "reversescale" not in script.read_text(), script.name
+    colormaps = {colormap for colormap, _, _, _ in palette.SCALES.values()}
+    for module in ("charts.py", "compare_charts.py", "prune_chart.py"):
+        for name in re.findall(r"cmap=[\"']([A-Za-z_]+)", (root / module).read_text()):
+            assert name in colormaps, f"{module} draws with {name}, which the palette does not hold"

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 import pytest
 
 import headscope
-from headscope.errors import ConfigError
+from headscope.errors import ConfigError, ResourceError
 from headscope.measures.prune_search import prune_search
+from headscope.reporting import NullReporter
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
 from reference import hooked_losses
@@ -202,3 +204,124 @@ def test_prune_draws_its_curve_in_the_format_asked(redundant, tmp_path):
     loaded, sentences = redundant
     headscope.prune(loaded, sentences[:8], budget=0.01, mode="zero", out=tmp_path / "p", charts="svg")
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["head_mask.parquet", "prune.json", "prune_curve.svg"]
+
+
+# ---------------------------------------------------------------- what can be checked before the search is
+
+
+class RefuseToSearch(NullReporter):
+    """A progress reporter that fails the test if the search starts: the check under test must come first."""
+
+    def stage(self, text: str) -> None:
+        assert not text.startswith("pruning within"), "the search started before the refusal"
+
+
+def test_a_save_that_cannot_be_made_is_refused_before_the_search(tmp_path, corpus_lines, monkeypatch):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from helpers import tiny_model_folder
+
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    mistral = tiny_model_folder(tmp_path / "mistral", config, MistralForCausalLM, corpus_lines)
+    lines = corpus_lines[:6]
+    with pytest.raises(ConfigError, match="have none its config can add: save with --mode zero"):
+        headscope.prune(
+            str(mistral), lines, budget=0.1, mode="mean", save_model=tmp_path / "s", reporter=RefuseToSearch()
+        )
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12 - 4096, free=4096))
+    with pytest.raises(ResourceError, match=r"needs about .* and .* has 0.0 MiB free"):
+        headscope.prune(
+            str(mistral), lines, budget=0.1, mode="zero", save_model=tmp_path / "s", reporter=RefuseToSearch()
+        )
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    "out, save, fragment",
+    [("p", "p/model", "--save-model is inside --out"), ("m/prune", "m", "--out is inside --save-model"),
+     ("x", "x", "name the same folder")],
+)  # fmt: skip
+def test_out_and_save_model_are_folders_side_by_side(out, save, fragment, tmp_path):
+    result = run_cli("prune", "gpt2", "--budget", "0.1", "--out", tmp_path / out, "--save-model", tmp_path / save,
+                     loader=refuse_to_load)  # fmt: skip
+    assert_one_line_error(result, fragment, code=2)
+
+
+def test_a_save_that_fails_after_the_search_keeps_the_search(redundant, tmp_path):
+    """Whatever goes wrong in saving, prune.json (the verified result) is published, saying what failed."""
+    from headscope.loading import load_for_run
+
+    def failing_save(source, settings, model_config):
+        loaded = load_for_run(source, settings, model_config)
+
+        def save_pretrained(*args, **kwargs):
+            raise RuntimeError("this architecture cannot be written")
+
+        loaded.lm.save_pretrained = save_pretrained
+        return loaded
+
+    loaded, sentences = redundant
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(sentences) + "\n")
+    out, model = tmp_path / "prune", tmp_path / "model"
+    result = run_cli("prune", loaded.source.location, "--corpus", corpus, "--budget", "0.01", "--mode", "zero",
+                     "--out", out, "--save-model", model, loader=failing_save)  # fmt: skip
+    assert_one_line_error(result, "the pruned model was not saved", "cannot be written", f"were written to {out}")
+    record = json.loads((out / "prune.json").read_text())
+    assert len(record["heads"]) == 7 and "cannot be written" in record["saved_model"]["error"]
+    assert not model.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+class Notes(NullReporter):
+    def __init__(self, interrupt_at: str | None = None) -> None:
+        self.notes, self.interrupt_at = [], interrupt_at
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def stage(self, text: str) -> None:
+        if self.interrupt_at and text.startswith(self.interrupt_at):
+            raise KeyboardInterrupt
+
+
+def test_prune_says_which_heads_each_step_removed_and_never_advertises_resume(redundant, tmp_path):
+    loaded, sentences = redundant
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(sentences) + "\n")
+    args = ["prune", loaded.source.location, "--corpus", corpus, "--budget", "0.01", "--mode", "zero", "--no-charts"]
+    notes = Notes()
+    assert run_cli(*args, "--out", tmp_path / "a", reporter=notes).exit_code == 0
+    steps = [n for n in notes.notes if "heads removed (+" in n]
+    assert steps and all("(+-" not in n and "nats)" in n for n in steps)
+    named = [h for n in steps for h in n.split("(+")[1].split(")")[0].split(",")]
+    assert named == json.loads((tmp_path / "a" / "prune.json").read_text())["heads"]  # every head, in order, once
+    result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at="pruning within"))
+    assert result.exit_code == 130 and "--resume" not in result.output
+
+
+@pytest.mark.slow
+def test_a_gguf_model_is_saved_as_its_float_weights(smollm2, tmp_path):
+    """SmolLM2 comes from a GGUF file, de-quantized on loading: transformers refuses to save a model its GGUF
+    quantizer is attached to ("not serializable"), which once crashed `prune --save-model` after the whole search.
+    The pruned weights save as a plain checkpoint that computes what the pruned model in memory computes, and
+    the loaded model keeps its quantizer record."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from headscope.surgery import check_savable, plain_checkpoint, pruned_weights
+
+    lm = smollm2.lm
+    check_savable(lm, tmp_path / "saved", mean=True, head_count=9, head_dim=64)  # nothing to refuse
+    ids = torch.tensor([smollm2.tokenizer("When Mary and John went to the store, John gave a drink to")["input_ids"]])
+    with pruned_weights(lm, [(0, 0), (3, 4)], head_count=9, head_dim=64), plain_checkpoint(lm):
+        lm.save_pretrained(tmp_path / "saved")
+        with torch.no_grad():
+            expected = lm(ids).logits
+    assert lm.hf_quantizer is not None and hasattr(lm.config, "quantization_config")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    assert getattr(saved, "hf_quantizer", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, expected, rtol=0, atol=1e-3)  # eager against sdpa

@@ -1,0 +1,112 @@
+"""What the operating system does to a run: a signal before the command's own handlers are in place (while it
+imports torch), and a file system that refuses a write (a full disk). Each is one line and an exit code, and
+nothing already written changes. Run in a child process: these limits and signals apply to a whole process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import previous_report, snapshot
+
+pytestmark = pytest.mark.slow  # child processes that import torch
+
+
+def headscope_child(*args, file_size_limit: int | None = None) -> subprocess.Popen:
+    """`python -m headscope ARGS`, with writes past `file_size_limit` bytes refused by the kernel (RLIMIT_FSIZE:
+    the file system answers EFBIG, as a full disk answers ENOSPC; Python ignores the SIGXFSZ that comes with it)."""
+    import resource
+
+    def limits() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "headscope", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"},
+        preexec_fn=limits,
+    )
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Has process `pid` installed a handler for `sig` (the SigCgt mask of /proc/PID/status)?"""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_sigterm_while_the_command_imports_torch_is_one_line_and_143(planted_gpt2, tmp_path):
+    """SIGTERM the moment headscope's handler is in place: the command is still importing torch (about two
+    seconds), before any of its own code runs; it exits 143 with one line, not 1 with a traceback."""
+    out = tmp_path / "report"
+    previous_report(out)
+    before = snapshot(tmp_path)
+    child = headscope_child("analyze", planted_gpt2, "--out", out, "--overwrite")
+    deadline = time.monotonic() + 30
+    while not catches(child.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert "torch" not in Path(f"/proc/{child.pid}/maps").read_text()  # torch's libraries are not loaded yet
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 143, stderr
+    assert stderr.strip().splitlines() == ["Terminated; existing outputs were left as they were."], stderr
+    assert snapshot(tmp_path) == before
+
+
+LIMIT = 200_000  # bytes: more than prune.json, the curve and the tokenizer files; less than any model's weights
+
+
+def test_a_full_disk_while_inspect_writes_is_one_line(planted_gpt2, tmp_path):
+    """inspect streams every head's attention on a long text into attention.parquet: past the limit the write is
+    refused, and the command says so in one line and leaves no work folder (the previous inspection stays)."""
+    out = tmp_path / "inspection"
+    text = " ".join(["the cat sat on the mat"] * 10)
+    first = headscope_child("inspect", planted_gpt2, "--text", "the cat", "--out", out)
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    before = snapshot(tmp_path)
+    child = headscope_child("inspect", planted_gpt2, "--text", text, "--out", out, "--overwrite",
+                            file_size_limit=20_000)  # fmt: skip
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 1, stderr
+    assert stderr.strip().splitlines()[-1].startswith(f"Error: cannot write {out}"), stderr
+    assert "File too large" in stderr and "Traceback" not in stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_a_full_disk_while_prune_saves_the_model_keeps_the_search(tmp_path):
+    """The pruned checkpoint does not fit: prune.json and the mask are still published (the search is verified
+    and took the time), prune.json says the save failed, and no half-written model folder is left."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers import tiny_model_folder
+
+    words = [f"w{i}" for i in range(40)]
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    model = tiny_model_folder(tmp_path / "gpt2", config, GPT2LMHeadModel, [" ".join(words)])
+    assert (model / "model.safetensors").stat().st_size > LIMIT
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(words[i : i + 8]) for i in range(0, 32, 4)) + "\n")
+    out, saved = tmp_path / "prune", tmp_path / "pruned-model"
+    child = headscope_child("prune", model, "--corpus", corpus, "--budget", "0.05", "--mode", "zero", "--out", out,
+                            "--save-model", saved, "--no-charts", file_size_limit=LIMIT)  # fmt: skip
+    _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: the pruned model was not saved") and "File too large" in last, stderr
+    assert f"were written to {out}" in last and "Traceback" not in stderr
+    record = json.loads((out / "prune.json").read_text())
+    assert "File too large" in record["saved_model"]["error"] and (out / "head_mask.parquet").is_file()
+    assert not saved.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
