@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from headscope.arguments import as_head_groups, as_texts, head_name
+from headscope.arguments import as_head_groups, as_path, as_texts, head_name
 from headscope.config import RunConfig, run_settings
 from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError
@@ -82,6 +82,7 @@ def ablate(
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
     heads = as_head_groups(heads) if heads is not None else []
+    out, report = as_path(out, "out"), as_path(report, "report")
     roles = as_texts(roles, "--role")
     check_request(heads, roles, each_role, report, mode, loss_on)
     groups = [Group(",".join(head_name(*h) for h in group), group) for group in heads]

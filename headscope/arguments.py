@@ -113,6 +113,15 @@ def as_head_groups(value, option: str = "heads") -> list[tuple[tuple[int, int], 
     return groups
 
 
+def as_path(value, option: str):
+    """A path given to the Python API (a str or os.PathLike), or None: anything else is refused naming the option."""
+    import os
+
+    if value is None or isinstance(value, str | os.PathLike):
+        return value
+    raise ConfigError(f"{option} takes a path (a str or pathlib.Path); got {value!r}")
+
+
 def as_texts(value, option: str) -> tuple[str, ...]:
     """Texts or names given to the Python API: one string is one item (never its characters), else a list of
     strings."""

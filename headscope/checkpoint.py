@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from headscope.distributed import ONE_PROCESS, Ranks
 from headscope.errors import OutputError
-from headscope.output import atomic_path
+from headscope.files import atomic_path
 from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA, to_arrow, write_json
 
 

@@ -152,7 +152,7 @@ def user_errors(ctx: typer.Context):
         say(f"{INTERRUPTED[143]}{hint}.", err=True)
         raise typer.Exit(143) from None
     except Exception as err:  # a full disk reported by a library outside any staged folder: still one line
-        from headscope.output import disk_refusal
+        from headscope.files import disk_refusal
 
         refused = disk_refusal(err)
         if refused is None:

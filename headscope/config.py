@@ -190,8 +190,18 @@ def check_seed(option: str, value: int) -> None:
         raise ConfigError(f"{option} takes a whole number from 0 to 2**64 - 1; got {value}")
 
 
+def check_rules(thresholds, roles) -> None:
+    """The Python API's labelling rules must be the rule types (the CLI builds them from options)."""
+    if not isinstance(thresholds, Thresholds):
+        raise ConfigError(f"thresholds takes a headscope.Thresholds; got {thresholds!r}")
+    if not isinstance(roles, RoleThresholds):
+        raise ConfigError(f"roles takes a headscope.config.RoleThresholds; got {roles!r}")
+
+
 def run_settings(base: RunConfig | None = None, **options) -> RunConfig:
     """`base` (default: RunConfig()) with `options`, RunConfig fields by name; an unknown name is refused."""
+    if base is not None and not isinstance(base, RunConfig):
+        raise ConfigError(f"config takes a headscope.RunConfig; got {base!r}")
     unknown = sorted(set(options) - set(SETTINGS))
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r}; the options are RunConfig's fields: {', '.join(SETTINGS)}")

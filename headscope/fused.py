@@ -176,6 +176,7 @@ class TileKernel:
         self.folded = 0  # logits handed to `step` so far
         self.failed: str | None = None  # why compiling failed, once it has
         self.native_failed: str | None = None  # why the C++ kernel is not used, once that is known
+        self.native_runs = 0  # passes whose row states the kernel computed: run.json names the path that ran
         self._native_checked = False
 
     def step(self, logits: int) -> Callable:
@@ -215,6 +216,7 @@ class TileKernel:
     def _native(self, module, scaled, key, positions, visibility, softcap) -> tuple | None:
         states = native.row_state(module, scaled, key, positions, visibility, softcap)
         if states is None or self._native_checked:
+            self.native_runs += states is not None
             return states
         # Its first result against the tile loop, on the last rows (they see the most keys).
         batch, heads, t, head_dim = scaled.shape
@@ -232,6 +234,7 @@ class TileKernel:
             self.native_failed = "its first result disagreed with the tile loop"
             _log.warning("headscope's C++ row-statistics kernel %s; using the tile loop", self.native_failed)
             return None
+        self.native_runs += 1
         return states
 
 

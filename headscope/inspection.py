@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_texts, head_name
+from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_path, as_texts, head_name
 from headscope.capture import attached
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import RoleThresholds, RunConfig, run_settings
@@ -117,6 +117,7 @@ def inspect(
     role_thresholds = role_thresholds or RoleThresholds()
     texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")
     sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
+    out, report = as_path(out, "out"), as_path(report, "report")
     check_request(texts, sentences, probes, heads, roles, report)
     corpus = as_corpus(corpus, settings) if sentences else None
     if corpus is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from headscope.config import RunConfig
+from headscope.config import DEVICES, DTYPES, RunConfig
 from headscope.errors import ConfigError, ModelLoadError
 from headscope.placement import applied_map, check_device_map, check_fits, dtype_name, read_device_map
 from headscope.plan import architecture_of
@@ -54,6 +54,9 @@ class LoadedModel:
 
 def resolve_source(model: str) -> ModelSource:
     """Decide whether `model` is an alias, a .gguf file, a local folder or a hub id."""
+    if not isinstance(model, str | os.PathLike):
+        raise ConfigError(f"model takes a hub id, a folder, a .gguf file, an alias or a loaded model; got {model!r}")
+    model = os.fspath(model)
     if model in ALIASES:
         path = _aliased_file(model)
         return ModelSource("gguf", str(path.parent), path.name, model, model)
@@ -90,6 +93,8 @@ def _slug(name: str) -> str:
 
 def pick_device(requested: str) -> torch.device:
     """auto: CUDA when present, then Apple MPS, else CPU. An explicit choice must be available."""
+    if requested not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}; got {requested!r}")
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -105,6 +110,8 @@ def pick_device(requested: str) -> torch.device:
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on CUDA (float16 where bf16 is unsupported), float16 on MPS, float32 on CPU."""
+    if requested not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {requested!r}")
     if requested != "auto":
         return getattr(torch, requested)
     if device.type == "cuda":

@@ -12,80 +12,37 @@ is complete. The rules, each checked before any work starts and again, atomicall
   later run removes leftovers beside its target only when their marker proves headscope made them for that
   target and their run is gone, and never finds them by a pattern built from the target's name;
 - publishing takes a lock on the parent folder, so two runs into one target cannot both win: without
-  `overwrite` the loser's rename fails because the folder is no longer empty, and it says so.
+  `overwrite` the loser's rename fails because the folder is no longer empty, and it says so;
+- a `--resume` checkpoint beside the target belongs to its run: only the same command with --resume takes it;
+- the path itself must be usable: no symlink loop, no file on the way, a name short enough for the work folder's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
-import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-from headscope.errors import HeadscopeError, OutputError
+from headscope.errors import OutputError
+from headscope.files import (
+    MARKER,
+    disk_refusal,
+    folder_lock,
+    held,
+    holds_work,
+    lock_marker,
+    mark,
+    ours,
+    remove_quietly,
+    signals_held,
+)
 from headscope.layout import KINDS, why_not_replaceable
 
-try:  # POSIX only; elsewhere runs are not protected from each other, which the README says
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
-
-MARKER = ".headscope-work"  # in every work folder: which run made it, for which target; locked while it lives
 _WORK_SUFFIX = re.compile(r"(staging|old)-\d+|partial")  # .<target>.<suffix>
-
-
-def temporary_path(path: Path) -> Path:
-    """A hidden sibling name to write `path` under before the atomic rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `path` to write; rename it to `path` if the block succeeds.
-
-    On any failure the temporary file is removed, so `path` is either the old file or the complete new
-    one; an OSError (a full disk, a read-only mount) becomes an OutputError naming `path`.
-    """
-    path = Path(path)
-    tmp = temporary_path(path)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except OSError as err:
-        _remove_quietly(tmp)
-        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-
-
-# What file systems answer when they refuse a write, and how libraries that wrap the error (pyarrow, safetensors'
-# Rust writer) spell it: a full disk or quota, a file over the size limit, a read-only file system.
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
-_DISK_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "Read-only file system",
-               "StorageFull", "FileTooLarge", "ReadOnlyFilesystem")  # fmt: skip
-
-
-def disk_refusal(error: BaseException) -> str | None:
-    """Why the file system refused a write, if that is what `error` is (from any library), else None. headscope's
-    own errors already say which file."""
-    if isinstance(error, HeadscopeError):
-        return None
-    if isinstance(error, OSError) and error.errno in _DISK_ERRNOS:
-        return error.strerror or os.strerror(error.errno)
-    text = str(error)
-    return next((word for word in _DISK_WORDS if word in text), None) if isinstance(error, Exception) else None
-
-
-def _remove_quietly(path: Path) -> None:
-    # Cleanup must never replace the error being reported (on a read-only mount, unlink fails too).
-    with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)
 
 
 def resolved(path: Path | str) -> Path:
@@ -177,86 +134,12 @@ def _check_checkpoint(target: Path, option: str, *, continuing: bool) -> None:
     consumes it when it publishes). Any other run into that folder name is refused, saying what is there, instead
     of replacing or deleting hours of measuring."""
     checkpoint = checkpoint_of(target)
-    if continuing or not (checkpoint.is_dir() and _ours(checkpoint, target) and _holds_work(checkpoint)):
+    if continuing or not (checkpoint.is_dir() and ours(checkpoint, target) and holds_work(checkpoint)):
         return
     raise OutputError(
         f"{checkpoint} holds the checkpoint of an interrupted `headscope analyze --resume` run into {target}; "
         f"continue it (the same command with --resume), delete that folder, or choose another {option}"
     )
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block ends: renames that must happen together (the old folder out, the new
-    one in; a set of files replaced in place) are never cut between two of them."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    try:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - no pthreads (Windows)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock on `folder` itself (flock on the directory): serialises cleanup and publishing."""
-    if fcntl is None:  # pragma: no cover
-        yield
-        return
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # closing releases the lock
-
-
-def _mark(folder: Path, target: Path) -> None:
-    """Say in `folder` that this process made it, as work for `target`."""
-    (folder / MARKER).write_text(json.dumps({"target": target.name, "pid": os.getpid()}))
-
-
-def _lock_marker(folder: Path) -> int | None:
-    """Lock `folder`'s marker for as long as the returned descriptor is open: the folder is in use."""
-    if fcntl is None:  # pragma: no cover
-        return None
-    descriptor = os.open(folder / MARKER, os.O_RDWR)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(descriptor)
-        raise OutputError(f"another headscope run is using {folder}; wait for it to finish") from None
-    return descriptor
-
-
-def _ours(folder: Path, target: Path) -> bool:
-    """Does `folder`'s marker prove headscope made it as work for `target`?"""
-    try:
-        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("target") == target.name
-
-
-def _held(folder: Path) -> bool:
-    """Is the work folder `folder` in use by a live run (its marker locked)?"""
-    if fcntl is None:  # pragma: no cover
-        return True  # cannot tell: leave it alone
-    try:
-        descriptor = os.open(folder / MARKER, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(descriptor)
-    return False
 
 
 class StagedDirectory:
@@ -291,15 +174,15 @@ class StagedDirectory:
         parent = self.target.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            with _folder_lock(parent):
+            with folder_lock(parent):
                 self._remove_stale()
-                busy = [p for p in self._leftovers() if p != self.path and _held(p)]
-                if busy or (self.path.is_dir() and _held(self.path)):
+                busy = [p for p in self._leftovers() if p != self.path and held(p)]
+                if busy or (self.path.is_dir() and held(self.path)):
                     raise OutputError(
                         f"another headscope run is writing {self.target} (its work folder {(busy or [self.path])[0]} "
                         f"is in use); wait for it to finish or choose another {KINDS[self.kind].option}"
                     )
-                if self.path.exists() and not (self.path.is_dir() and _ours(self.path, self.target)):
+                if self.path.exists() and not (self.path.is_dir() and ours(self.path, self.target)):
                     raise OutputError(f"{self.path} is in the way and headscope did not make it; move it away")
                 if not self.resumable:
                     shutil.rmtree(self.path, ignore_errors=True)
@@ -324,13 +207,13 @@ class StagedDirectory:
         for folder in self._leftovers():
             if folder.name.endswith(".partial") or folder == self.path:
                 continue
-            if folder.is_dir() and not folder.is_symlink() and _ours(folder, self.target) and not _held(folder):
+            if folder.is_dir() and not folder.is_symlink() and ours(folder, self.target) and not held(folder):
                 shutil.rmtree(folder, ignore_errors=True)
                 self.cleaned.append(str(folder))
 
     def _take_lock(self) -> int | None:
-        _mark(self.path, self.target)
-        return _lock_marker(self.path)
+        mark(self.path, self.target)
+        return lock_marker(self.path)
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -341,7 +224,7 @@ class StagedDirectory:
         try:
             if exc_type is None:
                 self._publish()
-            elif not self.resumable or not _holds_work(self.path):
+            elif not self.resumable or not holds_work(self.path):
                 shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._release_lock()
@@ -352,7 +235,7 @@ class StagedDirectory:
     def _publish(self) -> None:
         parent = self.target.parent
         old = self._work(f"old-{os.getpid()}")
-        with _folder_lock(parent), _signals_held():
+        with folder_lock(parent), signals_held():
             # What held when the run started may not hold now (another run published meanwhile): check again.
             try:
                 check_target(self.target, kind=self.kind, overwrite=self.overwrite, resumable=self.resumable)
@@ -364,14 +247,14 @@ class StagedDirectory:
             try:
                 if self.overwrite and self.target.exists():
                     os.rename(self.target, old)
-                    _mark(old, self.target)  # the replaced folder is ours now: a later run may clean it up
+                    mark(old, self.target)  # the replaced folder is ours now: a later run may clean it up
                 # Without overwrite this rename is the atomic "still empty?" test: it fails on a folder that
                 # is not empty, whoever filled it.
                 os.rename(self.path, self.target)
             except OSError as err:
                 if old.exists() and not self.target.exists():
                     os.rename(old, self.target)
-                    _remove_quietly(self.target / MARKER)
+                    remove_quietly(self.target / MARKER)
                 shutil.rmtree(self.path, ignore_errors=True)
                 if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     raise OutputError(
@@ -380,41 +263,3 @@ class StagedDirectory:
                     ) from None
                 raise OutputError(f"cannot move the new output into {self.target}: {err.strerror}") from None
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _holds_work(folder: Path) -> bool:
-    """Does a checkpoint folder hold anything worth resuming from (more than its marker)?"""
-    return any(entry.name != MARKER for entry in folder.iterdir()) if folder.is_dir() else False
-
-
-@contextlib.contextmanager
-def replacing_files(folder: Path) -> Iterator[Path]:
-    """Rewrite files of an existing headscope folder in place (plot and classify without --out): yield a hidden
-    work folder beside it to write them into; when the block succeeds each file is moved into `folder`, with
-    Ctrl-C held off while they move, so the folder holds all the old files or all the new ones, never a mix; when
-    it fails (or is interrupted) nothing in `folder` changes. Its marker lets a later run clean it up if killed."""
-    folder = resolved(folder)
-    work = folder.parent / f".{folder.name}.staging-{os.getpid()}"
-    try:
-        with _folder_lock(folder.parent):
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir()
-            _mark(work, folder)
-            lock = _lock_marker(work)
-    except OSError as err:
-        raise OutputError(f"cannot write beside {folder}: {err.strerror or err}") from None
-    try:
-        yield work
-        with _signals_held():
-            for path in sorted(work.iterdir()):
-                if path.name != MARKER:
-                    os.replace(path, folder / path.name)
-    except Exception as err:
-        refused = disk_refusal(err) or (err.strerror if isinstance(err, OSError) else None)
-        if refused is None:
-            raise
-        raise OutputError(f"cannot write into {folder}: {refused}; nothing there was changed") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if lock is not None:
-            os.close(lock)

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from headscope.arguments import as_path
 from headscope.assemble import labelled_heads, write_tables
 from headscope.capture import attached
 from headscope.checkpoint import PartFiles, Progress
-from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, run_settings
+from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules, run_settings
 from headscope.corpus import Corpus, as_corpus
 from headscope.corpus_pass import measure_corpus
 from headscope.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
@@ -88,6 +89,10 @@ def analyze(
     """
     settings = run_settings(config, **options)
     thresholds, roles, reporter = thresholds or Thresholds(), roles or RoleThresholds(), reporter or NullReporter()
+    out = as_path(out, "out")
+    check_rules(thresholds, roles)
+    if charts is not None and charts not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out)")
     ranks = ranks_from_env()

@@ -20,16 +20,17 @@ import numpy as np
 import pandas as pd
 
 from headscope.ablation import SETTINGS_USED
-from headscope.arguments import head_name
+from headscope.arguments import as_path, head_name
 from headscope.config import CHART_FORMATS, RunConfig, run_settings
 from headscope.corpus import Corpus, as_corpus
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
+from headscope.files import atomic_path
 from headscope.intervening import LossModel, loss_model, plain_loss, record_header
 from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
 from headscope.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
 from headscope.measures.groups import MODES
 from headscope.measures.prune_search import PruneResult, prune_search
-from headscope.output import StagedDirectory, atomic_path, resolved
+from headscope.output import StagedDirectory, resolved
 from headscope.record import versions
 from headscope.reporting import NullReporter, Reporter
 from headscope.surgery import check_savable
@@ -71,6 +72,7 @@ def prune(
     settings = run_settings(config, **options)
     reporter = reporter or NullReporter()
     check_request(budget, mode, charts)
+    out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
     _check_folders(out, save_model)
     corpus = as_corpus(corpus, settings)
     source = model.source if isinstance(model, LoadedModel) else resolve_source(model)

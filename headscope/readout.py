@@ -239,6 +239,7 @@ class Readout:
         fused_value = value if softcap is not None else None
         step = self.kernel.step(batch * heads * t * (t + 1) // 2)
         row_state = self.kernel.row_state(query, fused_value)
+        native_runs = self.kernel.native_runs
         fused_output, values = _layer_fused_pass(
             query,
             key,
@@ -260,7 +261,7 @@ class Readout:
         # Recorded even if short batches took the eager weights: the fused path is the one worth naming.
         if output is None:
             self.paths[name] = "fused (output and row statistics in one pass over tiles of keys)"
-        elif row_state is not None and self.kernel.native_failed is None:
+        elif self.kernel.native_runs > native_runs:  # the kernel ran (it declines masks it does not take)
             self.paths[name] = "fused (row statistics by headscope's C++ kernel; output from sdpa)"
         else:
             self.paths[name] = "fused (row statistics in one pass over tiles of keys; output from sdpa)"

@@ -23,7 +23,7 @@ from headscope.columns import (
     PROBE_PATTERNS,
 )
 from headscope.errors import OutputError
-from headscope.output import atomic_path
+from headscope.files import atomic_path
 from headscope.stats import ProbeResult, metric_means
 
 METADATA_KEY = b"headscope"

@@ -147,6 +147,15 @@ def test_inspect_takes_one_text_as_one_text_and_refuses_wrapped_heads(copier):
         (lambda m, s: headscope.prune(m, s, budget=True), "--budget must be a positive number"),
         (lambda m, s: headscope.ablate(m, s, each_role=1), "each_role takes True or False"),
         (lambda m, s: headscope.Report.open(None), "a report is opened from its folder"),
+        (lambda m, s: headscope.analyze(5, s), "model takes a hub id"),
+        (lambda m, s: headscope.analyze(m, s, out=5), "out takes a path"),
+        (lambda m, s: headscope.analyze(m, s, thresholds=5), "thresholds takes a headscope.Thresholds"),
+        (lambda m, s: headscope.analyze(m, s, charts="gif"), "--format must be one of png, svg, pdf"),
+        (lambda m, s: headscope.analyze(m, s, config=5), "config takes a headscope.RunConfig"),
+        (lambda m, s: headscope.load_model(None), "model takes a hub id"),
+        (lambda m, s: headscope.load_model("gpt2", device="x"), "--device must be one of"),
+        (lambda m, s: headscope.prune(m, s, budget=1, save_model=3), "save_model takes a path"),
+        (lambda m, s: headscope.inspect(m, texts="a", probes=5), "--probe takes a string or a list of strings"),
     ],
 )
 def test_the_api_raises_headscope_errors_with_the_clis_messages(copier, call, message):

@@ -236,3 +236,28 @@ def test_a_long_text_on_smollm2_takes_the_kernel_and_matches_the_eager_path(smol
     assert "eager" in eager.run["attention_implementation"]["LlamaAttention"]
     assert "C++ kernel" in fused.run["attention_implementation"]["LlamaAttention"]
     assert_same_heads(fused.heads, eager.heads)
+
+
+def test_the_kernel_is_counted_only_when_it_ran(kernel_module):
+    """run.json names the C++ kernel for a layer only if the kernel computed that layer's rows: a pass it took
+    counts, a kernel whose first result was refused does not (the tile loop computed those rows)."""
+    query, key, _ = hand_built(seed=3, t=40)
+    mask, _, seq_start = masks(t=40)["left padded"]
+    kernel = native_kernel(kernel_module)
+    fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
+    fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
+    assert kernel.native_runs == 2
+
+    def wrong(query, key, positions, mask, softcap):
+        shape = query.shape[:3]
+        return (
+            torch.ones(shape),
+            torch.full(shape, 2.0),
+            torch.ones(shape),
+            torch.ones(shape, dtype=torch.long),
+            (torch.zeros(shape, dtype=torch.long)),
+        )
+
+    refused = TileKernel(compile_from=0, native_loader=lambda: SimpleNamespace(row_state=wrong))
+    fused(query, key, None, mask, seq_start, row_state=refused.row_state(query, None))
+    assert refused.native_runs == 0 and refused.native_failed is not None

@@ -16,7 +16,7 @@ MODULES = {
 # Modules that read finished reports or do numpy maths: a command on a report folder must not pay for torch.
 TORCH_FREE = ("headscope.report", "headscope.stats", "headscope.labels", "headscope.tables", "headscope.columns")
 TORCH_FREE += ("headscope.summary", "headscope.console", "headscope.layout", "headscope.output", "headscope.config")
-TORCH_FREE += ("headscope.arguments",)
+TORCH_FREE += ("headscope.arguments", "headscope.files")
 
 
 def imports_of(name: str) -> set[str]:

@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 
 from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
+from headscope.files import atomic_path
 from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
-from headscope.output import atomic_path
 from headscope.report import palette
 from headscope.report.report import Report
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from headscope.config import CHART_FORMATS, RoleThresholds, Thresholds
 from headscope.errors import ConfigError, one_line
+from headscope.files import replacing_files
 from headscope.layout import (
     COMPARE_BANDS_FILE,
     COMPARE_FILE,
@@ -25,7 +26,7 @@ from headscope.layout import (
     RUN_FILE,
     SCHEMA_VERSION,
 )
-from headscope.output import StagedDirectory, replacing_files, resolved
+from headscope.output import StagedDirectory, resolved
 from headscope.report.compare import Comparison
 from headscope.report.report import Report
 from headscope.tables import HEADS_SCHEMA, parquet_metadata, write_frame, write_json, write_table
