@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 import re
+from collections.abc import Iterator
 
 from headscope.errors import ConfigError
 
@@ -28,16 +29,22 @@ def _whole(text: str) -> int | None:
     return int(text) if _DIGITS.fullmatch(text) else None
 
 
-def parse_layers(text: str) -> tuple[int, ...]:
-    """'0-5,10,12-13' -> (0, 1, 2, 3, 4, 5, 10, 12, 13)."""
-    layers: set[int] = set()
+def _ranges(text: str, option: str, example: str) -> Iterator[tuple[int, int]]:
+    """'0-5,10' -> (0, 5), (10, 10): each part's bounds, checked (ASCII whole numbers, low <= high)."""
     for part in text.split(","):
         first, _, last = part.partition("-")
         low, high = _whole(first), _whole(last) if last else _whole(first)
         if low is None or high is None:
-            raise ConfigError(f"--layers takes numbers and ranges like 0-5,10; got {text!r}")
+            raise ConfigError(f"{option} takes {example}; got {part.strip()!r}")
         if high < low:
-            raise ConfigError(f"--layers range {part.strip()!r} is empty")
+            raise ConfigError(f"{option} range {part.strip()!r} is empty")
+        yield low, high
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0-5,10,12-13' -> (0, 1, 2, 3, 4, 5, 10, 12, 13)."""
+    layers: set[int] = set()
+    for low, high in _ranges(text, "--layers", "numbers and ranges like 0-5,10"):
         if high > MAX_LAYER:
             raise ConfigError(f"--layers names layer {high}; layer numbers stop at {MAX_LAYER} (no model is that deep)")
         layers.update(range(low, high + 1))
@@ -159,13 +166,7 @@ def parse_ids(text: str, option: str, limit: int = MAX_INSPECT_TEXTS) -> tuple[i
     """'0,5,10-12' -> (0, 5, 10, 11, 12): ids, in the order given (repeats dropped), at most `limit` of them
     (refused as soon as the parts name more, before any range is expanded)."""
     ids: dict[int, None] = {}
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        low, high = _whole(first), _whole(last) if last else _whole(first)
-        if low is None or high is None:
-            raise ConfigError(f"{option} takes ids and ranges like 0,5,10-12; got {part.strip()!r}")
-        if high < low:
-            raise ConfigError(f"{option} range {part.strip()!r} is empty")
+    for low, high in _ranges(text, option, "ids and ranges like 0,5,10-12"):
         if high - low >= limit:  # checked before the range is expanded
             raise ConfigError(f"{option} names more than {limit:,} ids")
         ids.update(dict.fromkeys(range(low, high + 1)))
