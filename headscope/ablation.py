@@ -105,7 +105,7 @@ def ablate(
             plural = "s" * (len(groups) != 1)
             reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
             reporter.start(len(corpus.sentences), what="ablation")
-            losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,))
+            losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
             reporter.finish()
             record = _record(lm, corpus, groups, losses, settings, mode, loss_on)
             if settings.bootstrap and any(

@@ -69,9 +69,16 @@ class LossModel:
         return Removal(mode, self.means() if mode == "mean" else None)
 
     def losses(
-        self, groups: Sequence[Sequence[Head]], removal: Removal, scorings=("all",), base: Sequence[Head] = ()
+        self,
+        groups: Sequence[Sequence[Head]],
+        removal: Removal,
+        scorings=("all",),
+        base: Sequence[Head] = (),
+        *,
+        progress: bool = False,
     ) -> GroupLosses:
-        """group_losses over the corpus; base: heads every group holds (see group_losses)."""
+        """group_losses over the corpus; base: heads every group holds (see group_losses); progress: report each
+        batch's sentences to the reporter (a pass the user waits on, such as ablate's)."""
         return group_losses(
             self.capture,
             self.batches,
@@ -79,6 +86,7 @@ class LossModel:
             removal,
             scorings=scorings,
             replicas_per_forward=self.replicas,
+            reporter=self.reporter if progress else None,
             base=base,
         )
 

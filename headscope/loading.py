@@ -318,7 +318,9 @@ def check_causal_lm(config, display: str) -> None:
 
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{display} is an encoder-decoder model; headscope measures decoder-only causal LMs")
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # A model with its own code (--trust-remote-code) declares itself a causal LM in its config's auto_map.
+    declared = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not declared:
         raise ModelLoadError(f"{display} ({config.model_type}) is not a causal language model")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not getattr(text_config, "num_attention_heads", None):
@@ -330,6 +332,11 @@ def check_causal_lm(config, display: str) -> None:
 
 def _load_failure(source: ModelSource, err: Exception) -> str:
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "contains custom code" in reason:  # transformers' refusal to run a repository's own modelling code
+        return (
+            f"{source.display} ships its own model code, which runs only with --trust-remote-code (read it first: "
+            f"{source.location})"
+        )
     if source.kind == "hub":
         return (
             f"cannot load {source.display!r} from the Hugging Face hub ({reason}); check the id and your network, "

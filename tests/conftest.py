@@ -10,6 +10,10 @@ import pytest
 # Never reach for the network: hub lookups must fail fast and say so.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
+# Under pytest-xdist (`-n 2`: the fast loop) each worker takes one core: two workers of two threads each on two
+# cores ran the loop no faster than one process (oversubscribed). Set before torch is first imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CORPUS = REPO / "corpora" / "english-100.txt"
@@ -40,3 +44,14 @@ def smollm2():
 
     quiet_transformers(show_progress=False)
     return load_model("smollm2", device="cpu", dtype="float32", lm_head=True)  # .model: the base model
+
+
+# Tests that need what takes tens of seconds to set up are `slow` whatever their file says: the real SmolLM2, the
+# C++ kernel's build, a browser. `python -m pytest -m "not slow"` is the fast loop (README: Tests).
+SLOW_FIXTURES = {"smollm2", "kernel_module", "browser"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -12,6 +12,7 @@ import headscope
 from headscope.errors import ConfigError
 from headscope.feed import collate
 from headscope.measures.groups import GroupLosses, group_effect, repeat_tokens, scored_targets
+from headscope.reporting import NullReporter
 from headscope.stats import poisson_weights
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
@@ -247,3 +248,22 @@ def test_each_ablate_option_changes_what_it_says(redundant):
     neutral = entry(mode="zero", bootstrap=50, batch_size=2, padding_side="left", max_memory=2**24)
     assert neutral["delta"] == pytest.approx(base["delta"], abs=1e-6)
     assert neutral["delta_ci_high"] == pytest.approx(base["delta_ci_high"], abs=1e-6)
+
+
+class Progress(NullReporter):
+    def __init__(self) -> None:
+        self.started, self.done = [], 0
+
+    def start(self, total_sentences: int, what: str = "measuring") -> None:
+        self.started.append((total_sentences, what))
+
+    def advance(self, sentences: int, tokens: int) -> None:
+        self.done += sentences
+
+
+def test_ablate_shows_its_progress(redundant):
+    """The progress bar ablate starts is advanced by every sentence of its pass (it once stayed at 0)."""
+    loaded, sentences = redundant
+    progress = Progress()
+    headscope.ablate(loaded, sentences, heads=[[(0, 0)], [(0, 1)]], bootstrap=0, reporter=progress)
+    assert progress.started == [(len(sentences), "ablation")] and progress.done == len(sentences)

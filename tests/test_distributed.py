@@ -17,7 +17,10 @@ from helpers import LOG_LINE
 
 TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples", "probes")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun (installed with torch) not found")
+pytestmark = [
+    pytest.mark.skipif(TORCHRUN is None, reason="torchrun (installed with torch) not found"),
+    pytest.mark.slow,  # spawns torchrun
+]
 
 # Loaded at start-up (sitecustomize) on rank 1 only when HEADSCOPE_TEST_FAIL_AT is set: the default loader
 # hands back a model whose Nth forward pass fails, as a device error would. Test-only: nothing in headscope

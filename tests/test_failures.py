@@ -193,6 +193,7 @@ def test_classify_and_plot_explain_a_foreign_or_missing_table(tmp_path, planted_
     assert_one_line_error(run_cli("classify", out), "heads.parquet not found")
 
 
+@pytest.mark.slow  # a child process
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_path, corpus_lines, sig, code):
     out = tmp_path / "report"
@@ -282,6 +283,7 @@ class CountingTokenizer:
         return getattr(self.tokenizer, name)
 
 
+@pytest.mark.slow  # 150,000 sentences
 def test_a_large_corpus_is_streamed_in_chunks(tmp_path, corpus_lines):
     """150,000 sentences through a minute model: tokenized chunk by chunk (37 of them), never all at once."""
     from transformers import GPT2Config, GPT2Model

@@ -29,6 +29,8 @@ from headscope.labels import HEAD_TYPES
 
 from helpers import assert_one_line_error, run_cli, snapshot
 
+pytestmark = pytest.mark.slow  # hundreds of random commands: the full suite's, not the fast loop's
+
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 # What can go wrong with a file; "none" and "bom_crlf" leave it valid.
 DAMAGES = ("none", "bom_crlf", "truncated", "invalid_utf8", "random_bytes", "huge_field", "stray_quote", "odd_json")

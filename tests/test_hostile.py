@@ -113,6 +113,7 @@ print(json.dumps({"grew_kib": after - before, "tokens": result.run["corpus"]["to
 """
 
 
+@pytest.mark.slow  # a child process
 def test_peak_memory_of_a_long_input_is_bounded_by_the_block_budget(tmp_path, corpus_lines, shipped_corpus):
     """One 4,096-token sentence through 8 heads: a full layer of float32 attention is 512 MiB, and the old
     first-call check held three of them; what headscope holds now is bounded by its 32 MiB blocks."""
@@ -202,6 +203,7 @@ def headscope_process(*args) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # a child process
 def test_two_runs_into_one_folder_cannot_both_win(planted_gpt2, tmp_path, corpus_lines):
     corpora = []
     for name, lines in (("a", corpus_lines[:50]), ("b", corpus_lines[50:])):
@@ -347,6 +349,7 @@ def test_classify_and_plot_refuse_a_heads_table_without_rows(finished_report, tm
 # ---------------------------------------------------------------- leftovers
 
 
+@pytest.mark.slow  # a child process
 def test_a_killed_runs_staging_folder_is_cleaned_by_the_next_run(planted_gpt2, tmp_path, corpus_lines):
     corpus = tmp_path / "big.txt"
     corpus.write_text("\n".join(corpus_lines * 200) + "\n")

@@ -163,6 +163,7 @@ print(json.dumps({"grew_kib": after - before, "tokens": seen.record["texts"][0][
 """
 
 
+@pytest.mark.slow  # a child process
 def test_4096_tokens_stay_within_the_chosen_heads_memory(tmp_path, corpus_lines, shipped_corpus):
     """Two heads of a 4,096-token text keep 2 x 64 MiB of float32 weights and a 16 MiB visibility mask per
     layer (160 MiB); all 16 heads would be 1 GiB. The peak grows by what is kept plus blocks, never all heads."""

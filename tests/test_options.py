@@ -22,6 +22,7 @@ from headscope.columns import IMPORTANCE_COLUMNS
 from headscope.config import SETTINGS, RoleThresholds, Thresholds
 from headscope.labels import assign_roles, classify_heads
 from headscope.loading import load_for_run
+from headscope.reporting import NullReporter
 
 from helpers import Interrupting, run_cli, tiny_model_folder
 from planted import FIRST, PREVIOUS, UNIFORM, expected_attention
@@ -235,7 +236,13 @@ def check_device(planted, texts, baseline, tmp_path):
     report = headscope.analyze(str(planted), texts, device="cpu", **FAST)
     assert report.run["device"] == "cpu"
     assert baseline.run["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # auto picks CUDA
-    if not torch.cuda.is_available():
+    # A device other than the default's must reach the loader: on a machine without CUDA, asking for it is refused
+    # (an option dropped on the way would run on the CPU and say nothing).
+    if torch.cuda.is_available():
+        assert headscope.analyze(str(planted), texts, device="cuda", **FAST).run["device"].startswith("cuda")
+    else:
+        with pytest.raises(headscope.HeadscopeError, match="no CUDA device is available"):
+            headscope.analyze(str(planted), texts, device="cuda", **FAST)
         assert_same_numbers(report, baseline)
 
 
@@ -256,10 +263,29 @@ def check_block_bytes(planted, texts, baseline, tmp_path):
     assert_same_numbers(report, baseline, atol=1e-5)
 
 
+class ThreadsSeen(NullReporter):
+    """Reads torch's thread count each time the run reports progress: what the run itself uses."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def advance(self, sentences: int, tokens: int) -> None:
+        self.seen.add(torch.get_num_threads())
+
+
 def check_threads(planted, texts, baseline, tmp_path):
-    before = torch.get_num_threads()
-    report = headscope.analyze(str(planted), texts, threads=1, **FAST)
-    assert torch.get_num_threads() == before and report.run["settings"]["threads"] == 1
+    started = torch.get_num_threads()
+    torch.set_num_threads(2)  # a count --threads 1 differs from, whatever the process started with
+    try:
+        inside = ThreadsSeen()
+        report = headscope.analyze(str(planted), texts, threads=1, reporter=inside, **FAST)
+        assert inside.seen == {1}  # the run measured with one thread
+        assert torch.get_num_threads() == 2 and report.run["settings"]["threads"] == 1  # and gave the count back
+        default = ThreadsSeen()
+        headscope.analyze(str(planted), texts, reporter=default, **FAST)
+        assert default.seen == {2}
+    finally:
+        torch.set_num_threads(started)
     assert_same_numbers(report, baseline, atol=1e-6)
 
 
