@@ -16,15 +16,15 @@ import time
 
 import torch
 
-from headscope.capture import attached
 from headscope.config import RunConfig
-from headscope.corpus import default_corpus_path, read_corpus
-from headscope.feed import CorpusFeed
-from headscope.loading import load_model, quiet_transformers
-from headscope.measures.importance import measure_importance
-from headscope.memory import default_budget
-from headscope.plan import resolve_plan
-from headscope.reporting import NullReporter
+from headscope.interventions.importance import measure_importance
+from headscope.model.capture import attached
+from headscope.model.loading import load_model, quiet_transformers
+from headscope.model.memory import default_budget
+from headscope.run.corpus import default_corpus_path, read_corpus
+from headscope.run.feed import CorpusFeed
+from headscope.run.plan import resolve_plan
+from headscope.run.progress import NullReporter
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import torch
 
 import headscope
 from headscope.arguments import parse_bytes
-from headscope.loading import load_model, quiet_transformers
+from headscope.model.loading import load_model, quiet_transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import PeakMemory

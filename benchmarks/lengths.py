@@ -32,8 +32,8 @@ import torch
 from bench import CORPUS, _causal_lm, attention_statistics, measure
 
 import headscope
-from headscope.feed import batches_in_order
-from headscope.loading import load_model, quiet_transformers
+from headscope.model.loading import load_model, quiet_transformers
+from headscope.run.feed import batches_in_order
 
 
 def sentence_of(tokenizer, length: int) -> tuple[str, list[int]]:

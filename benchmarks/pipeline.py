@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import headscope
-from headscope.loading import load_model
+from headscope.model.loading import load_model
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "english-100.txt"
 BATCH = 256

@@ -19,12 +19,12 @@ from headscope.config import RunConfig, Thresholds
 from headscope.errors import HeadscopeError
 
 _LAZY = {
-    "analyze": "headscope.pipeline",
-    "inspect": "headscope.inspection",
-    "ablate": "headscope.ablation",
-    "prune": "headscope.pruning",
+    "analyze": "headscope.run.analyze",
+    "inspect": "headscope.run.inspect",
+    "ablate": "headscope.interventions.ablate",
+    "prune": "headscope.interventions.prune",
     "Report": "headscope.report.report",
-    "load_model": "headscope.loading",
+    "load_model": "headscope.model.loading",
 }
 
 __all__ = [

@@ -23,8 +23,8 @@ from headscope.columns import (
     PROBE_PATTERNS,
 )
 from headscope.errors import OutputError
-from headscope.files import atomic_path
-from headscope.stats import ProbeResult, metric_means
+from headscope.estimates import ProbeResult, metric_means
+from headscope.run.files import atomic_path
 
 METADATA_KEY = b"headscope"
 

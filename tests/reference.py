@@ -1,7 +1,7 @@
 """A deliberately plain re-implementation of the metric definitions, for checking headscope.
 
 One unpadded sentence at a time, one query row at a time, in float64 numpy:
-no masks, no diagonals tricks, nothing shared with headscope.measures.statistics.
+no masks, no diagonals tricks, nothing shared with headscope.measures.row_sums.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import headscope
-from headscope.capture import RowBlock, attached
-from headscope.feed import collate, tokenize_sentences
-from headscope.measures.statistics import AttentionStatistics
+from headscope.measures.row_sums import AttentionStatistics
+from headscope.model.capture import RowBlock, attached
+from headscope.run.feed import collate, tokenize_sentences
 
 TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
 

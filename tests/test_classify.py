@@ -9,10 +9,10 @@ import torch
 
 from headscope.config import Thresholds
 from headscope.errors import ConfigError
-from headscope.feed import collate
 from headscope.labels import HEAD_TYPES, classify_heads, most_typical, type_counts
-from headscope.masks import causal_visible_keys
-from headscope.measures.statistics import head_row_sums
+from headscope.measures.row_sums import head_row_sums
+from headscope.model.masks import causal_visible_keys
+from headscope.run.feed import collate
 from headscope.tables import heads_frame
 
 DEFAULT = Thresholds()

@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from headscope.corpus import default_corpus_path, read_corpus
 from headscope.errors import CorpusError
+from headscope.run.corpus import default_corpus_path, read_corpus
 
 
 def texts(corpus) -> list[tuple[int, str]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import headscope
-from headscope.loading import load_model
+from headscope.model.loading import load_model
 
 pytestmark = [
     pytest.mark.cuda,

@@ -10,9 +10,9 @@ import pytest
 
 import headscope
 from headscope.errors import ConfigError, ModelLoadError
-from headscope.loading import load_config, load_model, resolve_source
-from headscope.memory import free_memory
-from headscope.placement import check_device_map
+from headscope.model.loading import load_config, load_model, resolve_source
+from headscope.model.memory import free_memory
+from headscope.model.placement import check_device_map
 
 from helpers import assert_one_line_error, run_cli
 
@@ -57,7 +57,7 @@ def test_the_memory_check_counts_what_each_device_of_the_map_holds(planted_gpt2,
 
     config = load_config(resolve_source(str(planted_gpt2)))
     check_device_map(config, "m", torch.float32, OFFLOADED, "offload")  # fits: a few KiB on the CPU
-    monkeypatch.setattr("headscope.memory.host_free_memory", lambda: 1024)  # a host with 1 KiB free
+    monkeypatch.setattr("headscope.model.memory.host_free_memory", lambda: 1024)  # a host with 1 KiB free
     with pytest.raises(ModelLoadError, match=r"the device map puts .* GiB of m's weights on cpu"):
         check_device_map(config, "m", torch.float32, OFFLOADED, "offload")
     check_device_map(config, "m", torch.float32, {"": "disk"}, "offload")  # all on disk: nothing to hold

@@ -28,7 +28,7 @@ pytestmark = [
 FAULT = """
 import os
 if os.environ.get("RANK") == "1" and os.environ.get("HEADSCOPE_TEST_FAIL_AT"):
-    import headscope.loading as loading
+    import headscope.model.loading as loading
     real, calls = loading.load_for_run, [0]
     def fail_at_nth(module, args):
         calls[0] += 1

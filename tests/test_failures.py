@@ -17,11 +17,11 @@ import torch
 
 import headscope
 from headscope.errors import ModelLoadError, OutputError
-from headscope.loading import load_for_run
-from headscope.masks import causal_visible_keys
-from headscope.measures.statistics import head_row_sums
+from headscope.estimates import metric_means
+from headscope.measures.row_sums import head_row_sums
+from headscope.model.loading import load_for_run
+from headscope.model.masks import causal_visible_keys
 from headscope.report.report import read_run
-from headscope.stats import metric_means
 
 from helpers import (
     Interrupting,
@@ -101,7 +101,7 @@ def test_folder_that_is_not_a_model(tmp_path):
 
 
 def test_truncated_gguf_file(tmp_path):
-    from headscope.loading import resolve_source
+    from headscope.model.loading import resolve_source
 
     source = resolve_source("smollm2")
     truncated = tmp_path / "cut.gguf"
@@ -120,7 +120,7 @@ def test_cuda_requested_without_cuda(planted_gpt2, tmp_path):
 
 
 def test_model_too_large_for_memory_is_refused_before_loading(planted_gpt2, tmp_path, monkeypatch):
-    monkeypatch.setattr("headscope.memory.host_free_memory", lambda: 2**20)
+    monkeypatch.setattr("headscope.model.memory.host_free_memory", lambda: 2**20)
     assert_one_line_error(
         run_cli("analyze", planted_gpt2, "--out", tmp_path / "o"), "GiB for its weights", "--dtype", "--device-map"
     )

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from headscope.feed import collate, tokenize_sentences
-from headscope.prefetch import prefetched
+from headscope.run.feed import collate, tokenize_sentences
+from headscope.run.prefetch import prefetched
 
 AWKWARD = ["", "  ", "The cat sat.", "naïve café 😀 — ok", "x" * 300, "<|endoftext|> after a special token", "\t tab"]
 

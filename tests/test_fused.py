@@ -1,4 +1,4 @@
-"""The fused pass (headscope.fused) against probabilities computed in full, in float64, on hand-built tensors."""
+"""The fused pass (headscope.model.fused) against probabilities computed in full, in float64, on hand-built tensors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from headscope.fused import TileKernel, _tile_step, fused_attention, tile_shape
-from headscope.masks import TileVisibility
+from headscope.model.fused import TileKernel, _tile_step, fused_attention, tile_shape
+from headscope.model.masks import TileVisibility
 
 HEADS, KV_HEADS, HEAD_DIM, T = 6, 2, 8, 23
 WINDOW = 2

@@ -102,7 +102,7 @@ def test_a_huge_window_is_the_same_as_the_longest_sentence(planted_gpt2, corpus,
 PEAK_SCRIPT = """
 import json, resource, sys
 import headscope
-from headscope.loading import load_model
+from headscope.model.loading import load_model
 loaded = load_model(sys.argv[1], device="cpu", dtype="float32")
 words = open(sys.argv[2]).read().split()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the first call checks the eager function: no warm-up

@@ -11,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from headscope.loading import load_for_run
-from headscope.reporting import NullReporter
+from headscope.model.loading import load_for_run
+from headscope.run.progress import NullReporter
 
 from helpers import assert_one_line_error, hidden_leftovers, refuse_to_load, run_cli, snapshot, tiny_model_folder
 

@@ -13,8 +13,8 @@ import torch
 
 import headscope
 from headscope.errors import ConfigError
-from headscope.feed import collate
-from headscope.measures.importance import token_losses
+from headscope.interventions.importance import token_losses
+from headscope.run.feed import collate
 
 from helpers import run_cli
 from planted import COPY_LOGIT, COPY_VOCAB, build_planted_copier, copy_scales, copy_words

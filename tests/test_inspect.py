@@ -153,7 +153,7 @@ def test_the_result_is_the_same_in_memory_and_on_disk_and_alone(planted_gpt2, tm
 PEAK_SCRIPT = """
 import json, resource, sys
 import headscope
-from headscope.loading import load_model
+from headscope.model.loading import load_model
 loaded = load_model(sys.argv[1], device="cpu", dtype="float32")
 text = " ".join(open(sys.argv[2]).read().split()[:5000])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

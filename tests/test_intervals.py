@@ -10,7 +10,7 @@ import pytest
 
 import headscope
 from headscope.columns import STAT_INDEX, STATS
-from headscope.stats import Bootstrap, head_intervals, poisson_weights, t_interval
+from headscope.estimates import Bootstrap, head_intervals, poisson_weights, t_interval
 
 INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
 
@@ -102,7 +102,7 @@ def test_percentile_intervals_equal_numpys_nan_aware_ones():
     """Columns without NaN take a vectorised path; NaN-holding ones (a head no replicate saw) the nan-aware one."""
     import warnings
 
-    from headscope.stats import percentile_interval
+    from headscope.estimates import percentile_interval
 
     replicates = np.random.default_rng(0).normal(size=(200, 3, 5))
     replicates[5, 1, 2] = np.nan  # one replicate without rows for this head

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headscope.columns import STAT_INDEX
-from headscope.feed import collate
-from headscope.masks import causal_visible_keys, visible_keys
-from headscope.measures.statistics import band_row_sums, head_row_sums
-from headscope.stats import metric_means
+from headscope.estimates import metric_means
+from headscope.measures.row_sums import band_row_sums, head_row_sums
+from headscope.model.masks import causal_visible_keys, visible_keys
+from headscope.run.feed import collate
 
 from reference import corpus_means
 

@@ -1,4 +1,4 @@
-"""headscope's C++ row-statistics kernel (headscope.native) against float64 probabilities and the tile loop, and
+"""headscope's C++ row-statistics kernel (headscope.model.native) against float64 probabilities and the tile loop, and
 how the fused pass chooses it (or does without it)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from test_fast_path import assert_same_heads
 from test_fused import HEADS, fused, hand_built, masks, reference
 
 import headscope
-from headscope import native
-from headscope.fused import TileKernel
+from headscope.model import native
+from headscope.model.fused import TileKernel
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
 LONG = 700

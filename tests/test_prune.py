@@ -11,8 +11,8 @@ import pytest
 
 import headscope
 from headscope.errors import ConfigError, ResourceError
-from headscope.measures.prune_search import prune_search
-from headscope.reporting import NullReporter
+from headscope.interventions.search import prune_search
+from headscope.run.progress import NullReporter
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
 from reference import hooked_losses
@@ -252,7 +252,7 @@ def test_out_and_save_model_are_folders_side_by_side(out, save, fragment, tmp_pa
 
 def test_a_save_that_fails_after_the_search_keeps_the_search(redundant, tmp_path):
     """Whatever goes wrong in saving, prune.json (the verified result) is published, saying what failed."""
-    from headscope.loading import load_for_run
+    from headscope.model.loading import load_for_run
 
     def failing_save(source, settings, model_config):
         loaded = load_for_run(source, settings, model_config)
@@ -311,7 +311,7 @@ def test_a_gguf_model_is_saved_as_its_float_weights(smollm2, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from headscope.surgery import check_savable, plain_checkpoint, pruned_weights
+    from headscope.interventions.surgery import check_savable, plain_checkpoint, pruned_weights
 
     lm = smollm2.lm
     check_savable(lm, tmp_path / "saved", mean=True, head_count=9, head_dim=64)  # nothing to refuse

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 
 import headscope
-import headscope.reporting
-from headscope.stats import ONE_SENTENCE_NOTE
+import headscope.run.progress
+from headscope.estimates import ONE_SENTENCE_NOTE
 
 from helpers import run_cli
 from planted import build_planted_copier, copy_words
@@ -34,7 +34,7 @@ def test_inspect_records_a_corpus_sentence_cut_by_max_length_as_truncated(plante
 def test_one_sentence_gets_no_interval_and_a_note(planted_gpt2, tmp_path):
     notes = []
 
-    class Recording(headscope.reporting.NullReporter):
+    class Recording(headscope.run.progress.NullReporter):
         def note(self, text: str) -> None:
             notes.append(text)
 

@@ -11,9 +11,8 @@ import torch
 
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import RoleThresholds, Thresholds
-from headscope.feed import collate
+from headscope.estimates import metric_means
 from headscope.labels import ROLES, assign_roles
-from headscope.masks import causal_visible_keys
 from headscope.measures.probes import (
     ProbeSpec,
     ordinary_token_ids,
@@ -22,8 +21,9 @@ from headscope.measures.probes import (
     prefix_ids,
     probe_inputs,
 )
-from headscope.measures.statistics import head_row_sums
-from headscope.stats import metric_means
+from headscope.measures.row_sums import head_row_sums
+from headscope.model.masks import causal_visible_keys
+from headscope.run.feed import collate
 from headscope.summary import top_heads_per_role
 
 from helpers import run_cli

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from headscope.feed import CorpusFeed, collate, token_labels
 from headscope.measures.heads import HeadAttention
 from headscope.measures.probes import ProbeSpec, probe_sequences
+from headscope.run.feed import CorpusFeed, collate, token_labels
 from headscope.tables import examples_frame
 
 # An example is cut to at most this many tokens: it keeps every head's (t, t) attention, which must stay small

@@ -31,10 +31,10 @@ import torch
 
 from headscope.columns import PROBE_PATTERNS
 from headscope.errors import ConfigError
-from headscope.feed import Batch, collate
-from headscope.measures.statistics import diagonal_rows
-from headscope.reporting import Reporter
-from headscope.stats import ProbeResult, summarise_probes
+from headscope.estimates import ProbeResult, summarise_probes
+from headscope.measures.row_sums import diagonal_rows
+from headscope.run.feed import Batch, collate
+from headscope.run.progress import Reporter
 
 SAMPLE_TEXT = "The cat sat on the mat."  # encoded once to learn which ids the tokenizer puts before text
 

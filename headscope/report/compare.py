@@ -30,12 +30,12 @@ import pandas as pd
 from headscope.columns import DELTAS, INTERVAL_METRICS, MODEL_ONLY, RATIOS, ROWS_LEFT_OUT
 from headscope.config import COMPARE_REPLICATES
 from headscope.errors import OutputError, ResourceError
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE, percentile_interval, poisson_weights
 from headscope.labels import HEAD_TYPES, ROLES
 from headscope.layout import SCHEMA_VERSION, SENTENCE_HEADS_FILE
-from headscope.memory import host_free_memory, readable
+from headscope.model.memory import host_free_memory, readable
 from headscope.report.report import Report
 from headscope.report.sentence_rows import SENTENCES_AT_ONCE, sentence_rows
-from headscope.stats import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE, percentile_interval, poisson_weights
 
 LEVEL = 0.95
 Z = 1.959963984540054  # the standard normal's 97.5th percentile

@@ -1,0 +1,161 @@
+"""What every command shares: one-line errors, the option choices and shared options, signals and exit codes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from enum import Enum
+from typing import Annotated
+
+import typer
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
+
+from headscope.config import (
+    CHART_FORMATS,
+    DEVICES,
+    DTYPES,
+    ENCODING_ERRORS,
+    IMPORTANCE_MODES,
+    RoleThresholds,
+    RunConfig,
+    Thresholds,
+)
+from headscope.errors import ConfigError, HeadscopeError
+
+
+class OneLineErrors(TyperGroup):
+    """Typer's own usage errors (a bad option value, an unknown option) as one line, like every other error.
+
+    Exit codes: 0 done, 1 an error (`Error: ...`), 2 a usage error (`Error: ...`, naming the option),
+    130 interrupted, 143 terminated.
+    """
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except TyperException as err:
+            context = getattr(err, "ctx", None)
+            # `headscope` alone raises this to show the help; Typer does not export its class.
+            if type(err).__name__ == "NoArgsIsHelpError":
+                err.show()
+            else:
+                where = f" (see {context.command_path} --help)" if context is not None else ""
+                typer.echo(f"Error: {' '.join(err.format_message().split())}{where}", err=True)
+            code = err.exit_code
+        except typer.Abort:
+            typer.echo("Aborted.", err=True)
+            code = 1
+
+        if not standalone_mode:
+            return code
+        sys.exit(code or 0)
+
+
+def choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum of the values config.py allows: Typer shows and checks them; they are written there once."""
+    return Enum(name, {value: value for value in values}, type=str)
+
+
+DeviceChoice = choices("DeviceChoice", DEVICES)
+DTypeChoice = choices("DTypeChoice", DTYPES)
+EncodingErrors = choices("EncodingErrors", ENCODING_ERRORS)
+ChartFormat = choices("ChartFormat", CHART_FORMATS)
+ImportanceMode = choices("ImportanceMode", IMPORTANCE_MODES)
+DEFAULTS, THRESHOLDS, ROLE_THRESHOLDS = RunConfig(), Thresholds(), RoleThresholds()
+DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
+DEFAULT_ENCODING_ERRORS = EncodingErrors(DEFAULTS.encoding_errors)
+DEFAULT_IMPORTANCE = ImportanceMode(DEFAULTS.importance)
+
+
+# Options shared by several commands, declared once.
+LocalMinLocality = Annotated[
+    float, typer.Option(help="local if locality >= this (1 = all mass within the window, 0 = as uniform).")
+]
+CopyMaxNormEntropy = Annotated[
+    float, typer.Option(help="copy if entropy / ln(visible keys) <= this (checked after local).")
+]
+BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
+RoleProbeMin = Annotated[
+    float, typer.Option(help="Role induction / duplicate-token / previous-token if that probe score >= this.")
+]
+RoleSinkRateMin = Annotated[float, typer.Option(help="Role sink if sink_rate >= this (after the probe roles).")]
+RoleOffsetShareMin = Annotated[
+    float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
+]
+Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
+ModelArgument = Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")]
+TextColumn = Annotated[
+    str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
+]
+Revision = Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")]
+TrustRemoteCode = Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")]
+Device = Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")]
+DType = Annotated[DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")]
+DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
+
+
+INTERRUPTED = {130: "Interrupted; existing outputs were left as they were",
+               143: "Terminated; existing outputs were left as they were"}  # fmt: skip
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that every cleanup (staging folders, temp files) runs."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def say(message: str, *, err: bool = False) -> None:
+    """Print a line (control characters escaped); under torchrun only rank 0 speaks: every rank's failure
+    reaches it (headscope.run.distributed.meet)."""
+    from headscope.run.progress import printable
+
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(printable(message), err=err)
+
+
+@contextlib.contextmanager
+def usage_errors(ctx: typer.Context):
+    """Option values the settings refuse (out of range, inconsistent) are usage errors: one line naming the
+    option and where its help is, exit code 2, like Typer's own."""
+    try:
+        yield
+    except ConfigError as err:
+        _usage_error(ctx, err)
+
+
+def _usage_error(ctx: typer.Context, err: ConfigError):
+    say(f"Error: {err} (see headscope {ctx.info_name} --help)", err=True)
+    raise typer.Exit(2) from None
+
+
+@contextlib.contextmanager
+def user_errors(ctx: typer.Context):
+    """Turn the library's own errors into a one-line message and exit code 1 (2 for an option's value the
+    library refuses once it knows the model or the corpus: a usage error too); signals into 130 / 143."""
+    # Only a command that checkpoints can be continued; the others say nothing of --resume.
+    hint = " (--resume continues a checkpointed run)" if "resume" in ctx.params else ""
+    try:
+        yield
+    except ConfigError as err:
+        _usage_error(ctx, err)
+    except HeadscopeError as err:
+        say(f"Error: {err}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        say(f"{INTERRUPTED[130]}{hint}.", err=True)
+        raise typer.Exit(130) from None
+    except Terminated:
+        say(f"{INTERRUPTED[143]}{hint}.", err=True)
+        raise typer.Exit(143) from None
+    except Exception as err:  # a full disk reported by a library outside any staged folder: still one line
+        from headscope.run.files import disk_refusal
+
+        refused = disk_refusal(err)
+        if refused is None:
+            raise  # a bug: its traceback is the report
+        say(f"Error: cannot write the output: {refused}", err=True)
+        raise typer.Exit(1) from None

@@ -1,0 +1,310 @@
+"""What the commands print: rich tables of a report and of a comparison. Never imports torch.
+
+Everything from a report or a model (names, paths, tokens, reasons) is printed as text, never as rich markup.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from headscope.arguments import head_name
+from headscope.labels import HEAD_TYPES, ROLES, label_counts
+from headscope.layout import ABLATION_RECORD, HEAD_MASK_FILE, INSPECT_RECORD, PRUNE_RECORD
+from headscope.report.report import Report
+from headscope.run.progress import printable
+from headscope.summary import (
+    early_late_entropy,
+    importance_column,
+    layer_bands,
+    layer_entropy,
+    least_needed,
+    most_important,
+    top_heads_per_role,
+)
+
+
+class _Plain(Console):
+    """A console that prints text as text: no markup (a path with "[/x]" in it is a name, not a style) and no raw
+    control characters (a model's config may hold terminal escapes); long lines stay whole at any width."""
+
+    def __init__(self) -> None:
+        super().__init__(soft_wrap=True, highlight=False, markup=False)
+
+    def print(self, *objects, **kwargs) -> None:
+        super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+def _console() -> Console:
+    return _Plain()
+
+
+def _title(text: str) -> Text:
+    return Text(printable(text))
+
+
+def print_analysis(report: Report) -> None:
+    """Per-layer entropy, the depth gradient, the run's counts and warnings; labels per band; the heads the
+    loss needs most (when importance was measured)."""
+    console = _console()
+    run = report.run
+    arch = run["model"]["architecture"]
+    table = Table(title=_title(f"{run['model']['input']}: mean attention entropy per layer (nats)"))
+    for name in ("layer", "mean", "min head", "max head"):
+        table.add_column(name, justify="right")
+    for layer, row in layer_entropy(report.heads).iterrows():
+        table.add_row(str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
+    console.print(table)
+    bands = early_late_entropy(report.heads, report.depth)
+    timings = run["timings"]
+    if bands is not None:
+        console.print(
+            f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
+            f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}",
+        )
+    corpus = run["corpus"]
+    capped = (
+        f", {corpus['cut_before_tokenizing']} so long they were cut before tokenizing"
+        if corpus.get("cut_before_tokenizing")
+        else ""
+    )
+    console.print(
+        f"{corpus['sentences']} sentences, {corpus['tokens']} tokens "
+        f"({corpus['truncated_sentences']} truncated{capped}); {arch['layers']} layers x {arch['heads']} heads "
+        f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s",
+    )
+    numerics = run["numerics"]
+    if numerics["nonfinite_rows"]:
+        console.print(
+            f"warning: {numerics['nonfinite_rows']} attention rows held NaN or inf "
+            f"({numerics['heads_with_nonfinite_rows']} heads; left out of the metrics, counted in "
+            "nonfinite_rows). float16 overflow? Try --dtype bfloat16 or float32.",
+        )
+    if numerics["unnormalised_rows"]:
+        console.print(
+            f"warning: {numerics['unnormalised_rows']} attention rows do not sum to 1 "
+            f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows).",
+        )
+    console.print(f"wrote {report.folder}/")
+    print_label_counts(report, run["model"]["input"])
+    print_role_heads(report)
+    _print_most_important(report)
+
+
+def print_role_heads(report: Report, count: int = 3) -> None:
+    """Each role's strongest heads, by the evidence that gave them the role, with their scores."""
+    found = top_heads_per_role(report.heads, count)
+    if not found:
+        return
+    title = _title("the strongest heads of each role, by the evidence for it")
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("role (heads)", no_wrap=True)
+    table.add_column("evidence", no_wrap=True)
+    for rank in range(1, count + 1):
+        table.add_column(f"#{rank}", no_wrap=True)
+    for entry in found:
+        top = [f"{head_name(layer, head)} {score:.3f}" for layer, head, score in entry["top"]]
+        role = f"{entry['role']} ({entry['heads']})"
+        table.add_row(role, entry["evidence"], *top, *[""] * (count - len(top)))
+    _console().print(table)
+
+
+def _print_most_important(report: Report) -> None:
+    """The 10 heads the loss needs most and the 10 it needs least, with their role and entropy; each role's heads
+    removed together. Signed attribution is never shown as if it were an ablation: without exact ablation the
+    tables rank by its magnitude and say that it is an estimate."""
+    heads = report.heads
+    column = importance_column(heads)
+    if column is None:
+        return
+    importance = report.run["importance"]
+    console = _console()
+    exact = column.startswith("ablation")
+    how = f"by {column}" if exact else f"by |{column}|, a first-order estimate"
+    clean = f"clean loss {importance['clean_loss']:.4f} nats"
+    for title, chosen in (
+        (f"the 10 heads the loss needs most, {how} ({clean})", most_important(heads)),
+        (f"the 10 heads it needs least alone, {how} (headscope prune removes heads together, verified)",
+         least_needed(heads)),
+    ):  # fmt: skip
+        table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+        for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
+            table.add_column(name, justify="left" if name in ("head", "role") else "right", no_wrap=name == "role")
+        for row in chosen.itertuples():
+            values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
+            cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
+            table.add_row(head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
+        console.print(table)
+    if not exact:
+        console.print(
+            "note: attribution is a first-order estimate from one gradient pass, not an ablation; it fails for heads "
+            "in saturated layers, where removing a head costs more than its gradient says. Measure removals with "
+            "--importance exact, headscope ablate (heads together) or headscope prune."
+        )
+    _print_role_groups(importance.get("roles") or [])
+
+
+def _print_role_groups(entries: list[dict]) -> None:
+    """Each role's heads removed together: the delta on every token and on repeated tokens, with intervals."""
+    if not entries:
+        return
+    table = Table(title=_title("each role's heads removed together (exact, nats of loss)"), box=box.SIMPLE_HEAD)
+    for name in ("role (heads)", "removal", "all tokens", "repeated tokens"):
+        table.add_column(name, justify="left" if name.startswith("role") or name == "removal" else "right")
+    for entry in entries:
+        cells = []
+        for scoring in ("all", "repeats"):
+            effect = entry[scoring]
+            if effect["delta"] is None:
+                cells.append("- (no tokens)")
+                continue
+            low, high = effect["delta_ci_low"], effect["delta_ci_high"]
+            interval = "" if low is None else f" [{low:+.3f}, {high:+.3f}]"
+            cells.append(f"{effect['delta']:+.4f}{interval} ({effect['tokens']:,})")
+        table.add_row(f"{entry['role']} ({len(entry['heads'])})", entry["mode"], *cells)
+    _console().print(table)
+
+
+def print_label_counts(report: Report, title: str) -> None:
+    """Head types and roles, counted per band of the model's layers."""
+    bands = layer_bands(report.depth)
+    console = _console()
+    for column, names, what in (("head_type", HEAD_TYPES, "head type"), ("role", ROLES, "role")):
+        counts = label_counts(report.heads, column, names, bands)  # rows: bands; columns: labels
+        table = Table(title=_title(f"{title}: heads per {what}"))
+        table.add_column(what)
+        for band in counts.index:
+            table.add_column(band, justify="right")
+        for name in names:
+            table.add_row(name, *(str(int(counts.at[band, name])) for band in counts.index))
+        console.print(table)
+
+
+def print_comparison(comparison) -> None:
+    """The method, the heads that changed most and the layers where the mean entropy moved."""
+    console = _console()
+    record = comparison.record
+    for side in ("a", "b"):
+        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}")
+    console.print(f"method: {record['method']}")
+    differ = record.get("settings_differ") or {}
+    if differ:
+        console.print(
+            "note: the reports were measured with settings that change what the numbers mean: "
+            + "; ".join(f"{name} {a} (A) vs {b} (B)" for name, (a, b) in differ.items())
+        )
+    if not comparison.same_grid:
+        shares = comparison.bands[comparison.bands["kind"] == "role"].pivot_table(
+            index="label", columns=["band", "report"], values="share"
+        )
+        console.print(shares.round(3).to_string())
+        return
+    heads = comparison.heads
+    counts = ", ".join(f"{metric} {n}" for metric, n in record["significant_heads"].items())
+    console.print(f"heads whose change is significant (FDR 5%): {counts} of {len(heads)}")
+    table = Table(title="the heads whose entropy changed most", box=box.SIMPLE_HEAD)
+    for name in ("head", "A", "B", "B - A", "95% interval", "sig.", "role A -> B"):
+        table.add_column(name, justify="left" if name in ("head", "role A -> B") else "right")
+    for row in heads.reindex(heads["entropy_delta"].abs().sort_values(ascending=False).index).head(10).itertuples():
+        table.add_row(
+            head_name(row.layer, row.head),
+            f"{row.entropy_a:.3f}",
+            f"{row.entropy_b:.3f}",
+            f"{row.entropy_delta:+.3g}",  # significant figures: a consistent 1e-5 shift must not read 0.000
+            f"[{row.entropy_delta_ci_low:+.3g}, {row.entropy_delta_ci_high:+.3g}]",
+            "yes" if row.entropy_significant else "",
+            f"{row.role_a} -> {row.role_b}",
+        )
+    console.print(table)
+    layers = comparison.layers
+    moved = layers[layers["entropy_significant"]]
+    if len(moved):
+        console.print(
+            "layers whose mean entropy moved (FDR 5%): "
+            + ", ".join(f"{row.layer} ({row.entropy_delta:+.3g})" for row in moved.itertuples())
+        )
+    else:
+        console.print("no layer's mean entropy moved significantly (FDR 5%)")
+
+
+def print_inspection(found) -> None:
+    """Per head and text: its role (when known), where its rows put their largest weight, its probe scores."""
+    record = found.record
+    console = _console()
+    probes = record["probes"]
+    table = Table(title=_title(f"{record['model']['input']}: where each head's rows put their largest weight"))
+    for name in ("head", "role", "text", "largest weight at (share of rows)", "mean", *probes):
+        table.add_column(
+            name, justify="left" if name in ("head", "role", "text") or name.startswith("largest") else "right"
+        )
+    labels = {entry["text_id"]: entry["label"] for entry in record["texts"]}
+    shown = record["summary"][:SUMMARY_ROWS]
+    for entry in shown:
+        places = ", ".join(f"{name} {share:.0%}" for name, share in entry["largest_at"]) or "-"
+        table.add_row(
+            entry["head"],
+            record["roles"].get(entry["head"], "-"),
+            labels[entry["text_id"]],
+            places,
+            "-" if entry["mean_largest"] is None else f"{entry['mean_largest']:.3f}",
+            *(f"{entry[f'probe_{p}']:.3f}" if entry.get(f"probe_{p}") is not None else "-" for p in probes),
+        )
+    console.print(table)
+    if len(record["summary"]) > len(shown):
+        console.print(f"... {len(record['summary']) - len(shown)} more rows in {INSPECT_RECORD}")
+    if record["roles_from"]:
+        console.print(f"roles from {record['roles_from']}")
+    if found.folder is not None:
+        written = sorted(path.name for path in found.folder.iterdir())  # what is there, inspect.html included
+        console.print(f"wrote {found.folder}/ ({', '.join(written)})")
+
+
+SUMMARY_ROWS = 40  # the console shows this many (head, text) rows; inspect.json has them all
+
+
+def print_ablation(found) -> None:
+    """Per group: its heads, the scored tokens, clean and ablated loss, the delta and its 95% interval."""
+    record = found.record
+    console = _console()
+    title = f"{record['model']['input']}: heads removed together ({record['mode']}), loss on {record['loss_on']} tokens"
+    table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+    for name in ("group", "heads", "tokens", "clean", "ablated", "delta (nats)", "95% interval"):
+        table.add_column(name, justify="left" if name in ("group", "heads") else "right")
+    for entry in record["groups"]:
+        shown = ",".join(entry["heads"][:6]) + (f",... ({len(entry['heads'])})" if len(entry["heads"]) > 6 else "")
+        numbers = [entry[key] for key in ("clean_loss", "ablated_loss", "delta")]
+        low, high = entry["delta_ci_low"], entry["delta_ci_high"]
+        table.add_row(
+            entry["name"] if entry["name"] != ",".join(entry["heads"]) else "-",
+            shown,
+            f"{entry['tokens']:,}",
+            *("-" if value is None else f"{value:.4f}" for value in numbers[:2]),
+            "-" if numbers[2] is None else f"{numbers[2]:+.4f}",
+            "-" if low is None else f"[{low:+.4f}, {high:+.4f}]",
+        )
+    console.print(table)
+    if found.folder is not None:
+        console.print(f"wrote {found.folder}/{ABLATION_RECORD}")
+
+
+def print_pruning(found) -> None:
+    """How many heads went, the verified loss, the curve's steps and where the mask and checkpoint are."""
+    record = found.record
+    console = _console()
+    removed, total = len(record["heads"]), record["total_heads"]
+    console.print(
+        f"removed {removed} of {total} heads ({record['mode']}) within {record['budget']:g} nats: loss "
+        f"{record['clean_loss']:.4f} -> {record['pruned_loss']:.4f} ({record['delta']:+.4f}, verified with every "
+        "removed head removed together)"
+    )
+    steps = ", ".join(f"{step['heads_removed']}: {step['loss']:.4f}" for step in record["curve"])
+    console.print(_title(f"verified loss by heads removed: {steps}"))
+    if removed:
+        console.print(_title(f"removed, in order: {', '.join(record['heads'])}"))
+    saved = record.get("saved_model")
+    if saved:
+        console.print(_title(f"saved the pruned model to {saved['path']} (its own loss {saved['loss']:.4f}, checked)"))
+    if found.folder is not None:
+        console.print(_title(f"wrote {found.folder}/ ({PRUNE_RECORD}, {HEAD_MASK_FILE})"))

@@ -1,0 +1,194 @@
+"""Numbers from per-head sums, in numpy (and scipy for quantiles): classify, plot and compare never import torch.
+
+The measurements keep *sums* over attention rows, one slot per entry of ``columns.STATS`` (see
+``headscope.measures.row_sums`` for how each is computed). Sums over sentences add up exactly to sums over
+the corpus, so the means (``columns.RATIOS``) are taken only at the end: every metric is a token-weighted mean over
+all non-padding query rows of all sentences.
+
+Uncertainty comes from a streamed Poisson bootstrap over sentences (`Bootstrap`): every replicate weighs each
+sentence by a Poisson(1) count drawn from (seed, sentence id, replicate) alone, so the intervals do not depend
+on batching, sentence order, chunking or how the corpus is split between processes, and memory is
+O(replicates x heads) whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from headscope.columns import COUNTS, INTERVAL_METRICS, OFFSET_CATEGORIES, PROBE_PATTERNS, RATIOS, STAT_INDEX
+
+
+def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
+    """Turn stat sums (..., len(STATS)) into metric means (...), ``entropy_std``, the row counts, and the
+    top-offset evidence: ``top_offset`` (the category holding most rows' largest weight, a string) and
+    ``top_offset_share`` (the share of evidence rows it holds).
+
+    A metric with no rows to average (e.g. prev_token of one-token sentences) is NaN (top_offset: None).
+    """
+    sums = np.asarray(sums, dtype=np.float64)
+
+    def stat(name: str) -> np.ndarray:
+        return sums[..., STAT_INDEX[name]]
+
+    out: dict[str, np.ndarray] = {name: stat(name).astype(np.int64) for name in COUNTS}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for metric, (numerator, denominator) in RATIOS.items():
+            out[metric] = ratio(stat(numerator), stat(denominator))
+        n = stat("n_rows")
+        variance = stat("entropy_sq") / np.where(n > 0, n, 1) - out["entropy"] ** 2
+        out["entropy_std"] = np.where(n > 0, np.sqrt(np.clip(variance, 0.0, None)), np.nan)
+    counts = np.stack([stat(f"top_{category}") for category in OFFSET_CATEGORIES], axis=-1)  # (..., categories)
+    evidence = stat("evidence_rows")
+    top = counts.argmax(-1)
+    out["top_offset"] = np.where(evidence > 0, np.array(OFFSET_CATEGORIES, dtype=object)[top], None)
+    out["top_offset_share"] = ratio(np.take_along_axis(counts, top[..., None], -1)[..., 0], evidence)
+    return out
+
+
+def ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator, NaN where the denominator is 0."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denominator > 0, numerator / np.where(denominator > 0, denominator, 1), np.nan)
+
+
+# ---------------------------------------------------------------- bootstrap over sentences
+
+# The (numerator, denominator) slots the intervals need, gathered from the sums in this order.
+_BOOTSTRAP_SLOTS = tuple(dict.fromkeys(slot for metric in INTERVAL_METRICS for slot in RATIOS[metric]))
+_BOOTSTRAP_INDEX = [STAT_INDEX[slot] for slot in _BOOTSTRAP_SLOTS]
+# P(Poisson(1) <= k) for k = 0, 1, ...: a uniform number below entry k draws k.
+_POISSON_CDF = np.cumsum([math.exp(-1) / math.factorial(k) for k in range(20)])
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective scramble of uint64 values (wrapping arithmetic is intended)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+# A bootstrap over sentences needs at least this many: over one sentence every replicate is that sentence again,
+# and the "interval" has zero width whatever the sentence's own spread.
+MIN_BOOTSTRAP_SENTENCES = 2
+ONE_SENTENCE_NOTE = "a 95% interval needs two or more sentences: the intervals are left empty (NaN)"
+
+
+def poisson_weights(sentence_ids: np.ndarray, replicates: int, seed: int) -> np.ndarray:
+    """(sentences, replicates) Poisson(1) counts: bootstrap weights that are a pure function of
+    (seed, sentence id, replicate), so any order or split of the corpus draws the same ones."""
+    ids = np.asarray(sentence_ids, dtype=np.uint64)[:, None]
+    columns = np.arange(replicates, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        key = _mix(_mix(np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + ids) + columns)
+    uniform = (key >> np.uint64(11)).astype(np.float64) / float(2**53)  # 53 random bits in [0, 1)
+    return np.searchsorted(_POISSON_CDF, uniform, side="right").astype(np.float64)
+
+
+class Bootstrap:
+    """Streamed Poisson bootstrap of the INTERVAL_METRICS of every head: replicate sums of their slots.
+
+    add() takes each batch's per-sentence sums; memory stays (replicates, layers, heads, slots).
+    """
+
+    def __init__(self, replicates: int, seed: int, layers: int, heads: int) -> None:
+        self.replicates, self.seed = replicates, seed
+        self.sums = np.zeros(self.shape(replicates, layers, heads))
+
+    @staticmethod
+    def shape(replicates: int, layers: int, heads: int) -> tuple[int, int, int, int]:
+        return (replicates, layers, heads, len(_BOOTSTRAP_SLOTS))
+
+    def add(self, sentence_ids, sums: np.ndarray) -> None:
+        """sentence_ids: (batch,); sums: (layers, batch, heads, len(STATS)) of those sentences."""
+        weights = poisson_weights(np.asarray(sentence_ids), self.replicates, self.seed)  # (batch, replicates)
+        picked = sums[..., _BOOTSTRAP_INDEX]  # (layers, batch, heads, slots)
+        self.sums += np.einsum("br,lbhs->rlhs", weights, picked, optimize=True)
+
+    def metrics(self) -> dict[str, np.ndarray]:
+        """Every replicate's value of each interval metric, (replicates, layers, heads)."""
+        slot = {name: i for i, name in enumerate(_BOOTSTRAP_SLOTS)}
+        return {
+            metric: ratio(self.sums[..., slot[numerator]], self.sums[..., slot[denominator]])
+            for metric, (numerator, denominator) in ((m, RATIOS[m]) for m in INTERVAL_METRICS)
+        }
+
+
+def head_intervals(replicates: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per metric, the 95% percentile interval of every head, (layers, heads) each side."""
+    return {metric: percentile_interval(values) for metric, values in replicates.items()}
+
+
+def layer_intervals(replicates: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per metric, the 95% interval of each layer's mean over its heads, (layers,) each side."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a layer whose heads saw no rows: NaN
+        return {metric: percentile_interval(np.nanmean(values, axis=-1)) for metric, values in replicates.items()}
+
+
+def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """The central `level` interval of bootstrap replicates along axis 0 (replicates with NaN are skipped)."""
+    tail = 100 * (1 - level) / 2
+    # np.nanpercentile works column by column in Python (apply_along_axis): 0.23 s for SmolLM2's heads. Columns
+    # without NaN take np.percentile's vectorised path, which gives the same numbers (to an ulp of rounding).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN slice (a head without rows): NaN is right
+        if replicates.ndim < 2:  # one column: scalars, as nanpercentile gives them
+            low, high = np.nanpercentile(replicates, [tail, 100 - tail], axis=0)
+            return low, high
+        has_nan = np.isnan(replicates).any(axis=0)
+        low, high = np.percentile(replicates, [tail, 100 - tail], axis=0)
+        if has_nan.any():
+            low[has_nan], high[has_nan] = np.nanpercentile(replicates[:, has_nan], [tail, 100 - tail], axis=0)
+    return low, high
+
+
+def t_interval(samples: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean and Student-t `level` interval over axis 0 (independent samples: probe seeds, say)."""
+    from scipy import stats  # only where intervals are computed: it takes ~0.6 s to import
+
+    n = samples.shape[0]
+    mean = samples.mean(axis=0)
+    if n < 2:
+        return mean, np.full_like(mean, np.nan), np.full_like(mean, np.nan)
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * samples.std(axis=0, ddof=1) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+# ---------------------------------------------------------------- probe scores
+
+
+@dataclass
+class ProbeResult:
+    """Per head, for every pattern: the score (mean over seeds), its interval, and its chance level."""
+
+    scores: dict[str, np.ndarray]  # pattern -> (layers, heads)
+    low: dict[str, np.ndarray]
+    high: dict[str, np.ndarray]
+    chance: dict[str, float]  # pattern -> chance level (the same for every head)
+    prefix: int  # tokens the tokenizer put before the random ones
+    repeats: int  # copies of the random tokens in each sequence
+    per_seed: np.ndarray | None = None  # (seeds, layers, heads, patterns): each seed's score
+
+
+def summarise_probes(mass: np.ndarray, rows: np.ndarray, chance: np.ndarray, prefix: int, repeats: int) -> ProbeResult:
+    """Scores per seed (mass / rows), then their mean and 95% t-interval over seeds.
+
+    mass: (seeds, layers, heads, patterns); rows, chance: (seeds, patterns).
+    """
+    per_seed = mass / rows[:, None, None, :]
+    mean, low, high = t_interval(per_seed)
+    chance_level = chance.sum(0) / rows.sum(0)
+    return ProbeResult(
+        scores={p: mean[..., i] for i, p in enumerate(PROBE_PATTERNS)},
+        low={p: low[..., i] for i, p in enumerate(PROBE_PATTERNS)},
+        high={p: high[..., i] for i, p in enumerate(PROBE_PATTERNS)},
+        chance={p: float(chance_level[i]) for i, p in enumerate(PROBE_PATTERNS)},
+        prefix=prefix,
+        repeats=repeats,
+        per_seed=per_seed,
+    )

@@ -1,0 +1,181 @@
+"""ablate(): does the model need these heads together? The corpus loss with groups of heads removed together.
+
+    the groups     --heads L.H,... (repeat for more groups); --role R or --each-role, from a report's roles
+    the removal    zero, or each head's clean corpus mean (measures/groups.py defines both)
+    the tokens     every predicted token, or the repeated ones an induction head can predict (--loss-on)
+    the output     ablation.json: per group its heads, tokens, clean and ablated loss, the delta and its 95%
+                   paired bootstrap interval over sentences
+
+Every group shares each batch's clean pass (measures.ablation.group_losses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from headscope.arguments import as_head_groups, as_path, as_texts, head_name
+from headscope.config import RunConfig, run_settings
+from headscope.errors import ConfigError
+from headscope.estimates import ONE_SENTENCE_NOTE
+from headscope.interventions.groups import MODES, SCORINGS, Head, group_effect
+from headscope.interventions.losses import loss_model, record_header
+from headscope.labels import ROLES
+from headscope.layout import ABLATION_RECORD
+from headscope.model.identity import check_report_model
+from headscope.model.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
+from headscope.report.report import Report, read_run
+from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.output import StagedDirectory, check_target, resolved
+from headscope.run.progress import NullReporter, Reporter
+from headscope.run.record import versions
+from headscope.tables import write_json
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str  # as the output names it: the heads ("18.6,17.4") or the role
+    heads: tuple[Head, ...]
+    source: str = "--heads"  # where the heads came from, as messages name it
+
+
+@dataclass
+class Ablation:
+    """What `ablate` measured: its record (ablation.json), one entry per group."""
+
+    record: dict
+    folder: Path | None = None
+
+    @property
+    def groups(self) -> pd.DataFrame:
+        return pd.DataFrame(self.record["groups"])
+
+
+def ablate(
+    model: str | LoadedModel,
+    corpus: str | Path | Corpus | list[str] | None = None,
+    *,
+    heads: Sequence[Sequence[Head]] = (),
+    roles: Sequence[str] = (),
+    each_role: bool = False,
+    report: str | Path | None = None,
+    mode: str = "mean",
+    loss_on: str = "all",
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    config: RunConfig | None = None,
+    reporter: Reporter | None = None,
+    loader: Loader = load_for_run,
+    **options,
+) -> Ablation:
+    """The corpus loss with each group of heads removed together, against the clean loss (written to
+    `out`/ablation.json when `out` is given).
+
+    heads: groups of (layer, head) pairs; roles / each_role: groups of a role's heads in `report` (each_role: every
+    role with heads, but "other"); mode: zero or mean; loss_on: all or repeats; options / config: the RunConfig
+    fields it reads (max_length, max_memory, device, dtype, threads, bootstrap, bootstrap_seed, text_column, ...).
+    """
+    settings = run_settings(config, **options)
+    reporter = reporter or NullReporter()
+    heads = as_head_groups(heads) if heads is not None else []
+    out, report = as_path(out, "out"), as_path(report, "report")
+    roles = as_texts(roles, "--role")
+    check_request(heads, roles, each_role, report, mode, loss_on)
+    groups = [Group(",".join(head_name(*h) for h in group), group) for group in heads]
+    if report is not None:
+        groups += role_groups(report, roles, each_role)
+    corpus = as_corpus(corpus, settings)
+    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
+    protected = protected_inputs(source, corpus, Path(report) if report is not None else None)
+    if out is not None:
+        check_target(resolved(out), kind="ablation", overwrite=overwrite, protected=protected)
+        work = StagedDirectory(Path(out), kind="ablation", overwrite=overwrite, protected=protected)
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(work).path if out is not None else None
+        with loss_model(stack, model, source, settings, loader, reporter, corpus, "ablate") as lm:
+            if report is not None:
+                check_report_model(read_run(Path(report)), lm.loaded, report)
+            for group in groups:
+                lm.plan.check_heads(group.heads, group.source)
+            removal = lm.removal(mode)
+            plural = "s" * (len(groups) != 1)
+            reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
+            reporter.start(len(corpus.sentences), what="ablation")
+            losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
+            reporter.finish()
+            record = _record(lm, corpus, groups, losses, settings, mode, loss_on)
+            if settings.bootstrap and any(
+                g["delta"] is not None and g["delta_ci_low"] is None for g in record["groups"]
+            ):
+                reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
+        if folder is not None:
+            write_json(record, folder / ABLATION_RECORD)
+    return Ablation(record, folder=work.target if out is not None else None)
+
+
+def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str) -> None:
+    """Refuse what asks for nothing or contradicts itself, before anything loads."""
+    if not isinstance(each_role, bool):
+        raise ConfigError(f"each_role takes True or False; got {each_role!r}")
+    if mode not in MODES:
+        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
+    if loss_on not in SCORINGS:
+        raise ConfigError(f"--loss-on takes {', '.join(SCORINGS)}; got {loss_on!r}")
+    if not (heads or roles or each_role):
+        raise ConfigError("nothing to ablate: pass --heads L.H,..., --role R or --each-role (with --report)")
+    if any(not group for group in heads):
+        raise ConfigError("--heads names no head")
+    unknown = [role for role in roles if role not in ROLES]
+    if unknown:
+        raise ConfigError(f"--role takes {', '.join(ROLES)}; got {unknown[0]!r}")
+    if (roles or each_role) and report is None:
+        raise ConfigError("--role and --each-role read the heads' roles from a report: pass --report DIR")
+
+
+def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
+    """One group per asked role (each_role: every role some head has, but "other"), its heads from `report`."""
+    labelled = Report.open(report).heads
+    wanted = [role for role in ROLES if role != "other"] if each_role else list(dict.fromkeys(roles))
+    groups = []
+    for role in wanted:
+        members = labelled[labelled["role"] == role]
+        if len(members):
+            heads = tuple((int(r.layer), int(r.head)) for r in members.itertuples())
+            groups.append(Group(role, heads, f"role {role} of {report}"))
+        elif not each_role:
+            raise ConfigError(f"no head of the report in {report} has role {role}")
+    if not groups:
+        raise ConfigError(f"no head of the report in {report} has a role (every head is other)")
+    return groups
+
+
+def _record(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str) -> dict:
+    loaded = lm.loaded
+    entries = []
+    for index, group in enumerate(groups):
+        effect = group_effect(losses, index, loss_on, replicates=settings.bootstrap, seed=settings.bootstrap_seed)
+        entries.append(
+            {"name": group.name, "heads": [head_name(*h) for h in group.heads], "mode": mode, "loss_on": loss_on}
+            | effect
+        )
+    return {
+        **record_header(loaded, corpus),
+        "mode": mode,
+        "loss_on": loss_on,
+        "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},
+        "groups": entries,
+        "settings": {k: v for k, v in settings.to_dict().items() if k in SETTINGS_USED},
+        "versions": versions(),
+    }
+
+
+# The settings ablate and prune read (the rest of RunConfig is analyze's).
+SETTINGS_USED = (
+    "device", "dtype", "max_length", "max_memory", "threads", "revision", "trust_remote_code", "device_map",
+    "offload_folder", "text_column", "encoding_errors", "bootstrap", "bootstrap_seed", "block_bytes", "padding_side",
+    "batch_size",
+)  # fmt: skip

@@ -1,0 +1,255 @@
+"""Heads removed together: the model's next-token loss with a group of heads' outputs replaced, per sentence.
+
+Definitions (the README has them too):
+- a head's output: its slice of the input to the layer's output projection (o_proj, c_proj, ...) at every
+  position, (batch, t, heads, head_dim), what `capture` hands OutputEditors.
+- removing a head: zero mode sets that output to 0 at every position; mean mode sets it to the head's mean
+  output over every real token position of the corpus on the clean model (`HeadMeans`), the same constant in
+  every pass, whichever other heads are removed.
+- scored tokens: `all`, every predicted token (a sentence of T tokens predicts T - 1); `repeats`, the tokens an
+  induction head can predict: x[t] (t >= 2) counts iff some j < t - 1 has x[j] == x[t-1] and x[j+1] == x[t]
+  (`repeat_tokens`).
+- loss: mean next-token cross-entropy (nats) over the scored tokens, token-weighted over the corpus.
+- a group's delta: its loss minus the clean loss on the same tokens; the 95% interval is a paired Poisson
+  bootstrap over sentences (stats.poisson_weights: the same draws in any order or batching of the corpus).
+
+Several groups share one clean pass per batch: the batch is replicated along the batch axis, each replica with
+its own group removed, and the decoder layers before the first removed head are skipped (they hand on what they
+returned on the clean pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headscope.config import LOSS_ON, REMOVAL_MODES
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
+from headscope.model.capture import replicate
+from headscope.run.feed import Batch
+from headscope.run.progress import Reporter
+
+Head = tuple[int, int]  # (layer, head)
+SCORINGS = LOSS_ON
+MODES = REMOVAL_MODES
+LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
+
+
+def repeat_tokens(ids: Sequence[int]) -> np.ndarray:
+    """(len(ids),) bool: True at t when the bigram (ids[t-1], ids[t]) occurred earlier: some j < t - 1 has
+    ids[j] == ids[t-1] and ids[j+1] == ids[t] (so t >= 2), the tokens an induction head can predict."""
+    flags = np.zeros(len(ids), dtype=bool)
+    seen: set[tuple[int, int]] = set()
+    for t in range(1, len(ids)):
+        bigram = (ids[t - 1], ids[t])
+        flags[t] = bigram in seen  # seen holds the bigrams ending at 1..t-1, i.e. starting at j < t - 1
+        seen.add(bigram)
+    return flags
+
+
+def scored_targets(batch: Batch, scoring: str) -> torch.Tensor:
+    """(batch, t - 1) bool: position p's prediction (of the token at p + 1) is scored. Padding never is."""
+    valid = batch.attention_mask.bool()
+    predicted = valid[:, :-1] & valid[:, 1:]
+    if scoring == "all":
+        return predicted
+    ids, real = batch.input_ids.cpu().numpy(), valid.cpu().numpy()
+    repeats = np.zeros(ids.shape, dtype=bool)
+    for row in range(len(ids)):
+        repeats[row, real[row]] = repeat_tokens(ids[row, real[row]].tolist())
+    return predicted & torch.from_numpy(repeats[:, 1:]).to(predicted.device)
+
+
+def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """(rows, t - 1) float64: next-token cross-entropy at every position (0 where nothing is predicted).
+
+    logits: (rows, t, vocab); batch: the rows' inputs (rows may be a multiple of it: replicas). logsumexp runs in
+    float32 along the contiguous vocabulary axis: on SmolLM2 (49,152 words) within 2e-6 nats per token of float64,
+    where cross_entropy with the vocabulary as a strided class axis was off by 2.4e-4, and took 3x as long
+    (measured); float64 throughout took 4x as long."""
+    rows, t, vocab = logits.shape
+    valid = batch.attention_mask.bool()
+    predicted = valid[:, :-1] & valid[:, 1:]
+    per_chunk = max(1, LOSS_CHUNK_BYTES // max(1, 4 * t * vocab))
+    parts = []
+    for first in range(0, rows, per_chunk):
+        chunk = slice(first, first + per_chunk)
+        scores = logits[chunk, :-1].float()  # (chunk, t - 1, vocab)
+        picked = scores.gather(-1, batch.input_ids[chunk, 1:, None])[..., 0]
+        nll = (torch.logsumexp(scores, -1) - picked).double()
+        parts.append(torch.where(predicted[chunk], nll, 0.0))
+    return torch.cat(parts)
+
+
+class HeadMeans:
+    """An OutputEditor that leaves outputs unchanged and sums them: `means()` is each head's mean output over every
+    real token position seen, (depth, heads, head_dim) float64."""
+
+    def __init__(self, depth: int, heads: int, head_dim: int) -> None:
+        self.sums = np.zeros((depth, heads, head_dim))
+        self.positions = 0
+        self._valid: torch.Tensor | None = None
+
+    def start(self, batch: Batch) -> None:
+        self._valid = batch.attention_mask.bool()
+        self.positions += batch.n_tokens
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        real = output[self._valid]  # (positions, heads, head_dim)
+        self.sums[layer] += real.double().sum(0).cpu().numpy()
+        return output
+
+    def means(self) -> np.ndarray:
+        return self.sums / max(self.positions, 1)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """How removed heads are replaced: zero, or each head's clean corpus mean (means: (depth, heads, head_dim))."""
+
+    mode: str
+    means: np.ndarray | None = None
+
+    def value(self, layer: int, head: int, head_dim: int) -> torch.Tensor:
+        if self.mode == "zero":
+            return torch.zeros(head_dim)
+        return torch.as_tensor(self.means[layer, head], dtype=torch.float32)
+
+
+class RemovedHeads:
+    """An OutputEditor for replicated batches: replica r (rows r * rows ... ) has the heads groups[r] removed, the
+    way removals[r] says (one Removal: every replica the same way)."""
+
+    def __init__(self, groups: Sequence[Sequence[Head]], removals: Removal | Sequence[Removal], rows: int) -> None:
+        self.rows = rows
+        removals = [removals] * len(groups) if isinstance(removals, Removal) else list(removals)
+        self.by_layer: dict[int, list[tuple[int, int, Removal]]] = {}  # layer -> [(replica, head, removal)]
+        for replica, (group, removal) in enumerate(zip(groups, removals, strict=True)):
+            for layer, head in group:
+                self.by_layer.setdefault(layer, []).append((replica, head, removal))
+        self._values: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def start(self, batch: Batch) -> None:
+        pass
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        if layer not in self.by_layer:
+            return output
+        output = output.clone()
+        for replica, head, removal in self.by_layer[layer]:
+            key = (layer, head, removal.mode)
+            if key not in self._values:
+                self._values[key] = removal.value(layer, head, output.shape[-1]).to(output.device)
+            output[replica * self.rows : (replica + 1) * self.rows, :, head, :] = self._values[key].to(output.dtype)
+        return output
+
+
+@dataclass
+class GroupLosses:
+    """Per sentence: the clean and each group's summed loss (nats) on each scoring's tokens, and the token counts."""
+
+    sentence_ids: list[int] = field(default_factory=list)
+    tokens: dict[str, list[np.ndarray]] = field(default_factory=dict)  # scoring -> per batch (sentences,)
+    clean: dict[str, list[np.ndarray]] = field(default_factory=dict)  # scoring -> per batch (sentences,)
+    ablated: dict[str, list[np.ndarray]] = field(default_factory=dict)  # scoring -> per batch (groups, sentences)
+
+    def add(self, scoring: str, tokens: np.ndarray, clean: np.ndarray, ablated: np.ndarray) -> None:
+        """One batch's sums on `scoring`: tokens and clean (sentences,), ablated (groups, sentences)."""
+        self.tokens.setdefault(scoring, []).append(tokens)
+        self.clean.setdefault(scoring, []).append(clean)
+        self.ablated.setdefault(scoring, []).append(ablated)
+
+    def arrays(self, scoring: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens (S,), clean (S,), ablated (groups, S)) over every sentence, in the order seen."""
+        return (
+            np.concatenate(self.tokens[scoring]),
+            np.concatenate(self.clean[scoring]),
+            np.concatenate(self.ablated[scoring], axis=1),
+        )
+
+
+def group_losses(
+    capture,
+    batches: Callable[[], Iterable[Batch]],
+    groups: Sequence[Sequence[Head]],
+    removal: Removal | Sequence[Removal],
+    *,
+    scorings: Sequence[str] = ("all",),
+    replicas_per_forward: Callable[[Batch], int],
+    reporter: Reporter | None = None,
+    base: Sequence[Head] = (),
+) -> GroupLosses:
+    """Every sentence's clean loss and its loss with each group of heads removed together, on each scoring.
+
+    capture: an attached causal LM; batches() -> the corpus's batches; replicas_per_forward(batch) -> how many
+    replicas of `batch` one forward pass may hold; removal: one for every group, or one per group. base: heads every
+    group holds (all groups removing them the same way); the first pass removes them
+    (its losses are then the "clean" ones) and each group's replica starts at the first layer where it removes
+    more, so that groups which differ from the base only in late layers cost only those layers."""
+    result = GroupLosses()
+    base = set(base)
+    for batch in batches():
+        masks = {scoring: scored_targets(batch, scoring) for scoring in scorings}
+        removals = [removal] * len(groups) if isinstance(removal, Removal) else list(removal)
+        first = [RemovedHeads([sorted(base)], removals[0], len(batch.sentence_ids))] if base and groups else []
+        output, outputs = capture.run_keeping_layers(batch, editors=first)
+        clean = token_nll(output.logits, batch)
+        del output
+        ablated = {scoring: np.zeros((len(groups), len(batch.sentence_ids))) for scoring in scorings}
+        for start, members in _forwards(groups, base, len(outputs), max(1, replicas_per_forward(batch))):
+            chunk = [groups[index] for index in members]
+            replicated = batch.replicated(len(chunk))
+            editor = RemovedHeads(chunk, [removals[index] for index in members], len(batch.sentence_ids))
+            handed_on = replicate(outputs[start - 1], len(chunk)) if start > 0 else None
+            logits = capture.run(replicated, editors=[editor], start_at=start, handed_on=handed_on).logits
+            nll = token_nll(logits, replicated).view(len(chunk), *clean.shape)  # (groups, sentences, t - 1)
+            del logits
+            for scoring, mask in masks.items():
+                ablated[scoring][members] = torch.where(mask, nll, 0.0).sum(-1).cpu().numpy()
+        for scoring, mask in masks.items():
+            clean_sums = torch.where(mask, clean, 0.0).sum(-1).cpu().numpy()
+            result.add(scoring, mask.sum(-1).cpu().numpy(), clean_sums, ablated[scoring])
+        result.sentence_ids.extend(batch.sentence_ids)
+        if reporter is not None:
+            reporter.advance(len(batch.sentence_ids), batch.n_tokens)
+    return result
+
+
+def _forwards(groups, base: set, depth: int, per_forward: int) -> list[tuple[int, list[int]]]:
+    """The replicated forward passes for `groups`: (first layer to run, the groups' indices), at most `per_forward`
+    groups each, every group in a pass that starts at its own first removed layer beyond `base` (a pass that
+    started earlier would recompute clean layers for it)."""
+    starts = {}
+    for index, group in enumerate(groups):
+        extra = [layer for layer, head in group if (layer, head) not in base]
+        starts.setdefault(min(min(extra, default=depth - 1), depth - 1), []).append(index)
+    return [
+        (start, members[first : first + per_forward])
+        for start, members in sorted(starts.items())
+        for first in range(0, len(members), per_forward)
+    ]
+
+
+def group_effect(losses: GroupLosses, group: int, scoring: str, *, replicates: int, seed: int) -> dict:
+    """One group's effect on one scoring: tokens, clean_loss, ablated_loss, delta and its 95% paired bootstrap
+    interval over sentences (delta_ci_low, delta_ci_high; None without replicates or tokens)."""
+    tokens, clean, ablated = losses.arrays(scoring)
+    ablated = ablated[group]
+    count = int(tokens.sum())
+    effect = {"tokens": count, "clean_loss": None, "ablated_loss": None, "delta": None}
+    effect |= {"delta_ci_low": None, "delta_ci_high": None}
+    if count == 0:
+        return effect
+    effect["clean_loss"] = float(clean.sum() / count)
+    effect["ablated_loss"] = float(ablated.sum() / count)
+    effect["delta"] = float((ablated - clean).sum() / count)
+    if replicates and (tokens > 0).sum() >= MIN_BOOTSTRAP_SENTENCES:  # one sentence has no spread to resample
+        weights = poisson_weights(np.asarray(losses.sentence_ids), replicates, seed)  # (sentences, replicates)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            deltas = (weights.T @ (ablated - clean)) / (weights.T @ tokens)  # (replicates,)
+        low, high = percentile_interval(deltas)
+        effect["delta_ci_low"], effect["delta_ci_high"] = float(low), float(high)
+    return effect

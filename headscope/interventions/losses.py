@@ -1,0 +1,170 @@
+"""What `ablate` and `prune` share: the model's loss on a corpus with heads removed, through one attached LM.
+
+`LossModel` holds the attached causal LM, the corpus feed and the plan; it batches the corpus as head importance
+does (sentences never split, replicas within --max-memory) and answers three questions:
+    means()                        each head's mean output over the corpus on the clean model (mean removal)
+    losses(groups, removal, ...)   per sentence, the clean loss and the loss with each group removed together
+    attribution(removed, removal)  first-order estimate of removing each further head, on the pruned model
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from headscope.config import RunConfig
+from headscope.errors import ConfigError
+from headscope.interventions.groups import GroupLosses, Head, HeadMeans, Removal, RemovedHeads, group_losses
+from headscope.interventions.importance import HeadOutputs, check_importance_fits, token_losses
+from headscope.layout import SCHEMA_VERSION
+from headscope.model.capture import Capture, attached
+from headscope.model.loading import LoadedModel, Loader, open_model
+from headscope.model.placement import dtype_name
+from headscope.run.corpus import Corpus
+from headscope.run.feed import Batch, CorpusFeed
+from headscope.run.plan import Plan, plan_for_model
+from headscope.run.progress import Reporter
+
+
+@dataclass
+class LossModel:
+    capture: Capture
+    feed: CorpusFeed
+    plan: Plan
+    loaded: LoadedModel
+    reporter: Reporter
+    _means: np.ndarray | None = None
+
+    @property
+    def all_heads(self) -> list[Head]:
+        return [(layer, head) for layer in range(self.plan.depth) for head in range(self.plan.heads)]
+
+    def batches(self) -> Iterator[Batch]:
+        limits, side = self.plan.importance, self.plan.settings.padding_side
+        for batch in self.feed.every_batch(
+            max_sentences=limits.max_sentences, max_tokens=limits.max_tokens, padding_side=side
+        ):
+            yield batch.to(self.loaded.device)
+
+    def replicas(self, batch: Batch) -> int:
+        return self.plan.replica_tokens // batch.input_ids.numel()
+
+    def means(self) -> np.ndarray:
+        """(depth, heads, head_dim) float64: each head's mean output over every real token of the corpus."""
+        if self._means is None:
+            recorder = HeadMeans(self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"])
+            for batch in self.batches():
+                self.capture.run(batch, editors=[recorder])
+            self._means = recorder.means()
+        return self._means
+
+    def removal(self, mode: str) -> Removal:
+        return Removal(mode, self.means() if mode == "mean" else None)
+
+    def losses(
+        self,
+        groups: Sequence[Sequence[Head]],
+        removal: Removal,
+        scorings=("all",),
+        base: Sequence[Head] = (),
+        *,
+        progress: bool = False,
+    ) -> GroupLosses:
+        """group_losses over the corpus; base: heads every group holds (see group_losses); progress: report each
+        batch's sentences to the reporter (a pass the user waits on, such as ablate's)."""
+        return group_losses(
+            self.capture,
+            self.batches,
+            groups,
+            removal,
+            scorings=scorings,
+            replicas_per_forward=self.replicas,
+            reporter=self.reporter if progress else None,
+            base=base,
+        )
+
+    def attribution(self, removed: Sequence[Head], removal: Removal) -> dict[Head, float]:
+        """Per head: the first-order estimate (nats per predicted token) of also removing it, with `removed`
+        removed: (replacement - output) . dLoss/d(output) summed over positions, from one gradient pass."""
+        depth, heads, head_dim = self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"]
+        recorder = HeadOutputs(range(depth), heads, head_dim)
+        tokens = 0
+        for batch in self.batches():
+            editors = [RemovedHeads([list(removed)], removal, len(batch.sentence_ids)), recorder]
+            output = self.capture.run(batch, editors=editors, grad=True)
+            with torch.enable_grad():
+                losses, counts = token_losses(output.logits, batch)
+                losses.sum().backward()
+            recorder.collect()
+            tokens += int(counts.sum())
+        replacement = removal.means if removal.mode == "mean" else np.zeros((depth, heads, head_dim))
+        estimate = ((replacement * recorder.sum_grad).sum(-1) - recorder.sum_output_grad) / max(tokens, 1)
+        return {(layer, head): float(estimate[layer, head]) for layer, head in self.all_heads}
+
+
+@contextlib.contextmanager
+def loss_model(
+    stack: contextlib.ExitStack,
+    model,
+    source,
+    settings: RunConfig,
+    loader: Loader,
+    reporter: Reporter,
+    corpus: Corpus,
+    what: str,
+) -> Iterator[LossModel]:
+    """The model loaded (with its LM head) and attached, the corpus fed as head importance feeds it; what: the
+    command, as messages name it."""
+    if isinstance(model, LoadedModel) and model.lm is None:
+        raise ConfigError(f"{what} needs the model's LM head: load it with headscope.load_model(..., lm_head=True)")
+    # The loaders load the LM head for any importance setting; this command scores the loss, so it needs it.
+    loaded = open_model(stack, model, source, dataclasses.replace(settings, importance="exact"), loader, reporter)
+    plan = plan_for_model(settings, loaded)
+    chunk = max(1, len(corpus.sentences))  # one chunk: every pass reads the whole corpus again
+    feed = CorpusFeed(corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
+    check_importance_fits(feed, plan, what)
+    with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
+        yield LossModel(capture, feed, plan, loaded, reporter)
+
+
+def plain_loss(folder: Path, lm: LossModel) -> float:
+    """The corpus loss of the checkpoint in `folder`, loaded by transformers alone and run without headscope (its
+    default attention), batched as `lm` batches: what a user of the saved model gets."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = lm.loaded
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=loaded.dtype, trust_remote_code=lm.plan.settings.trust_remote_code
+    )
+    model = model.to(loaded.device).eval()
+    positions = "position_ids" in inspect.signature(model.forward).parameters
+    total, tokens = 0.0, 0
+    with torch.inference_mode():
+        for batch in lm.batches():
+            kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+            if positions:
+                kwargs["position_ids"] = batch.position_ids
+            losses, counts = token_losses(model(**kwargs).logits, batch)
+            total, tokens = total + float(losses.sum()), tokens + int(counts.sum())
+    return total / max(tokens, 1)
+
+
+def record_header(loaded: LoadedModel, corpus: Corpus) -> dict:
+    """What ablation.json and prune.json open with: schema, time, model, corpus, device and dtype."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
+        "corpus": {"path": str(corpus.path), "sentences": len(corpus.sentences)},
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+    }

@@ -1,0 +1,239 @@
+"""prune(): as many heads removed together as a loss budget allows, every step verified by a forward pass.
+
+the search     measures/prune_search.py: rank the remaining heads by the magnitude of their first-order estimate
+               on the model pruned so far, verify a few nested steps at once, keep the largest within budget
+the removal    zero, or each head's clean corpus mean (measures/groups.py)
+the output     prune.json (heads in removal order, clean and verified pruned loss, the curve), head_mask.parquet
+               ((layers, heads) 0/1, usable as `head_mask`), prune_curve.png; with save_model, a transformers
+               checkpoint with the heads removed from its weights (surgery.py), reloaded and its loss checked
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from headscope.arguments import as_path, head_name
+from headscope.config import CHART_FORMATS, RunConfig, run_settings
+from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
+from headscope.interventions.ablate import SETTINGS_USED
+from headscope.interventions.groups import MODES
+from headscope.interventions.losses import LossModel, loss_model, plain_loss, record_header
+from headscope.interventions.search import PruneResult, prune_search
+from headscope.interventions.surgery import check_savable
+from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
+from headscope.model.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
+from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.files import atomic_path
+from headscope.run.output import StagedDirectory, resolved
+from headscope.run.progress import NullReporter, Reporter
+from headscope.run.record import versions
+from headscope.tables import write_json
+
+SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
+SHORTLIST = 24  # heads verified alone per round of the search (the likeliest, by their first-order estimate)
+TRIES = 4  # nested steps verified per round
+
+
+@dataclass
+class Pruning:
+    """What `prune` found: its record (prune.json) and the head mask ((layers, heads), 1 kept, 0 removed)."""
+
+    record: dict
+    head_mask: pd.DataFrame
+    folder: Path | None = None
+
+
+def prune(
+    model: str | LoadedModel,
+    corpus: str | Path | Corpus | list[str] | None = None,
+    *,
+    budget: float,
+    mode: str = "mean",
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    save_model: str | Path | None = None,
+    charts: str | None = CHART_FORMATS[0],
+    config: RunConfig | None = None,
+    reporter: Reporter | None = None,
+    loader: Loader = load_for_run,
+    **options,
+) -> Pruning:
+    """Remove as many heads as `budget` (nats of corpus loss above the clean model's) allows; see the module.
+
+    save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint; charts: the curve's
+    format, or None; options / config: the RunConfig fields it reads (as `ablate`)."""
+    settings = run_settings(config, **options)
+    reporter = reporter or NullReporter()
+    check_request(budget, mode, charts)
+    out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
+    _check_folders(out, save_model)
+    corpus = as_corpus(corpus, settings)
+    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
+    protected = protected_inputs(source, corpus)
+    # Every check that can be made before the search is made before it (the folders now, the model once loaded).
+    stages = {
+        name: StagedDirectory(Path(target), kind=kind, overwrite=overwrite, protected=protected) if target else None
+        for name, kind, target in (("prune", "pruning", out), ("model", "model", save_model))
+    }
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack, stages["prune"] or contextlib.nullcontext() as prune_stage:
+        with loss_model(stack, model, source, settings, loader, reporter, corpus, "prune") as lm:
+            if save_model is not None:
+                check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
+                              head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
+            result, means = _search(lm, budget, mode, reporter)
+        record = _record(lm, corpus, result, settings, mode, time.perf_counter() - started)
+        mask = head_mask(result.heads, lm.plan.depth, lm.plan.heads)
+        failure = None
+        if save_model is not None:
+            try:  # published (or removed) when this block ends, before the pruning's own folder
+                with stages["model"] as model_stage:
+                    saved = _save(lm, result, means, model_stage.path, reporter)
+                record["saved_model"] = saved | {"path": str(model_stage.target)}
+            # Whatever goes wrong in saving (a full disk, an architecture transformers cannot write), the verified
+            # search is still worth keeping: prune.json says what failed.
+            except Exception as err:
+                failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
+                record["saved_model"] = {"error": failure, "path": None}
+        if prune_stage is not None:
+            _write(prune_stage.path, record, mask, charts, reporter)
+    if failure is not None:
+        kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
+        raise OutputError(f"the pruned model was not saved: {failure}{kept}")
+    return Pruning(record, mask, folder=prune_stage.target if prune_stage is not None else None)
+
+
+def _check_folders(out, save_model) -> None:
+    """--out and --save-model each need a folder of their own, neither inside the other."""
+    if out is None or save_model is None:
+        return
+    a, b = resolved(out), resolved(save_model)
+    if a == b:
+        raise ConfigError("--out and --save-model name the same folder; the pruned model needs a folder of its own")
+    if a in b.parents or b in a.parents:
+        inner, outer = ("--save-model", "--out") if a in b.parents else ("--out", "--save-model")
+        raise ConfigError(f"{inner} is inside {outer}; each needs a folder of its own, side by side")
+
+
+def check_request(budget, mode: str, charts: str | None) -> None:
+    """Refuse a budget, mode or chart format that cannot be, before anything loads."""
+    if isinstance(budget, bool) or not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
+        raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
+    if mode not in MODES:
+        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
+    if charts is not None and charts not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
+
+
+def _search(lm: LossModel, budget: float, mode: str, reporter: Reporter) -> tuple[PruneResult, np.ndarray | None]:
+    removal = lm.removal(mode)
+    reporter.stage("clean loss")
+    tokens, clean, _ = lm.losses([], removal).arrays("all")
+    if tokens.sum() == 0:
+        raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to keep within budget")
+    clean_loss = float(clean.sum() / tokens.sum())
+
+    def verify(sets):
+        shared = set.intersection(*map(set, sets))  # the heads removed so far: their pass is shared
+        counts, _, ablated = lm.losses(sets, removal, base=sorted(shared)).arrays("all")
+        return list(ablated.sum(1) / counts.sum())
+
+    def estimate(removed):
+        return lm.attribution(removed, removal)
+
+    removed_before = 0
+
+    def step(found: PruneResult) -> None:
+        nonlocal removed_before
+        added = ",".join(head_name(*head) for head in found.heads[removed_before:])
+        removed_before = len(found.heads)
+        delta = found.loss - found.clean_loss  # signed: removing a head can lower the loss
+        reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
+
+    reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
+    result = prune_search(
+        lm.all_heads,
+        clean_loss=clean_loss,
+        budget=budget,
+        estimate=estimate,
+        verify=verify,
+        shortlist=SHORTLIST,
+        tries=TRIES,
+        on_step=step,
+    )
+    return result, removal.means
+
+
+def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
+    """(layers, heads) 0/1 float32, 0 where a head is removed: rows indexed by layer, one column per head."""
+    mask = np.ones((depth, count), dtype=np.float32)
+    for layer, head in heads:
+        mask[layer, head] = 0.0
+    return pd.DataFrame(mask, index=pd.RangeIndex(depth, name="layer"), columns=[str(h) for h in range(count)])
+
+
+def _record(lm: LossModel, corpus: Corpus, result: PruneResult, settings: RunConfig, mode: str, seconds) -> dict:
+    loaded = lm.loaded
+    return {
+        **record_header(loaded, corpus),
+        "mode": mode,
+        "budget": result.budget,
+        "clean_loss": result.clean_loss,
+        "pruned_loss": result.loss,
+        "delta": result.loss - result.clean_loss,
+        "heads": [head_name(*h) for h in result.heads],
+        "total_heads": len(lm.all_heads),
+        "curve": [{"heads_removed": n, "loss": loss} for n, loss in result.curve],
+        "set_aside": [head_name(*h) for h in result.set_aside],
+        "search": {
+            "rank": "shortlist by first-order estimate magnitude on the model pruned so far; then exact cost alone",
+            "shortlist": SHORTLIST,
+            "nested_steps": TRIES,
+            "verified_sets": result.verified_sets,
+        },
+        "seconds": round(seconds, 1),
+        "saved_model": None,
+        "settings": {k: v for k, v in settings.to_dict().items() if k in SETTINGS_USED},
+        "versions": versions(),
+    }
+
+
+def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, reporter: Reporter) -> None:
+    with atomic_path(folder / HEAD_MASK_FILE) as tmp:
+        mask.to_parquet(tmp)
+    write_json(record, folder / PRUNE_RECORD)
+    if charts:
+        from headscope.report.prune_chart import draw_prune_chart
+
+        for failed in draw_prune_chart(record, folder, charts)[1]:
+            reporter.warn(f"could not draw {failed}; prune.json and head_mask.parquet are written")
+
+
+def _save(lm: LossModel, result: PruneResult, means, folder: Path, reporter: Reporter) -> dict:
+    """Write the pruned checkpoint into `folder`, load it back with transformers and check its loss."""
+    from headscope.interventions.surgery import plain_checkpoint, pruned_weights
+
+    loaded, plan = lm.loaded, lm.plan
+    reporter.stage(f"saving the pruned model ({len(result.heads)} heads removed from its weights)")
+    with pruned_weights(loaded.lm, result.heads, head_count=plan.heads, head_dim=plan.architecture["head_dim"],
+                        means=means), plain_checkpoint(loaded.lm):  # fmt: skip
+        loaded.lm.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    reporter.stage("loading the saved model back to check its loss")
+    loss = plain_loss(folder, lm)
+    if not abs(loss - result.loss) <= SAVED_TOLERANCE:
+        raise OutputError(
+            f"the saved model's loss is {loss:.6f} nats where the pruned model's was {result.loss:.6f}: this "
+            f"architecture computes something besides its output projection from the heads' outputs; nothing was saved"
+        )
+    saved = {"loss": loss, "mode": "mean" if means is not None else "zero"}
+    saved["heads_removed"] = [head_name(*h) for h in result.heads]
+    write_json({"schema_version": SCHEMA_VERSION, **saved, "versions": versions()}, folder / PRUNED_MODEL_RECORD)
+    return saved

@@ -1,0 +1,177 @@
+"""Removed heads written into the weights: each removed head's columns of its layer's output projection zeroed,
+and in mean mode its constant output folded into that projection's bias, so that a plain transformers forward pass
+of the saved checkpoint computes exactly the pruned model.
+
+The output projection takes the concatenated head outputs (t, heads * head_dim) to the residual stream; head h
+owns input features h * head_dim ... (h + 1) * head_dim. With W_h those columns and m_h the head's mean output,
+    W x + b  with x_h := m_h   ==   W' x + (b + W_h m_h),   W' = W with W_h zeroed.
+A model whose projection has no bias gets one where its config can say so (`attention_bias`, as Llama's); there it
+also gives the attention's other projections zero biases, which change nothing.
+
+`check_savable` refuses, before any search, what `save` could only find out at the end: a model whose projections
+cannot take a bias (mean mode), weights still packed in GGUF blocks, a disk that cannot hold the checkpoint.
+A GGUF model de-quantized on loading is saved as its float weights (`plain_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from headscope.errors import ConfigError, ModelLoadError, ResourceError
+from headscope.model.capture import decoder_layers
+from headscope.model.memory import readable
+
+OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo")  # the output projection, by architecture
+
+
+def output_projection(layer: torch.nn.Module, inputs: int) -> tuple[str, torch.nn.Module]:
+    """The attention's output projection in a decoder layer: a linear map named like one, inside a module named
+    like attention, taking `inputs` (heads * head_dim) features. Returns (its name in the layer, the module)."""
+    for name, module in layer.named_modules():
+        parent, _, own = name.rpartition(".")
+        if own in OUTPUT_NAMES and "att" in parent.lower() and _in_features(module) == inputs:
+            return name, module
+    raise ModelLoadError(
+        f"{type(layer).__name__} has no output projection headscope recognises ({', '.join(OUTPUT_NAMES)})"
+    )
+
+
+def _in_features(module: torch.nn.Module) -> int | None:
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and weight is not None:  # GPT-2's: weight (in, out)
+        return weight.shape[0]
+    return None
+
+
+@contextlib.contextmanager
+def pruned_weights(
+    model: torch.nn.Module, heads: Sequence[tuple[int, int]], *, head_count: int, head_dim: int, means=None
+) -> Iterator[None]:
+    """Within the block, `model` (a causal LM) computes the pruned model: `heads` removed, zero-ablated or, with
+    `means` ((depth, heads, head_dim)), mean-ablated. The weights (and config) are put back on leaving."""
+    decoder = decoder_layers(model)
+    saved, added = [], []
+    attention_bias = getattr(model.config, "attention_bias", None)
+    try:
+        with torch.no_grad():
+            projections = {i: output_projection(decoder[i], head_count * head_dim) for i in {h[0] for h in heads}}
+            if means is not None and any(module.bias is None for _, module in projections.values()):
+                added = _add_biases(model, decoder, head_count * head_dim)
+            for layer_index, (_, projection) in sorted(projections.items()):
+                saved.append((projection, projection.weight.detach().clone(), _bias_copy(projection)))
+                removed = sorted(head for layer, head in heads if layer == layer_index)
+                _remove(projection, removed, head_dim, None if means is None else means[layer_index])
+        yield
+    finally:
+        with torch.no_grad():
+            for projection, weight, bias in saved:
+                projection.weight.copy_(weight)
+                if bias is not None:
+                    projection.bias.copy_(bias)
+        for module in added:
+            module.register_parameter("bias", None)
+        if attention_bias is not None:
+            model.config.attention_bias = attention_bias
+
+
+def _bias_copy(module: torch.nn.Module) -> torch.Tensor | None:
+    return None if module.bias is None else module.bias.detach().clone()
+
+
+def _remove(projection: torch.nn.Module, heads: list[int], head_dim: int, means: np.ndarray | None) -> None:
+    """Zero the heads' input columns of `projection`; with means ((heads, head_dim)), fold them into its bias."""
+    conv = not isinstance(projection, torch.nn.Linear)  # Conv1D: weight (in, out)
+    weight = projection.weight  # Linear: (out, in)
+    for head in heads:
+        columns = slice(head * head_dim, (head + 1) * head_dim)
+        owned = weight[columns, :].T if conv else weight[:, columns]  # (out, head_dim)
+        if means is not None:
+            constant = torch.as_tensor(means[head], dtype=torch.float64, device=weight.device)
+            projection.bias += (owned.double() @ constant).to(projection.bias.dtype)
+        owned.zero_()
+
+
+def _add_biases(model: torch.nn.Module, decoder, inputs: int) -> list[torch.nn.Module]:
+    """Give every layer's attention linear maps zero biases (the config's `attention_bias` gives them all one on
+    loading), where the config can say so; returns the modules changed."""
+    _check_bias(model)
+    model.config.attention_bias = True
+    changed = []
+    for layer in decoder:
+        name, _ = output_projection(layer, inputs)
+        for module in layer.get_submodule(name.rpartition(".")[0]).modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is None:
+                weight = module.weight
+                module.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
+                changed.append(module)
+    return changed
+
+
+def _check_bias(model: torch.nn.Module) -> None:
+    if getattr(model.config, "attention_bias", None) is None:
+        raise ConfigError(
+            f"mean removal folds each head's mean into its output projection's bias, and {type(model).__name__}'s "
+            "output projections have none its config can add: save with --mode zero"
+        )
+
+
+# Headroom over the weights' own bytes for what else a checkpoint folder holds (config, tokenizer, index).
+SAVE_HEADROOM = 64 * 2**20
+
+
+def check_savable(model: torch.nn.Module, folder: Path, *, mean: bool, head_count: int, head_dim: int) -> None:
+    """Refuse, before any search, a pruned checkpoint that could not be written into `folder`."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and getattr(quantizer, "packed_modules", None):
+        raise ConfigError(
+            f"--save-model: {type(model).__name__} keeps its GGUF weights packed (transformers' GGUF kernels), "
+            "which cannot be edited or saved; load it de-quantized (without the `kernels` package) to save it"
+        )
+    if mean:
+        decoder = decoder_layers(model)
+        if any(output_projection(layer, head_count * head_dim)[1].bias is None for layer in decoder):
+            _check_bias(model)
+    needed = sum(p.numel() * p.element_size() for p in model.parameters()) + SAVE_HEADROOM
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise ResourceError(
+            f"--save-model {folder}: the pruned checkpoint needs about {readable(needed)}, and {existing} has "
+            f"{readable(free)} free"
+        )
+
+
+@contextlib.contextmanager
+def plain_checkpoint(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block `model` saves as a plain checkpoint of its float weights. A GGUF file loaded de-quantized
+    holds float weights, but transformers refuses to save a model its GGUF quantizer is still attached to ("not
+    serializable"): the quantizer and its config entry are set aside for the block and put back after it."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        yield
+        return
+    config = model.config
+    attributes = {name: getattr(model, name) for name in ("hf_quantizer", "is_quantized") if hasattr(model, name)}
+    method = model.__dict__.get("quantization_method")
+    quantization = config.__dict__.get("quantization_config")
+    try:
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.__dict__.pop("quantization_method", None)
+        config.__dict__.pop("quantization_config", None)
+        yield
+    finally:
+        for name, value in attributes.items():
+            setattr(model, name, value)
+        if method is not None:
+            model.quantization_method = method
+        if quantization is not None:
+            config.quantization_config = quantization

@@ -1,0 +1,291 @@
+"""The one way headscope touches a model: read every layer's attention, read or replace every head's output,
+run only the layers after one, keep each layer's output, and leave the model as it was found.
+
+How: an attention function named ``headscope`` is registered with transformers' attention interface (and a
+mask function with the mask interface: FINDINGS pitfall 1, without one transformers builds no causal or
+padding mask at all). `attached(model)` switches the model to it for the length of a block and routes each
+attention module's calls to that block's `Capture`, which knows the module's layer from its place in the
+model's list of decoder layers (not from counting calls). For each pass (`Capture.run`) the capture computes
+every layer's output (see headscope.model.readout), hands the attention probabilities to the measures that read the
+layer, lets editors replace the heads' outputs, and stops the forward pass after the last layer anything
+reads. Nothing holds more than one layer's attention (or one block of it) at a time.
+
+On leaving the block the model is as it was: attention implementation, training mode, every parameter's
+requires_grad, hooks and decoder layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from headscope.config import BLOCK_BYTES
+from headscope.errors import ModelLoadError, ResourceError
+from headscope.model.masks import boolean_mask
+from headscope.model.readout import Readout, RowBlock
+from headscope.run.feed import Batch
+from headscope.run.plan import architecture_of
+
+ATTENTION_NAME = "headscope"
+
+
+class Measure(Protocol):
+    """A measurement riding on a forward pass. For every batch the capture calls `start`, then `attention`
+    once or more (one call per block of rows) for every layer `wants` says yes to; then the caller collects
+    what the measure kept (each measure has its own `finish`)."""
+
+    def start(self, batch: Batch) -> None:
+        """A batch is about to run."""
+
+    def wants(self, layer: int) -> bool:
+        """Does this measure read `layer`'s attention?"""
+
+    def last_layer(self) -> int | None:
+        """The last layer it reads (the forward pass may stop after the last one any measure reads); None: all."""
+
+    def attention(self, layer: int, block: RowBlock) -> None:
+        """Read one block of `layer`'s attention (never modify it; it is dropped after the call)."""
+
+
+class OutputEditor(Protocol):
+    """Reads, and may replace, the heads' outputs of a layer: what the attention function returns for every
+    query head before the output projection mixes them, (batch, t, heads, head_dim)."""
+
+    def start(self, batch: Batch) -> None:
+        """A batch is about to run."""
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """`layer`'s head outputs; return them, or a replacement of the same shape."""
+
+
+class _StopForward(Exception):
+    """Raised after the last layer a pass reads: later layers cannot change what it measures."""
+
+
+# attention module -> (the capture it reports to, its layer), while a model is attached.
+_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of decoder layers (`layers` for Llama, `h` for GPT-2, ...): the largest list of modules
+    as long as the model is deep."""
+    depth = architecture_of(model.config)["layers"]
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
+    if not lists:
+        raise ModelLoadError(f"{type(model).__name__} has no list of its {depth} decoder layers")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+class _HandOn(torch.nn.Module):
+    """Stands in for a decoder layer that is skipped: returns what the layer returned on the clean pass."""
+
+    def __init__(self, output) -> None:
+        super().__init__()
+        self.handed_on = output
+
+    def forward(self, *args, **kwargs):
+        return self.handed_on
+
+
+class Capture:
+    """The state of one `attached` block: the model's decoder layers, the pass in flight, and the readout
+    (which checks each eager function on its first call, for this block alone)."""
+
+    def __init__(self, model: torch.nn.Module, block_bytes: int) -> None:
+        self.model = model
+        self.decoder = decoder_layers(model)
+        self.readout = Readout(block_bytes)
+        self._positions = "position_ids" in inspect.signature(model.forward).parameters
+        self._measures: Sequence[Measure] = ()
+        self._editors: Sequence[OutputEditor] = ()
+        self._stop_after: int | None = None
+        self._placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """attention class -> how its probabilities were read (for run.json)."""
+        return self.readout.paths
+
+    def run(
+        self,
+        batch: Batch,
+        *,
+        measures: Sequence[Measure] = (),
+        editors: Sequence[OutputEditor] = (),
+        grad: bool = False,
+        start_at: int = 0,
+        handed_on=None,
+    ):
+        """One forward pass of `batch`; the measures keep what they read. Returns the model's output, or None
+        when the pass stopped after the last layer a measure reads (it runs to the end with editors or `grad`).
+
+        grad: build the autograd graph from the embeddings' output (the parameters stay frozen) for a backward
+        pass through the editors' outputs; otherwise inference mode.
+        start_at, handed_on: run only the decoder layers from `start_at`, the ones before it returning
+        `handed_on` (what layer start_at - 1 returned on a clean pass of the same batch).
+        """
+        lasts = [measure.last_layer() for measure in measures]
+        whole = grad or editors or not lasts or None in lasts
+        self._measures, self._editors, self._stop_after = measures, editors, None if whole else max(lasts)
+        self._start(batch)
+        kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+        if self._positions:  # explicit positions, so that left padding is harmless
+            kwargs["position_ids"] = batch.position_ids
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad() if grad else torch.inference_mode())
+                if grad:
+                    embeddings = self.model.get_input_embeddings()
+                    hook = embeddings.register_forward_hook(lambda module, args, output: output.requires_grad_())
+                    stack.callback(hook.remove)
+                if start_at > 0:
+                    stack.enter_context(self._skipping(start_at, handed_on))
+                return self.model(**kwargs)
+        except _StopForward:
+            return None
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            raise _out_of_memory(batch) from err
+        except RuntimeError as err:
+            if "can't allocate memory" not in str(err):  # the CPU allocator's own wording
+                raise
+            raise _out_of_memory(batch) from err
+        finally:
+            self._measures, self._editors = (), ()
+
+    def run_keeping_layers(self, batch: Batch, editors: Sequence[OutputEditor] = ()) -> tuple[object, list]:
+        """A pass (clean, or edited by `editors`) that also keeps every decoder layer's output (detached):
+        (model output, outputs)."""
+        outputs: list = [None] * len(self.decoder)
+
+        def keeper(index: int):
+            def keep(module, args, output):
+                outputs[index] = _detach(output)
+
+            return keep
+
+        hooks = [layer.register_forward_hook(keeper(i)) for i, layer in enumerate(self.decoder)]
+        try:
+            return self.run(batch, editors=editors), outputs  # no measure: the pass runs to the end
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    @contextlib.contextmanager
+    def _skipping(self, start_at: int, handed_on) -> Iterator[None]:
+        originals = [self.decoder[i] for i in range(start_at)]
+        try:
+            for i in range(start_at):
+                self.decoder[i] = _HandOn(handed_on)
+            yield
+        finally:
+            for i, layer in enumerate(originals):
+                self.decoder[i] = layer
+
+    def _start(self, batch: Batch) -> None:
+        query_valid, seq_start = batch.attention_mask.bool(), batch.seq_start
+        self._placed = {query_valid.device: (query_valid, seq_start)}
+        for consumer in (*self._measures, *self._editors):
+            consumer.start(batch)
+
+    def attend(self, layer: int, module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor, None]:
+        """The attention function of `layer`: its output, with its attention handed to the measures.
+
+        query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim); mask: what
+        `boolean_mask` built, (batch or 1, 1, t, t) bool, or None for causal attention without padding.
+        """
+        if query.device not in self._placed:  # a device map: this layer lives elsewhere; small copies
+            valid, start = next(iter(self._placed.values()))
+            self._placed[query.device] = (valid.to(query.device), start.to(query.device))
+        self.readout.query_valid, self.readout.seq_start = self._placed[query.device]
+        readers = [measure for measure in self._measures if measure.wants(layer)]
+        if readers:
+            output = self.readout.read(readers, layer, module, query, key, value, mask, kwargs)
+        else:
+            output = self.readout.unread(module, query, key, value, mask, kwargs)
+        for editor in self._editors:
+            output = editor.output(layer, output)
+        if self._stop_after is not None and layer >= self._stop_after:
+            raise _StopForward
+        return output, None
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """The function registered with transformers: the call goes to the capture of the module's model."""
+    route = _ROUTES.get(module)
+    if route is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention ran outside headscope.model.capture.attached()")
+    capture, layer = route
+    return capture.attend(layer, module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, _attention)
+AttentionMaskInterface.register(ATTENTION_NAME, boolean_mask)
+
+
+@contextlib.contextmanager
+def attached(model: torch.nn.Module, *, block_bytes: int = BLOCK_BYTES) -> Iterator[Capture]:
+    """Make `model` readable and editable (`Capture.run`) for the length of the block; put it back after."""
+    if not type(model)._can_set_attn_implementation():
+        raise ModelLoadError(
+            f"{type(model).__name__} does not route attention through transformers' attention interface; "
+            "headscope cannot capture its attention"
+        )
+    capture = Capture(model, block_bytes)
+    routes = {}
+    for index, layer in enumerate(capture.decoder):
+        for module in layer.modules():
+            if module in routes:
+                raise ModelLoadError(f"{type(model).__name__} shares a module between decoder layers")
+            routes[module] = (capture, index)
+    if any(module in _ROUTES for module in routes):
+        raise RuntimeError("this model is already attached (attached() does not nest)")
+    previous = model.config._attn_implementation
+    training = [(module, module.training) for module in model.modules()]
+    requires_grad = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+    _ROUTES.update(routes)
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+        model.eval()  # no dropout: attention as the model computes it at inference
+        for parameter, _ in requires_grad:
+            parameter.requires_grad_(False)  # gradient passes want gradients of head outputs only
+        yield capture
+    finally:
+        for module in routes:
+            _ROUTES.pop(module, None)
+        model.set_attn_implementation(previous)
+        for module, mode in training:
+            module.training = mode
+        for parameter, wanted in requires_grad:
+            parameter.requires_grad_(wanted)
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    return value
+
+
+def replicate(value, times: int):
+    """A layer output (tensor, or tuple of them) repeated `times` along the batch axis, like Batch.replicated."""
+    if isinstance(value, torch.Tensor):
+        return value.repeat(times, *[1] * (value.dim() - 1))
+    if isinstance(value, tuple):
+        return tuple(replicate(v, times) for v in value)
+    return value
+
+
+def _out_of_memory(batch: Batch) -> ResourceError:
+    sentences, tokens = batch.input_ids.shape
+    return ResourceError(
+        f"out of memory on a batch of {sentences} sentences x {tokens} tokens; "
+        "lower --max-memory or --batch-size, or cut sentences with --max-length"
+    )

@@ -1,0 +1,387 @@
+"""A layer's attention output and every per-row statistic in one pass over tiles of keys (the flash recurrence).
+
+The probabilities are never materialised. For each query row t, over the key tiles seen so far, the pass keeps
+
+    m    the largest logit                          A    sum_s e^(s_s - m)
+    B    sum_s e^(s_s - m) (s_s - m)    (<= 0)      O    sum_s e^(s_s - m) v_s
+    n    how many keys hold exactly m                top  the first key that does
+
+and when a tile raises the maximum to m' it rescales A, B and O by alpha = e^(m - m') (B also gains
+(m - m') A). At the end the row's
+
+    entropy     = ln A - B / A        (both terms >= 0: no cancellation)
+    max_weight  = 1 / A               (the largest probability is e^0 / A)
+    output      = O / A
+
+Sink, previous-token and diagonal-band mass are probabilities of single keys, e^(s - m) / A: their logits are
+recomputed by one dot product each, for the few keys concerned. Logits are those of the standard eager
+functions: softcap(q k^T * scaling) (softcap(x) = c tanh(x / c), Gemma 2's), hidden keys at the dtype's minimum.
+
+Attention here is causal (headscope refuses other models), so tiles after a block's last row are skipped, and so
+is any tile the mask hides entirely (a sliding window).
+
+On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, Triton kernels on CUDA), so the
+several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
+say) the same function runs op by op, with the same maths. For the statistics alone of a float32 model on the
+CPU, headscope's C++ kernel (headscope.model.native) replaces the tile loop: same state, same read-off below.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from headscope.model import native
+from headscope.model.masks import TileVisibility
+
+# Query rows per block and keys per tile: a tile of logits for 9 heads is 9 x 128 x 1,024 floats (4.5 MiB),
+# which stays in the CPU's last-level cache between the passes over it. Measured on one SmolLM2 layer at 8,192
+# tokens (benchmarks/README.md): 128 x 512, 256 x 1,024, 256 x 2,048 and 512 x 1,024 within noise of it,
+# 64 x 512 and 128 x 256 slower (more tiles, more dispatch).
+BLOCK_ROWS = 128
+TILE_KEYS = 1024
+# Offsets of the diagonal band handled per gather: bounds the (rows x offsets x head_dim) keys gathered.
+BAND_CHUNK = 32
+# Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
+# one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
+COMPILE_FROM = 2**25
+# Rows on which the C++ kernel's first result is checked against the tile loop.
+NATIVE_CHECK_ROWS = 8
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowValues:
+    """Per-row statistics of one layer, (batch, heads, rows) each, plus what the mask shows of each row."""
+
+    entropy: torch.Tensor
+    max_weight: torch.Tensor
+    top_key: torch.Tensor  # long: the first key holding the row's largest logit
+    top_tied: torch.Tensor  # bool: several keys hold it
+    diagonal: torch.Tensor
+    sink: torch.Tensor
+    prev_token: torch.Tensor
+    n_visible: torch.Tensor  # (batch, 1, rows): keys the row may see
+    band_visible: torch.Tensor  # (batch, 1, rows): of them, within the diagonal band
+
+
+def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """c tanh(scores / c), Gemma 2's logit softcapping (the scores themselves when there is none)."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _tile_step(
+    query: torch.Tensor,  # (batch, kv_heads, groups * rows, head_dim), already scaled
+    key: torch.Tensor,  # (batch, kv_heads, keys, head_dim)
+    value: torch.Tensor | None,  # (batch, kv_heads, keys, head_dim); None: no output wanted
+    hidden: torch.Tensor | None,  # (batch or 1, 1, 1, rows, keys) bool, True = hidden; or (rows,) long, the
+    # last key of the tile each row sees (causal); None: all visible
+    state: tuple,  # m, A, B, n, top: (batch, kv_heads, groups * rows); O: (..., head_dim) or None
+    key_start: int,
+    softcap: float | None,
+    fold: Callable | None = None,
+) -> tuple:
+    """One tile of keys folded into the running state of a block of query rows (`fold`: `_fold`, or a compiled
+    copy of it)."""
+    m, total, weighted, count, top, output = state
+    scores = torch.matmul(query, key.transpose(-1, -2))  # (batch, kv_heads, groups * rows, keys)
+    batch, kv_heads, group_rows, keys = scores.shape
+    limit = None
+    if hidden is not None and hidden.dtype != torch.bool:  # (rows,) long: each row sees the tile's keys <= limit
+        limit = hidden.expand(batch, kv_heads, group_rows // hidden.shape[-1], -1).reshape(-1)
+        hidden = None
+    elif hidden is not None:  # as (batch * kv_heads * groups * rows, keys), like the scores
+        rows = hidden.shape[-2]
+        hidden = hidden.expand(batch, kv_heads, group_rows // rows, rows, keys).reshape(-1, keys)
+    flat = [x.reshape(-1) for x in (m, total, weighted, count)]
+    weights, alpha, *folded, found = (fold or _fold)(
+        scores.reshape(-1, keys), hidden, limit, *flat, softcap, value is not None
+    )
+    m, total, weighted, count, found = (x.view(m.shape) for x in (*folded, found))
+    top = torch.where(found >= 0, found + key_start, top)
+    if value is not None:
+        output = alpha.view(m.shape)[..., None] * output + torch.matmul(weights.view(scores.shape), value.float())
+    return m, total, weighted, count, top, output
+
+
+def _fold(scores, hidden, limit, m, total, weighted, count, softcap: float | None, keep: bool):
+    """The elementwise heart of a tile step, on (rows, keys) scores and (rows,) running values: what is
+    compiled. Returns the tile's weights e^(s - m') (if `keep`, for the output; None otherwise), alpha, the
+    new m, A, B, n, and where in the tile the new maximum first sits (-1: not in this tile).
+
+    The tile's top key is the first key holding the new maximum, found in the same pass as the sums (a
+    max-with-index pass vectorises poorly); when several keys hold it the row is tied and `top` is not used.
+    """
+    scores = softcapped(scores.float(), softcap)
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, torch.finfo(torch.float32).min)
+    if limit is not None:  # causal, computed in the loop: no (rows, keys) mask to read
+        later = torch.arange(scores.shape[-1], device=scores.device)[None, :] > limit[:, None]
+        scores = scores.masked_fill(later, torch.finfo(torch.float32).min)
+    new_m = torch.maximum(m, scores.amax(-1))
+    shifted = scores - new_m[:, None]  # <= 0
+    weights = torch.exp(shifted)
+    alpha = torch.exp(m - new_m)
+    # alpha * (m - new_m), not (m - new_m) * A: where alpha is 0 the product is 0, never 0 * an overflow.
+    weighted = alpha * weighted + (alpha * (m - new_m)) * total + (weights * shifted).sum(-1)
+    total = alpha * total + weights.sum(-1)
+    at_max = shifted == 0
+    holding = at_max.sum(-1)
+    count = torch.where(new_m == m, count, 0) + holding
+    first = torch.where(at_max, torch.arange(scores.shape[-1], device=scores.device), scores.shape[-1]).amin(-1)
+    found = torch.where((new_m > m) & (holding > 0), first, -1)
+    return (weights if keep else None), alpha, new_m, total, weighted, count, found
+
+
+@functools.cache
+def _compiled_fold() -> Callable:
+    # Static shapes but for the rows (marked dynamic at each call): the loop over a tile's keys is then fixed
+    # and fully vectorised, which measured faster than dynamic=True's masked tails. No Python number may vary
+    # between calls (each value would be compiled anew): the tile's first key is added outside.
+    return torch.compile(_fold, dynamic=False)
+
+
+def _compiled(scores, hidden, limit, *rest):
+    # Rows vary with the batch; keys with the tile (full tiles are TILE_KEYS wide, the rest are few per block).
+    for tensor in (scores, hidden, limit, *rest[:4]):
+        if tensor is not None:
+            torch._dynamo.mark_dynamic(tensor, 0)
+    if scores.shape[-1] != TILE_KEYS:
+        torch._dynamo.mark_dynamic(scores, 1)
+        if hidden is not None:
+            torch._dynamo.mark_dynamic(hidden, 1)
+    return _compiled_fold()(scores, hidden, limit, *rest)
+
+
+class TileKernel:
+    """Chooses how a capture's fused passes run.
+
+    - Tile steps (`step`) run op by op until `compile_from` logits have gone through this kernel (one per
+      capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
+      disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
+      either way (tested to 1e-6).
+    - Past the same threshold, statistics alone of float32 attention on the CPU come from headscope's C++ kernel
+      (`row_state`, headscope.model.native), once it is built and its first result agrees with the tile loop on a few
+      rows; otherwise from the tile loop.
+    """
+
+    def __init__(self, compile_from: int = COMPILE_FROM, native_loader: Callable | None = None) -> None:
+        self.compile_from = compile_from
+        self.native_loader = native_loader or native.row_state_module  # () -> the built module, or why not
+        self.folded = 0  # logits handed to `step` so far
+        self.failed: str | None = None  # why compiling failed, once it has
+        self.native_failed: str | None = None  # why the C++ kernel is not used, once that is known
+        self.native_runs = 0  # passes whose row states the kernel computed: run.json names the path that ran
+        self._native_checked = False
+
+    def step(self, logits: int) -> Callable:
+        """The tile step for a layer of `logits` (batch x heads x visible pairs) logits."""
+        self.folded += logits
+        if self.folded < self.compile_from or self.failed is not None:
+            return _tile_step
+        return self._compiled
+
+    def _compiled(self, *args) -> tuple[torch.Tensor, ...]:
+        if self.failed is None:
+            try:
+                return _tile_step(*args, fold=_compiled)
+            except Exception as err:  # any compiler failure: the same maths, uncompiled
+                self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
+                _log.warning("torch.compile of the fused statistics failed (%s); running them op by op", self.failed)
+        return _tile_step(*args)
+
+    def row_state(self, query: torch.Tensor, value: torch.Tensor | None) -> Callable | None:
+        """The C++ kernel for a layer's row states (after `step` has counted the layer), or None where it does
+        not apply: an output wanted, fewer logits than `compile_from` so far, not float32 on the CPU, or a
+        kernel that could not be built or disagreed."""
+        if (
+            value is not None
+            or self.folded < self.compile_from
+            or self.native_failed is not None
+            or query.device.type != "cpu"
+            or query.dtype != torch.float32
+        ):
+            return None
+        module = self.native_loader()
+        if isinstance(module, str):
+            self.native_failed = module
+            return None
+        return functools.partial(self._native, module)
+
+    def _native(self, module, scaled, key, positions, visibility, softcap) -> tuple | None:
+        states = native.row_state(module, scaled, key, positions, visibility, softcap)
+        if states is None or self._native_checked:
+            self.native_runs += states is not None
+            return states
+        # Its first result against the tile loop, on the last rows (they see the most keys).
+        batch, heads, t, head_dim = scaled.shape
+        rows = positions[-NATIVE_CHECK_ROWS:]
+        grouped = scaled.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows)
+        expected = _fold_tiles(grouped, key, None, visibility, rows, softcap, _tile_step, TILE_KEYS)
+        seen = (visibility.counts(rows) > 0).expand(batch, heads, -1)  # rows seeing nothing are padding, unread
+        got = [x[..., -len(rows) :][seen] for x in states]
+        expected = [x[seen] for x in expected[:4]]
+        agrees = all(
+            torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got[1:3], expected[1:3], strict=True)
+        ) and torch.equal(got[3] > 1, expected[3] > 1)
+        self._native_checked = True
+        if not agrees:
+            self.native_failed = "its first result disagreed with the tile loop"
+            _log.warning("headscope's C++ row-statistics kernel %s; using the tile loop", self.native_failed)
+            return None
+        self.native_runs += 1
+        return states
+
+
+def tile_shape(batch: int, heads: int, block_bytes: int) -> tuple[int, int]:
+    """(query rows per block, keys per tile) whose float32 logits, batch x heads x rows x keys, fit
+    `block_bytes`: BLOCK_ROWS x TILE_KEYS when they do, fewer keys then fewer rows when they do not."""
+    elements = max(1, block_bytes // (4 * batch * heads))
+    keys = max(1, min(TILE_KEYS, elements // BLOCK_ROWS))
+    return max(1, min(BLOCK_ROWS, elements // keys)), keys
+
+
+def fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    visibility: TileVisibility,
+    *,
+    scaling: float,
+    softcap: float | None,
+    seq_start: torch.Tensor,
+    window: int,
+    step: Callable,
+    positions: torch.Tensor | None = None,
+    block_rows: int = BLOCK_ROWS,
+    tile_keys: int = TILE_KEYS,
+    row_state: Callable | None = None,
+) -> tuple[torch.Tensor | None, RowValues]:
+    """The attention output and per-row statistics of query rows `positions` (default: every row).
+
+    query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim), unrepeated (query head h
+    reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
+    seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`, or `_tile_step`
+    itself. row_state: `TileKernel.row_state(...)`: when given (statistics alone), it computes every row's
+    running state in one call instead of the tile loop. Returns the output (batch, rows, heads, head_dim) in the
+    query's dtype, as attention functions return it (None without `value`), and the rows' `RowValues`.
+    """
+    batch, heads, t, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    positions = torch.arange(t, device=query.device) if positions is None else positions
+    scaled = query * scaling
+    grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
+    states = None
+    if row_state is not None and value is None:
+        states = row_state(scaled, key, positions, visibility, softcap)
+    outputs, values = [], []
+    for first in range(0, len(positions), block_rows):
+        rows = positions[first : first + block_rows]
+        block_query = grouped_query.index_select(3, rows) if len(rows) != t else grouped_query
+        if states is None:
+            state = _fold_tiles(block_query, key, value, visibility, rows, softcap, step, tile_keys)
+        else:
+            state = (*(x[..., first : first + block_rows] for x in states), None)
+        output, row_values = _read_off(block_query, key, visibility, rows, state, softcap, seq_start, window)
+        outputs.append(output)
+        values.append(row_values)
+    output = None
+    if value is not None:  # (batch, rows, heads, head_dim)
+        output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous().to(query.dtype)
+    columns = zip(*(vars(v).values() for v in values), strict=True)
+    joined = RowValues(*(torch.cat(parts, dim=-1) for parts in columns))
+    return output, joined
+
+
+def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile_keys) -> tuple:
+    """Fold every key tile a block of query rows may see: its m, A, B, n, top ((batch, heads, rows) each) and
+    output sum ((batch, heads, rows, head_dim); None without `value`)."""
+    batch, kv_heads, groups, n_rows, head_dim = grouped_query.shape
+    flat_query = grouped_query.reshape(batch, kv_heads, groups * n_rows, head_dim)
+    shape = (batch, kv_heads, groups * n_rows)
+    device = grouped_query.device
+    state = (
+        torch.full(shape, torch.finfo(torch.float32).min, device=device),  # m: a finite start, see _tile_step
+        torch.zeros(shape, device=device),
+        torch.zeros(shape, device=device),
+        torch.zeros(shape, dtype=torch.long, device=device),
+        torch.zeros(shape, dtype=torch.long, device=device),
+        None if value is None else torch.zeros((*shape, head_dim), device=device),
+    )
+    # The tile of the block's own diagonal first (every real row sees itself, so the running maximum is a real
+    # logit from the start), then full tiles leftwards, then what is left: no key computed in vain.
+    for keys in _tiles(int(rows[0]), int(rows[-1]) + 1, tile_keys):
+        seen, hidden = visibility.tile(rows, keys)
+        if not seen:
+            continue
+        tile_values = None if value is None else value[:, :, keys]
+        state = step(flat_query, key[:, :, keys], tile_values, hidden, state, keys.start, softcap)
+    return tuple(None if x is None else x.view(batch, kv_heads * groups, n_rows, *x.shape[3:]) for x in state)
+
+
+def _read_off(grouped_query, key, visibility, rows, state, softcap, seq_start, window):
+    """A block of rows' output and statistics from its folded state."""
+    batch, _, _, n_rows, _ = grouped_query.shape
+    m, total, weighted, count, top, output = state
+    output = None if output is None else output / total[..., None]
+    point = functools.partial(_point_probability, grouped_query, key, m, total, softcap)
+    diagonal, band_visible = _band(point, visibility, rows, window, batch)
+    sink_key = seq_start.view(batch, 1).expand(batch, n_rows)[..., None]  # (batch, rows, 1)
+    prev_key = (rows - 1).view(1, n_rows, 1).expand(batch, n_rows, 1)
+    values = RowValues(
+        entropy=torch.log(total) - weighted / total,
+        max_weight=1.0 / total,
+        top_key=top,
+        top_tied=count > 1,
+        diagonal=diagonal,
+        sink=(point(sink_key) * visibility.points(rows, sink_key)).squeeze(-1),
+        prev_token=(point(prev_key) * visibility.points(rows, prev_key)).squeeze(-1),
+        n_visible=visibility.counts(rows),
+        band_visible=band_visible,
+    )
+    return output, values
+
+
+def _tiles(first: int, last: int, width: int) -> list[slice]:
+    """Key tiles for query rows first..last-1: [first, last), then [first - width, first), ... down to key 0."""
+    tiles = [slice(first, last)]
+    while first > 0:
+        tiles.append(slice(max(0, first - width), first))
+        first -= width
+    return tiles
+
+
+def _point_probability(grouped_query, key, m, total, softcap, key_positions: torch.Tensor) -> torch.Tensor:
+    """e^(s - m) / A for key `key_positions[b, r, j]` of each row r: (batch, heads, rows, j).
+
+    Positions outside 0..t-1 are clamped (the caller zeroes them by their visibility).
+    """
+    batch, kv_heads, groups, n_rows, head_dim = grouped_query.shape
+    points = key_positions.shape[-1]
+    index = key_positions.clamp(0, key.shape[2] - 1).reshape(batch, 1, n_rows * points, 1)
+    picked = key.gather(2, index.expand(batch, kv_heads, n_rows * points, head_dim))
+    picked = picked.view(batch, kv_heads, 1, n_rows, points, head_dim)
+    scores = torch.linalg.vecdot(grouped_query[..., None, :], picked).float()  # (batch, kv, groups, rows, points)
+    scores = softcapped(scores, softcap).view(batch, kv_heads * groups, n_rows, points)
+    return torch.exp(scores - m[..., None]) / total[..., None]
+
+
+def _band(point, visibility: TileVisibility, rows: torch.Tensor, window: int, batch: int):
+    """Mass within +-window of the diagonal, and how many keys there each row may see.
+
+    Causal rows see no key after themselves, so the offsets are -window..0 (fewer near the sentence start).
+    """
+    offsets = torch.arange(-min(window, int(rows[-1])), 1, device=rows.device)
+    mass, seen = 0.0, 0
+    for chunk in offsets.split(BAND_CHUNK):
+        key_positions = (rows[:, None] + chunk[None, :]).expand(batch, -1, -1)  # (batch, rows, offsets)
+        visible = visibility.points(rows, key_positions)  # (batch, 1, rows, offsets)
+        mass = mass + (point(key_positions) * visible).sum(-1)
+        seen = seen + visible.sum(-1)
+    return mass, seen

@@ -1,0 +1,87 @@
+"""headscope's C++ kernel for the fused row statistics on CPU (kernels/row_state.cpp), built on first use.
+
+It does what the tile loop of headscope.model.fused does for the statistics alone (no output), with the q k^T products
+and the reductions in one cache-resident loop, as sdpa's CPU kernel does: about twice as fast as the tile loop
+(benchmarks/README.md). It is built with torch's extension builder (a C++ compiler and ninja; about 45 s, once
+per machine and source, kept in torch's extensions folder) and used only for float32 on CPU. When it cannot be
+built, or its first result disagrees with the tile loop, headscope keeps the tile loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from headscope.model.masks import visible_keys
+
+_log = logging.getLogger(__name__)
+SOURCE = Path(__file__).resolve().parent / "kernels" / "row_state.cpp"
+
+# Compiler flags per instruction set torch's own CPU kernels dispatch to (ATen/cpu/vec picks its Vectorized<float>
+# from the CPU_CAPABILITY_* macro), so the build never needs more than the machine it runs on; the module's name
+# carries the set, so a shared home folder never hands a build to a CPU lacking it. Any other set torch reports
+# (aarch64's DEFAULT or SVE256, VSX, ...) builds with the compiler's defaults: the generic (or NEON) vectors.
+ISA_FLAGS = {
+    "DEFAULT": [],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+}
+# The x86 sets in the order a CPU supports them: a CPU that runs one runs those before it.
+X86_ISAS = ("DEFAULT", "AVX2", "AVX512")
+CFLAGS = ["-O3", "-fopenmp"]
+
+
+def host_isa() -> str:
+    """The instruction set torch dispatches its own CPU kernels to on this machine."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def first_error_line(log: str) -> str:
+    """The compiler's first error line in a build log (ninja prints the command first), else its first line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or ["(no output)"])[0]
+
+
+@functools.cache
+def row_state_module(isa: str | None = None) -> ModuleType | str:
+    """The kernel built for `isa` (default: this machine's), or why it could not be built (one line)."""
+    isa = isa or host_isa()
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=f"headscope_row_state_{isa.lower()}",
+            sources=[str(SOURCE)],
+            extra_cflags=[*CFLAGS, *ISA_FLAGS.get(isa, [])],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a missing BLAS symbol: the tile loop stays
+        reason = f"{type(err).__name__}: {first_error_line(str(err))}"
+        _log.warning("headscope's C++ row-statistics kernel could not be built (%s); using the tile loop", reason)
+        return reason
+
+
+def row_state(
+    module: ModuleType,
+    scaled: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    visibility,
+    softcap: float | None,
+) -> tuple[torch.Tensor, ...] | None:
+    """m, A, B, n, top ((batch, heads, rows) each, as headscope.model.fused's tile loop leaves them) of query rows
+    `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim)); None for a mask the kernel does not
+    take (one per head)."""
+    mask = None
+    if visibility.mask is not None:
+        if visibility.mask.shape[1] != 1 or visibility.mask.shape[-1] != key.shape[-2]:
+            return None
+        mask = visible_keys(visibility.mask)[:, 0].contiguous()  # (batch or 1, t, keys) bool
+    rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
+    return tuple(module.row_state(rows.contiguous(), key.contiguous(), positions.contiguous(), mask, softcap or 0.0))

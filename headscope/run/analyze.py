@@ -1,0 +1,244 @@
+"""analyze(): the one entry point the CLI (and notebooks) call. It orchestrates; every step lives elsewhere.
+
+    settings, corpus, output folder  checked before anything loads (config, corpus, output)
+    the model                        read its config, check the settings against it, then load (loading)
+    the plan                         resolved once (plan); a resumed run or another rank resolves the same
+    the passes                       with the model attached (capture): the corpus (corpus_pass), the probes,
+                                     head importance and the example sentence (measures/), one feed (feed)
+    the report                       tables and run.json (assemble), charts and page (report/write)
+
+With `out`, the work folder is the report's staging folder, published at the end; without, a temporary
+folder whose per-sentence tables are read back into the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from headscope.arguments import as_path
+from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules, run_settings
+from headscope.errors import ConfigError, OutputError
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE
+from headscope.interventions.importance import check_importance_fits, run_importance
+from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.measures.example import example_views
+from headscope.measures.probes import check_probes, run_probes
+from headscope.model.capture import attached
+from headscope.model.loading import (
+    LoadedModel,
+    Loader,
+    load_for_run,
+    open_model,
+    pick_device,
+    protected_inputs,
+)
+from headscope.model.loading import resolve_source as resolve_model
+from headscope.model.placement import check_offload_folder
+from headscope.report.report import Report
+from headscope.run.assemble import labelled_heads, write_tables
+from headscope.run.checkpoint import PartFiles, Progress
+from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.corpus_pass import measure_corpus
+from headscope.run.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
+from headscope.run.feed import CorpusFeed
+from headscope.run.output import StagedDirectory, check_target, resolved
+from headscope.run.plan import Plan, plan_for_model, resized
+from headscope.run.progress import NullReporter, Reporter
+from headscope.run.record import Timings, fingerprint
+
+
+def analyze(
+    model: str | LoadedModel,
+    corpus: str | Path | Corpus | list[str] | None = None,
+    *,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    config: RunConfig | None = None,
+    thresholds: Thresholds | None = None,
+    roles: RoleThresholds | None = None,
+    charts: str | None = CHART_FORMATS[0],
+    page: bool = True,
+    reporter: Reporter | None = None,
+    loader: Loader = load_for_run,
+    **options,
+) -> Report | None:
+    """Measure every attention head of `model` on `corpus`; return the report (also written to `out`).
+
+    Under torchrun (WORLD_SIZE > 1) the corpus is split between the ranks (see headscope.run.distributed): rank 0
+    returns the report and writes it; the other ranks return None.
+
+    model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model (left as it was)
+    corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
+    out:     folder to write the tables, run.json, charts and page into (nothing is kept when None)
+    overwrite: replace `out` if it holds a headscope report (only once the new report is complete)
+    resume:  checkpoint after every chunk of sentences and continue from the checkpoint an interrupted
+             run with the same model, corpus and settings left behind (needs `out`)
+    config, options: the settings: a RunConfig, and/or any of its fields by name (``window=3``)
+    thresholds, roles: the head-type and role rules (default: Thresholds(), RoleThresholds())
+    charts:  chart format written with the tables (png, svg, pdf), or None; page: write report.html (both
+             only with `out`)
+    reporter: progress and notes (default: silent); loader: loads the model (default: loading.load_for_run)
+    """
+    settings = run_settings(config, **options)
+    thresholds, roles, reporter = thresholds or Thresholds(), roles or RoleThresholds(), reporter or NullReporter()
+    out = as_path(out, "out")
+    check_rules(thresholds, roles)
+    if charts is not None and charts not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
+    if resume and out is None:
+        raise ConfigError("--resume needs an output folder (--out)")
+    ranks = ranks_from_env()
+    if ranks.parallel:
+        check_parallel(settings, out, isinstance(model, LoadedModel))
+        settings = dataclasses.replace(settings, device=rank_device(ranks, settings.device))
+        reporter = reporter if ranks.main else NullReporter()  # one progress bar, one summary
+    # Everything that can be refused without the model is refused before it loads (which can take minutes).
+    corpus = as_corpus(corpus, settings)
+    source = model.source if isinstance(model, LoadedModel) else resolve_model(model)
+    if out is not None:  # every rank checks: a refusal stops them all at once, before any of them waits
+        protected = protected_inputs(source, corpus)
+        check_target(resolved(out), kind="report", overwrite=overwrite, protected=protected, resumable=resume)
+    if not isinstance(model, LoadedModel):
+        within = {"--out": Path(out)} if out is not None else {}
+        if source.kind != "hub":
+            within["the model's folder"] = Path(source.location)
+        check_offload_folder(settings.offload_folder, within=within, equal={"the corpus's folder": corpus.path.parent})
+    if out is not None and ranks.main:
+        work = StagedDirectory(
+            Path(out), kind="report", overwrite=overwrite, resumable=resume, protected=protected_inputs(source, corpus)
+        )
+    timings = Timings()
+
+    with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)
+        if out is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-")))
+        elif ranks.main:
+            folder = stack.enter_context(work).path
+            _report_cleaned(work, reporter)
+        if ranks.parallel:
+            join(ranks, pick_device(settings.device))
+            stack.callback(leave, ranks)
+            folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
+        with timings.phase("load"):
+            together = functools.partial(_together, ranks)
+            loaded = open_model(stack, model, source, settings, loader, reporter, together=together)
+        plan = _plan(loaded, settings, ranks)
+        parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
+        progress, running = Progress(), {}
+        if resume:
+            progress, running, plan = _together(ranks, lambda: _resumed(parts, plan, loaded, reporter))
+        feed = CorpusFeed(
+            corpus,
+            loaded.tokenizer,
+            max_length=plan.max_length,
+            chunk_sentences=settings.chunk_sentences,
+            keep=settings.importance != "none",
+        )
+        if settings.probes:  # what can be refused is refused before hours of measuring
+            check_probes(loaded.tokenizer, plan)
+        if settings.importance != "none":
+            check_importance_fits(feed, plan)
+        if loaded.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(loaded.device)
+        with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
+            with timings.phase("measure"):
+                measured = measure_corpus(
+                    capture, feed, plan, parts, progress, running, reporter, device=loaded.device, ranks=ranks
+                )
+            if not ranks.main:
+                return None  # rank 0 writes the report from everyone's sums and parts
+            with timings.phase("probes"):
+                probes = (
+                    run_probes(capture, loaded.tokenizer, loaded.device, plan, reporter) if settings.probes else None
+                )
+            with timings.phase("importance"):
+                importance = None
+                if settings.importance != "none":  # each role's heads are ablated together too
+                    labelled = labelled_heads(plan, measured, probes, None, (thresholds, roles))
+                    importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled)
+            with timings.phase("write"):  # the example views: their attention is written with the tables
+                examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
+        if settings.bootstrap and measured.progress.measured_sentences < MIN_BOOTSTRAP_SENTENCES:
+            reporter.note(ONE_SENTENCE_NOTE)
+        reporter.stage("writing tables")
+        extras, rules = (probes, importance), (thresholds, roles)
+        run, tables = write_tables(folder, loaded, corpus, plan, parts, measured, extras, examples, rules, timings)
+        report = Report(run, folder=folder, tables=tables)
+        if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
+            _draw(report, folder, charts, page, work.target, reporter)
+        parts.discard_checkpoint()  # only now: an interrupted drawing leaves a checkpoint that --resume continues
+        # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
+        if out is None:
+            tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
+    if out is None:
+        return Report(run, tables=tables)
+    _report_cleaned(work, reporter)
+    return Report(run, folder=work.target, tables=tables)
+
+
+def _draw(report: Report, folder: Path, charts: str | None, page: bool, target: Path, reporter: Reporter) -> None:
+    from headscope.report.write import write_presentation
+
+    reporter.stage("drawing charts and writing report.html")
+    for what in write_presentation(report, folder, fmt=charts, page=page)[1]:
+        reporter.warn(f"could not draw {what}; the tables are written (headscope plot {target} tries again)")
+
+
+def _together(ranks: Ranks, step: Callable):
+    """`step()` on every rank; if it fails on any, every rank stops, with that rank's message (no rank is left
+    waiting for the others). In one process, just `step()`."""
+    try:
+        result = step()
+    except BaseException as err:
+        if ranks.parallel:
+            meet(ranks, (0, 0), err)  # every rank stops, with this rank's message
+        raise
+    if ranks.parallel:
+        meet(ranks, (0, 0))
+    return result
+
+
+def _plan(loaded: LoadedModel, settings: RunConfig, ranks: Ranks) -> Plan:
+    """The run's plan; in a data-parallel run, batched as rank 0's (batches decide the order of float sums)."""
+    plan = plan_for_model(settings, loaded)
+    if not ranks.parallel:
+        return plan
+    return resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, dtype=loaded.dtype,
+                   device_type=loaded.device.type)  # fmt: skip
+
+
+def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Reporter):
+    """The checkpoint's progress and sums, and the plan batched as the interrupted run was (so that the tables
+    equal an uninterrupted run's bit for bit; run.json then records what was really used)."""
+    kinds = ("sentences", "sentence_heads") if plan.settings.sentence_heads else ("sentences",)
+    progress, running, saved = parts.load_progress(plan.running_shapes, kinds)
+    if saved is None:
+        return progress, running, plan
+    sizing, settings = saved.get("sizing") or {}, plan.settings
+    if (sizing.get("batch_size"), sizing.get("max_memory")) != (settings.batch_size, settings.max_memory):
+        reporter.note(
+            f"resuming with the interrupted run's batching (--batch-size {sizing.get('batch_size') or 'auto'}, "
+            f"--max-memory {sizing.get('max_memory') or 'default'}), so that the tables equal an uninterrupted run's"
+        )
+    if sizing != plan.sizing:  # the memory free at the start decided the batches too
+        plan = resized(plan, sizing, loaded.model.config, dtype=loaded.dtype, device_type=loaded.device.type)
+    if plan.record() != saved:
+        differ = sorted(key for key in saved.keys() | plan.record().keys() if saved.get(key) != plan.record().get(key))
+        raise OutputError(
+            f"the checkpoint in {parts.folder} was planned differently ({', '.join(differ)}: the model changed?); "
+            "delete that folder or run without --resume"
+        )
+    return progress, running, plan
+
+
+def _report_cleaned(stage: StagedDirectory, reporter: Reporter) -> None:
+    while stage.cleaned:
+        reporter.note(f"removed {stage.cleaned.pop(0)}, left behind by an interrupted run")

@@ -1,0 +1,96 @@
+"""From what the passes measured to the report's tables and run.json, written into the run's work folder.
+
+The per-sentence tables are merged from their part files (never whole in memory) and checked against what the
+run measured; heads and layers come from the corpus-wide sums, the bootstrap, the probes and importance; the
+labels from the rules; run.json records it all (headscope.run.record).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from headscope.errors import OutputError
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, head_intervals, layer_intervals
+from headscope.labels import label_heads
+from headscope.layout import (
+    EXAMPLES_FILE,
+    HEADS_FILE,
+    LAYERS_FILE,
+    PROBES_FILE,
+    RUN_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCES_FILE,
+)
+from headscope.run.checkpoint import PartFiles
+from headscope.run.record import Timings, run_record
+from headscope.tables import (
+    EXAMPLES_SCHEMA,
+    HEADS_SCHEMA,
+    LAYERS_SCHEMA,
+    PROBES_SCHEMA,
+    SENTENCE_HEADS_SCHEMA,
+    SENTENCES_SCHEMA,
+    heads_frame,
+    layers_frame,
+    parquet_metadata,
+    probes_frame,
+    write_json,
+    write_table,
+)
+
+
+def write_tables(
+    folder: Path, loaded, corpus, plan, parts: PartFiles, measured, extras, examples, rules, timings: Timings
+) -> tuple[dict, dict[str, pd.DataFrame]]:
+    """Write every table and run.json into `folder`; return run.json's content and the small tables in hand
+    (heads, layers, examples, by file name). extras: (ProbeResult or None, Importance or None); rules:
+    (Thresholds, RoleThresholds)."""
+    probes, importance = extras
+    with timings.phase("write"):
+        _merge_parts(parts, folder, measured, corpus, plan)
+        resampled = measured.progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES
+        replicates = measured.bootstrap.metrics() if measured.bootstrap is not None and resampled else None
+        heads = labelled_heads(plan, measured, probes, importance, rules, replicates)
+        layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
+        write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
+        write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+        if probes is not None:
+            write_table(probes_frame(probes.per_seed, np.array(plan.layers)), folder / PROBES_FILE, PROBES_SCHEMA)
+    run = run_record(loaded, corpus, plan, measured, extras, heads, rules, timings)
+    write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
+    write_json(run, folder / RUN_FILE)
+    return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: examples}
+
+
+def labelled_heads(plan, measured, probes, importance, rules, replicates=None) -> pd.DataFrame:
+    """The heads table with both labels, from what the passes measured (intervals when `replicates` are given)."""
+    frame = heads_frame(
+        measured.sums,
+        plan.architecture["kv_heads"],
+        np.array(plan.layers),
+        intervals=head_intervals(replicates) if replicates else None,
+        probes=probes,
+        importance=None if importance is None else importance.columns(),
+    )
+    return label_heads(frame, *rules)
+
+
+def _merge_parts(parts: PartFiles, folder: Path, measured, corpus, plan) -> None:
+    """The per-sentence tables from their parts, checked against what the run measured."""
+    chunks = measured.progress.chunks_done
+    rows = parts.merged("sentences", SENTENCES_SCHEMA, folder / SENTENCES_FILE, chunks)
+    _check_rows("sentence", rows, len(corpus.sentences), parts)
+    if plan.settings.sentence_heads:
+        rows = parts.merged("sentence_heads", SENTENCE_HEADS_SCHEMA, folder / SENTENCE_HEADS_FILE, chunks)
+        _check_rows("sentence-head", rows, measured.progress.measured_sentences * measured.sums[..., 0].size, parts)
+
+
+def _check_rows(what: str, rows: int, expected: int, parts: PartFiles) -> None:
+    if rows != expected:
+        raise OutputError(
+            f"the measured parts hold {rows:,} {what} rows where the run measured {expected:,}; "
+            f"the checkpoint in {parts.folder} does not add up: delete it and run again"
+        )

@@ -1,0 +1,369 @@
+"""inspect(): chosen heads' whole attention on chosen texts, token by token.
+
+    the texts      --text (any text), --sentences of a corpus (tokenized as analyze does), --probe (the probe
+                   battery's sequence for seed 0: repeated random tokens)
+    the heads      --heads L.H,...; --role R (from a report's roles, or for the probe roles from the probes run
+                   first); --layers restricts either (alone: every head of those layers); default every head
+    the memory     the chosen heads' (t, t) float32 matrices of one text at a time, checked against the budget
+                   once the texts are tokenized, before any forward pass
+    the output     attention.parquet (text_id, layer, head, query, key, weight: every visible pair, the weight the
+                   model computes on analyze's path), tokens.parquet, inspect.json, inspect.html
+
+Each text runs alone (no padding), through the same capture as analyze.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_path, as_texts, head_name
+from headscope.columns import PROBE_PATTERNS
+from headscope.config import RoleThresholds, RunConfig, run_settings
+from headscope.errors import ConfigError
+from headscope.labels import ROLES
+from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, SCHEMA_VERSION, TOKENS_FILE
+from headscope.measures.heads import (
+    HeadAttention,
+    by_layer,
+    check_memory,
+    largest_weight,
+    probe_scores,
+    write_pairs,
+)
+from headscope.measures.probes import check_probes, run_probes
+from headscope.model.capture import attached
+from headscope.model.identity import check_report_model
+from headscope.model.loading import LoadedModel, Loader, load_for_run, open_model, protected_inputs, resolve_source
+from headscope.model.placement import dtype_name
+from headscope.report.report import Report, read_run
+from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.feed import CorpusFeed, char_limit, collate, token_texts, tokenize_sentences
+from headscope.run.output import StagedDirectory, check_target, resolved
+from headscope.run.plan import Plan, plan_for_model
+from headscope.run.progress import NullReporter, Reporter
+from headscope.run.record import versions
+from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
+
+PROBES = PROBE_PATTERNS  # --probe: the patterns whose score each head gets on the probe text
+PROBE_ROLES = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"}
+
+
+@dataclass(frozen=True)
+class Text:
+    source: str  # "text" (given), "corpus" or "probe"
+    label: str  # as the page and the summary name it
+    ids: list[int]
+    sentence_id: int | None = None  # the corpus sentence, or the probe's seed
+    truncated: bool = False
+
+
+@dataclass
+class Inspection:
+    """What `inspect` found: its record (inspect.json), the tokens, each head's summary per text, and the
+    attention (read from the folder when first used)."""
+
+    record: dict
+    tokens: pd.DataFrame
+    summary: pd.DataFrame  # one row per (text_id, layer, head)
+    folder: Path | None = None
+    _attention: pd.DataFrame | None = None
+
+    @property
+    def attention(self) -> pd.DataFrame:
+        if self._attention is None:
+            self._attention = pd.read_parquet(self.folder / ATTENTION_FILE)
+        return self._attention
+
+
+def inspect(
+    model: str | LoadedModel,
+    *,
+    texts: Sequence[str] = (),
+    corpus: str | Path | Corpus | None = None,
+    sentences: Sequence[int] = (),
+    probes: Sequence[str] = (),
+    heads: Sequence[tuple[int, int]] = (),
+    roles: Sequence[str] = (),
+    report: str | Path | None = None,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    page: bool = True,
+    config: RunConfig | None = None,
+    role_thresholds: RoleThresholds | None = None,
+    reporter: Reporter | None = None,
+    loader: Loader = load_for_run,
+    **options,
+) -> Inspection:
+    """Chosen heads' attention on chosen texts, written to `out` (attention.parquet, tokens.parquet,
+    inspect.json, inspect.html) or, without `out`, returned in memory.
+
+    texts: any texts; corpus + sentences: sentences of a corpus by id (the shipped corpus when corpus is None);
+    probes: names of PROBES (the probe sequence, scored on those patterns); heads: (layer, head) pairs; roles:
+    names of labels.ROLES, read from `report` (a report of this model), or for the probe roles without a report,
+    from the probe battery run first (--probe-seeds, --probe-length, `role_thresholds`); options / config: the
+    RunConfig fields (layers, max_length, max_memory, device, dtype, threads, probe_length, ...).
+    """
+    settings = run_settings(config, **options)
+    reporter = reporter or NullReporter()
+    role_thresholds = role_thresholds or RoleThresholds()
+    texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")
+    sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
+    out, report = as_path(out, "out"), as_path(report, "report")
+    check_request(texts, sentences, probes, heads, roles, report)
+    corpus = as_corpus(corpus, settings) if sentences else None
+    if corpus is not None:
+        _check_sentences(sentences, corpus)
+    labelled = _report_roles(report) if report is not None else None
+    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
+    protected = protected_inputs(source, corpus)
+    if out is not None:
+        check_target(resolved(out), kind="inspection", overwrite=overwrite, protected=protected)
+        work = StagedDirectory(Path(out), kind="inspection", overwrite=overwrite, protected=protected)
+    with contextlib.ExitStack() as stack:
+        if out is not None:
+            folder = stack.enter_context(work).path
+        else:  # in memory: written to a scratch folder, read back, then gone
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-inspect-")))
+        loaded = open_model(stack, model, source, settings, loader, reporter)
+        if report is not None:
+            check_report_model(read_run(Path(report)), loaded, report)
+        plan = plan_for_model(settings, loaded)
+        chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
+        with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
+            chosen, known, roles_from = _heads(
+                heads, roles, labelled, report, plan, capture, loaded, role_thresholds, reporter
+            )
+            check_memory(chosen, max(len(text.ids) for text in chosen_texts), plan.memory_budget)
+            reporter.stage(f"inspecting {len(chosen)} heads on {len(chosen_texts)} texts")
+            summary, views = _write_attention(folder / ATTENTION_FILE, capture, chosen, chosen_texts, plan, loaded)
+        tokens = _tokens_frame(loaded.tokenizer, chosen_texts)
+        write_table(tokens, folder / TOKENS_FILE, TOKENS_SCHEMA)
+        record = _record(loaded, plan, chosen_texts, chosen, known, roles_from, probes, summary)
+        write_json(record, folder / INSPECT_RECORD)
+        if page:
+            from headscope.report.inspect_page import inspect_page
+            from headscope.report.page import write_page
+
+            write_page(inspect_page(record, chosen_texts, tokens, views), folder / INSPECT_PAGE)
+        attention = pd.read_parquet(folder / ATTENTION_FILE) if out is None else None
+    if out is None:
+        return Inspection(record, tokens, summary, _attention=attention)
+    return Inspection(record, tokens, summary, folder=work.target)
+
+
+def check_request(texts, sentences, probes, heads, roles, report) -> None:
+    """Refuse what asks for nothing or contradicts itself, before anything loads (the CLI calls it to make these
+    usage errors)."""
+    if not (texts or sentences or probes):
+        raise ConfigError("nothing to inspect: pass --text, --sentences (of --corpus) or --probe")
+    if len(texts) + len(sentences) + bool(probes) > MAX_INSPECT_TEXTS:
+        raise ConfigError(f"inspect takes at most {MAX_INSPECT_TEXTS:,} texts at once")
+    for number, text in enumerate(texts):
+        if not text.strip():
+            raise ConfigError(f"--text number {number + 1} is empty")
+    unknown = [name for name in probes if name not in PROBES]
+    if unknown:
+        raise ConfigError(f"--probe takes {', '.join(PROBES)}; got {unknown[0]!r}")
+    if heads and roles:
+        raise ConfigError("--heads and --role choose heads two ways: pass one of them")
+    unknown = [role for role in roles if role not in ROLES]
+    if unknown:
+        raise ConfigError(f"--role takes {', '.join(ROLES)}; got {unknown[0]!r}")
+    needs_report = [role for role in roles if role not in PROBE_ROLES]
+    if needs_report and report is None:
+        raise ConfigError(
+            f"role {needs_report[0]} is measured on a corpus: pass --report DIR (a report of this model); "
+            f"without one, --role takes {', '.join(PROBE_ROLES)} (from the probes, run first)"
+        )
+
+
+def _check_sentences(sentences: Sequence[int], corpus: Corpus) -> None:
+    count = len(corpus.sentences)
+    beyond = [i for i in sentences if not 0 <= i < count]
+    if beyond:
+        raise ConfigError(f"--sentences names sentence {beyond[0]}, but {corpus.path} has {count} (ids 0-{count - 1})")
+
+
+def _report_roles(report) -> pd.DataFrame:
+    labelled = Report.open(report).heads
+    return labelled[["layer", "head", "role"]]
+
+
+def _texts(tokenizer, plan: Plan, texts, corpus, sentences, probes) -> list[Text]:
+    """Every text to inspect, tokenized as analyze tokenizes (special tokens, cut to the plan's max_length)."""
+    chosen = []
+    limit = char_limit(tokenizer, plan.max_length)
+    for number, text in enumerate(texts):
+        [ids], [cut] = tokenize_sentences(tokenizer, [text], plan.max_length, max_chars=limit)
+        if not ids:
+            raise ConfigError(f"--text number {number + 1} has no tokens")
+        chosen.append(Text("text", f"text {number}", ids, truncated=cut))  # a text cut to `limit` is cut anyway
+    if sentences:
+        feed = CorpusFeed(corpus, tokenizer, max_length=plan.max_length, chunk_sentences=1, keep=False)
+        for sentence_id in sentences:
+            ids, cut = feed.token_ids(sentence_id, None)
+            if not ids:
+                raise ConfigError(f"sentence {sentence_id} of {corpus.path} has no tokens")
+            chosen.append(Text("corpus", f"sentence {sentence_id}", ids, sentence_id, truncated=cut))
+    if probes:
+        _, sequence, _, _ = check_probes(tokenizer, plan)
+        chosen.append(Text("probe", "probe seed 0", sequence(0), 0))
+    return chosen
+
+
+def _heads(heads, roles, labelled, report, plan: Plan, capture, loaded, role_thresholds, reporter):
+    """The chosen (layer, head) pairs, ascending; the roles known for them (name -> role); where those came from."""
+    count = plan.heads
+    plan.check_heads(heads)
+    known, roles_from = {}, None
+    if labelled is not None:
+        known = {(int(r.layer), int(r.head)): str(r.role) for r in labelled.itertuples()}
+        roles_from = f"report {report}"
+    elif roles:
+        known = _probe_roles(capture, loaded, plan, role_thresholds, reporter)
+        roles_from = f"probes ({plan.settings.probe_seeds} seeds, role_probe_min {role_thresholds.probe_min})"
+    layers = set(plan.layers)
+    if heads:
+        chosen = [pair for pair in heads if pair[0] in layers]
+    elif roles:
+        chosen = [pair for pair, role in known.items() if role in roles and pair[0] in layers]
+        if not chosen:
+            raise ConfigError(f"no head has role {' or '.join(roles)} ({roles_from}{_within(plan)})")
+    else:
+        chosen = [(layer, head) for layer in plan.layers for head in range(count)]
+    if not chosen:
+        raise ConfigError(f"none of the --heads lies in --layers {','.join(map(str, plan.layers))}")
+    return (
+        sorted(set(chosen)),
+        {head_name(*pair): known[pair] for pair in sorted(set(chosen)) if pair in known},
+        roles_from,
+    )
+
+
+def _within(plan: Plan) -> str:
+    return "" if plan.settings.layers is None else f", within --layers {','.join(map(str, plan.layers))}"
+
+
+def _probe_roles(capture, loaded, plan: Plan, thresholds: RoleThresholds, reporter) -> dict[tuple[int, int], str]:
+    """Probe roles from the battery, in the role rule's order (labels.ROLE_RULES): induction, then duplicate-token,
+    then previous-token; heads none of them names are left out (their role needs a corpus)."""
+    result = run_probes(capture, loaded.tokenizer, loaded.device, plan, reporter)
+    known = {}
+    for index, layer in enumerate(plan.layers):
+        for head in range(plan.heads):
+            for role, pattern in PROBE_ROLES.items():
+                if result.scores[pattern][index, head] >= thresholds.probe_min:
+                    known[(layer, head)] = role
+                    break
+    return known
+
+
+def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan, loaded):
+    """Run each text alone, keep the chosen heads' attention, stream it to attention.parquet; return each
+    (text, head)'s summary and the views the page may carry."""
+    from headscope.report.inspect_page import PageViews
+
+    keeper = HeadAttention(by_layer(chosen))
+    views = PageViews()
+    rows = []
+    with pq.ParquetWriter(path, ATTENTION_SCHEMA) as writer:  # in the work folder: published whole, or not at all
+        for text_id, text in enumerate(texts):
+            batch = collate([text_id], [text.ids], padding_side=plan.settings.padding_side, device=loaded.device)
+            capture.run(batch, measures=[keeper])
+            kept, visible = keeper.finish()
+            scores = probe_scores(kept, len(text.ids), plan.settings.probe_length) if text.source == "probe" else {}
+            for (layer, head), matrix in kept.items():
+                write_pairs(writer, text_id, layer, head, matrix, visible[layer])
+                places, weight, counted = largest_weight(matrix, visible[layer])
+                rows.append(
+                    {"text_id": text_id, "layer": layer, "head": head, "largest_at": places, "mean_largest": weight,
+                     "rows": counted, **scores.get((layer, head), {})}
+                )  # fmt: skip
+                views.add(text_id, (layer, head), matrix, visible[layer])
+            del kept, visible
+    summary = pd.DataFrame(rows)
+    for pattern in PROBES:
+        summary[f"probe_{pattern}"] = summary.get(f"probe_{pattern}", np.nan)
+    return summary, views
+
+
+def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:
+    frames = [
+        pd.DataFrame(
+            {
+                "text_id": text_id,
+                "position": np.arange(len(text.ids)),
+                "token_id": text.ids,
+                "token": token_texts(tokenizer, text.ids),
+            }
+        )
+        for text_id, text in enumerate(texts)
+    ]
+    return pd.concat(frames, ignore_index=True)
+
+
+def _record(loaded, plan: Plan, texts: list[Text], chosen, known, roles_from, probes, summary) -> dict:
+    """inspect.json: what was inspected, how, and each head's summary per text (heads written L.H)."""
+    settings = plan.settings
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+        "texts": [
+            {
+                "text_id": i,
+                "source": t.source,
+                "label": t.label,
+                "sentence_id": t.sentence_id,
+                "tokens": len(t.ids),
+                "truncated": t.truncated,
+            }
+            for i, t in enumerate(texts)
+        ],
+        "heads": [head_name(*pair) for pair in chosen],
+        "roles": known,
+        "roles_from": roles_from,
+        "probes": list(dict.fromkeys(probes)),
+        "probe_length": settings.probe_length if probes else None,
+        "summary": [_summary_entry(row, probes) for row in summary.itertuples()],
+        "settings": {k: v for k, v in settings.to_dict().items() if k in _SETTINGS_USED},
+        "versions": versions(),
+    }
+
+
+# The settings inspect reads (the rest of RunConfig is analyze's).
+_SETTINGS_USED = (
+    "device", "dtype", "max_length", "max_memory", "layers", "threads", "revision", "trust_remote_code",
+    "device_map", "offload_folder", "text_column", "encoding_errors", "probe_seeds", "probe_length", "block_bytes",
+    "padding_side",
+)  # fmt: skip
+
+
+def _summary_entry(row, probes) -> dict:
+    entry = {
+        "text_id": int(row.text_id),
+        "head": head_name(row.layer, row.head),
+        "largest_at": [[name, _rounded(share)] for name, share in row.largest_at],
+        "mean_largest": _rounded(row.mean_largest),
+        "rows": int(row.rows),
+    }
+    for pattern in dict.fromkeys(probes):
+        value = getattr(row, f"probe_{pattern}")
+        if value == value:
+            entry[f"probe_{pattern}"] = _rounded(value)
+    return entry
+
+
+def _rounded(value: float) -> float | None:
+    return None if value != value else round(float(value), 6)

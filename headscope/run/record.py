@@ -1,0 +1,160 @@
+"""The run record (run.json) and the checkpoint fingerprint: what a run was, built once from what it measured."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import math
+import platform
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import torch
+
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES
+from headscope.labels import classification_record
+from headscope.layout import SCHEMA_VERSION
+from headscope.model.identity import model_identity
+from headscope.model.placement import dtype_name
+from headscope.summary import layer_entropy
+
+PACKAGES = ("headscope", "torch", "transformers", "tokenizers", "gguf", "pandas", "pyarrow")
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of a run, filled as the phases end."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:  # a phase entered twice adds up
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+
+def fingerprint(loaded, corpus, settings, ranks) -> dict:
+    """What must match for a checkpoint to be continued: everything that changes a number.
+
+    Batch size and memory budget are left out: a resumed run batches as the first run did (Plan.sizing).
+    """
+    placement = ("batch_size", "max_memory", "device_map", "offload_folder", "threads")  # where, not what
+    kept = {k: v for k, v in settings.to_dict().items() if k not in placement}
+    source = loaded.source
+    return {
+        "model": [source.kind, source.location, source.gguf_file, loaded.revision],
+        "corpus_sha256": corpus.sha256,
+        "device": loaded.device.type,
+        "dtype": dtype_name(loaded.dtype),
+        "settings": kept,
+    } | ({"ranks": ranks.world} if ranks.parallel else {})
+
+
+def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Timings) -> dict:
+    """Everything run.json holds about a finished run. extras: (ProbeResult or None, Importance or None);
+    rules: (Thresholds, RoleThresholds)."""
+    probes, importance = extras
+    source, settings = loaded.source, plan.settings
+    progress = measured.progress
+    measure_seconds = timings.seconds.get("measure", 0.0)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "input": source.display,
+            "kind": source.kind,
+            "location": source.location,
+            "gguf_file": source.gguf_file,
+            "revision": loaded.revision,
+            "architecture": loaded.architecture,
+            "device_map": loaded.device_map,  # module -> device (GPU index, cpu or disk) with --device-map
+            **model_identity(loaded),  # weights_sha256, weights_dtype: is a later run's model this one?
+        },
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+        "attention_implementation": measured.attention_paths,
+        "batching": {**plan.batching(), "batches": progress.batches},
+        "corpus": {
+            "path": str(corpus.path),
+            "sha256": corpus.sha256,
+            "sentences": len(corpus.sentences),
+            "blank_lines_skipped": corpus.blank_skipped,
+            "invalid_utf8_lines": corpus.invalid_lines,
+            "tokens": progress.tokens,
+            "truncated_sentences": progress.truncated,
+            "cut_before_tokenizing": progress.capped,
+            "max_length": plan.max_length,
+            "empty_sentences": progress.empty_sentences,
+        },
+        "settings": settings.to_dict(),
+        "versions": versions(),
+        "timings": {
+            "load_seconds": round(timings.seconds.get("load", 0.0), 3),
+            "measure_seconds": round(measure_seconds, 3),
+            "probe_seconds": round(timings.seconds.get("probes", 0.0), 3),
+            "importance_seconds": round(timings.seconds.get("importance", 0.0), 3),
+            "write_seconds": round(timings.seconds.get("write", 0.0), 3),
+            "tokens_per_second": round(progress.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
+            **peak_memory(loaded.device),
+        },
+        "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
+        "numerics": {
+            "nonfinite_rows": int(heads["nonfinite_rows"].sum()),
+            "heads_with_nonfinite_rows": int((heads["nonfinite_rows"] > 0).sum()),
+            "unnormalised_rows": int(heads["unnormalised_rows"].sum()),
+            "heads_with_unnormalised_rows": int((heads["unnormalised_rows"] > 0).sum()),
+        },
+        "probes": None
+        if probes is None
+        else {
+            "seeds": settings.probe_seeds,
+            "length": settings.probe_length,
+            "repeats": probes.repeats,
+            "prefix_tokens": probes.prefix,
+            "chance": {pattern: round(level, 6) for pattern, level in probes.chance.items()},
+        },
+        "bootstrap": {
+            "replicates": settings.bootstrap,
+            "seed": settings.bootstrap_seed,
+            "sentences": progress.measured_sentences,
+            "intervals": progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES,
+        }
+        if settings.bootstrap
+        else None,
+        "importance": None
+        if importance is None
+        else {
+            "mode": importance.mode,
+            "clean_loss": round(importance.clean_loss, 6) if math.isfinite(importance.clean_loss) else None,
+            "predicted_tokens": importance.predicted_tokens,
+            "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
+            "roles": importance.roles,
+        },
+        "classification": classification_record(heads, *rules),
+    }
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peaks = {"peak_rss_bytes": int(rss)}
+    if device.type == "cuda":
+        peaks["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return peaks
