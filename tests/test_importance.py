@@ -13,7 +13,7 @@ import torch
 
 import headscope
 from headscope.errors import ConfigError
-from headscope.interventions.importance import token_losses
+from headscope.interventions.nll import token_losses
 from headscope.run.feed import collate
 
 from helpers import run_cli

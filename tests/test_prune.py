@@ -311,12 +311,13 @@ def test_a_gguf_model_is_saved_as_its_float_weights(smollm2, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from headscope.interventions.removal import Removal
     from headscope.interventions.surgery import check_savable, plain_checkpoint, pruned_weights
 
     lm = smollm2.lm
     check_savable(lm, tmp_path / "saved", mean=True, head_count=9, head_dim=64)  # nothing to refuse
     ids = torch.tensor([smollm2.tokenizer("When Mary and John went to the store, John gave a drink to")["input_ids"]])
-    with pruned_weights(lm, [(0, 0), (3, 4)], head_count=9, head_dim=64), plain_checkpoint(lm):
+    with pruned_weights(lm, [(0, 0), (3, 4)], Removal("zero"), head_count=9, head_dim=64), plain_checkpoint(lm):
         lm.save_pretrained(tmp_path / "saved")
         with torch.no_grad():
             expected = lm(ids).logits

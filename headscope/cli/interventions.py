@@ -23,11 +23,11 @@ from headscope.cli.common import (
     usage_errors,
     user_errors,
 )
-from headscope.config import LOSS_ON, REMOVAL_MODES
+from headscope.config import DEFAULT_REMOVAL, LOSS_ON, REMOVAL_MODES
 
 ModeChoice = choices("ModeChoice", REMOVAL_MODES)
 LossOnChoice = choices("LossOnChoice", LOSS_ON)
-DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice("mean"), LossOnChoice("all")
+DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice(DEFAULT_REMOVAL), LossOnChoice("all")
 
 Mode = Annotated[
     ModeChoice, typer.Option(help="Remove a head by setting its output to 0, or to its mean over the corpus.")

@@ -1,7 +1,7 @@
 """ablate(): does the model need these heads together? The corpus loss with groups of heads removed together.
 
     the groups     --heads L.H,... (repeat for more groups); --role R or --each-role, from a report's roles
-    the removal    zero, or each head's clean corpus mean (measures/groups.py defines both)
+    the removal    zero, or each head's clean corpus mean (interventions/removal.py defines both)
     the tokens     every predicted token, or the repeated ones an induction head can predict (--loss-on)
     the output     ablation.json: per group its heads, tokens, clean and ablated loss, the delta and its 95%
                    paired bootstrap interval over sentences
@@ -19,11 +19,12 @@ from pathlib import Path
 import pandas as pd
 
 from headscope.arguments import as_head_groups, as_path, as_texts, head_name
-from headscope.config import RunConfig, run_settings
+from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig, run_settings
 from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
-from headscope.interventions.groups import MODES, SCORINGS, Head, group_effect
+from headscope.interventions.groups import SCORINGS, group_effect
 from headscope.interventions.losses import loss_model, record_header
+from headscope.interventions.removal import Head
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
 from headscope.model.identity import check_report_model
@@ -63,7 +64,7 @@ def ablate(
     roles: Sequence[str] = (),
     each_role: bool = False,
     report: str | Path | None = None,
-    mode: str = "mean",
+    mode: str = DEFAULT_REMOVAL,
     loss_on: str = "all",
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -121,8 +122,8 @@ def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str
     """Refuse what asks for nothing or contradicts itself, before anything loads."""
     if not isinstance(each_role, bool):
         raise ConfigError(f"each_role takes True or False; got {each_role!r}")
-    if mode not in MODES:
-        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
+    if mode not in REMOVAL_MODES:
+        raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {mode!r}")
     if loss_on not in SCORINGS:
         raise ConfigError(f"--loss-on takes {', '.join(SCORINGS)}; got {loss_on!r}")
     if not (heads or roles or each_role):

@@ -1,11 +1,7 @@
 """Heads removed together: the model's next-token loss with a group of heads' outputs replaced, per sentence.
 
 Definitions (the README has them too):
-- a head's output: its slice of the input to the layer's output projection (o_proj, c_proj, ...) at every
-  position, (batch, t, heads, head_dim), what `capture` hands OutputEditors.
-- removing a head: zero mode sets that output to 0 at every position; mean mode sets it to the head's mean
-  output over every real token position of the corpus on the clean model (`HeadMeans`), the same constant in
-  every pass, whichever other heads are removed.
+- removing a head: interventions.removal (zero, or the head's clean corpus mean, at every position).
 - scored tokens: `all`, every predicted token (a sentence of T tokens predicts T - 1); `repeats`, the tokens an
   induction head can predict: x[t] (t >= 2) counts iff some j < t - 1 has x[j] == x[t-1] and x[j+1] == x[t]
   (`repeat_tokens`).
@@ -26,16 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from headscope.config import LOSS_ON, REMOVAL_MODES
+from headscope.config import LOSS_ON
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
+from headscope.interventions.nll import token_nll
+from headscope.interventions.removal import Head, Removal, RemovedHeads
 from headscope.model.capture import replicate
 from headscope.run.feed import Batch
 from headscope.run.progress import Reporter
 
-Head = tuple[int, int]  # (layer, head)
 SCORINGS = LOSS_ON
-MODES = REMOVAL_MODES
-LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
 
 
 def repeat_tokens(ids: Sequence[int]) -> np.ndarray:
@@ -61,90 +56,6 @@ def scored_targets(batch: Batch, scoring: str) -> torch.Tensor:
     for row in range(len(ids)):
         repeats[row, real[row]] = repeat_tokens(ids[row, real[row]].tolist())
     return predicted & torch.from_numpy(repeats[:, 1:]).to(predicted.device)
-
-
-def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """(rows, t - 1) float64: next-token cross-entropy at every position (0 where nothing is predicted).
-
-    logits: (rows, t, vocab); batch: the rows' inputs (rows may be a multiple of it: replicas). logsumexp runs in
-    float32 along the contiguous vocabulary axis: on SmolLM2 (49,152 words) within 2e-6 nats per token of float64,
-    where cross_entropy with the vocabulary as a strided class axis was off by 2.4e-4, and took 3x as long
-    (measured); float64 throughout took 4x as long."""
-    rows, t, vocab = logits.shape
-    valid = batch.attention_mask.bool()
-    predicted = valid[:, :-1] & valid[:, 1:]
-    per_chunk = max(1, LOSS_CHUNK_BYTES // max(1, 4 * t * vocab))
-    parts = []
-    for first in range(0, rows, per_chunk):
-        chunk = slice(first, first + per_chunk)
-        scores = logits[chunk, :-1].float()  # (chunk, t - 1, vocab)
-        picked = scores.gather(-1, batch.input_ids[chunk, 1:, None])[..., 0]
-        nll = (torch.logsumexp(scores, -1) - picked).double()
-        parts.append(torch.where(predicted[chunk], nll, 0.0))
-    return torch.cat(parts)
-
-
-class HeadMeans:
-    """An OutputEditor that leaves outputs unchanged and sums them: `means()` is each head's mean output over every
-    real token position seen, (depth, heads, head_dim) float64."""
-
-    def __init__(self, depth: int, heads: int, head_dim: int) -> None:
-        self.sums = np.zeros((depth, heads, head_dim))
-        self.positions = 0
-        self._valid: torch.Tensor | None = None
-
-    def start(self, batch: Batch) -> None:
-        self._valid = batch.attention_mask.bool()
-        self.positions += batch.n_tokens
-
-    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        real = output[self._valid]  # (positions, heads, head_dim)
-        self.sums[layer] += real.double().sum(0).cpu().numpy()
-        return output
-
-    def means(self) -> np.ndarray:
-        return self.sums / max(self.positions, 1)
-
-
-@dataclass(frozen=True)
-class Removal:
-    """How removed heads are replaced: zero, or each head's clean corpus mean (means: (depth, heads, head_dim))."""
-
-    mode: str
-    means: np.ndarray | None = None
-
-    def value(self, layer: int, head: int, head_dim: int) -> torch.Tensor:
-        if self.mode == "zero":
-            return torch.zeros(head_dim)
-        return torch.as_tensor(self.means[layer, head], dtype=torch.float32)
-
-
-class RemovedHeads:
-    """An OutputEditor for replicated batches: replica r (rows r * rows ... ) has the heads groups[r] removed, the
-    way removals[r] says (one Removal: every replica the same way)."""
-
-    def __init__(self, groups: Sequence[Sequence[Head]], removals: Removal | Sequence[Removal], rows: int) -> None:
-        self.rows = rows
-        removals = [removals] * len(groups) if isinstance(removals, Removal) else list(removals)
-        self.by_layer: dict[int, list[tuple[int, int, Removal]]] = {}  # layer -> [(replica, head, removal)]
-        for replica, (group, removal) in enumerate(zip(groups, removals, strict=True)):
-            for layer, head in group:
-                self.by_layer.setdefault(layer, []).append((replica, head, removal))
-        self._values: dict[tuple[int, int, str], torch.Tensor] = {}
-
-    def start(self, batch: Batch) -> None:
-        pass
-
-    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        if layer not in self.by_layer:
-            return output
-        output = output.clone()
-        for replica, head, removal in self.by_layer[layer]:
-            key = (layer, head, removal.mode)
-            if key not in self._values:
-                self._values[key] = removal.value(layer, head, output.shape[-1]).to(output.device)
-            output[replica * self.rows : (replica + 1) * self.rows, :, head, :] = self._values[key].to(output.dtype)
-        return output
 
 
 @dataclass

@@ -8,8 +8,7 @@ Definitions (the README has them too):
 - ablation_zero / ablation_mean: the loss with that output set to 0 / to its mean over every non-padding
   position of the corpus, minus the clean loss (exact: one forward per ablated head).
 - attribution_zero / attribution_mean: the first-order estimates of the same two from one forward and one
-  backward pass for all heads: sum over positions of (replacement - output) . dLoss/d(output), averaged like
-  the loss. With m the head's mean output, sum (m - o) . g = m . (sum g) - sum o . g, so one pass gives both.
+  backward pass for all heads (interventions.removal: `Removal.estimate`), averaged like the loss.
 
 Exact ablation removes each head as a group of one (measures.groups, the same passes as `headscope ablate`): each
 batch runs once clean, keeping every decoder layer's output; then, per ablated layer, the batch is replicated along
@@ -24,65 +23,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from headscope.arguments import head_name
+from headscope.config import REMOVAL_MODES
 from headscope.errors import ResourceError
-from headscope.interventions.groups import MODES, SCORINGS, Removal, group_effect, group_losses, token_nll
+from headscope.interventions.groups import SCORINGS, group_effect, group_losses
+from headscope.interventions.removal import Removal, gradient_pass
 from headscope.labels import ROLES
 from headscope.model.memory import readable
 from headscope.run.feed import Batch, CorpusFeed
 from headscope.run.progress import Reporter
-
-
-def token_losses(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sentence: the summed next-token cross-entropy (nats, float64) and how many tokens were predicted.
-
-    logits: (batch, t, vocab), the model's own. Position p predicts the token at p + 1 when both are real
-    tokens, so padding (on either side) never counts.
-    """
-    valid = batch.attention_mask.bool()
-    return token_nll(logits, batch).sum(-1), (valid[:, :-1] & valid[:, 1:]).sum(-1)
-
-
-class HeadOutputs:
-    """An OutputEditor for the clean pass with gradients: keeps each wanted layer's head outputs so that,
-    after the backward pass, `collect` can sum what attribution needs (outputs are returned unchanged)."""
-
-    def __init__(self, layers: Sequence[int], heads: int, head_dim: int) -> None:
-        self.layers = list(layers)
-        shape = (len(self.layers), heads, head_dim)
-        self.sum_output = np.zeros(shape)  # sum of o over real positions, for the mean
-        self.sum_grad = np.zeros(shape)  # sum of dLoss/do over real positions
-        self.sum_output_grad = np.zeros(shape[:2])  # sum of o . dLoss/do
-        self.positions = 0  # real positions seen
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._valid: torch.Tensor | None = None
-
-    def start(self, batch: Batch) -> None:
-        self._outputs, self._valid = {}, batch.attention_mask.bool()
-
-    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        if layer in self.layers:
-            output.retain_grad()
-            self._outputs[layer] = output
-        return output
-
-    def collect(self) -> None:
-        """Add this batch's sums; call after the backward pass of its summed loss."""
-        mask = self._valid[:, :, None, None].to(torch.float64)  # (batch, t, 1, 1)
-        for index, layer in enumerate(self.layers):
-            output = self._outputs[layer].detach().double()  # (batch, t, heads, head_dim)
-            grad = self._outputs[layer].grad.double()
-            self.sum_output[index] += (output * mask).sum((0, 1)).cpu().numpy()
-            self.sum_grad[index] += (grad * mask).sum((0, 1)).cpu().numpy()
-            self.sum_output_grad[index] += (output * grad * mask).sum((0, 1, 3)).cpu().numpy()
-        self.positions += int(self._valid.sum())
-        self._outputs = {}
-
-    def means(self) -> np.ndarray:
-        """(layers, heads, head_dim): each head's mean output over every real position of the corpus."""
-        return self.sum_output / max(self.positions, 1)
 
 
 @dataclass
@@ -177,9 +127,9 @@ def role_groups(capture, batches, plan, labelled, means: np.ndarray, sentences: 
     full[list(plan.layers)] = means  # only measured layers have roles, and means
     settings, entries = plan.settings, []
     reporter.stage(f"each role's heads removed together ({len(groups)} roles, zero and mean)")
-    reporter.start(len(MODES) * sentences, what="role ablation")
-    for mode in MODES:
-        removal = Removal(mode, full if mode == "mean" else None)
+    reporter.start(len(REMOVAL_MODES) * sentences, what="role ablation")
+    for mode in REMOVAL_MODES:
+        removal = Removal(mode, full)
         losses = group_losses(
             capture,
             batches,
@@ -222,42 +172,36 @@ def measure_importance(
     (called once per pass: twice with `exact`); replicas_per_forward(batch) -> how many replicas of `batch`
     one forward pass may hold.
     """
-    recorder = HeadOutputs(layer_ids, heads, head_dim)
-    clean, tokens = 0.0, 0
-    for batch in batches():
-        output = capture.run(batch, editors=[recorder], grad=True)  # parameters frozen: gradients of outputs only
-        with torch.enable_grad():
-            losses, counts = token_losses(output.logits, batch)
-            losses.sum().backward()
-        recorder.collect()
-        clean += float(losses.detach().sum())
-        tokens += int(counts.sum())
-        reporter.advance(len(batch.sentence_ids), batch.n_tokens)
-    means = recorder.means()
+    found = gradient_pass(
+        capture, batches, layer_ids, heads, head_dim,
+        on_batch=lambda batch: reporter.advance(len(batch.sentence_ids), batch.n_tokens),
+    )  # fmt: skip
+    means, tokens = found.sums.means(), found.tokens
+    full = np.zeros((max(layer_ids) + 1, heads, head_dim))
+    full[list(layer_ids)] = means
     result = Importance(
         means=means,
         mode="exact" if exact else "fast",
-        clean_loss=clean / max(tokens, 1),
+        clean_loss=found.loss / max(tokens, 1),
         predicted_tokens=tokens,
-        attribution_zero=-recorder.sum_output_grad / max(tokens, 1),
-        attribution_mean=((means * recorder.sum_grad).sum(-1) - recorder.sum_output_grad) / max(tokens, 1),
+        attribution_zero=Removal("zero").estimate(found.sums, tokens),
+        attribution_mean=Removal("mean", full).estimate(found.sums, tokens),
     )
     if exact:
-        zero, mean = _ablate(capture, batches, layer_ids, heads, means, replicas_per_forward, reporter)
+        zero, mean = _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter)
         result.ablation_zero, result.ablation_mean = zero / max(tokens, 1), mean / max(tokens, 1)
     return result
 
 
-def _ablate(capture, batches, layer_ids, heads, means, replicas_per_forward, reporter):
+def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter):
     """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus: each head a group
-    of one (measures.groups), the replicas of a batch sharing its clean pass and starting at their head's layer."""
-    full = np.zeros((max(layer_ids) + 1, heads, means.shape[-1]))
-    full[list(layer_ids)] = means
-    singles = [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in MODES]
-    removals = [Removal(mode, full if mode == "mean" else None) for mode in MODES] * (len(singles) // len(MODES))
+    of one (interventions.groups), the replicas of a batch sharing its clean pass and starting at their head's
+    layer. full: (depth, heads, head_dim) means, of the measured layers."""
+    singles = [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in REMOVAL_MODES]
+    removals = [Removal(mode, full) for mode in REMOVAL_MODES] * (len(singles) // len(REMOVAL_MODES))
     losses = group_losses(
         capture, batches, singles, removals, replicas_per_forward=replicas_per_forward, reporter=reporter
     )
     _, clean, ablated = losses.arrays("all")
-    increases = (ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads, len(MODES))
-    return tuple(increases[..., MODES.index(mode)] for mode in ("zero", "mean"))
+    increases = (ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads, len(REMOVAL_MODES))
+    return tuple(increases[..., REMOVAL_MODES.index(mode)] for mode in ("zero", "mean"))

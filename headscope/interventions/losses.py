@@ -21,8 +21,10 @@ import torch
 
 from headscope.config import RunConfig
 from headscope.errors import ConfigError
-from headscope.interventions.groups import GroupLosses, Head, HeadMeans, Removal, RemovedHeads, group_losses
-from headscope.interventions.importance import HeadOutputs, check_importance_fits, token_losses
+from headscope.interventions.groups import GroupLosses, group_losses
+from headscope.interventions.importance import check_importance_fits
+from headscope.interventions.nll import token_losses
+from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, gradient_pass
 from headscope.layout import SCHEMA_VERSION
 from headscope.model.capture import Capture, attached
 from headscope.model.loading import LoadedModel, Loader, open_model
@@ -59,7 +61,7 @@ class LossModel:
     def means(self) -> np.ndarray:
         """(depth, heads, head_dim) float64: each head's mean output over every real token of the corpus."""
         if self._means is None:
-            recorder = HeadMeans(self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"])
+            recorder = OutputSums(range(self.plan.depth), self.plan.heads, self.plan.architecture["head_dim"])
             for batch in self.batches():
                 self.capture.run(batch, editors=[recorder])
             self._means = recorder.means()
@@ -92,20 +94,13 @@ class LossModel:
 
     def attribution(self, removed: Sequence[Head], removal: Removal) -> dict[Head, float]:
         """Per head: the first-order estimate (nats per predicted token) of also removing it, with `removed`
-        removed: (replacement - output) . dLoss/d(output) summed over positions, from one gradient pass."""
+        removed (Removal.estimate, from one gradient pass over the corpus on the model pruned so far)."""
         depth, heads, head_dim = self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"]
-        recorder = HeadOutputs(range(depth), heads, head_dim)
-        tokens = 0
-        for batch in self.batches():
-            editors = [RemovedHeads([list(removed)], removal, len(batch.sentence_ids)), recorder]
-            output = self.capture.run(batch, editors=editors, grad=True)
-            with torch.enable_grad():
-                losses, counts = token_losses(output.logits, batch)
-                losses.sum().backward()
-            recorder.collect()
-            tokens += int(counts.sum())
-        replacement = removal.means if removal.mode == "mean" else np.zeros((depth, heads, head_dim))
-        estimate = ((replacement * recorder.sum_grad).sum(-1) - recorder.sum_output_grad) / max(tokens, 1)
+        found = gradient_pass(
+            self.capture, self.batches, range(depth), heads, head_dim,
+            edit=lambda batch: [RemovedHeads([list(removed)], removal, len(batch.sentence_ids))],
+        )  # fmt: skip
+        estimate = removal.estimate(found.sums, found.tokens)
         return {(layer, head): float(estimate[layer, head]) for layer, head in self.all_heads}
 
 

@@ -1,8 +1,8 @@
 """prune(): as many heads removed together as a loss budget allows, every step verified by a forward pass.
 
-the search     measures/prune_search.py: rank the remaining heads by the magnitude of their first-order estimate
+the search     interventions/search.py: rank the remaining heads by the magnitude of their first-order estimate
                on the model pruned so far, verify a few nested steps at once, keep the largest within budget
-the removal    zero, or each head's clean corpus mean (measures/groups.py)
+the removal    zero, or each head's clean corpus mean (interventions/removal.py)
 the output     prune.json (heads in removal order, clean and verified pruned loss, the curve), head_mask.parquet
                ((layers, heads) 0/1, usable as `head_mask`), prune_curve.png; with save_model, a transformers
                checkpoint with the heads removed from its weights (surgery.py), reloaded and its loss checked
@@ -20,11 +20,11 @@ import numpy as np
 import pandas as pd
 
 from headscope.arguments import as_path, head_name
-from headscope.config import CHART_FORMATS, RunConfig, run_settings
+from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig, run_settings
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.interventions.ablate import SETTINGS_USED
-from headscope.interventions.groups import MODES
 from headscope.interventions.losses import LossModel, loss_model, plain_loss, record_header
+from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult, prune_search
 from headscope.interventions.surgery import check_savable
 from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
@@ -55,7 +55,7 @@ def prune(
     corpus: str | Path | Corpus | list[str] | None = None,
     *,
     budget: float,
-    mode: str = "mean",
+    mode: str = DEFAULT_REMOVAL,
     out: str | Path | None = None,
     overwrite: bool = False,
     save_model: str | Path | None = None,
@@ -88,14 +88,14 @@ def prune(
             if save_model is not None:
                 check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
-            result, means = _search(lm, budget, mode, reporter)
+            result, removal = _search(lm, budget, mode, reporter)
         record = _record(lm, corpus, result, settings, mode, time.perf_counter() - started)
         mask = head_mask(result.heads, lm.plan.depth, lm.plan.heads)
         failure = None
         if save_model is not None:
             try:  # published (or removed) when this block ends, before the pruning's own folder
                 with stages["model"] as model_stage:
-                    saved = _save(lm, result, means, model_stage.path, reporter)
+                    saved = _save(lm, result, removal, model_stage.path, reporter)
                 record["saved_model"] = saved | {"path": str(model_stage.target)}
             # Whatever goes wrong in saving (a full disk, an architecture transformers cannot write), the verified
             # search is still worth keeping: prune.json says what failed.
@@ -126,8 +126,8 @@ def check_request(budget, mode: str, charts: str | None) -> None:
     """Refuse a budget, mode or chart format that cannot be, before anything loads."""
     if isinstance(budget, bool) or not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
         raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
-    if mode not in MODES:
-        raise ConfigError(f"--mode takes {', '.join(MODES)}; got {mode!r}")
+    if mode not in REMOVAL_MODES:
+        raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {mode!r}")
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
 
@@ -168,7 +168,7 @@ def _search(lm: LossModel, budget: float, mode: str, reporter: Reporter) -> tupl
         tries=TRIES,
         on_step=step,
     )
-    return result, removal.means
+    return result, removal
 
 
 def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
@@ -216,14 +216,14 @@ def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, r
             reporter.warn(f"could not draw {failed}; prune.json and head_mask.parquet are written")
 
 
-def _save(lm: LossModel, result: PruneResult, means, folder: Path, reporter: Reporter) -> dict:
+def _save(lm: LossModel, result: PruneResult, removal: Removal, folder: Path, reporter: Reporter) -> dict:
     """Write the pruned checkpoint into `folder`, load it back with transformers and check its loss."""
     from headscope.interventions.surgery import plain_checkpoint, pruned_weights
 
     loaded, plan = lm.loaded, lm.plan
     reporter.stage(f"saving the pruned model ({len(result.heads)} heads removed from its weights)")
-    with pruned_weights(loaded.lm, result.heads, head_count=plan.heads, head_dim=plan.architecture["head_dim"],
-                        means=means), plain_checkpoint(loaded.lm):  # fmt: skip
+    with pruned_weights(loaded.lm, result.heads, removal, head_count=plan.heads,
+                        head_dim=plan.architecture["head_dim"]), plain_checkpoint(loaded.lm):  # fmt: skip
         loaded.lm.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     reporter.stage("loading the saved model back to check its loss")
@@ -233,7 +233,7 @@ def _save(lm: LossModel, result: PruneResult, means, folder: Path, reporter: Rep
             f"the saved model's loss is {loss:.6f} nats where the pruned model's was {result.loss:.6f}: this "
             f"architecture computes something besides its output projection from the heads' outputs; nothing was saved"
         )
-    saved = {"loss": loss, "mode": "mean" if means is not None else "zero"}
+    saved = {"loss": loss, "mode": removal.mode}
     saved["heads_removed"] = [head_name(*h) for h in result.heads]
     write_json({"schema_version": SCHEMA_VERSION, **saved, "versions": versions()}, folder / PRUNED_MODEL_RECORD)
     return saved

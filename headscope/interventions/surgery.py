@@ -20,10 +20,10 @@ import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from headscope.errors import ConfigError, ModelLoadError, ResourceError
+from headscope.interventions.removal import Removal
 from headscope.model.capture import decoder_layers
 from headscope.model.memory import readable
 
@@ -53,22 +53,22 @@ def _in_features(module: torch.nn.Module) -> int | None:
 
 @contextlib.contextmanager
 def pruned_weights(
-    model: torch.nn.Module, heads: Sequence[tuple[int, int]], *, head_count: int, head_dim: int, means=None
+    model: torch.nn.Module, heads: Sequence[tuple[int, int]], removal: Removal, *, head_count: int, head_dim: int
 ) -> Iterator[None]:
-    """Within the block, `model` (a causal LM) computes the pruned model: `heads` removed, zero-ablated or, with
-    `means` ((depth, heads, head_dim)), mean-ablated. The weights (and config) are put back on leaving."""
+    """Within the block, `model` (a causal LM) computes the pruned model: `heads` removed as `removal` says, folded
+    into the weights (Removal.fold). The weights (and config) are put back on leaving."""
     decoder = decoder_layers(model)
     saved, added = [], []
     attention_bias = getattr(model.config, "attention_bias", None)
     try:
         with torch.no_grad():
             projections = {i: output_projection(decoder[i], head_count * head_dim) for i in {h[0] for h in heads}}
-            if means is not None and any(module.bias is None for _, module in projections.values()):
+            if removal.mode == "mean" and any(module.bias is None for _, module in projections.values()):
                 added = _add_biases(model, decoder, head_count * head_dim)
             for layer_index, (_, projection) in sorted(projections.items()):
                 saved.append((projection, projection.weight.detach().clone(), _bias_copy(projection)))
                 removed = sorted(head for layer, head in heads if layer == layer_index)
-                _remove(projection, removed, head_dim, None if means is None else means[layer_index])
+                removal.fold(projection, layer_index, removed, head_dim)
         yield
     finally:
         with torch.no_grad():
@@ -84,19 +84,6 @@ def pruned_weights(
 
 def _bias_copy(module: torch.nn.Module) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.detach().clone()
-
-
-def _remove(projection: torch.nn.Module, heads: list[int], head_dim: int, means: np.ndarray | None) -> None:
-    """Zero the heads' input columns of `projection`; with means ((heads, head_dim)), fold them into its bias."""
-    conv = not isinstance(projection, torch.nn.Linear)  # Conv1D: weight (in, out)
-    weight = projection.weight  # Linear: (out, in)
-    for head in heads:
-        columns = slice(head * head_dim, (head + 1) * head_dim)
-        owned = weight[columns, :].T if conv else weight[:, columns]  # (out, head_dim)
-        if means is not None:
-            constant = torch.as_tensor(means[head], dtype=torch.float64, device=weight.device)
-            projection.bias += (owned.double() @ constant).to(projection.bias.dtype)
-        owned.zero_()
 
 
 def _add_biases(model: torch.nn.Module, decoder, inputs: int) -> list[torch.nn.Module]:

@@ -1,0 +1,194 @@
+"""How a head is removed: the one definition every intervention uses (importance, ablate, prune, surgery).
+
+A head's output is its slice of the input to the layer's attention output projection (o_proj, c_proj, ...), at
+every position: (batch, t, heads, head_dim), what `capture` hands an OutputEditor. Removing it replaces that
+slice, at every position, by its `replacement`: zero (`zero` mode) or the head's mean output over every real token
+position of the corpus on the clean model (`mean` mode, the same constant whichever other heads are removed).
+
+A `Removal` does the three things a removal must do, each written once here:
+    editing      RemovedHeads puts the replacement into the capture's passes (replicas of a batch, a group each)
+    estimating   `estimate`: the first-order change of the loss, sum over positions of (replacement - o) . dL/do,
+                 from one gradient pass's sums (`OutputSums` with grad)
+    folding      `fold`: the replacement written into the output projection's weights (zeroed columns, and in
+                 mean mode W_h m_h added to the bias), so that a plain forward pass computes the same model
+
+`OutputSums` is the one recorder of head outputs (their means for mean removal; with a gradient pass, what the
+estimate needs), and `gradient_pass` the one forward-and-backward pass over a corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES
+from headscope.errors import ConfigError
+from headscope.interventions.nll import token_losses
+from headscope.run.feed import Batch
+
+Head = tuple[int, int]  # (layer, head)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """How removed heads are replaced: zero, or each head's clean corpus mean (means: (depth, heads, head_dim), which
+    zero mode does not read)."""
+
+    mode: str = DEFAULT_REMOVAL
+    means: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in REMOVAL_MODES:
+            raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {self.mode!r}")
+        if self.mode == "mean" and self.means is None:
+            raise ConfigError("mean removal needs each head's mean output over the corpus")
+
+    def replacement(self, layers: Sequence[int], heads: int, head_dim: int) -> np.ndarray:
+        """(len(layers), heads, head_dim) float64: what each head's output becomes."""
+        if self.mode == "zero":
+            return np.zeros((len(layers), heads, head_dim))
+        return self.means[list(layers)]
+
+    def value(self, layer: int, head: int, head_dim: int) -> torch.Tensor:
+        """(head_dim,) float32: one head's replacement, as the capture puts it in."""
+        if self.mode == "zero":
+            return torch.zeros(head_dim)
+        return torch.as_tensor(self.means[layer, head], dtype=torch.float32)
+
+    def estimate(self, sums: OutputSums, tokens: int) -> np.ndarray:
+        """(layers, heads): the first-order change of the mean loss (nats per predicted token) from removing each
+        head of `sums`' layers alone, on the model `sums` was recorded on: with o the output and g = dL/do,
+        sum over positions of (replacement - o) . g = replacement . (sum g) - sum o . g."""
+        replacement = self.replacement(sums.layers, *sums.sum_grad.shape[1:])
+        return ((replacement * sums.sum_grad).sum(-1) - sums.sum_output_grad) / max(tokens, 1)
+
+    def fold(self, projection: torch.nn.Module, layer: int, heads: Sequence[int], head_dim: int) -> None:
+        """Write the removal of `heads` (of `layer`) into `projection`, the layer's output projection: zero the
+        heads' input columns; in mean mode add W_h m_h to the bias (which must exist: surgery adds one)."""
+        conv = not isinstance(projection, torch.nn.Linear)  # GPT-2's Conv1D: weight (in, out)
+        weight = projection.weight  # Linear: (out, in)
+        for head in heads:
+            columns = slice(head * head_dim, (head + 1) * head_dim)
+            owned = weight[columns, :].T if conv else weight[:, columns]  # (out, head_dim)
+            if self.mode == "mean":
+                constant = torch.as_tensor(self.means[layer, head], dtype=torch.float64, device=weight.device)
+                projection.bias += (owned.double() @ constant).to(projection.bias.dtype)
+            owned.zero_()
+
+
+class RemovedHeads:
+    """An OutputEditor for replicated batches: replica r (rows r * rows ... ) has the heads groups[r] removed, the
+    way removals[r] says (one Removal: every replica the same way)."""
+
+    def __init__(self, groups: Sequence[Sequence[Head]], removals: Removal | Sequence[Removal], rows: int) -> None:
+        self.rows = rows
+        removals = [removals] * len(groups) if isinstance(removals, Removal) else list(removals)
+        self.by_layer: dict[int, list[tuple[int, int, Removal]]] = {}  # layer -> [(replica, head, removal)]
+        for replica, (group, removal) in enumerate(zip(groups, removals, strict=True)):
+            for layer, head in group:
+                self.by_layer.setdefault(layer, []).append((replica, head, removal))
+        self._values: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def start(self, batch: Batch) -> None:
+        pass
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        if layer not in self.by_layer:
+            return output
+        output = output.clone()
+        for replica, head, removal in self.by_layer[layer]:
+            key = (layer, head, removal.mode)
+            if key not in self._values:
+                self._values[key] = removal.value(layer, head, output.shape[-1]).to(output.device)
+            output[replica * self.rows : (replica + 1) * self.rows, :, head, :] = self._values[key].to(output.dtype)
+        return output
+
+
+class OutputSums:
+    """An OutputEditor that leaves outputs unchanged and sums them over every real position of `layers`:
+    `means()`, each head's mean output, (layers, heads, head_dim) float64. With `grad` (a gradient pass), it keeps
+    the outputs until `collect()`, after the backward pass, adds what `Removal.estimate` needs too: the sums of
+    dL/do and of o . dL/do."""
+
+    def __init__(self, layers: Sequence[int], heads: int, head_dim: int, *, grad: bool = False) -> None:
+        self.layers, self.grad = list(layers), grad
+        self._index = {layer: index for index, layer in enumerate(self.layers)}
+        shape = (len(self.layers), heads, head_dim)
+        self.sum_output = np.zeros(shape)  # sum of o over real positions
+        self.sum_grad = np.zeros(shape)  # sum of dL/do over real positions (grad only)
+        self.sum_output_grad = np.zeros(shape[:2])  # sum of o . dL/do (grad only)
+        self.positions = 0  # real positions seen
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._valid: torch.Tensor | None = None
+
+    def start(self, batch: Batch) -> None:
+        self._outputs, self._valid = {}, batch.attention_mask.bool()
+        self.positions += int(self._valid.sum())
+
+    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        if layer not in self._index:
+            return output
+        if self.grad:
+            output.retain_grad()
+            self._outputs[layer] = output
+        else:
+            self.sum_output[self._index[layer]] += self._summed(output)
+        return output
+
+    def _summed(self, output: torch.Tensor) -> np.ndarray:
+        mask = self._valid[:, :, None, None].to(torch.float64)  # (batch, t, 1, 1)
+        return (output.detach().double() * mask).sum((0, 1)).cpu().numpy()
+
+    def collect(self) -> None:
+        """Add this batch's sums of a gradient pass; call after the backward pass of its summed loss."""
+        mask = self._valid[:, :, None, None].to(torch.float64)
+        for layer, output in self._outputs.items():
+            index = self._index[layer]
+            grad = output.grad.double()
+            self.sum_output[index] += self._summed(output)
+            self.sum_grad[index] += (grad * mask).sum((0, 1)).cpu().numpy()
+            self.sum_output_grad[index] += (output.detach().double() * grad * mask).sum((0, 1, 3)).cpu().numpy()
+        self._outputs = {}
+
+    def means(self) -> np.ndarray:
+        return self.sum_output / max(self.positions, 1)
+
+
+@dataclass
+class GradientPass:
+    """What one forward-and-backward pass over a corpus found: the clean (or already-edited) summed loss, the
+    predicted tokens, and the head-output sums of the recorded layers."""
+
+    loss: float
+    tokens: int
+    sums: OutputSums
+
+
+def gradient_pass(
+    capture,
+    batches: Callable[[], Iterable[Batch]],
+    layers: Sequence[int],
+    heads: int,
+    head_dim: int,
+    *,
+    edit: Callable[[Batch], list] = lambda batch: [],
+    on_batch: Callable[[Batch], None] = lambda batch: None,
+) -> GradientPass:
+    """One forward pass with gradients and one backward pass of the summed loss per batch (the parameters frozen:
+    gradients of the head outputs only), recording the heads of `layers`. edit(batch): editors applied first (heads
+    already removed, for prune's estimate on the model pruned so far); on_batch: progress."""
+    sums = OutputSums(layers, heads, head_dim, grad=True)
+    loss, tokens = 0.0, 0
+    for batch in batches():
+        output = capture.run(batch, editors=[*edit(batch), sums], grad=True)
+        with torch.enable_grad():
+            losses, counts = token_losses(output.logits, batch)
+            losses.sum().backward()
+        sums.collect()
+        loss += float(losses.detach().sum())
+        tokens += int(counts.sum())
+        on_batch(batch)
+    return GradientPass(loss, tokens, sums)
