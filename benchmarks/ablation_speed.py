@@ -45,10 +45,7 @@ def main() -> None:
     )
 
     def batches():
-        limits = plan.importance
-        yield from feed.every_batch(
-            max_sentences=limits.max_sentences, max_tokens=limits.max_tokens, padding_side="right"
-        )
+        return plan.batches(feed, "importance", loaded.device)
 
     seconds = {False: [], True: []}
     with attached(loaded.lm) as capture:

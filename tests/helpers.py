@@ -90,7 +90,7 @@ class Interrupting(NullReporter):
             raise KeyboardInterrupt
 
 
-def refuse_to_load(source, settings, model_config):
+def refuse_to_load(source, settings, model_config, lm_head):
     """A loader that fails the test: the check under test must come before the weights load."""
     raise AssertionError("the model was loaded before the bad option was refused")
 

@@ -130,8 +130,8 @@ def test_out_of_memory_during_a_batch(planted_gpt2, tmp_path):
     def exhausted(module, args):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    def loader(source, settings, model_config):  # the model runs out of memory inside its first layer
-        loaded = load_for_run(source, settings, model_config)
+    def loader(source, settings, model_config, lm_head):  # the model runs out of memory inside its first layer
+        loaded = load_for_run(source, settings, model_config, lm_head)
         loaded.model.h[0].register_forward_pre_hook(exhausted)
         return loaded
 
@@ -350,8 +350,8 @@ def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp
     """float16 overflow, simulated by a model whose own attention maths turns the first row of head 0 to NaN."""
     from overflowing import make_overflowing
 
-    def loader(source, settings, model_config):
-        loaded = load_for_run(source, settings, model_config)
+    def loader(source, settings, model_config, lm_head):
+        loaded = load_for_run(source, settings, model_config, lm_head)
         make_overflowing(loaded.model)
         return loaded
 

@@ -185,11 +185,11 @@ def test_what_loading_offloads_is_removed_when_the_run_ends(planted_gpt2, tmp_pa
     offload.mkdir()
     (offload / "mine.txt").write_text("mine")
 
-    def loader(source, settings, model_config):  # writes what accelerate writes for a converted checkpoint
+    def loader(source, settings, model_config, lm_head):  # writes what accelerate writes for a converted checkpoint
         Path(settings.offload_folder).mkdir(exist_ok=True)
         (Path(settings.offload_folder) / "h.1.attn.c_attn.weight.dat").write_bytes(b"\0" * 1024)
         (Path(settings.offload_folder) / "index.json").write_text("{}")
-        return load_for_run(source, settings, model_config)
+        return load_for_run(source, settings, model_config, lm_head)
 
     out = tmp_path / "o"
     options = ("--device-map", "auto", "--offload-folder", offload, *QUICK, "--no-charts")

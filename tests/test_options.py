@@ -296,9 +296,9 @@ def reaches_the_loader(**options):
     def check(planted, texts, baseline, tmp_path):
         seen = []
 
-        def loader(source, settings, model_config):
+        def loader(source, settings, model_config, lm_head):
             seen.append(settings)
-            return load_for_run(source, settings, model_config)
+            return load_for_run(source, settings, model_config, lm_head)
 
         report = headscope.analyze(str(planted), texts, loader=loader, **{**FAST, **options})
         assert [getattr(seen[0], name) for name in options] == list(options.values())

@@ -254,8 +254,8 @@ def test_a_save_that_fails_after_the_search_keeps_the_search(redundant, tmp_path
     """Whatever goes wrong in saving, prune.json (the verified result) is published, saying what failed."""
     from headscope.model.loading import load_for_run
 
-    def failing_save(source, settings, model_config):
-        loaded = load_for_run(source, settings, model_config)
+    def failing_save(source, settings, model_config, lm_head):
+        loaded = load_for_run(source, settings, model_config, lm_head)
 
         def save_pretrained(*args, **kwargs):
             raise RuntimeError("this architecture cannot be written")

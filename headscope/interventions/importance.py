@@ -67,11 +67,12 @@ def check_importance_fits(feed: CorpusFeed, plan, what: str = "--importance") ->
     sentence is never split, so it would take more memory than --max-memory allows (its chunks are tokenized
     now and kept: importance reads them again anyway)."""
     longest = max((len(ids) for index in range(len(feed)) for ids in feed.chunk(index).ids), default=0)
-    if longest > plan.importance.max_tokens:
+    fits = plan.limits("importance").max_tokens
+    if longest > fits:
         raise ResourceError(
-            f"{what} fits {plan.importance.max_tokens:,} tokens in one gradient pass with "
+            f"{what} fits {fits:,} tokens in one gradient pass with "
             f"{readable(plan.memory_budget)} of memory, and the longest sentence has {longest:,}: raise "
-            f"--max-memory, or cut sentences with --max-length {plan.importance.max_tokens}"
+            f"--max-memory, or cut sentences with --max-length {fits}"
         )
 
 
@@ -82,11 +83,7 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
     exact = settings.importance == "exact"
 
     def batches() -> Iterator[Batch]:
-        limits = plan.importance
-        for batch in feed.every_batch(
-            max_sentences=limits.max_sentences, max_tokens=limits.max_tokens, padding_side=settings.padding_side
-        ):
-            yield batch.to(device)
+        return plan.batches(feed, "importance", device)
 
     predicted = sum(max(len(ids) - 1, 0) for index in range(len(feed)) for ids in feed.chunk(index).ids)
     if predicted == 0:

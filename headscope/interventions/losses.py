@@ -10,7 +10,6 @@ does (sentences never split, replicas within --max-memory) and answers three que
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as dt
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ import numpy as np
 import torch
 
 from headscope.config import RunConfig
-from headscope.errors import ConfigError
 from headscope.interventions.groups import GroupLosses, group_losses
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.nll import token_losses
@@ -49,11 +47,7 @@ class LossModel:
         return [(layer, head) for layer in range(self.plan.depth) for head in range(self.plan.heads)]
 
     def batches(self) -> Iterator[Batch]:
-        limits, side = self.plan.importance, self.plan.settings.padding_side
-        for batch in self.feed.every_batch(
-            max_sentences=limits.max_sentences, max_tokens=limits.max_tokens, padding_side=side
-        ):
-            yield batch.to(self.loaded.device)
+        return self.plan.batches(self.feed, "importance", self.loaded.device)
 
     def replicas(self, batch: Batch) -> int:
         return self.plan.replica_tokens // batch.input_ids.numel()
@@ -117,10 +111,7 @@ def loss_model(
 ) -> Iterator[LossModel]:
     """The model loaded (with its LM head) and attached, the corpus fed as head importance feeds it; what: the
     command, as messages name it."""
-    if isinstance(model, LoadedModel) and model.lm is None:
-        raise ConfigError(f"{what} needs the model's LM head: load it with headscope.load_model(..., lm_head=True)")
-    # The loaders load the LM head for any importance setting; this command scores the loss, so it needs it.
-    loaded = open_model(stack, model, source, dataclasses.replace(settings, importance="exact"), loader, reporter)
+    loaded = open_model(stack, model, source, settings, loader, reporter, lm_head=True, what=what)
     plan = plan_for_model(settings, loaded)
     chunk = max(1, len(corpus.sentences))  # one chunk: every pass reads the whole corpus again
     feed = CorpusFeed(corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)

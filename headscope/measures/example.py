@@ -10,7 +10,7 @@ import pandas as pd
 
 from headscope.measures.heads import HeadAttention
 from headscope.measures.probes import ProbeSpec, probe_sequences
-from headscope.run.feed import CorpusFeed, collate, token_labels
+from headscope.run.feed import CorpusFeed, token_labels
 from headscope.tables import examples_frame
 
 # An example is cut to at most this many tokens: it keeps every head's (t, t) attention, which must stay small
@@ -44,16 +44,16 @@ def example_views(capture, feed: CorpusFeed, plan, lengths: dict[str, list[int]]
     frames = []
     for sentence_id in choose_examples(lengths, settings.examples):
         ids, _ = feed.token_ids(sentence_id, EXAMPLE_MAX_TOKENS)
-        frames.append(_view(capture, "corpus", sentence_id, ids, feed.tokenizer, settings.padding_side, device))
+        frames.append(_view(capture, plan, "corpus", sentence_id, ids, feed.tokenizer, device))
     if settings.probes and settings.examples:
         spec = ProbeSpec(seeds=2, length=min(settings.probe_length, PROBE_EXAMPLE_LENGTH))
         sequence, _ = probe_sequences(feed.tokenizer, spec)
-        frames.append(_view(capture, "probe", 0, sequence(0), feed.tokenizer, settings.padding_side, device))
+        frames.append(_view(capture, plan, "probe", 0, sequence(0), feed.tokenizer, device))
     return pd.concat(frames, ignore_index=True) if frames else examples_frame("corpus", 0, [], {}, {})
 
 
-def _view(capture, source: str, sentence_id: int, ids: list[int], tokenizer, padding_side: str, device):
-    batch = collate([sentence_id], [ids], padding_side=padding_side, device=device)
+def _view(capture, plan, source: str, sentence_id: int, ids: list[int], tokenizer, device):
+    batch = plan.collate([sentence_id], [ids], device)
     keeper = HeadAttention()
     capture.run(batch, measures=[keeper])
     return examples_frame(source, sentence_id, token_labels(tokenizer, ids), *keeper.finish())

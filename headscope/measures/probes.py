@@ -33,7 +33,7 @@ from headscope.columns import PROBE_PATTERNS
 from headscope.errors import ConfigError
 from headscope.estimates import ProbeResult, summarise_probes
 from headscope.measures.row_sums import diagonal_rows
-from headscope.run.feed import Batch, collate
+from headscope.run.feed import Batch
 from headscope.run.progress import Reporter
 
 SAMPLE_TEXT = "The cat sat on the mat."  # encoded once to learn which ids the tokenizer puts before text
@@ -211,12 +211,13 @@ def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeRes
     spec, sequence, prefix, tokens = check_probes(tokenizer, plan)
     reporter.stage(f"probing: {spec.seeds} sequences of {tokens} tokens")
     scores = ProbeScores(spec, prefix, layers=plan.layers)
-    per_batch = max(1, min(plan.corpus.max_sentences, plan.corpus.max_tokens // tokens))
+    limits = plan.limits("corpus")
+    per_batch = max(1, min(limits.max_sentences, limits.max_tokens // tokens))
     masses, rows, chances = [], [], []
     for first in range(0, spec.seeds, per_batch):
         seeds = range(first, min(first + per_batch, spec.seeds))
-        batch = collate(list(seeds), [sequence(seed) for seed in seeds], padding_side=plan.settings.padding_side)
-        capture.run(batch.to(device), measures=[scores])
+        batch = plan.collate(list(seeds), [sequence(seed) for seed in seeds], device)
+        capture.run(batch, measures=[scores])
         mass, row, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
         masses.append(np.moveaxis(mass, 1, 0))
         rows.append(row)

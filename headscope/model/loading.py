@@ -216,13 +216,18 @@ def load_model(
     )
 
 
-# What turns a model's source, the settings and its config into a loaded model (tests inject their own).
-Loader = Callable[[ModelSource, RunConfig, object], LoadedModel]
+# What turns a model's source, the settings, its config and whether the command needs the LM head into a loaded
+# model (tests inject their own).
+Loader = Callable[[ModelSource, RunConfig, object, bool], LoadedModel]
 
 
-def load_checked(model, source: ModelSource, settings: RunConfig, loader: Loader, reporter) -> LoadedModel:
+def load_checked(
+    model, source: ModelSource, settings: RunConfig, loader: Loader, reporter, *, lm_head: bool, what: str
+) -> LoadedModel:
     """The model a run uses: the caller's (its config checked against the settings), or read (config first, the
-    settings checked against it, so that a bad option costs no weights) and loaded by `loader`."""
+    settings checked against it, so that a bad option costs no weights) and loaded by `loader`. lm_head: the
+    command scores the model's loss (run.plan.needs_lm_head); what: the command or option that does, as messages
+    name it."""
     from headscope.run.plan import check_settings
 
     if isinstance(model, LoadedModel):
@@ -232,11 +237,9 @@ def load_checked(model, source: ModelSource, settings: RunConfig, loader: Loader
         reporter.stage(f"loading {source.display}")
         model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
         check_settings(settings, model_config)
-        loaded = loader(source, settings, model_config)
-    if settings.importance != "none" and loaded.lm is None:
-        raise ConfigError(
-            "--importance needs the model's LM head; load the model with headscope.load_model(..., lm_head=True)"
-        )
+        loaded = loader(source, settings, model_config, lm_head)
+    if lm_head and loaded.lm is None:
+        raise ConfigError(f"{what} needs the model's LM head; load it with headscope.load_model(..., lm_head=True)")
     return loaded
 
 
@@ -248,6 +251,8 @@ def open_model(
     loader: Loader,
     reporter,
     *,
+    lm_head: bool = False,
+    what: str = "this command",
     together=None,
 ) -> LoadedModel:
     """`load_checked`, for a run whose clean-up `stack` holds: what loading writes into --offload-folder is removed
@@ -257,7 +262,10 @@ def open_model(
 
     scratch = OffloadScratch(settings.offload_folder if not isinstance(model, LoadedModel) else None)
     stack.callback(scratch.remove)
-    loaded = (together or (lambda step: step()))(lambda: load_checked(model, source, settings, loader, reporter))
+    def checked() -> LoadedModel:
+        return load_checked(model, source, settings, loader, reporter, lm_head=lm_head, what=what)
+
+    loaded = (together or (lambda step: step()))(checked)
     scratch.loaded()
     if settings.threads is not None:
         stack.callback(torch.set_num_threads, torch.get_num_threads())
@@ -265,13 +273,13 @@ def open_model(
     return loaded
 
 
-def load_for_run(source: ModelSource, settings: RunConfig, model_config) -> LoadedModel:
-    """The model and tokenizer as a run's settings ask for them (the default loader of `analyze`); its config
-    was read, and the settings checked against it, already."""
+def load_for_run(source: ModelSource, settings: RunConfig, model_config, lm_head: bool) -> LoadedModel:
+    """The model and tokenizer as a run's settings ask for them (the default loader of every command), with its LM
+    head when the command scores the loss; its config was read, and the settings checked against it, already."""
     return load_model(
         source,
         config=model_config,
-        lm_head=settings.importance != "none",
+        lm_head=lm_head,
         device=settings.device,
         dtype=settings.dtype,
         revision=settings.revision,

@@ -49,7 +49,7 @@ from headscope.run.corpus_pass import measure_corpus
 from headscope.run.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
 from headscope.run.feed import CorpusFeed
 from headscope.run.output import StagedDirectory, check_target, resolved
-from headscope.run.plan import Plan, plan_for_model, resized
+from headscope.run.plan import Plan, needs_lm_head, plan_for_model, resized
 from headscope.run.progress import NullReporter, Reporter
 from headscope.run.record import Timings, fingerprint
 
@@ -129,7 +129,8 @@ def analyze(
             folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
         with timings.phase("load"):
             together = functools.partial(_together, ranks)
-            loaded = open_model(stack, model, source, settings, loader, reporter, together=together)
+            loaded = open_model(stack, model, source, settings, loader, reporter, together=together,
+                                lm_head=needs_lm_head(settings), what="--importance")  # fmt: skip
         plan = _plan(loaded, settings, ranks)
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
         progress, running = Progress(), {}
@@ -140,11 +141,11 @@ def analyze(
             loaded.tokenizer,
             max_length=plan.max_length,
             chunk_sentences=settings.chunk_sentences,
-            keep=settings.importance != "none",
+            keep=plan.measures_importance,
         )
         if settings.probes:  # what can be refused is refused before hours of measuring
             check_probes(loaded.tokenizer, plan)
-        if settings.importance != "none":
+        if plan.measures_importance:
             check_importance_fits(feed, plan)
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
@@ -161,7 +162,7 @@ def analyze(
                 )
             with timings.phase("importance"):
                 importance = None
-                if settings.importance != "none":  # each role's heads are ablated together too
+                if plan.measures_importance:  # each role's heads are ablated together too
                     labelled = labelled_heads(plan, measured, probes, None, (thresholds, roles))
                     importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled)
             with timings.phase("write"):  # the example views: their attention is written with the tables

@@ -112,12 +112,7 @@ def _host_work(feed: CorpusFeed, plan: Plan, progress: Progress, ranks: Ranks, *
             yield index, None
             continue
         chunk = feed.chunk(index)
-        for batch in feed.batches(
-            chunk,
-            max_sentences=plan.corpus.max_sentences,
-            max_tokens=plan.corpus.max_tokens,
-            padding_side=plan.settings.padding_side,
-        ):
+        for batch in plan.chunk_batches(feed, chunk):
             yield chunk, batch.pinned() if pin else batch
         yield chunk, None
 

@@ -294,13 +294,6 @@ class CorpusFeed:
             chunk.tokenized, max_sentences=max_sentences, max_tokens=max_tokens, padding_side=padding_side
         )
 
-    def every_batch(self, *, max_sentences: int, max_tokens: int, padding_side: str) -> Iterator[Batch]:
-        """Every chunk's batches, in order."""
-        for index in range(len(self)):
-            yield from self.batches(
-                self.chunk(index), max_sentences=max_sentences, max_tokens=max_tokens, padding_side=padding_side
-            )
-
     def token_ids(self, sentence_id: int, max_length: int | None) -> tuple[list[int], bool]:
         """One sentence's ids, cut to `max_length` (and the feed's own) as the corpus pass cuts them, and whether
         they were cut."""

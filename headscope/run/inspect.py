@@ -46,7 +46,7 @@ from headscope.model.loading import LoadedModel, Loader, load_for_run, open_mode
 from headscope.model.placement import dtype_name
 from headscope.report.report import Report, read_run
 from headscope.run.corpus import Corpus, as_corpus
-from headscope.run.feed import CorpusFeed, char_limit, collate, token_texts, tokenize_sentences
+from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
 from headscope.run.output import StagedDirectory, check_target, resolved
 from headscope.run.plan import Plan, plan_for_model
 from headscope.run.progress import NullReporter, Reporter
@@ -277,7 +277,7 @@ def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan,
     rows = []
     with pq.ParquetWriter(path, ATTENTION_SCHEMA) as writer:  # in the work folder: published whole, or not at all
         for text_id, text in enumerate(texts):
-            batch = collate([text_id], [text.ids], padding_side=plan.settings.padding_side, device=loaded.device)
+            batch = plan.collate([text_id], [text.ids], loaded.device)
             capture.run(batch, measures=[keeper])
             kept, visible = keeper.finish()
             scores = probe_scores(kept, len(text.ids), plan.settings.probe_length) if text.source == "probe" else {}

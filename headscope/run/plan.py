@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from headscope.model.memory import (
     readable,
     tokens_per_batch,
 )
+from headscope.run.feed import Batch, CorpusFeed, collate
 from headscope.summary import depth_bands
 
 
@@ -53,6 +55,32 @@ class Plan:
     corpus: Batching  # the corpus and probe passes
     importance: Batching  # forward + backward passes on the LM (head importance)
     replica_tokens: int  # padded tokens one ablation forward may hold (replicas x a batch's tokens)
+
+    @property
+    def measures_importance(self) -> bool:
+        """Does the run measure head importance (and so need the LM head and the corpus kept for another pass)?"""
+        return needs_lm_head(self.settings)
+
+    def limits(self, kind: str) -> Batching:
+        """How much one forward pass of `kind` may hold: "corpus" (the corpus and probe passes) or "importance"
+        (passes through the LM: gradients, removed heads)."""
+        return {"corpus": self.corpus, "importance": self.importance}[kind]
+
+    def collate(self, ids: list[int], sequences: list[list[int]], device=None) -> Batch:
+        """One batch of `sequences`, padded on the plan's side (settings.padding_side, which changes no number)."""
+        return collate(ids, sequences, padding_side=self.settings.padding_side, device=device)
+
+    def chunk_batches(self, feed: CorpusFeed, chunk, kind: str = "corpus") -> Iterator[Batch]:
+        """A chunk's batches for a pass of `kind`, on the host."""
+        limits = self.limits(kind)
+        yield from feed.batches(chunk, max_sentences=limits.max_sentences, max_tokens=limits.max_tokens,
+                                padding_side=self.settings.padding_side)  # fmt: skip
+
+    def batches(self, feed: CorpusFeed, kind: str, device) -> Iterator[Batch]:
+        """Every batch of the feed's corpus for a pass of `kind`, on `device`."""
+        for index in range(len(feed)):
+            for batch in self.chunk_batches(feed, feed.chunk(index), kind):
+                yield batch.to(device)
 
     @property
     def depth(self) -> int:
@@ -142,6 +170,12 @@ def model_max_length(model_config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def needs_lm_head(settings: RunConfig) -> bool:
+    """Does analyze load the LM head (decided before the model, and so the plan, exists)? For head importance only;
+    ablate and prune (and every intervention) always score the loss."""
+    return settings.importance != "none"
 
 
 def check_settings(settings: RunConfig, model_config) -> None:
