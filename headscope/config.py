@@ -42,38 +42,70 @@ SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers (the bootstrap's counte
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named strategies
 
 
+def setting(default, help: str):
+    """A RunConfig field with its documentation: the CLI's option takes its help from here (cli/options.py)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def setting_help(name: str) -> str:
+    """The documentation of RunConfig's field `name`."""
+    return next(field.metadata["help"] for field in dataclasses.fields(RunConfig) if field.name == name)
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything `analyze` needs besides the model and the corpus."""
+    """Every setting of a run besides the model, the corpus and the output: each field's help is its documentation
+    (and the CLI option's help)."""
 
-    revision: str | None = None  # hub branch, tag or commit; None = the repo's default branch
-    trust_remote_code: bool = False  # allow a hub repo's own modelling code to run
-    device: Device = "auto"  # auto: cuda if available, else mps, else cpu
-    dtype: DType = "auto"  # auto: bfloat16 (float16 without bf16 support) on cuda, float16 on mps, float32 on cpu
-    text_column: str | None = None  # column holding the sentence in .jsonl/.csv/.tsv/.parquet (None: "text")
-    encoding_errors: str = "strict"  # invalid UTF-8 in the corpus: strict (error), replace or skip the line
-    padding_side: str = "right"  # where batches are padded; changes no number (tested), kept to prove it
-    # Models larger than one device (accelerate): "auto", "balanced", "balanced_low_0", "sequential", a .json
-    # file or a dict {module name: device} ("disk" needs offload_folder); None = the whole model on `device`.
-    device_map: str | dict | None = None
-    offload_folder: str | None = None  # where a device map puts the layers it sends to disk
-    max_length: int | None = None  # truncate each sentence to this many tokens; None = the model's limit
-    window: int = 2  # diagonal metric: mass within +-window positions of the query
-    batch_size: int | None = None  # sentences per forward pass; None (auto) = as many as max_memory allows
-    max_memory: int | None = None  # bytes for activations and attention; None = half the free device memory
-    block_bytes: int = BLOCK_BYTES  # attention larger than this per layer is reduced in blocks of query rows
-    layers: tuple[int, ...] | None = None  # measure only these layers; None = all
-    sentence_heads: bool = True  # also write per-(sentence, layer, head) metrics
-    chunk_sentences: int = 4096  # sentences tokenized and length-sorted together; bounds host memory
-    sink_threshold: float = SINK_THRESHOLD  # sink_rate counts rows (position >= 4) with more first-token mass
-    probes: bool = True  # run the probe battery (repeated random tokens) after the corpus
-    probe_seeds: int = 8  # probe sequences, one per seed 0..probe_seeds-1
-    probe_length: int = 32  # random tokens per copy; each probe sequence holds two copies (and the BOS, if any)
-    bootstrap: int = 200  # Poisson bootstrap replicates for the confidence intervals; 0 skips them
-    bootstrap_seed: int = 0  # the intervals are a pure function of this seed and the corpus
-    importance: str = "none"  # head importance on the model's loss: none, fast (attribution), exact (+ ablation)
-    threads: int | None = None  # CPU threads torch may use during the run; None = torch's default
-    examples: int = 3  # corpus sentences (spread over lengths) whose attention the report keeps whole; 0: none
+    revision: str | None = setting(None, "Hub branch, tag or commit (default: the repository's default branch).")
+    trust_remote_code: bool = setting(False, "Allow the model repository's own modelling code to run.")
+    device: Device = setting("auto", "auto picks CUDA when present, then MPS, else the CPU.")
+    dtype: DType = setting("auto", "auto: bfloat16 on CUDA (float16 without bf16), float16 on MPS, float32 on CPU.")
+    text_column: str | None = setting(None, "Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
+    encoding_errors: str = setting("strict", "Invalid UTF-8 in the corpus: strict (stop), replace, or skip the line.")
+    # Where batches are padded: changes no number (tested), kept to prove it; not an option of the CLI.
+    padding_side: str = setting("right", "Where batches are padded (right or left); changes no number.")
+    device_map: str | dict | None = setting(
+        None,
+        "Spread a model larger than one device over the GPUs, then the CPU, then the disk (accelerate): auto, "
+        "balanced, sequential, or a .json file of module -> device.",
+    )  # from Python also a dict {module name: device}; "disk" needs offload_folder
+    offload_folder: str | None = setting(None, "With --device-map: where the layers that fit nowhere else are kept.")
+    max_length: int | None = setting(
+        None, "Cut each sentence or text to this many tokens (default: the model's limit)."
+    )
+    window: int = setting(2, "Diagonal metric: mass within +-WINDOW positions of the query.")
+    batch_size: int | None = setting(
+        None, "Sentences per forward pass, or auto (default): as many as --max-memory allows (<= 256)."
+    )
+    max_memory: int | None = setting(
+        None, "Memory for activations, attention and replicas, e.g. 8GiB. Default: half the free device memory."
+    )
+    block_bytes: int = setting(BLOCK_BYTES, "A layer's attention larger than this is reduced in blocks of query rows.")
+    layers: tuple[int, ...] | None = setting(None, "Only these layers, e.g. 0-5,10 (later layers are not even run).")
+    sentence_heads: bool = setting(True, "Also write per-(sentence, layer, head) metrics (large for big corpora).")
+    chunk_sentences: int = setting(
+        4096,
+        "Sentences tokenized and sorted together: the unit of host memory, checkpoints and data-parallel work "
+        "(chunk i goes to rank i % ranks).",
+    )
+    sink_threshold: float = setting(SINK_THRESHOLD, "sink_rate counts rows whose first-token mass exceeds this.")
+    probes: bool = setting(True, "Run the probe battery (repeated random tokens: induction, duplicate, previous).")
+    probe_seeds: int = setting(8, "Probe sequences, one per seed 0..N-1.")
+    probe_length: int = setting(32, "Random tokens per copy; each probe sequence holds two copies (and the BOS).")
+    bootstrap: int = setting(200, "Bootstrap replicates for the 95% intervals (0 skips them).")
+    bootstrap_seed: int = setting(0, "Seed of the bootstrap: the intervals are a pure function of it and the corpus.")
+    importance: str = setting(
+        "none", "Head importance on the model's loss: fast (attribution) or exact (also ablation)."
+    )
+    threads: int | None = setting(
+        None, "CPU threads torch may use during the run (changes no number). Default: torch's."
+    )
+    examples: int = setting(
+        3,
+        "Corpus sentences (spread over lengths, up to 32 tokens) whose attention the report keeps whole, 0 to 50; "
+        "with the probes, the probe sequence too.",
+    )
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import (
+    refuse_to_load,
+    run_cli,
+)
+
 # Never reach for the network: hub lookups must fail fast and say so.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
@@ -55,3 +60,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def corpus(tmp_path, corpus_lines) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(corpus_lines[:20]) + "\n")
+    return path
+
+
+@pytest.fixture
+def no_model_loading():
+    """`headscope ARGS` with a loader that fails the test: the check under test must come before the weights."""
+    return lambda *args: run_cli(*args, loader=refuse_to_load)

@@ -128,3 +128,14 @@ def run_measuring_script(script: str, *args) -> dict:
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+QUICK = ("--no-probes", "--bootstrap", "0")  # analyze's cheapest complete run, for tests about something else
+
+
+def gpt2_folder(path: Path, lines: list[str], **config) -> Path:
+    """A tiny random GPT-2 (2 layers of 2 heads) with a word-level tokenizer of `lines`' words."""
+    from transformers import GPT2Config, GPT2Model
+
+    options = {"n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 64, **config}
+    return tiny_model_folder(path, GPT2Config(**options), GPT2Model, lines)

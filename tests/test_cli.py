@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import typer
@@ -173,3 +174,48 @@ def test_an_unknown_option_of_analyze_is_named(planted_gpt2, corpus_lines):
 
     with pytest.raises(headscope.HeadscopeError, match="unknown option 'typo'"):
         headscope.analyze(str(planted_gpt2), corpus_lines[:2], typo=1, loader=refuse_to_load)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli_options() -> set[str]:
+    command = typer.main.get_command(app)
+    options = {"--help"}  # every command has it; it is not among the declared parameters
+    for sub in command.commands.values():
+        for param in sub.params:
+            options.update(param.opts + param.secondary_opts)
+    return options
+
+
+FOREIGN_OPTIONS = {"--no-deps", "--nproc-per-node", "--nnodes", "--rdzv-"}  # pip's and torchrun's
+
+
+def test_every_option_the_readme_mentions_exists():
+    mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", (REPO / "README.md").read_text()))
+    unknown = mentioned - cli_options() - FOREIGN_OPTIONS
+    assert not unknown, f"README mentions options no command has: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["analyze", "gpt2", "--window", "two"],
+        ["analyze", "gpt2", "--no-such-option"],
+        ["analyze"],
+        ["no-such-command"],
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_code_2(args):
+    assert_one_line_error(run_cli(*args), "--help", code=2)
+
+
+@pytest.mark.slow
+def test_tokens_that_split_a_character_are_labelled_with_their_bytes(smollm2):
+    import headscope
+
+    result = headscope.analyze(smollm2, ["I love 🍕 and 日本語 a lot."], sentence_heads=False, charts=None)
+    labels = result.examples.drop_duplicates("query").sort_values("query")["query_token"].tolist()
+    assert "\ufffd" not in "".join(labels)
+    assert labels[2:5] == ["\\xf0\\x9f", "\\x8d", "\\x95"]  # 🍕 is F0 9F 8D 95, split over three tokens
+    assert "本" in labels

@@ -12,7 +12,7 @@ import pytest
 from headscope.layout import SCHEMA_VERSION
 from headscope.report.compare import _normal_delta, benjamini_hochberg, compare_reports, head_deltas
 
-from helpers import assert_one_line_error, run_cli, tiny_model_folder
+from helpers import assert_one_line_error, run_cli, snapshot, tiny_model_folder
 from planted import FIRST, PREVIOUS, UNIFORM, build_planted_gpt2, build_planted_induction, expected_attention
 from reference import corpus_means
 from synthetic import synthetic_report
@@ -224,3 +224,114 @@ def test_reports_of_another_schema_or_missing_tables_are_refused(planted_pair, t
     shutil.copy(a / "layers.parquet", old / "layers.parquet")
     (old / "heads.parquet").unlink()
     assert_one_line_error(run_cli("compare", b, old), "heads.parquet not found")
+
+
+@pytest.fixture(scope="module")
+def two_columns(planted_gpt2, tmp_path_factory, corpus_lines):
+    """Reports of the two text columns of one CSV, and of the corpus read with and without a bad line."""
+    root = tmp_path_factory.mktemp("pairing")
+    table = root / "table.csv"
+    rows = [f'"{a}","{b}"' for a, b in zip(corpus_lines[:10], corpus_lines[10:20], strict=True)]
+    table.write_text("first,second\n" + "\n".join(rows) + "\n")
+    mixed = root / "mixed.txt"
+    mixed.write_bytes(("\n".join(corpus_lines[:10]) + "\n").encode() + b"caf\xe9 au lait\n")
+    reports = {}
+    for name, options in {
+        "first": ["--corpus", table, "--text-column", "first"],
+        "second": ["--corpus", table, "--text-column", "second"],
+        "replaced": ["--corpus", mixed, "--encoding-errors", "replace"],
+        "skipped": ["--corpus", mixed, "--encoding-errors", "skip"],
+        "window3": ["--corpus", mixed, "--encoding-errors", "skip", "--window", "3"],
+    }.items():
+        reports[name] = root / name
+        result = run_cli("analyze", planted_gpt2, *options, "--out", reports[name], "--no-probes", "--no-charts")
+        assert result.exit_code == 0, result.output
+    return reports
+
+
+def test_two_columns_of_one_file_are_not_paired(two_columns, tmp_path):
+    result = run_cli("compare", two_columns["first"], two_columns["second"], "--out", tmp_path / "c", "--no-charts")
+    assert result.exit_code == 0, result.output
+    assert "unpaired (the same corpus file read into different sentences" in result.output
+
+
+def test_different_encoding_errors_fall_back_to_unpaired(two_columns, tmp_path):
+    result = run_cli("compare", two_columns["replaced"], two_columns["skipped"], "--out", tmp_path / "c")
+    assert result.exit_code == 0, result.output
+    assert "unpaired (the same corpus file read into different sentences" in result.output
+
+
+def test_settings_that_change_meaning_are_named(two_columns, tmp_path):
+    out = tmp_path / "c"
+    result = run_cli("compare", two_columns["skipped"], two_columns["window3"], "--out", out, "--no-charts")
+    assert result.exit_code == 0, result.output
+    assert "note: the reports were measured with settings that change what the numbers mean: window 2 (A) vs 3 (B)" in (
+        result.output
+    )
+    assert json.loads((out / "compare.json").read_text())["settings_differ"] == {"window": [2, 3]}
+
+
+def test_a_one_token_corpus_compared_with_itself_has_nothing_significant(planted_gpt2, tmp_path):
+    corpus = tmp_path / "words.txt"
+    corpus.write_text("cat\ndog\nbird\nfish\n")
+    report = tmp_path / "r"
+    assert run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", report, "--no-probes").exit_code == 0
+    out = tmp_path / "c"
+    result = run_cli("compare", report, report, "--out", out, "--replicates", "50")
+    assert result.exit_code == 0, result.output
+    assert "significant (FDR 5%): entropy 0, norm_entropy 0, diagonal 0, sink 0 of 6" in result.output
+    heads = pd.read_parquet(out / "compare.parquet")
+    assert heads["norm_entropy_p"].isna().all() and not heads["norm_entropy_significant"].any()
+
+
+@pytest.mark.parametrize("damage", ["nan metric", "string metric", "run.json types"])
+def test_a_damaged_side_is_a_one_line_error(damage, two_columns, tmp_path):
+    import shutil
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    side = tmp_path / "side"
+    shutil.copytree(two_columns["first"], side)
+    if damage == "run.json types":
+        run = json.loads((side / "run.json").read_text())
+        run["model"], run["settings"] = ["not", "a", "dict"], "nope"
+        (side / "run.json").write_text(json.dumps(run))
+    else:
+        table = pq.read_table(side / "heads.parquet")
+        index = table.schema.get_field_index("entropy")
+        values = pa.array([np.nan] * len(table)) if damage == "nan metric" else pa.array(["x"] * len(table))
+        pq.write_table(table.set_column(index, "entropy", values), side / "heads.parquet")
+    result = run_cli("compare", two_columns["first"], side, "--out", tmp_path / "c", "--no-charts")
+    if damage == "nan metric":  # a metric without values is no error: nothing to compare, nothing significant
+        assert result.exit_code == 0, result.output
+        assert not pd.read_parquet(tmp_path / "c" / "compare.parquet")["entropy_significant"].any()
+    else:
+        assert_one_line_error(result, "side")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replicates", "1000000000"], "--replicates takes 2 to 100,000 replicates"),
+        (["--seed=-1"], "--seed takes a whole number from 0 to 2**64 - 1; got -1"),
+        (["--seed=18446744073709551616"], "--seed takes a whole number from 0 to 2**64 - 1"),
+    ],
+)
+def test_compare_refuses_absurd_counts_and_seeds(args, message, two_columns, tmp_path):
+    result = run_cli("compare", two_columns["first"], two_columns["second"], "--out", tmp_path / "c", *args)
+    assert_one_line_error(result, message, "(see headscope compare --help)", code=2)
+
+
+@pytest.mark.parametrize("command", [["plot"], ["classify"], ["plot", "--out", "elsewhere"]])
+def test_a_run_json_without_its_fields_is_refused(command, two_columns, tmp_path):
+    import shutil
+
+    report = tmp_path / "r"
+    shutil.copytree(two_columns["first"], report)
+    (report / "run.json").write_text("{}")
+    before = snapshot(report)
+    args = [str(tmp_path / a) if a == "elsewhere" else a for a in command[1:]]
+    assert_one_line_error(run_cli(command[0], report, *args), "is not a headscope run record")
+    assert snapshot(report) == before

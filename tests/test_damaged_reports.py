@@ -10,9 +10,14 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
-from helpers import assert_one_line_error, run_cli, snapshot
+from helpers import (
+    assert_one_line_error,
+    run_cli,
+    snapshot,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +76,20 @@ def test_a_damaged_report_is_refused_in_one_line_at_once(report, tmp_path, damag
     assert time.perf_counter() - started < 10
     assert_one_line_error(result, fragment)
     assert snapshot(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def finished_report(planted_gpt2, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "report"
+    assert run_cli("analyze", planted_gpt2, "--out", out, "--no-charts").exit_code == 0
+    return out
+
+
+def test_classify_and_plot_refuse_a_heads_table_without_rows(finished_report, tmp_path):
+    import shutil
+
+    report = tmp_path / "report"
+    shutil.copytree(finished_report, report)
+    pq.write_table(pq.read_table(report / "heads.parquet").slice(0, 0), report / "heads.parquet")
+    for command in ("classify", "plot"):
+        assert_one_line_error(run_cli(command, report), "heads.parquet has no rows")

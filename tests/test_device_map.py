@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -10,11 +12,11 @@ import pytest
 
 import headscope
 from headscope.errors import ConfigError, ModelLoadError
-from headscope.model.loading import load_config, load_model, resolve_source
+from headscope.model.loading import load_config, load_for_run, load_model, resolve_source
 from headscope.model.memory import free_memory
 from headscope.model.placement import check_device_map
 
-from helpers import assert_one_line_error, run_cli
+from helpers import QUICK, assert_one_line_error, refuse_to_load, run_cli, snapshot
 
 # The planted GPT-2: embeddings and layer 0 on the CPU, layer 1 kept on disk and loaded for each pass.
 OFFLOADED = {"wte": "cpu", "wpe": "cpu", "h.0": "cpu", "h.1": "disk", "ln_f": "cpu"}
@@ -67,3 +69,81 @@ def test_the_memory_check_counts_what_each_device_of_the_map_holds(planted_gpt2,
     with pytest.raises(ConfigError, match="give --offload-folder"):
         check_device_map(config, "m", torch.float32, {"": "disk"}, None)
     assert free_memory  # the real function stays importable for the loader
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("gpu7", "'gpu7': not a device"),
+        (3, "GPU 3, but this machine has"),
+        ("meta", "the meta device, which holds no weights"),
+        (None, "None: not a device"),
+        ([1], "[1]: not a device"),
+        (0.5, "0.5: not a device"),
+    ],
+)
+def test_a_device_map_value_that_is_no_device_is_refused(value, message, planted_gpt2, tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"": value}))
+    started = time.perf_counter()
+    result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", "--device-map", path, *QUICK)
+    assert_one_line_error(result, "--device-map sends 'the model' to", message, code=2)
+    assert time.perf_counter() - started < 20 and not (tmp_path / "o").exists()
+
+
+def test_a_device_map_naming_modules_the_model_lacks_is_refused(planted_gpt2, tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"wte": "cpu", "transformer.h.0": "cpu", "h": "cpu"}))
+    result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", "--device-map", path, *QUICK)
+    assert_one_line_error(
+        result, "names modules", "does not have: 'transformer.h.0'", "top-level modules: drop, h", code=2
+    )
+
+
+def test_run_json_records_the_device_map_applied(planted_gpt2, tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"": "cpu"}))
+    out = tmp_path / "o"
+    result = run_cli("analyze", planted_gpt2, "--out", out, "--device-map", path, *QUICK, "--no-charts")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "run.json").read_text())["model"]["device_map"] == {"": "cpu"}
+
+
+@pytest.mark.parametrize("where", ["out", "inside out", "corpus folder", "model folder"])
+def test_the_offload_folder_may_not_be_an_input_or_the_output(where, planted_gpt2, tmp_path, corpus_lines):
+    data = tmp_path / "data"
+    data.mkdir()
+    corpus = data / "corpus.txt"
+    corpus.write_text("\n".join(corpus_lines[:5]) + "\n")
+    out = tmp_path / "report"
+    offload = {"out": out, "inside out": out / "x", "corpus folder": data, "model folder": planted_gpt2}[where]
+    before = snapshot(planted_gpt2)
+    result = run_cli(
+        "analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--device-map", "auto",
+        "--offload-folder", offload, *QUICK, loader=refuse_to_load,
+    )  # fmt: skip
+    assert_one_line_error(result, "--offload-folder", "choose a folder of its own", code=2)
+    assert snapshot(planted_gpt2) == before
+
+
+def test_what_loading_offloads_is_removed_when_the_run_ends(planted_gpt2, tmp_path):
+    """A checkpoint accelerate must convert (GGUF, .bin) leaves copies of the offloaded weights in the offload
+    folder: they go when the run ends; what was there before stays."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    (offload / "mine.txt").write_text("mine")
+
+    def loader(source, settings, model_config, lm_head):  # writes what accelerate writes for a converted checkpoint
+        Path(settings.offload_folder).mkdir(exist_ok=True)
+        (Path(settings.offload_folder) / "h.1.attn.c_attn.weight.dat").write_bytes(b"\0" * 1024)
+        (Path(settings.offload_folder) / "index.json").write_text("{}")
+        return load_for_run(source, settings, model_config, lm_head)
+
+    out = tmp_path / "o"
+    options = ("--device-map", "auto", "--offload-folder", offload, *QUICK, "--no-charts")
+    assert run_cli("analyze", planted_gpt2, "--out", out, *options, loader=loader).exit_code == 0
+    assert sorted(p.name for p in offload.iterdir()) == ["mine.txt"]
+    fresh = tmp_path / "fresh-offload"
+    assert run_cli("analyze", planted_gpt2, "--out", tmp_path / "o2", *options[:2], "--offload-folder", fresh,
+                   *QUICK, loader=loader).exit_code == 0  # fmt: skip
+    assert not fresh.exists()  # made by loading: removed whole

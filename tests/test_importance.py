@@ -16,7 +16,7 @@ from headscope.errors import ConfigError
 from headscope.interventions.nll import token_losses
 from headscope.run.feed import collate
 
-from helpers import run_cli
+from helpers import QUICK, assert_one_line_error, hidden_leftovers, run_cli, tiny_model_folder
 from planted import COPY_LOGIT, COPY_VOCAB, build_planted_copier, copy_scales, copy_words
 
 IMPORTANCE = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
@@ -131,3 +131,43 @@ def test_importance_needs_the_lm_head(copier):
     base_only = headscope.load_model(str(folder), device="cpu")
     with pytest.raises(ConfigError, match="--importance needs the model's LM head"):
         headscope.analyze(base_only, sentences, importance="fast", probes=False)
+
+
+def test_importance_refuses_a_checkpoint_without_lm_head_weights(tmp_path, corpus_lines):
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False, max_position_embeddings=64,
+    )  # fmt: skip
+    model = tiny_model_folder(tmp_path / "base-llama", config, LlamaModel, corpus_lines)
+    result = run_cli("analyze", model, "--out", tmp_path / "o", "--importance", "fast", *QUICK)
+    assert_one_line_error(result, "holds no weights for its LM head (lm_head.weight", "drop --importance")
+    assert run_cli("analyze", model, "--out", tmp_path / "o", *QUICK, "--no-charts").exit_code == 0  # fine without
+
+
+def test_importance_of_one_token_sentences_is_not_measured(planted_gpt2, tmp_path):
+    corpus = tmp_path / "words.txt"
+    corpus.write_text("cat\ndog\nbird\n")
+    out = tmp_path / "o"
+    result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--importance", "fast", *QUICK)
+    assert result.exit_code == 0, result.output
+    assert "no sentence has a token to predict" in result.output
+    assert "clean loss" not in result.output and "the heads the loss needs most" not in result.output
+    run = json.loads((out / "run.json").read_text())
+    assert run["importance"]["clean_loss"] is None and run["importance"]["predicted_tokens"] == 0
+    assert pd.read_parquet(out / "heads.parquet")["attribution_mean"].isna().all()
+
+
+def test_importance_refuses_a_sentence_beyond_its_memory_budget_before_measuring(planted_gpt2, tmp_path, corpus_lines):
+    """A sentence is never split: one too long for a gradient pass within --max-memory is refused up front (it
+    used to run past the budget: 3.1 GB for 2 GiB on SmolLM2), not after hours of measuring."""
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(" ".join(" ".join(corpus_lines).split()[:40]) + "\n" + corpus_lines[0] + "\n")
+    out = tmp_path / "o"
+    options = ("--importance", "fast", "--max-memory", "1MiB", *QUICK)
+    result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, *options)
+    assert_one_line_error(
+        result, "tokens in one gradient pass with 1.0 MiB", "the longest sentence has 44", "--max-length"
+    )
+    assert not out.exists() and hidden_leftovers(tmp_path) == []

@@ -7,11 +7,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from helpers import Interrupting, assert_one_line_error, refuse_to_load, run_cli, snapshot
+from helpers import (
+    Interrupting,
+    assert_one_line_error,
+    hidden_leftovers,
+    refuse_to_load,
+    run_cli,
+    snapshot,
+)
 
 QUICK = ("--no-probes", "--bootstrap", "0")
 
@@ -232,3 +244,140 @@ def test_an_interrupted_command_leaves_the_previous_output_whole(name, folders, 
     assert "existing outputs were left as they were" in result.stderr
     assert snapshot(tmp_path) == before
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_model_folder_is_never_an_output_folder(planted_gpt2, tmp_path, no_model_loading):
+    before = snapshot(planted_gpt2)
+    assert_one_line_error(
+        no_model_loading("analyze", planted_gpt2, "--out", planted_gpt2, "--overwrite"), "holds the model"
+    )
+    assert snapshot(planted_gpt2) == before
+
+
+def test_overwrite_replaces_only_a_headscope_report(planted_gpt2, tmp_path, no_model_loading):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "corpus.txt").write_text("The cat sat.\n")
+    (data / "notes.md").write_text("my notes\n")
+    before = snapshot(data)
+    assert_one_line_error(
+        no_model_loading("analyze", planted_gpt2, "--corpus", data / "corpus.txt", "--out", data, "--overwrite"),
+        "holds the corpus",
+    )
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.md").write_text("my notes\n")
+    assert_one_line_error(
+        no_model_loading("analyze", planted_gpt2, "--out", other, "--overwrite"),
+        "is not a headscope report",
+        "notes.md",
+    )
+    assert snapshot(data) == before and (other / "notes.md").read_text() == "my notes\n"
+
+
+def test_the_current_folder_is_refused_before_any_work(planted_gpt2, tmp_path, monkeypatch, no_model_loading):
+    empty = tmp_path / "here"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", "."), "is the current folder")
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", ".."), "is the current folder or holds it")
+    assert list(empty.iterdir()) == []
+
+
+def test_a_symlinked_output_folder_is_followed(planted_gpt2, corpus, tmp_path):
+    target = tmp_path / "real"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    for extra in ((), ("--overwrite",)):  # a new report, then a replaced one
+        result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", link, "--no-charts", *extra)
+        assert result.exit_code == 0, result.output
+        assert link.is_symlink() and (target / "heads.parquet").is_file()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "link", "real"]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.write_text("a file"), "exists and is not a folder"),
+        (lambda p: None, "cannot create the output folder"),
+    ],
+)
+def test_unusable_output_paths_are_refused_before_loading(planted_gpt2, tmp_path, no_model_loading, make, message):
+    out = tmp_path / "out"
+    make(out)
+    target = out if out.exists() else Path("/proc/headscope-cannot-write-here")
+    assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", target), message)
+
+
+def headscope_process(*args) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "headscope", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+@pytest.mark.slow  # a child process
+def test_two_runs_into_one_folder_cannot_both_win(planted_gpt2, tmp_path, corpus_lines):
+    corpora = []
+    for name, lines in (("a", corpus_lines[:50]), ("b", corpus_lines[50:])):
+        path = tmp_path / f"{name}.txt"
+        path.write_text("\n".join(lines * 40) + "\n")  # 2,000 sentences: a few seconds each
+        corpora.append(path)
+    out = tmp_path / "report"
+    runs = [headscope_process("analyze", planted_gpt2, "--corpus", c, "--out", out, "--no-charts") for c in corpora]
+    finished = [(run.wait(timeout=300), run.stderr.read()) for run in runs]
+    codes = sorted(code for code, _ in finished)
+    assert codes == [0, 1], finished
+    loser = next(err for code, err in finished if code == 1).strip()
+    assert loser.startswith("Error: ") and "\n" not in loser and ("another" in loser or "filled" in loser), loser
+    winner = corpora[[code for code, _ in finished].index(0)]
+    run = json.loads((out / "run.json").read_text())
+    assert run["corpus"]["path"] == str(winner)
+    assert len(pd.read_parquet(out / "sentences.parquet")) == 2000
+    assert hidden_leftovers(tmp_path) == []
+
+
+@pytest.mark.slow  # a child process
+def test_a_killed_runs_staging_folder_is_cleaned_by_the_next_run(planted_gpt2, tmp_path, corpus_lines):
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("\n".join(corpus_lines * 200) + "\n")
+    out = tmp_path / "report"
+    process = headscope_process("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--no-charts")
+    deadline = time.monotonic() + 60
+    while not hidden_leftovers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert hidden_leftovers(tmp_path) == [f".report.staging-{process.pid}"]
+    small = tmp_path / "small.txt"
+    small.write_text("\n".join(corpus_lines[:10]) + "\n")
+    result = run_cli("analyze", planted_gpt2, "--corpus", small, "--out", out, "--no-charts")
+    assert result.exit_code == 0, result.output
+    assert f"removed {tmp_path / f'.report.staging-{process.pid}'}" in result.stderr
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_a_chart_that_fails_leaves_the_report_and_says_what_was_not_drawn(planted_gpt2, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    real = Figure.savefig
+
+    def failing(self, path, *args, **kwargs):  # the example chart cannot be drawn, as a renderer bug would
+        if "examples" in str(path):
+            raise RuntimeError("renderer exploded")
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", failing)
+    out = tmp_path / "report"
+    result = run_cli("analyze", planted_gpt2, "--out", out, *QUICK)
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning: could not draw")]
+    assert len(warnings) == 1 and "examples.png (RuntimeError: renderer exploded)" in warnings[0]
+    assert {"heads.parquet", "run.json", "report.html", "entropy_heatmap.png"} <= {p.name for p in out.iterdir()}
+    assert not (out / "examples.png").exists() and hidden_leftovers(tmp_path) == []
+    monkeypatch.undo()
+    assert run_cli("plot", out).exit_code == 0 and (out / "examples.png").is_file()  # plot draws it again

@@ -79,3 +79,64 @@ def test_modules_stay_small_and_hold_no_page_markup(name):
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith(TORCH_FREE)))
 def test_what_reads_reports_never_imports_torch(name):
     assert not all_imports(name) & {"torch", "transformers", "typer"}, name
+
+
+# ---------------------------------------------------------------- the layout, and what imports what
+
+TOP_LEVEL = {"__init__", "__main__", "config", "errors", "arguments", "columns", "labels", "summary", "tables"}
+TOP_LEVEL |= {"layout", "estimates"}  # torch-free: what a report is made of, read by every part
+SUBPACKAGES = {"cli", "model", "run", "measures", "interventions", "report"}
+# Third-party packages each may import only in these parts of the package.
+LANES = {
+    "typer": ("headscope.cli",),
+    "torch": ("headscope.model", "headscope.run", "headscope.measures", "headscope.interventions"),
+    "transformers": ("headscope.model", "headscope.run", "headscope.measures", "headscope.interventions"),
+    "matplotlib": ("headscope.report",),
+    "plotly": ("headscope.report",),
+}
+
+
+def test_the_package_is_its_subpackages_and_a_few_shared_modules():
+    """A new module goes where its job is (README: Code map): no module joins the top level unnoticed."""
+    top = {path.stem for path in PACKAGE.glob("*.py")}
+    assert top == TOP_LEVEL, f"modules at the top level: {sorted(top - TOP_LEVEL)} (move them into a subpackage)"
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert packages == SUBPACKAGES
+
+
+@pytest.mark.parametrize("package", sorted(LANES))
+def test_imports_stay_in_their_lanes(package):
+    """typer only in cli/; torch and transformers only where models run; matplotlib and plotly only in report/."""
+    strays = [name for name in MODULES if package in all_imports(name) and not name.startswith(LANES[package])]
+    assert not strays, f"{package} imported outside {LANES[package]}: {strays}"
+
+
+def test_every_option_is_declared_once():
+    """Every typer.Option and typer.Argument is declared in cli/options.py, so a command cannot grow its own
+    --out with a help text of its own; and no name is declared twice there."""
+    declared: dict[str, int] = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if is_call and node.func.attr in ("Option", "Argument") and getattr(node.func.value, "id", "") == "typer":
+                assert name == "headscope.cli.options", f"{name} declares a typer.{node.func.attr} of its own"
+    tree = ast.parse(MODULES["headscope.cli.options"].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    declared[target.id] = declared.get(target.id, 0) + 1
+    assert all(count == 1 for count in declared.values()), {k: v for k, v in declared.items() if v > 1}
+
+
+def test_every_setting_option_takes_its_help_from_the_setting():
+    """An option named like a RunConfig field shows that field's documentation as its help, in every command."""
+    import typer
+
+    from headscope.cli import app
+    from headscope.config import SETTINGS, setting_help
+
+    for command in typer.main.get_command(app).commands.values():
+        for param in command.params:
+            if param.name in SETTINGS:
+                assert param.help == setting_help(param.name), (command.name, param.name)

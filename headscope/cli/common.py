@@ -1,27 +1,15 @@
-"""What every command shares: one-line errors, the option choices and shared options, signals and exit codes."""
+"""What every command shares: one-line errors, exit codes and signals, and the seams tests hand in."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-from enum import Enum
-from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from headscope.config import (
-    CHART_FORMATS,
-    DEVICES,
-    DTYPES,
-    ENCODING_ERRORS,
-    IMPORTANCE_MODES,
-    RoleThresholds,
-    RunConfig,
-    Thresholds,
-)
 from headscope.errors import ConfigError, HeadscopeError
 
 
@@ -51,49 +39,6 @@ class OneLineErrors(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code or 0)
-
-
-def choices(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """A str Enum of the values config.py allows: Typer shows and checks them; they are written there once."""
-    return Enum(name, {value: value for value in values}, type=str)
-
-
-DeviceChoice = choices("DeviceChoice", DEVICES)
-DTypeChoice = choices("DTypeChoice", DTYPES)
-EncodingErrors = choices("EncodingErrors", ENCODING_ERRORS)
-ChartFormat = choices("ChartFormat", CHART_FORMATS)
-ImportanceMode = choices("ImportanceMode", IMPORTANCE_MODES)
-DEFAULTS, THRESHOLDS, ROLE_THRESHOLDS = RunConfig(), Thresholds(), RoleThresholds()
-DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
-DEFAULT_ENCODING_ERRORS = EncodingErrors(DEFAULTS.encoding_errors)
-DEFAULT_IMPORTANCE = ImportanceMode(DEFAULTS.importance)
-
-
-# Options shared by several commands, declared once.
-LocalMinLocality = Annotated[
-    float, typer.Option(help="local if locality >= this (1 = all mass within the window, 0 = as uniform).")
-]
-CopyMaxNormEntropy = Annotated[
-    float, typer.Option(help="copy if entropy / ln(visible keys) <= this (checked after local).")
-]
-BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
-RoleProbeMin = Annotated[
-    float, typer.Option(help="Role induction / duplicate-token / previous-token if that probe score >= this.")
-]
-RoleSinkRateMin = Annotated[float, typer.Option(help="Role sink if sink_rate >= this (after the probe roles).")]
-RoleOffsetShareMin = Annotated[
-    float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
-]
-Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
-ModelArgument = Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")]
-TextColumn = Annotated[
-    str | None, typer.Option(help="Column with the sentence in .jsonl/.csv/.tsv/.parquet (default: text).")
-]
-Revision = Annotated[str | None, typer.Option(help="Hub branch, tag or commit.")]
-TrustRemoteCode = Annotated[bool, typer.Option(help="Allow the hub repo's own model code to run.")]
-Device = Annotated[DeviceChoice, typer.Option(help="auto picks CUDA when present.")]
-DType = Annotated[DTypeChoice, typer.Option(help="auto: bfloat16 on CUDA, float16 on MPS, float32 on CPU.")]
-DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
 
 
 INTERRUPTED = {130: "Interrupted; existing outputs were left as they were",
@@ -159,3 +104,15 @@ def user_errors(ctx: typer.Context):
             raise  # a bug: its traceback is the report
         say(f"Error: cannot write the output: {refused}", err=True)
         raise typer.Exit(1) from None
+
+
+def seams(ctx: typer.Context) -> tuple:
+    """The progress reporter (rich's, unless a test hands in its own) and, as keyword arguments for the library
+    call, the loader a test hands in (none: the library's). Quiets transformers' own output."""
+    from headscope.model.loading import quiet_transformers
+    from headscope.run.progress import RichReporter
+
+    handed = ctx.obj if isinstance(ctx.obj, dict) else {}
+    reporter = handed.get("reporter") or RichReporter()
+    quiet_transformers(show_progress=getattr(reporter, "console", None) is not None and reporter.console.is_terminal)
+    return reporter, ({"loader": handed["loader"]} if "loader" in handed else {})

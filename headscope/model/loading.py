@@ -262,6 +262,7 @@ def open_model(
 
     scratch = OffloadScratch(settings.offload_folder if not isinstance(model, LoadedModel) else None)
     stack.callback(scratch.remove)
+
     def checked() -> LoadedModel:
         return load_checked(model, source, settings, loader, reporter, lm_head=lm_head, what=what)
 

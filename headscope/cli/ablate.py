@@ -1,0 +1,65 @@
+"""`headscope ablate`: groups of heads removed together, and the loss they cost (over headscope.ablate)."""
+
+from __future__ import annotations
+
+import typer
+
+import headscope.cli.options as o
+from headscope.cli.common import seams, usage_errors, user_errors
+
+
+def ablate(
+    ctx: typer.Context,
+    model: o.ModelArgument,
+    heads: o.Heads = None,
+    role: o.Role = None,
+    each_role: o.EachRole = False,
+    report: o.Report = None,
+    mode: o.Mode = o.DEFAULT_MODE,
+    loss_on: o.LossOn = o.DEFAULT_LOSS_ON,
+    corpus: o.Corpus = None,
+    out: o.Out = None,
+    overwrite: o.Overwrite = False,
+    bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
+    bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
+    max_length: o.MaxLength = o.DEFAULTS.max_length,
+    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
+    text_column: o.TextColumn = o.DEFAULTS.text_column,
+    device: o.Device = o.DEFAULT_DEVICE,
+    dtype: o.DType = o.DEFAULT_DTYPE,
+    threads: o.Threads = o.DEFAULTS.threads,
+    revision: o.Revision = o.DEFAULTS.revision,
+    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+) -> None:
+    """Remove groups of heads together and measure the loss they cost, with a 95% interval (ablation.json)."""
+    from pathlib import Path
+
+    from headscope.arguments import parse_heads
+    from headscope.cli.printing import print_ablation
+    from headscope.config import settings_from_command_line
+    from headscope.interventions.ablate import ablate as run_ablation
+    from headscope.interventions.ablate import check_request
+    from headscope.model.loading import resolve_source
+
+    reporter, loader = seams(ctx)
+    with usage_errors(ctx):
+        settings = settings_from_command_line(ctx.params)
+        groups = [parse_heads(text) for text in heads or ()]
+        check_request(groups, role or (), each_role, report, mode.value, loss_on.value)
+    with user_errors(ctx):
+        found = run_ablation(
+            model,
+            corpus,
+            heads=groups,
+            roles=role or (),
+            each_role=each_role,
+            report=report,
+            mode=mode.value,
+            loss_on=loss_on.value,
+            out=out or Path("reports") / f"ablate-{resolve_source(model).slug}",
+            overwrite=overwrite,
+            config=settings,
+            reporter=reporter,
+            **loader,
+        )
+    print_ablation(found)

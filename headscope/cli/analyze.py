@@ -1,0 +1,84 @@
+"""`headscope analyze`: measure every head on a corpus, classify the heads, write tables and charts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+import headscope.cli.options as o
+from headscope.cli.common import seams, usage_errors, user_errors
+
+
+def analyze(
+    ctx: typer.Context,
+    model: o.ModelArgument,
+    corpus: o.Corpus = None,
+    out: o.Out = None,
+    overwrite: o.Overwrite = False,
+    resume: o.Resume = False,
+    # From here to the label rules, every option is the RunConfig field of the same name (its default there).
+    text_column: o.TextColumn = o.DEFAULTS.text_column,
+    encoding_errors: o.EncodingErrors = o.DEFAULT_ENCODING,
+    revision: o.Revision = o.DEFAULTS.revision,
+    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+    device_map: o.DeviceMap = o.DEFAULTS.device_map,
+    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
+    device: o.Device = o.DEFAULT_DEVICE,
+    dtype: o.DType = o.DEFAULT_DTYPE,
+    max_length: o.MaxLength = o.DEFAULTS.max_length,
+    window: o.Window = o.DEFAULTS.window,
+    batch_size: o.BatchSize = o.DEFAULTS.batch_size,
+    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
+    threads: o.Threads = o.DEFAULTS.threads,
+    layers: o.Layers = o.DEFAULTS.layers,
+    sentence_heads: o.SentenceHeads = o.DEFAULTS.sentence_heads,
+    probes: o.Probes = o.DEFAULTS.probes,
+    probe_seeds: o.ProbeSeeds = o.DEFAULTS.probe_seeds,
+    probe_length: o.ProbeLength = o.DEFAULTS.probe_length,
+    importance: o.Importance = o.DEFAULT_IMPORTANCE,
+    bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
+    bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
+    sink_threshold: o.SinkThreshold = o.DEFAULTS.sink_threshold,
+    examples: o.Examples = o.DEFAULTS.examples,
+    chunk_sentences: o.ChunkSentences = o.DEFAULTS.chunk_sentences,
+    charts: o.Charts = True,
+    page: o.Page = True,
+    chart_format: o.Format = o.DEFAULT_FORMAT,
+    local_min_locality: o.LocalMinLocality = o.THRESHOLDS.local_min_locality,
+    copy_max_norm_entropy: o.CopyMaxNormEntropy = o.THRESHOLDS.copy_max_norm_entropy,
+    broad_min_norm_entropy: o.BroadMinNormEntropy = o.THRESHOLDS.broad_min_norm_entropy,
+    role_probe_min: o.RoleProbeMin = o.ROLE_THRESHOLDS.probe_min,
+    role_sink_rate_min: o.RoleSinkRateMin = o.ROLE_THRESHOLDS.sink_rate_min,
+    role_offset_share_min: o.RoleOffsetShareMin = o.ROLE_THRESHOLDS.offset_share_min,
+) -> None:
+    """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
+    from headscope.config import RoleThresholds, Thresholds, settings_from_command_line
+    from headscope.model.loading import resolve_source
+    from headscope.run.analyze import analyze as run_analysis
+
+    reporter, loader = seams(ctx)
+    with usage_errors(ctx):
+        settings = settings_from_command_line(ctx.params)
+        thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
+        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
+    with user_errors(ctx):
+        report = run_analysis(
+            model,
+            corpus,
+            out=out or Path("reports") / resolve_source(model).slug,
+            overwrite=overwrite,
+            resume=resume,
+            config=settings,
+            thresholds=thresholds,
+            roles=roles,
+            charts=chart_format.value if charts else None,
+            page=page,
+            reporter=reporter,
+            **loader,
+        )
+    if report is None:  # a data-parallel rank other than 0: rank 0 reports
+        return
+    from headscope.cli.printing import print_analysis
+
+    print_analysis(report)

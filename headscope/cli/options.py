@@ -1,0 +1,169 @@
+"""Every option and argument of every command, declared once (tests/test_structure.py checks that no command
+module declares its own). An option that is a setting (a RunConfig field) takes its help from the field's
+documentation (config.setting), and every command that takes it takes the same declaration; its default is the
+field's (`DEFAULTS`). Choices come from config's lists, as str Enums Typer shows and checks."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from headscope.columns import PROBE_PATTERNS
+from headscope.config import (
+    CHART_FORMATS,
+    DEFAULT_REMOVAL,
+    DEVICES,
+    DTYPES,
+    ENCODING_ERRORS,
+    IMPORTANCE_MODES,
+    LOSS_ON,
+    REMOVAL_MODES,
+    RoleThresholds,
+    RunConfig,
+    Thresholds,
+    setting_help,
+)
+
+DEFAULTS, THRESHOLDS, ROLE_THRESHOLDS = RunConfig(), Thresholds(), RoleThresholds()
+
+
+def choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum of the values config.py allows: Typer shows and checks them; they are written there once."""
+    return Enum(name, {value: value for value in values}, type=str)
+
+
+DeviceChoice = choices("DeviceChoice", DEVICES)
+DTypeChoice = choices("DTypeChoice", DTYPES)
+EncodingChoice = choices("EncodingChoice", ENCODING_ERRORS)
+ChartFormat = choices("ChartFormat", CHART_FORMATS)
+ImportanceChoice = choices("ImportanceChoice", IMPORTANCE_MODES)
+ModeChoice = choices("ModeChoice", REMOVAL_MODES)
+LossOnChoice = choices("LossOnChoice", LOSS_ON)
+ProbeChoice = choices("ProbeChoice", PROBE_PATTERNS)
+
+DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
+DEFAULT_ENCODING = EncodingChoice(DEFAULTS.encoding_errors)
+DEFAULT_IMPORTANCE = ImportanceChoice(DEFAULTS.importance)
+DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
+DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice(DEFAULT_REMOVAL), LossOnChoice(LOSS_ON[0])
+
+
+def _setting(kind, name: str, **option):
+    """The option of RunConfig's field `name`: its help is the field's documentation."""
+    return Annotated[kind, typer.Option(help=setting_help(name), **option)]
+
+
+# ---------------------------------------------------------------- settings (RunConfig fields)
+
+Revision = _setting(str | None, "revision")
+TrustRemoteCode = _setting(bool, "trust_remote_code")
+Device = _setting(DeviceChoice, "device")
+DType = _setting(DTypeChoice, "dtype")
+TextColumn = _setting(str | None, "text_column")
+EncodingErrors = _setting(EncodingChoice, "encoding_errors")
+DeviceMap = _setting(str | None, "device_map")
+OffloadFolder = _setting(Path | None, "offload_folder")
+MaxLength = _setting(int | None, "max_length")
+Window = _setting(int, "window")
+BatchSize = _setting(str | None, "batch_size")
+MaxMemory = _setting(str | None, "max_memory")
+Layers = _setting(str | None, "layers")
+SentenceHeads = _setting(bool, "sentence_heads")
+ChunkSentences = _setting(int, "chunk_sentences")
+SinkThreshold = _setting(float, "sink_threshold")
+Probes = _setting(bool, "probes")
+ProbeSeeds = _setting(int, "probe_seeds")
+ProbeLength = _setting(int, "probe_length")
+Bootstrap = _setting(int, "bootstrap")
+BootstrapSeed = _setting(int, "bootstrap_seed")
+Importance = _setting(ImportanceChoice, "importance")
+Threads = _setting(int | None, "threads")
+Examples = _setting(int, "examples")
+
+# ---------------------------------------------------------------- the label rules (config.Thresholds, RoleThresholds)
+
+LocalMinLocality = Annotated[
+    float, typer.Option(help="local if locality >= this (1 = all mass within the window, 0 = as uniform).")
+]
+CopyMaxNormEntropy = Annotated[
+    float, typer.Option(help="copy if entropy / ln(visible keys) <= this (checked after local).")
+]
+BroadMinNormEntropy = Annotated[float, typer.Option(help="broad if entropy / ln(visible keys) >= this.")]
+RoleProbeMin = Annotated[
+    float, typer.Option(help="Role induction / duplicate-token / previous-token if that probe score >= this.")
+]
+RoleSinkRateMin = Annotated[float, typer.Option(help="Role sink if sink_rate >= this (after the probe roles).")]
+RoleOffsetShareMin = Annotated[
+    float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
+]
+
+# ---------------------------------------------------------------- inputs
+
+ModelArgument = Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")]
+ReportArgument = Annotated[Path, typer.Argument(help="A folder written by `headscope analyze`.")]
+ReportA = Annotated[Path, typer.Argument(help="Report A, the baseline (a folder written by `headscope analyze`).")]
+ReportB = Annotated[Path, typer.Argument(help="Report B; deltas are B - A.")]
+Corpus = Annotated[
+    Path | None,
+    typer.Option(help="Sentences: .txt (one per line), .jsonl, .csv, .tsv or .parquet. Default: the shipped 100."),
+]
+Report = Annotated[
+    Path | None, typer.Option(help="A report of this model: the heads' roles (for --role and --each-role).")
+]
+Heads = Annotated[
+    list[str] | None,
+    typer.Option(help="Heads written LAYER.HEAD: 18.6,17.4 (ablate: each use is a group removed together)."),
+]
+Role = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Heads of this role (repeat for more): from --report, or for inspect's probe roles (induction, "
+        "duplicate-token, previous-token) from the probes, run first."
+    ),
+]
+EachRole = Annotated[bool, typer.Option(help="A group per role of --report (but other).")]
+Text = Annotated[list[str] | None, typer.Option(help="A text to inspect (repeat for more).")]
+Sentences = Annotated[str | None, typer.Option(help="Sentences of --corpus to inspect, by id: 0,5,10-12.")]
+Probe = Annotated[
+    list[ProbeChoice] | None,
+    typer.Option(help="Add the probe sequence (repeated random tokens) and score each head on this probe."),
+]
+
+# ---------------------------------------------------------------- what a command does
+
+Mode = Annotated[
+    ModeChoice, typer.Option(help="Remove a head by setting its output to 0, or to its mean over the corpus.")
+]
+LossOn = Annotated[
+    LossOnChoice,
+    typer.Option(help="Score every predicted token, or repeats only (x[t-1] x[t] seen before: induction's)."),
+]
+Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
+Replicates = Annotated[
+    int, typer.Option(help="Paired bootstrap replicates (same sentences in both reports), 2 to 100,000.")
+]
+Seed = Annotated[int, typer.Option(help="Bootstrap seed (0 to 2**64 - 1): the intervals are a pure function of it.")]
+
+# ---------------------------------------------------------------- outputs
+
+Out = Annotated[
+    Path | None,
+    typer.Option(
+        help="Output folder. Default: reports/<model> (analyze), reports/<command>-<model> (inspect, ablate, "
+        "prune), reports/compare-<A>-vs-<B>; classify and plot: the report itself."
+    ),
+]
+Overwrite = Annotated[bool, typer.Option(help="Replace a folder this command wrote before (and nothing else).")]
+Resume = Annotated[
+    bool, typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues.")
+]
+SaveModel = Annotated[
+    Path | None,
+    typer.Option(help="Also write the pruned model here (a transformers checkpoint), checked by loading it back."),
+]
+Charts = Annotated[bool, typer.Option(help="Draw the charts (in --format).")]
+Page = Annotated[bool, typer.Option(help="Write the self-contained page (report.html, compare.html, inspect.html).")]
+Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]

@@ -1,0 +1,58 @@
+"""`headscope prune`: as many heads removed as a loss budget allows, every step verified (over headscope.prune)."""
+
+from __future__ import annotations
+
+import typer
+
+import headscope.cli.options as o
+from headscope.cli.common import seams, usage_errors, user_errors
+
+
+def prune(
+    ctx: typer.Context,
+    model: o.ModelArgument,
+    budget: o.Budget,
+    mode: o.Mode = o.DEFAULT_MODE,
+    corpus: o.Corpus = None,
+    out: o.Out = None,
+    save_model: o.SaveModel = None,
+    overwrite: o.Overwrite = False,
+    charts: o.Charts = True,
+    chart_format: o.Format = o.DEFAULT_FORMAT,
+    max_length: o.MaxLength = o.DEFAULTS.max_length,
+    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
+    text_column: o.TextColumn = o.DEFAULTS.text_column,
+    device: o.Device = o.DEFAULT_DEVICE,
+    dtype: o.DType = o.DEFAULT_DTYPE,
+    threads: o.Threads = o.DEFAULTS.threads,
+    revision: o.Revision = o.DEFAULTS.revision,
+    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+) -> None:
+    """Remove as many heads as --budget allows, every step verified (prune.json, head_mask.parquet)."""
+    from pathlib import Path
+
+    from headscope.cli.printing import print_pruning
+    from headscope.config import settings_from_command_line
+    from headscope.interventions.prune import check_request
+    from headscope.interventions.prune import prune as run_pruning
+    from headscope.model.loading import resolve_source
+
+    reporter, loader = seams(ctx)
+    with usage_errors(ctx):
+        settings = settings_from_command_line(ctx.params)
+        check_request(budget, mode.value, chart_format.value if charts else None)
+    with user_errors(ctx):
+        found = run_pruning(
+            model,
+            corpus,
+            budget=budget,
+            mode=mode.value,
+            out=out or Path("reports") / f"prune-{resolve_source(model).slug}",
+            overwrite=overwrite,
+            save_model=save_model,
+            charts=chart_format.value if charts else None,
+            config=settings,
+            reporter=reporter,
+            **loader,
+        )
+    print_pruning(found)
