@@ -28,7 +28,6 @@ _LAZY = {
 }
 
 __all__ = [
-    "AnalysisResult",
     "HeadscopeError",
     "Report",
     "RunConfig",
@@ -42,8 +41,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "AnalysisResult":  # what analyze returned before there was one Report type
-        name = "Report"
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'headscope' has no attribute {name!r}")

@@ -169,11 +169,6 @@ def label_counts(
     return pd.DataFrame(rows).T
 
 
-def type_counts(classified: pd.DataFrame, bands: dict[str, range] | None = None) -> pd.DataFrame:
-    """Heads per type: overall, or per named band of layers (rows: band, columns: the four types)."""
-    return label_counts(classified, "head_type", HEAD_TYPES, bands)
-
-
 def most_typical(classified: pd.DataFrame, thresholds: Thresholds) -> dict[str, tuple[int, int]]:
     """For each type present, the (layer, head) deepest inside its type's region."""
     middle = (thresholds.copy_max_norm_entropy + thresholds.broad_min_norm_entropy) / 2

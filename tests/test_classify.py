@@ -9,7 +9,7 @@ import torch
 
 from headscope.config import Thresholds
 from headscope.errors import ConfigError
-from headscope.labels import HEAD_TYPES, classify_heads, most_typical, type_counts
+from headscope.labels import HEAD_TYPES, classify_heads, label_counts, most_typical
 from headscope.measures.row_sums import head_row_sums
 from headscope.model.masks import causal_visible_keys
 from headscope.run.feed import collate
@@ -118,7 +118,7 @@ def test_most_typical_and_counts():
     frame["layer"] = [0, 0, 0, 1, 1, 1]
     classified = classify_heads(frame, DEFAULT)
     assert most_typical(classified, DEFAULT) == {"local": (0, 1), "copy": (1, 3), "broad": (1, 4), "mixed": (1, 5)}
-    counts = type_counts(classified, {"first": range(0, 1), "second": range(1, 2)})
+    counts = label_counts(classified, "head_type", HEAD_TYPES, {"first": range(0, 1), "second": range(1, 2)})
     assert counts.columns.tolist() == list(HEAD_TYPES)
     assert counts.loc["first"].tolist() == [2, 1, 0, 0]
     assert counts.loc["second"].tolist() == [0, 1, 1, 1]

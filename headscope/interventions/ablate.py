@@ -19,21 +19,20 @@ from pathlib import Path
 import pandas as pd
 
 from headscope.arguments import as_head_groups, as_path, as_texts, head_name
-from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig, run_settings
+from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.groups import SCORINGS, group_effect
-from headscope.interventions.losses import loss_model, record_header
+from headscope.interventions.losses import loss_model
 from headscope.interventions.removal import Head
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
 from headscope.model.identity import check_report_model
-from headscope.model.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
+from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.report.report import Report, read_run
-from headscope.run.corpus import Corpus, as_corpus
-from headscope.run.output import StagedDirectory, check_target, resolved
-from headscope.run.progress import NullReporter, Reporter
-from headscope.run.record import versions
+from headscope.run.corpus import Corpus
+from headscope.run.progress import Reporter
+from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 
 
@@ -80,24 +79,18 @@ def ablate(
     role with heads, but "other"); mode: zero or mean; loss_on: all or repeats; options / config: the RunConfig
     fields it reads (max_length, max_memory, device, dtype, threads, bootstrap, bootstrap_seed, text_column, ...).
     """
-    settings = run_settings(config, **options)
-    reporter = reporter or NullReporter()
     heads = as_head_groups(heads) if heads is not None else []
-    out, report = as_path(out, "out"), as_path(report, "report")
-    roles = as_texts(roles, "--role")
+    roles, report = as_texts(roles, "--role"), as_path(report, "report")
     check_request(heads, roles, each_role, report, mode, loss_on)
     groups = [Group(",".join(head_name(*h) for h in group), group) for group in heads]
     if report is not None:
         groups += role_groups(report, roles, each_role)
-    corpus = as_corpus(corpus, settings)
-    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    protected = protected_inputs(source, corpus, Path(report) if report is not None else None)
-    if out is not None:
-        check_target(resolved(out), kind="ablation", overwrite=overwrite, protected=protected)
-        work = StagedDirectory(Path(out), kind="ablation", overwrite=overwrite, protected=protected)
+    run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
+    settings, reporter, corpus = run.settings, run.reporter, run.corpus
+    stage = run.stage(out, "ablation", overwrite=overwrite)
     with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(work).path if out is not None else None
-        with loss_model(stack, model, source, settings, loader, reporter, corpus, "ablate") as lm:
+        folder = stack.enter_context(stage).path if stage is not None else None
+        with loss_model(stack, model, run, loader, "ablate") as lm:
             if report is not None:
                 check_report_model(read_run(Path(report)), lm.loaded, report)
             for group in groups:
@@ -115,7 +108,7 @@ def ablate(
                 reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
         if folder is not None:
             write_json(record, folder / ABLATION_RECORD)
-    return Ablation(record, folder=work.target if out is not None else None)
+    return Ablation(record, folder=stage.target if stage is not None else None)
 
 
 def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str) -> None:
@@ -155,7 +148,6 @@ def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
 
 
 def _record(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str) -> dict:
-    loaded = lm.loaded
     entries = []
     for index, group in enumerate(groups):
         effect = group_effect(losses, index, loss_on, replicates=settings.bootstrap, seed=settings.bootstrap_seed)
@@ -164,19 +156,9 @@ def _record(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig
             | effect
         )
     return {
-        **record_header(loaded, corpus),
+        **record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus),
         "mode": mode,
         "loss_on": loss_on,
         "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},
         "groups": entries,
-        "settings": {k: v for k, v in settings.to_dict().items() if k in SETTINGS_USED},
-        "versions": versions(),
     }
-
-
-# The settings ablate and prune read (the rest of RunConfig is analyze's).
-SETTINGS_USED = (
-    "device", "dtype", "max_length", "max_memory", "threads", "revision", "trust_remote_code", "device_map",
-    "offload_folder", "text_column", "encoding_errors", "bootstrap", "bootstrap_seed", "block_bytes", "padding_side",
-    "batch_size",
-)  # fmt: skip

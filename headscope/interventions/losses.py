@@ -10,7 +10,6 @@ does (sentences never split, replicas within --max-memory) and answers three que
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,19 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headscope.config import RunConfig
 from headscope.interventions.groups import GroupLosses, group_losses
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.nll import token_losses
 from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, gradient_pass
-from headscope.layout import SCHEMA_VERSION
 from headscope.model.capture import Capture, attached
-from headscope.model.loading import LoadedModel, Loader, open_model
-from headscope.model.placement import dtype_name
-from headscope.run.corpus import Corpus
+from headscope.model.loading import LoadedModel, Loader
 from headscope.run.feed import Batch, CorpusFeed
-from headscope.run.plan import Plan, plan_for_model
+from headscope.run.plan import Plan
 from headscope.run.progress import Reporter
+from headscope.run.setup import CommandRun
 
 
 @dataclass
@@ -99,25 +95,15 @@ class LossModel:
 
 
 @contextlib.contextmanager
-def loss_model(
-    stack: contextlib.ExitStack,
-    model,
-    source,
-    settings: RunConfig,
-    loader: Loader,
-    reporter: Reporter,
-    corpus: Corpus,
-    what: str,
-) -> Iterator[LossModel]:
+def loss_model(stack: contextlib.ExitStack, model, run: CommandRun, loader: Loader, what: str) -> Iterator[LossModel]:
     """The model loaded (with its LM head) and attached, the corpus fed as head importance feeds it; what: the
     command, as messages name it."""
-    loaded = open_model(stack, model, source, settings, loader, reporter, lm_head=True, what=what)
-    plan = plan_for_model(settings, loaded)
-    chunk = max(1, len(corpus.sentences))  # one chunk: every pass reads the whole corpus again
-    feed = CorpusFeed(corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
+    loaded, plan = run.open(stack, model, loader, lm_head=True, what=what)
+    chunk = max(1, len(run.corpus.sentences))  # one chunk: every pass reads the whole corpus again
+    feed = CorpusFeed(run.corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
     check_importance_fits(feed, plan, what)
-    with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
-        yield LossModel(capture, feed, plan, loaded, reporter)
+    with attached(loaded.lm, block_bytes=run.settings.block_bytes) as capture:
+        yield LossModel(capture, feed, plan, loaded, run.reporter)
 
 
 def plain_loss(folder: Path, lm: LossModel) -> float:
@@ -142,15 +128,3 @@ def plain_loss(folder: Path, lm: LossModel) -> float:
             losses, counts = token_losses(model(**kwargs).logits, batch)
             total, tokens = total + float(losses.sum()), tokens + int(counts.sum())
     return total / max(tokens, 1)
-
-
-def record_header(loaded: LoadedModel, corpus: Corpus) -> dict:
-    """What ablation.json and prune.json open with: schema, time, model, corpus, device and dtype."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
-        "corpus": {"path": str(corpus.path), "sentences": len(corpus.sentences)},
-        "device": str(loaded.device),
-        "dtype": dtype_name(loaded.dtype),
-    }

@@ -20,20 +20,20 @@ import numpy as np
 import pandas as pd
 
 from headscope.arguments import as_path, head_name
-from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig, run_settings
+from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
-from headscope.interventions.ablate import SETTINGS_USED
-from headscope.interventions.losses import LossModel, loss_model, plain_loss, record_header
+from headscope.interventions.losses import LossModel, loss_model, plain_loss
 from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult, prune_search
 from headscope.interventions.surgery import check_savable
 from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
-from headscope.model.loading import LoadedModel, Loader, load_for_run, protected_inputs, resolve_source
-from headscope.run.corpus import Corpus, as_corpus
+from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.run.corpus import Corpus
 from headscope.run.files import atomic_path
-from headscope.run.output import StagedDirectory, resolved
-from headscope.run.progress import NullReporter, Reporter
+from headscope.run.output import resolved
+from headscope.run.progress import Reporter
 from headscope.run.record import versions
+from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
@@ -69,22 +69,17 @@ def prune(
 
     save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint; charts: the curve's
     format, or None; options / config: the RunConfig fields it reads (as `ablate`)."""
-    settings = run_settings(config, **options)
-    reporter = reporter or NullReporter()
     check_request(budget, mode, charts)
     out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
     _check_folders(out, save_model)
-    corpus = as_corpus(corpus, settings)
-    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    protected = protected_inputs(source, corpus)
+    run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
+    settings, reporter, corpus = run.settings, run.reporter, run.corpus
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).
-    stages = {
-        name: StagedDirectory(Path(target), kind=kind, overwrite=overwrite, protected=protected) if target else None
-        for name, kind, target in (("prune", "pruning", out), ("model", "model", save_model))
-    }
+    stages = {"prune": run.stage(out, "pruning", overwrite=overwrite),
+              "model": run.stage(save_model, "model", overwrite=overwrite)}  # fmt: skip
     started = time.perf_counter()
     with contextlib.ExitStack() as stack, stages["prune"] or contextlib.nullcontext() as prune_stage:
-        with loss_model(stack, model, source, settings, loader, reporter, corpus, "prune") as lm:
+        with loss_model(stack, model, run, loader, "prune") as lm:
             if save_model is not None:
                 check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
@@ -180,9 +175,8 @@ def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
 
 
 def _record(lm: LossModel, corpus: Corpus, result: PruneResult, settings: RunConfig, mode: str, seconds) -> dict:
-    loaded = lm.loaded
     return {
-        **record_header(loaded, corpus),
+        **record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus),
         "mode": mode,
         "budget": result.budget,
         "clean_loss": result.clean_loss,
@@ -200,8 +194,6 @@ def _record(lm: LossModel, corpus: Corpus, result: PruneResult, settings: RunCon
         },
         "seconds": round(seconds, 1),
         "saved_model": None,
-        "settings": {k: v for k, v in settings.to_dict().items() if k in SETTINGS_USED},
-        "versions": versions(),
     }
 
 

@@ -159,7 +159,7 @@ def repeat_kv(key: torch.Tensor, heads: int) -> torch.Tensor:
     return key if groups == 1 else key.repeat_interleave(groups, dim=1)
 
 
-def check_rows(query_valid: torch.Tensor, t: int) -> tuple[int, torch.Tensor]:
+def check_rows(query_valid: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(sentence, query positions) to check on: up to CHECK_ROWS real rows spread over the longest sentence.
 
     query_valid: (batch, t) bool. Returns the batch index and (rows,) long positions.
@@ -299,7 +299,7 @@ class Readout:
         Judged on a few query rows of one sentence (`check_rows`), so the check's memory does not grow with the
         square of the sequence: the model's eager function takes the rows as a shorter query.
         """
-        sentence, positions = check_rows(self.query_valid, query.shape[-2])
+        sentence, positions = check_rows(self.query_valid)
         one = slice(sentence, sentence + 1)
         positions = positions.to(query.device)
         mask = mask[one] if mask is not None and mask.shape[0] > 1 else mask

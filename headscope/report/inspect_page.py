@@ -49,7 +49,7 @@ class PageViews:
         )
 
 
-def inspect_page(record: dict, texts, tokens: pd.DataFrame, views: PageViews) -> str:
+def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:
     """The whole inspect.html, as a string."""
     title = f"{record['model']['input']}: {len(record['heads'])} heads on {len(record['texts'])} texts"
     by_text = {text_id: part["token"].tolist() for text_id, part in tokens.groupby("text_id", sort=True)}

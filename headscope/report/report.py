@@ -90,11 +90,6 @@ class Report:
     def sentence_heads(self) -> pd.DataFrame | None:
         return self._table(SENTENCE_HEADS_FILE)
 
-    @property
-    def out_dir(self) -> Path | None:
-        """The folder the report was written to (None for a run without --out); the same as `folder`."""
-        return self.folder
-
     def _table(self, name: str) -> pd.DataFrame | None:
         if name not in self._tables:
             if self.folder is None:

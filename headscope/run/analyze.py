@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from headscope.arguments import as_path
-from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules, run_settings
+from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules
 from headscope.errors import ConfigError, OutputError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE
 from headscope.interventions.importance import check_importance_fits, run_importance
@@ -35,23 +35,20 @@ from headscope.model.loading import (
     LoadedModel,
     Loader,
     load_for_run,
-    open_model,
     pick_device,
-    protected_inputs,
 )
-from headscope.model.loading import resolve_source as resolve_model
-from headscope.model.placement import check_offload_folder
 from headscope.report.report import Report
 from headscope.run.assemble import labelled_heads, write_tables
 from headscope.run.checkpoint import PartFiles, Progress
-from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.corpus import Corpus
 from headscope.run.corpus_pass import measure_corpus
 from headscope.run.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
 from headscope.run.feed import CorpusFeed
-from headscope.run.output import StagedDirectory, check_target, resolved
-from headscope.run.plan import Plan, needs_lm_head, plan_for_model, resized
+from headscope.run.output import StagedDirectory
+from headscope.run.plan import Plan, needs_lm_head, resized
 from headscope.run.progress import NullReporter, Reporter
 from headscope.run.record import Timings, fingerprint
+from headscope.run.setup import CommandRun
 
 
 def analyze(
@@ -87,34 +84,24 @@ def analyze(
              only with `out`)
     reporter: progress and notes (default: silent); loader: loads the model (default: loading.load_for_run)
     """
-    settings = run_settings(config, **options)
-    thresholds, roles, reporter = thresholds or Thresholds(), roles or RoleThresholds(), reporter or NullReporter()
+    thresholds, roles = thresholds or Thresholds(), roles or RoleThresholds()
     out = as_path(out, "out")
     check_rules(thresholds, roles)
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out)")
+    # Everything that can be refused without the model is refused before it loads (which can take minutes), on
+    # every rank: a refusal stops them all at once, before any of them waits.
+    command = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
     ranks = ranks_from_env()
     if ranks.parallel:
-        check_parallel(settings, out, isinstance(model, LoadedModel))
-        settings = dataclasses.replace(settings, device=rank_device(ranks, settings.device))
-        reporter = reporter if ranks.main else NullReporter()  # one progress bar, one summary
-    # Everything that can be refused without the model is refused before it loads (which can take minutes).
-    corpus = as_corpus(corpus, settings)
-    source = model.source if isinstance(model, LoadedModel) else resolve_model(model)
-    if out is not None:  # every rank checks: a refusal stops them all at once, before any of them waits
-        protected = protected_inputs(source, corpus)
-        check_target(resolved(out), kind="report", overwrite=overwrite, protected=protected, resumable=resume)
-    if not isinstance(model, LoadedModel):
-        within = {"--out": Path(out)} if out is not None else {}
-        if source.kind != "hub":
-            within["the model's folder"] = Path(source.location)
-        check_offload_folder(settings.offload_folder, within=within, equal={"the corpus's folder": corpus.path.parent})
-    if out is not None and ranks.main:
-        work = StagedDirectory(
-            Path(out), kind="report", overwrite=overwrite, resumable=resume, protected=protected_inputs(source, corpus)
-        )
+        check_parallel(command.settings, out, isinstance(model, LoadedModel))
+        command.settings = dataclasses.replace(command.settings, device=rank_device(ranks, command.settings.device))
+        command.reporter = command.reporter if ranks.main else NullReporter()  # one progress bar, one summary
+    settings, reporter, corpus = command.settings, command.reporter, command.corpus
+    work = command.stage(out, "report", overwrite=overwrite, resumable=resume)  # rank 0 alone enters it
+    command.check_offload_folder(model, out)
     timings = Timings()
 
     with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)
@@ -129,9 +116,9 @@ def analyze(
             folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
         with timings.phase("load"):
             together = functools.partial(_together, ranks)
-            loaded = open_model(stack, model, source, settings, loader, reporter, together=together,
-                                lm_head=needs_lm_head(settings), what="--importance")  # fmt: skip
-        plan = _plan(loaded, settings, ranks)
+            loaded, plan = command.open(stack, model, loader, lm_head=needs_lm_head(settings), what="--importance",
+                                    together=together)  # fmt: skip
+        plan = _batched_as_rank_0(plan, loaded, ranks)
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
         progress, running = Progress(), {}
         if resume:
@@ -207,9 +194,8 @@ def _together(ranks: Ranks, step: Callable):
     return result
 
 
-def _plan(loaded: LoadedModel, settings: RunConfig, ranks: Ranks) -> Plan:
+def _batched_as_rank_0(plan: Plan, loaded: LoadedModel, ranks: Ranks) -> Plan:
     """The run's plan; in a data-parallel run, batched as rank 0's (batches decide the order of float sums)."""
-    plan = plan_for_model(settings, loaded)
     if not ranks.parallel:
         return plan
     return resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, dtype=loaded.dtype,

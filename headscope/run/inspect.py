@@ -15,7 +15,6 @@ Each text runs alone (no padding), through the same capture as analyze.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,10 +26,10 @@ import pyarrow.parquet as pq
 
 from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_path, as_texts, head_name
 from headscope.columns import PROBE_PATTERNS
-from headscope.config import RoleThresholds, RunConfig, run_settings
+from headscope.config import RoleThresholds, RunConfig
 from headscope.errors import ConfigError
 from headscope.labels import ROLES
-from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, SCHEMA_VERSION, TOKENS_FILE
+from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, TOKENS_FILE
 from headscope.measures.heads import (
     HeadAttention,
     by_layer,
@@ -42,15 +41,13 @@ from headscope.measures.heads import (
 from headscope.measures.probes import check_probes, run_probes
 from headscope.model.capture import attached
 from headscope.model.identity import check_report_model
-from headscope.model.loading import LoadedModel, Loader, load_for_run, open_model, protected_inputs, resolve_source
-from headscope.model.placement import dtype_name
+from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.report.report import Report, read_run
-from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.corpus import Corpus
 from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
-from headscope.run.output import StagedDirectory, check_target, resolved
-from headscope.run.plan import Plan, plan_for_model
-from headscope.run.progress import NullReporter, Reporter
-from headscope.run.record import versions
+from headscope.run.plan import Plan
+from headscope.run.progress import Reporter
+from headscope.run.setup import INSPECT_SETTINGS, CommandRun, record_header
 from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
 
 PROBES = PROBE_PATTERNS  # --probe: the patterns whose score each head gets on the probe text
@@ -112,31 +109,26 @@ def inspect(
     from the probe battery run first (--probe-seeds, --probe-length, `role_thresholds`); options / config: the
     RunConfig fields (layers, max_length, max_memory, device, dtype, threads, probe_length, ...).
     """
-    settings = run_settings(config, **options)
-    reporter = reporter or NullReporter()
     role_thresholds = role_thresholds or RoleThresholds()
     texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")
     sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
-    out, report = as_path(out, "out"), as_path(report, "report")
+    report = as_path(report, "report")
     check_request(texts, sentences, probes, heads, roles, report)
-    corpus = as_corpus(corpus, settings) if sentences else None
+    run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report,
+                             reads_corpus=bool(sentences))  # fmt: skip
+    settings, reporter, corpus = run.settings, run.reporter, run.corpus
     if corpus is not None:
         _check_sentences(sentences, corpus)
     labelled = _report_roles(report) if report is not None else None
-    source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
-    protected = protected_inputs(source, corpus)
-    if out is not None:
-        check_target(resolved(out), kind="inspection", overwrite=overwrite, protected=protected)
-        work = StagedDirectory(Path(out), kind="inspection", overwrite=overwrite, protected=protected)
+    stage = run.stage(out, "inspection", overwrite=overwrite)
     with contextlib.ExitStack() as stack:
-        if out is not None:
-            folder = stack.enter_context(work).path
+        if stage is not None:
+            folder = stack.enter_context(stage).path
         else:  # in memory: written to a scratch folder, read back, then gone
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-inspect-")))
-        loaded = open_model(stack, model, source, settings, loader, reporter)
+        loaded, plan = run.open(stack, model, loader)
         if report is not None:
             check_report_model(read_run(Path(report)), loaded, report)
-        plan = plan_for_model(settings, loaded)
         chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
             chosen, known, roles_from = _heads(
@@ -147,17 +139,17 @@ def inspect(
             summary, views = _write_attention(folder / ATTENTION_FILE, capture, chosen, chosen_texts, plan, loaded)
         tokens = _tokens_frame(loaded.tokenizer, chosen_texts)
         write_table(tokens, folder / TOKENS_FILE, TOKENS_SCHEMA)
-        record = _record(loaded, plan, chosen_texts, chosen, known, roles_from, probes, summary)
+        record = _record(loaded, plan, corpus, chosen_texts, chosen, known, roles_from, probes, summary)
         write_json(record, folder / INSPECT_RECORD)
         if page:
             from headscope.report.inspect_page import inspect_page
             from headscope.report.page import write_page
 
-            write_page(inspect_page(record, chosen_texts, tokens, views), folder / INSPECT_PAGE)
-        attention = pd.read_parquet(folder / ATTENTION_FILE) if out is None else None
-    if out is None:
+            write_page(inspect_page(record, tokens, views), folder / INSPECT_PAGE)
+        attention = pd.read_parquet(folder / ATTENTION_FILE) if stage is None else None
+    if stage is None:
         return Inspection(record, tokens, summary, _attention=attention)
-    return Inspection(record, tokens, summary, folder=work.target)
+    return Inspection(record, tokens, summary, folder=stage.target)
 
 
 def check_request(texts, sentences, probes, heads, roles, report) -> None:
@@ -311,15 +303,11 @@ def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _record(loaded, plan: Plan, texts: list[Text], chosen, known, roles_from, probes, summary) -> dict:
+def _record(loaded, plan: Plan, corpus, texts: list[Text], chosen, known, roles_from, probes, summary) -> dict:
     """inspect.json: what was inspected, how, and each head's summary per text (heads written L.H)."""
     settings = plan.settings
     return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
-        "device": str(loaded.device),
-        "dtype": dtype_name(loaded.dtype),
+        **record_header(loaded, settings, INSPECT_SETTINGS, corpus),
         "texts": [
             {
                 "text_id": i,
@@ -337,17 +325,7 @@ def _record(loaded, plan: Plan, texts: list[Text], chosen, known, roles_from, pr
         "probes": list(dict.fromkeys(probes)),
         "probe_length": settings.probe_length if probes else None,
         "summary": [_summary_entry(row, probes) for row in summary.itertuples()],
-        "settings": {k: v for k, v in settings.to_dict().items() if k in _SETTINGS_USED},
-        "versions": versions(),
     }
-
-
-# The settings inspect reads (the rest of RunConfig is analyze's).
-_SETTINGS_USED = (
-    "device", "dtype", "max_length", "max_memory", "layers", "threads", "revision", "trust_remote_code",
-    "device_map", "offload_folder", "text_column", "encoding_errors", "probe_seeds", "probe_length", "block_bytes",
-    "padding_side",
-)  # fmt: skip
 
 
 def _summary_entry(row, probes) -> dict:

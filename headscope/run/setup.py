@@ -1,0 +1,119 @@
+"""The set-up every model command shares, written once: analyze, inspect, ablate and prune (and the next
+intervention) differ only in what they do with the model.
+
+    CommandRun.prepare   the settings (checked), the reporter, the corpus, the model's source and the inputs an
+                         output may never replace; all of it before anything heavy loads
+    .stage               the output folder, checked now (the output rule) and staged for an atomic publish
+    .open                the model loaded (with its LM head when the command scores the loss), the plan
+    record_header        what every command's record (inspect.json, ablation.json, prune.json) opens with
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+
+from headscope.arguments import as_path
+from headscope.config import RunConfig, run_settings
+from headscope.layout import SCHEMA_VERSION
+from headscope.model.loading import LoadedModel, Loader, ModelSource, open_model, protected_inputs, resolve_source
+from headscope.model.placement import check_offload_folder, dtype_name
+from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.output import StagedDirectory
+from headscope.run.plan import Plan, plan_for_model
+from headscope.run.progress import NullReporter, Reporter
+from headscope.run.record import versions
+
+# The settings a command reads, as its record lists them (the rest of RunConfig is analyze's alone): what loads the
+# model and reads the corpus, and each command's own.
+MODEL_AND_CORPUS = (
+    "device", "dtype", "max_length", "max_memory", "threads", "revision", "trust_remote_code", "device_map",
+    "offload_folder", "text_column", "encoding_errors", "block_bytes", "padding_side",
+)  # fmt: skip
+INTERVENTION_SETTINGS = (*MODEL_AND_CORPUS, "bootstrap", "bootstrap_seed", "batch_size")  # ablate, prune
+INSPECT_SETTINGS = (*MODEL_AND_CORPUS, "layers", "probe_seeds", "probe_length")
+
+
+@dataclass
+class CommandRun:
+    """What a model command knows before its model loads."""
+
+    settings: RunConfig
+    reporter: Reporter
+    source: ModelSource
+    corpus: Corpus | None
+    protected: dict[str, Path]  # description -> path: what its outputs may never replace
+
+    @classmethod
+    def prepare(
+        cls,
+        model,
+        corpus=None,
+        *,
+        config: RunConfig | None = None,
+        options: dict | None = None,
+        reporter: Reporter | None = None,
+        report=None,
+        reads_corpus: bool = True,
+    ) -> CommandRun:
+        """model: a name, path or LoadedModel; corpus: as run.corpus.as_corpus takes it (read only when the command
+        reads one); report: a report folder the command reads (protected like the model and the corpus)."""
+        settings = run_settings(config, **(options or {}))
+        corpus = as_corpus(corpus, settings) if reads_corpus else None
+        source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
+        report = as_path(report, "report")
+        protected = protected_inputs(source, corpus, Path(report) if report is not None else None)
+        return cls(settings, reporter or NullReporter(), source, corpus, protected)
+
+    def stage(self, out, kind: str, *, overwrite: bool, resumable: bool = False) -> StagedDirectory | None:
+        """The staged output folder of `kind` (layout.KINDS), every rule checked now; None without `out`."""
+        out = as_path(out, "out")
+        if out is None:
+            return None
+        return StagedDirectory(Path(out), kind=kind, overwrite=overwrite, resumable=resumable, protected=self.protected)
+
+    def check_offload_folder(self, model, out) -> None:
+        """--offload-folder may not be --out, the model's folder or the corpus's folder (checked before loading)."""
+        if isinstance(model, LoadedModel):
+            return
+        within = {"--out": Path(out)} if out is not None else {}
+        if self.source.kind != "hub":
+            within["the model's folder"] = Path(self.source.location)
+        equal = {"the corpus's folder": self.corpus.path.parent} if self.corpus is not None else {}
+        check_offload_folder(self.settings.offload_folder, within=within, equal=equal)
+
+    def open(
+        self,
+        stack: contextlib.ExitStack,
+        model,
+        loader: Loader,
+        *,
+        lm_head: bool = False,
+        what: str = "this command",
+        together=None,
+    ) -> tuple[LoadedModel, Plan]:
+        """The model loaded (its clean-up on `stack`) and the run's plan. lm_head: the command scores the loss;
+        what: the command, as messages name it; together: how every rank of a data-parallel run loads at once."""
+        loaded = open_model(stack, model, self.source, self.settings, loader, self.reporter, lm_head=lm_head,
+                            what=what, together=together)  # fmt: skip
+        return loaded, plan_for_model(self.settings, loaded)
+
+
+def record_header(loaded: LoadedModel, settings: RunConfig, used: tuple[str, ...], corpus: Corpus | None) -> dict:
+    """What a command's record opens with: schema, time, model, corpus, device, dtype, the settings it read (`used`:
+    RunConfig field names) and the package versions."""
+    header = {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
+    }
+    if corpus is not None:
+        header["corpus"] = {"path": str(corpus.path), "sentences": len(corpus.sentences)}
+    return header | {
+        "device": str(loaded.device),
+        "dtype": dtype_name(loaded.dtype),
+        "settings": {key: value for key, value in settings.to_dict().items() if key in used},
+        "versions": versions(),
+    }
