@@ -38,7 +38,7 @@ from headscope.model.loading import (
     pick_device,
 )
 from headscope.report.report import Report
-from headscope.run.assemble import labelled_heads, write_tables
+from headscope.run.assemble import Analysis, labelled_heads, write_tables
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.corpus import Corpus
 from headscope.run.corpus_pass import measure_corpus
@@ -157,8 +157,8 @@ def analyze(
         if settings.bootstrap and measured.progress.measured_sentences < MIN_BOOTSTRAP_SENTENCES:
             reporter.note(ONE_SENTENCE_NOTE)
         reporter.stage("writing tables")
-        extras, rules = (probes, importance), (thresholds, roles)
-        run, tables = write_tables(folder, loaded, corpus, plan, parts, measured, extras, examples, rules, timings)
+        analysis = Analysis(loaded, corpus, plan, measured, probes, importance, examples, thresholds, roles, timings)
+        run, tables = write_tables(folder, analysis, parts)
         report = Report(run, folder=folder, tables=tables)
         if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
             _draw(report, folder, charts, page, work.target, reporter)

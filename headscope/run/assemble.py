@@ -7,13 +7,16 @@ labels from the rules; run.json records it all (headscope.run.record).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from headscope.config import RoleThresholds, Thresholds
 from headscope.errors import OutputError
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, head_intervals, layer_intervals
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ProbeResult, head_intervals, layer_intervals
+from headscope.interventions.importance import Importance
 from headscope.labels import label_heads
 from headscope.layout import (
     EXAMPLES_FILE,
@@ -24,7 +27,11 @@ from headscope.layout import (
     SENTENCE_HEADS_FILE,
     SENTENCES_FILE,
 )
+from headscope.model.loading import LoadedModel
 from headscope.run.checkpoint import PartFiles
+from headscope.run.corpus import Corpus
+from headscope.run.corpus_pass import Measured
+from headscope.run.plan import Plan
 from headscope.run.record import Timings, run_record
 from headscope.tables import (
     EXAMPLES_SCHEMA,
@@ -42,27 +49,41 @@ from headscope.tables import (
 )
 
 
-def write_tables(
-    folder: Path, loaded, corpus, plan, parts: PartFiles, measured, extras, examples, rules, timings: Timings
-) -> tuple[dict, dict[str, pd.DataFrame]]:
+@dataclass
+class Analysis:
+    """Everything an analyze run measured and what it measured it on, named: what the tables and run.json are
+    written from."""
+
+    loaded: LoadedModel
+    corpus: Corpus
+    plan: Plan
+    measured: Measured  # the corpus pass: sums, bootstrap, progress, attention paths
+    probes: ProbeResult | None
+    importance: Importance | None
+    examples: pd.DataFrame  # the example views (tables.EXAMPLES_SCHEMA)
+    thresholds: Thresholds
+    roles: RoleThresholds
+    timings: Timings
+
+
+def write_tables(folder: Path, analysis: Analysis, parts: PartFiles) -> tuple[dict, dict[str, pd.DataFrame]]:
     """Write every table and run.json into `folder`; return run.json's content and the small tables in hand
-    (heads, layers, examples, by file name). extras: (ProbeResult or None, Importance or None); rules:
-    (Thresholds, RoleThresholds)."""
-    probes, importance = extras
-    with timings.phase("write"):
-        _merge_parts(parts, folder, measured, corpus, plan)
+    (heads, layers, examples, by file name)."""
+    a, plan, measured = analysis, analysis.plan, analysis.measured
+    with a.timings.phase("write"):
+        _merge_parts(parts, folder, measured, a.corpus, plan)
         resampled = measured.progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES
         replicates = measured.bootstrap.metrics() if measured.bootstrap is not None and resampled else None
-        heads = labelled_heads(plan, measured, probes, importance, rules, replicates)
+        heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
         write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
-        write_table(examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
-        if probes is not None:
-            write_table(probes_frame(probes.per_seed, np.array(plan.layers)), folder / PROBES_FILE, PROBES_SCHEMA)
-    run = run_record(loaded, corpus, plan, measured, extras, heads, rules, timings)
+        write_table(a.examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+        if a.probes is not None:
+            write_table(probes_frame(a.probes.per_seed, np.array(plan.layers)), folder / PROBES_FILE, PROBES_SCHEMA)
+    run = run_record(analysis, heads)
     write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
     write_json(run, folder / RUN_FILE)
-    return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: examples}
+    return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: a.examples}
 
 
 def labelled_heads(plan, measured, probes, importance, rules, replicates=None) -> pd.DataFrame:

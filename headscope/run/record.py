@@ -57,10 +57,10 @@ def fingerprint(loaded, corpus, settings, ranks) -> dict:
     } | ({"ranks": ranks.world} if ranks.parallel else {})
 
 
-def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Timings) -> dict:
-    """Everything run.json holds about a finished run. extras: (ProbeResult or None, Importance or None);
-    rules: (Thresholds, RoleThresholds)."""
-    probes, importance = extras
+def run_record(analysis, heads) -> dict:
+    """Everything run.json holds about a finished run (analysis: run.assemble.Analysis; heads: its heads table)."""
+    loaded, corpus, plan, measured = analysis.loaded, analysis.corpus, analysis.plan, analysis.measured
+    probes, importance, timings = analysis.probes, analysis.importance, analysis.timings
     source, settings = loaded.source, plan.settings
     progress = measured.progress
     measure_seconds = timings.seconds.get("measure", 0.0)
@@ -137,7 +137,7 @@ def run_record(loaded, corpus, plan, measured, extras, heads, rules, timings: Ti
             "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
             "roles": importance.roles,
         },
-        "classification": classification_record(heads, *rules),
+        "classification": classification_record(heads, analysis.thresholds, analysis.roles),
     }
 
 
