@@ -23,7 +23,7 @@ with a Student-t interval over seeds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,10 +190,20 @@ class ProbeScores:
         return mass, rows, chance
 
 
-def check_probes(tokenizer, plan) -> tuple:
+@dataclass(frozen=True)
+class Battery:
+    """The probe battery of a run, checked: its spec, sequence(seed) -> token ids, the prefix length and the tokens
+    of one sequence."""
+
+    spec: ProbeSpec
+    sequence: Callable[[int], list[int]]
+    prefix: int
+    tokens: int
+
+
+def check_probes(tokenizer, plan) -> Battery:
     """The battery of `plan`, refused before anything is measured when it cannot run on this model (sequences
-    longer than its positions, fewer ordinary tokens than a sequence needs). Returns (spec, sequence, prefix,
-    tokens per sequence)."""
+    longer than its positions, fewer ordinary tokens than a sequence needs)."""
     settings = plan.settings
     spec = ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length)
     sequence, prefix = probe_sequences(tokenizer, spec)
@@ -203,12 +213,12 @@ def check_probes(tokenizer, plan) -> tuple:
             f"--probe-length {spec.length} makes probe sequences of {tokens} tokens, more than the "
             f"model's limit of {plan.model_limit}; lower --probe-length"
         )
-    return spec, sequence, prefix, tokens
+    return Battery(spec, sequence, prefix, tokens)
 
 
-def run_probes(capture, tokenizer, device, plan, reporter: Reporter) -> ProbeResult:
-    """The probe battery of `plan` through `capture` (an attached model): its sequences made batch by batch."""
-    spec, sequence, prefix, tokens = check_probes(tokenizer, plan)
+def run_probes(capture, battery: Battery, device, plan, reporter: Reporter) -> ProbeResult:
+    """The probe battery (checked by `check_probes`) through `capture` (an attached model), batch by batch."""
+    spec, sequence, prefix, tokens = battery.spec, battery.sequence, battery.prefix, battery.tokens
     reporter.stage(f"probing: {spec.seeds} sequences of {tokens} tokens")
     scores = ProbeScores(spec, prefix, layers=plan.layers)
     limits = plan.limits("corpus")

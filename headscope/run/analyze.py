@@ -131,7 +131,7 @@ def analyze(
             keep=plan.measures_importance,
         )
         if settings.probes:  # what can be refused is refused before hours of measuring
-            check_probes(loaded.tokenizer, plan)
+            battery = check_probes(loaded.tokenizer, plan)
         if plan.measures_importance:
             check_importance_fits(feed, plan)
         if loaded.device.type == "cuda":
@@ -144,9 +144,7 @@ def analyze(
             if not ranks.main:
                 return None  # rank 0 writes the report from everyone's sums and parts
             with timings.phase("probes"):
-                probes = (
-                    run_probes(capture, loaded.tokenizer, loaded.device, plan, reporter) if settings.probes else None
-                )
+                probes = run_probes(capture, battery, loaded.device, plan, reporter) if settings.probes else None
             with timings.phase("importance"):
                 importance = None
                 if plan.measures_importance:  # each role's heads are ablated together too

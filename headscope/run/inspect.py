@@ -207,8 +207,7 @@ def _texts(tokenizer, plan: Plan, texts, corpus, sentences, probes) -> list[Text
                 raise ConfigError(f"sentence {sentence_id} of {corpus.path} has no tokens")
             chosen.append(Text("corpus", f"sentence {sentence_id}", ids, sentence_id, truncated=cut))
     if probes:
-        _, sequence, _, _ = check_probes(tokenizer, plan)
-        chosen.append(Text("probe", "probe seed 0", sequence(0), 0))
+        chosen.append(Text("probe", "probe seed 0", check_probes(tokenizer, plan).sequence(0), 0))
     return chosen
 
 
@@ -248,7 +247,7 @@ def _within(plan: Plan) -> str:
 def _probe_roles(capture, loaded, plan: Plan, thresholds: RoleThresholds, reporter) -> dict[tuple[int, int], str]:
     """Probe roles from the battery, in the role rule's order (labels.ROLE_RULES): induction, then duplicate-token,
     then previous-token; heads none of them names are left out (their role needs a corpus)."""
-    result = run_probes(capture, loaded.tokenizer, loaded.device, plan, reporter)
+    result = run_probes(capture, check_probes(loaded.tokenizer, plan), loaded.device, plan, reporter)
     known = {}
     for index, layer in enumerate(plan.layers):
         for head in range(plan.heads):
