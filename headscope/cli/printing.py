@@ -5,6 +5,7 @@ Everything from a report or a model (names, paths, tokens, reasons) is printed a
 
 from __future__ import annotations
 
+import pandas as pd
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -231,31 +232,31 @@ def print_comparison(comparison) -> None:
 
 def print_inspection(found) -> None:
     """Per head and text: its role (when known), where its rows put their largest weight, its probe scores."""
-    record = found.record
     console = _console()
-    probes = record["probes"]
-    table = Table(title=_title(f"{record['model']['input']}: where each head's rows put their largest weight"))
+    probes = found.probes
+    table = Table(title=_title(f"{found.model}: where each head's rows put their largest weight"))
     for name in ("head", "role", "text", "largest weight at (share of rows)", "mean", *probes):
         table.add_column(
             name, justify="left" if name in ("head", "role", "text") or name.startswith("largest") else "right"
         )
-    labels = {entry["text_id"]: entry["label"] for entry in record["texts"]}
-    shown = record["summary"][:SUMMARY_ROWS]
-    for entry in shown:
-        places = ", ".join(f"{name} {share:.0%}" for name, share in entry["largest_at"]) or "-"
+    shown = found.summary.head(SUMMARY_ROWS)
+    for row in shown.itertuples():
+        head = f"{row.layer}.{row.head}"
+        places = ", ".join(f"{name} {share:.0%}" for name, share in row.largest_at) or "-"
+        scores = (getattr(row, f"probe_{pattern}") for pattern in probes)
         table.add_row(
-            entry["head"],
-            record["roles"].get(entry["head"], "-"),
-            labels[entry["text_id"]],
+            head,
+            found.roles.get(head, "-"),
+            found.texts[row.text_id].label,
             places,
-            "-" if entry["mean_largest"] is None else f"{entry['mean_largest']:.3f}",
-            *(f"{entry[f'probe_{p}']:.3f}" if entry.get(f"probe_{p}") is not None else "-" for p in probes),
+            "-" if pd.isna(row.mean_largest) else f"{row.mean_largest:.3f}",
+            *("-" if pd.isna(score) else f"{score:.3f}" for score in scores),
         )
     console.print(table)
-    if len(record["summary"]) > len(shown):
-        console.print(f"... {len(record['summary']) - len(shown)} more rows in {INSPECT_RECORD}")
-    if record["roles_from"]:
-        console.print(f"roles from {record['roles_from']}")
+    if len(found.summary) > len(shown):
+        console.print(f"... {len(found.summary) - len(shown)} more rows in {INSPECT_RECORD}")
+    if found.roles_from:
+        console.print(f"roles from {found.roles_from}")
     if found.folder is not None:
         written = sorted(path.name for path in found.folder.iterdir())  # what is there, inspect.html included
         console.print(f"wrote {found.folder}/ ({', '.join(written)})")
@@ -266,22 +267,21 @@ SUMMARY_ROWS = 40  # the console shows this many (head, text) rows; inspect.json
 
 def print_ablation(found) -> None:
     """Per group: its heads, the scored tokens, clean and ablated loss, the delta and its 95% interval."""
-    record = found.record
     console = _console()
-    title = f"{record['model']['input']}: heads removed together ({record['mode']}), loss on {record['loss_on']} tokens"
+    title = f"{found.model}: heads removed together ({found.mode}), loss on {found.loss_on} tokens"
     table = Table(title=_title(title), box=box.SIMPLE_HEAD)
     for name in ("group", "heads", "tokens", "clean", "ablated", "delta (nats)", "95% interval"):
         table.add_column(name, justify="left" if name in ("group", "heads") else "right")
-    for entry in record["groups"]:
-        shown = ",".join(entry["heads"][:6]) + (f",... ({len(entry['heads'])})" if len(entry["heads"]) > 6 else "")
-        numbers = [entry[key] for key in ("clean_loss", "ablated_loss", "delta")]
-        low, high = entry["delta_ci_low"], entry["delta_ci_high"]
+    for effect in found.effects:
+        heads = effect.heads
+        shown = ",".join(heads[:6]) + (f",... ({len(heads)})" if len(heads) > 6 else "")
+        low, high = effect.delta_ci_low, effect.delta_ci_high
         table.add_row(
-            entry["name"] if entry["name"] != ",".join(entry["heads"]) else "-",
+            effect.name if effect.name != ",".join(heads) else "-",
             shown,
-            f"{entry['tokens']:,}",
-            *("-" if value is None else f"{value:.4f}" for value in numbers[:2]),
-            "-" if numbers[2] is None else f"{numbers[2]:+.4f}",
+            f"{effect.tokens:,}",
+            *("-" if value is None else f"{value:.4f}" for value in (effect.clean_loss, effect.ablated_loss)),
+            "-" if effect.delta is None else f"{effect.delta:+.4f}",
             "-" if low is None else f"[{low:+.4f}, {high:+.4f}]",
         )
     console.print(table)
@@ -291,20 +291,19 @@ def print_ablation(found) -> None:
 
 def print_pruning(found) -> None:
     """How many heads went, the verified loss, the curve's steps and where the mask and checkpoint are."""
-    record = found.record
     console = _console()
-    removed, total = len(record["heads"]), record["total_heads"]
+    result, removed = found.result, found.heads
     console.print(
-        f"removed {removed} of {total} heads ({record['mode']}) within {record['budget']:g} nats: loss "
-        f"{record['clean_loss']:.4f} -> {record['pruned_loss']:.4f} ({record['delta']:+.4f}, verified with every "
+        f"removed {len(removed)} of {found.total_heads} heads ({found.mode}) within {result.budget:g} nats: loss "
+        f"{result.clean_loss:.4f} -> {result.loss:.4f} ({result.loss - result.clean_loss:+.4f}, verified with every "
         "removed head removed together)"
     )
-    steps = ", ".join(f"{step['heads_removed']}: {step['loss']:.4f}" for step in record["curve"])
+    steps = ", ".join(f"{count}: {loss:.4f}" for count, loss in result.curve)
     console.print(_title(f"verified loss by heads removed: {steps}"))
     if removed:
-        console.print(_title(f"removed, in order: {', '.join(record['heads'])}"))
-    saved = record.get("saved_model")
-    if saved:
-        console.print(_title(f"saved the pruned model to {saved['path']} (its own loss {saved['loss']:.4f}, checked)"))
+        console.print(_title(f"removed, in order: {', '.join(removed)}"))
+    saved = found.saved_model
+    if saved is not None and saved.error is None:
+        console.print(_title(f"saved the pruned model to {saved.path} (its own loss {saved.loss:.4f}, checked)"))
     if found.folder is not None:
         console.print(_title(f"wrote {found.folder}/ ({PRUNE_RECORD}, {HEAD_MASK_FILE})"))

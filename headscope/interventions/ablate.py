@@ -12,6 +12,7 @@ Every group shares each batch's clean pass (measures.ablation.group_losses).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +44,40 @@ class Group:
     source: str = "--heads"  # where the heads came from, as messages name it
 
 
+@dataclass(frozen=True)
+class GroupEffect:
+    """One group's effect on the loss (nats per scored token; None where no token was scored, and the interval
+    where it could not be resampled): an entry of ablation.json's `groups`."""
+
+    name: str  # the heads ("18.6,17.4"), or the role
+    heads: tuple[str, ...]  # as L.H
+    mode: str
+    loss_on: str
+    tokens: int
+    clean_loss: float | None
+    ablated_loss: float | None
+    delta: float | None
+    delta_ci_low: float | None
+    delta_ci_high: float | None
+
+
 @dataclass
 class Ablation:
-    """What `ablate` measured: its record (ablation.json), one entry per group."""
+    """What `ablate` measured, one effect per group; `record` is ablation.json, built from these fields alone."""
 
-    record: dict
+    model: str  # as the user named it
+    mode: str
+    loss_on: str
+    effects: list[GroupEffect]
+    header: dict  # run.setup.record_header: model, corpus, device, dtype, settings, versions
+    bootstrap: dict  # replicates, seed, level
     folder: Path | None = None
+
+    @property
+    def record(self) -> dict:
+        groups = [dataclasses.asdict(effect) | {"heads": list(effect.heads)} for effect in self.effects]
+        return {**self.header, "mode": self.mode, "loss_on": self.loss_on, "bootstrap": self.bootstrap,
+                "groups": groups}  # fmt: skip
 
     @property
     def groups(self) -> pd.DataFrame:
@@ -101,14 +130,13 @@ def ablate(
             reporter.start(len(corpus.sentences), what="ablation")
             losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
             reporter.finish()
-            record = _record(lm, corpus, groups, losses, settings, mode, loss_on)
-            if settings.bootstrap and any(
-                g["delta"] is not None and g["delta_ci_low"] is None for g in record["groups"]
-            ):
+            found = _ablation(lm, corpus, groups, losses, settings, mode, loss_on)
+            if settings.bootstrap and any(g.delta is not None and g.delta_ci_low is None for g in found.effects):
                 reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
         if folder is not None:
-            write_json(record, folder / ABLATION_RECORD)
-    return Ablation(record, folder=stage.target if stage is not None else None)
+            write_json(found.record, folder / ABLATION_RECORD)
+    found.folder = stage.target if stage is not None else None
+    return found
 
 
 def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str) -> None:
@@ -147,18 +175,12 @@ def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
     return groups
 
 
-def _record(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str) -> dict:
-    entries = []
-    for index, group in enumerate(groups):
-        effect = group_effect(losses, index, loss_on, replicates=settings.bootstrap, seed=settings.bootstrap_seed)
-        entries.append(
-            {"name": group.name, "heads": [head_name(*h) for h in group.heads], "mode": mode, "loss_on": loss_on}
-            | effect
-        )
-    return {
-        **record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus),
-        "mode": mode,
-        "loss_on": loss_on,
-        "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},
-        "groups": entries,
-    }
+def _ablation(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str):
+    effects = [
+        GroupEffect(group.name, tuple(head_name(*h) for h in group.heads), mode, loss_on,
+                    **group_effect(losses, index, loss_on, replicates=settings.bootstrap, seed=settings.bootstrap_seed))
+        for index, group in enumerate(groups)
+    ]  # fmt: skip
+    bootstrap = {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95}
+    header = record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus)
+    return Ablation(lm.loaded.source.display, mode, loss_on, effects, header, bootstrap)

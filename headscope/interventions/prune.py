@@ -11,6 +11,7 @@ the output     prune.json (heads in removal order, clean and verified pruned los
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -42,12 +43,57 @@ TRIES = 4  # nested steps verified per round
 
 
 @dataclass
-class Pruning:
-    """What `prune` found: its record (prune.json) and the head mask ((layers, heads), 1 kept, 0 removed)."""
+class SavedModel:
+    """The pruned checkpoint: where, its own loss (checked against the search's), or why it was not saved."""
 
-    record: dict
-    head_mask: pd.DataFrame
+    path: str | None
+    loss: float | None = None
+    mode: str | None = None
+    heads_removed: list[str] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Pruning:
+    """What `prune` found; `record` is prune.json, built from these fields alone."""
+
+    model: str  # as the user named it
+    mode: str
+    result: PruneResult  # the search's: heads in removal order, clean and verified loss, the curve
+    total_heads: int
+    head_mask: pd.DataFrame  # (layers, heads), 1 kept, 0 removed
+    header: dict  # run.setup.record_header
+    seconds: float
+    saved_model: SavedModel | None = None
     folder: Path | None = None
+
+    @property
+    def heads(self) -> list[str]:
+        return [head_name(*h) for h in self.result.heads]
+
+    @property
+    def record(self) -> dict:
+        result = self.result
+        return {
+            **self.header,
+            "mode": self.mode,
+            "budget": result.budget,
+            "clean_loss": result.clean_loss,
+            "pruned_loss": result.loss,
+            "delta": result.loss - result.clean_loss,
+            "heads": self.heads,
+            "total_heads": self.total_heads,
+            "curve": [{"heads_removed": n, "loss": loss} for n, loss in result.curve],
+            "set_aside": [head_name(*h) for h in result.set_aside],
+            "search": {
+                "rank": "shortlist by first-order estimate magnitude on the model pruned so far; then exact cost alone",
+                "shortlist": SHORTLIST,
+                "nested_steps": TRIES,
+                "verified_sets": result.verified_sets,
+            },
+            "seconds": round(self.seconds, 1),
+            "saved_model": None if self.saved_model is None else dataclasses.asdict(self.saved_model),
+        }
 
 
 def prune(
@@ -84,25 +130,29 @@ def prune(
                 check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
             result, removal = _search(lm, budget, mode, reporter)
-        record = _record(lm, corpus, result, settings, mode, time.perf_counter() - started)
-        mask = head_mask(result.heads, lm.plan.depth, lm.plan.heads)
+        found = Pruning(
+            lm.loaded.source.display, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
+            lm.plan.heads), record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus),
+            time.perf_counter() - started,
+        )  # fmt: skip
         failure = None
         if save_model is not None:
             try:  # published (or removed) when this block ends, before the pruning's own folder
                 with stages["model"] as model_stage:
                     saved = _save(lm, result, removal, model_stage.path, reporter)
-                record["saved_model"] = saved | {"path": str(model_stage.target)}
+                found.saved_model = dataclasses.replace(saved, path=str(model_stage.target))
             # Whatever goes wrong in saving (a full disk, an architecture transformers cannot write), the verified
             # search is still worth keeping: prune.json says what failed.
             except Exception as err:
                 failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
-                record["saved_model"] = {"error": failure, "path": None}
+                found.saved_model = SavedModel(path=None, error=failure)
         if prune_stage is not None:
-            _write(prune_stage.path, record, mask, charts, reporter)
+            _write(prune_stage.path, found.record, found.head_mask, charts, reporter)
     if failure is not None:
         kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
         raise OutputError(f"the pruned model was not saved: {failure}{kept}")
-    return Pruning(record, mask, folder=prune_stage.target if prune_stage is not None else None)
+    found.folder = prune_stage.target if prune_stage is not None else None
+    return found
 
 
 def _check_folders(out, save_model) -> None:
@@ -174,29 +224,6 @@ def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
     return pd.DataFrame(mask, index=pd.RangeIndex(depth, name="layer"), columns=[str(h) for h in range(count)])
 
 
-def _record(lm: LossModel, corpus: Corpus, result: PruneResult, settings: RunConfig, mode: str, seconds) -> dict:
-    return {
-        **record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus),
-        "mode": mode,
-        "budget": result.budget,
-        "clean_loss": result.clean_loss,
-        "pruned_loss": result.loss,
-        "delta": result.loss - result.clean_loss,
-        "heads": [head_name(*h) for h in result.heads],
-        "total_heads": len(lm.all_heads),
-        "curve": [{"heads_removed": n, "loss": loss} for n, loss in result.curve],
-        "set_aside": [head_name(*h) for h in result.set_aside],
-        "search": {
-            "rank": "shortlist by first-order estimate magnitude on the model pruned so far; then exact cost alone",
-            "shortlist": SHORTLIST,
-            "nested_steps": TRIES,
-            "verified_sets": result.verified_sets,
-        },
-        "seconds": round(seconds, 1),
-        "saved_model": None,
-    }
-
-
 def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, reporter: Reporter) -> None:
     with atomic_path(folder / HEAD_MASK_FILE) as tmp:
         mask.to_parquet(tmp)
@@ -208,7 +235,7 @@ def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, r
             reporter.warn(f"could not draw {failed}; prune.json and head_mask.parquet are written")
 
 
-def _save(lm: LossModel, result: PruneResult, removal: Removal, folder: Path, reporter: Reporter) -> dict:
+def _save(lm: LossModel, result: PruneResult, removal: Removal, folder: Path, reporter: Reporter) -> SavedModel:
     """Write the pruned checkpoint into `folder`, load it back with transformers and check its loss."""
     from headscope.interventions.surgery import plain_checkpoint, pruned_weights
 
@@ -225,7 +252,9 @@ def _save(lm: LossModel, result: PruneResult, removal: Removal, folder: Path, re
             f"the saved model's loss is {loss:.6f} nats where the pruned model's was {result.loss:.6f}: this "
             f"architecture computes something besides its output projection from the heads' outputs; nothing was saved"
         )
-    saved = {"loss": loss, "mode": removal.mode}
-    saved["heads_removed"] = [head_name(*h) for h in result.heads]
-    write_json({"schema_version": SCHEMA_VERSION, **saved, "versions": versions()}, folder / PRUNED_MODEL_RECORD)
+    saved = SavedModel(
+        path=str(folder), loss=loss, mode=removal.mode, heads_removed=[head_name(*h) for h in result.heads]
+    )
+    record = {"loss": saved.loss, "mode": saved.mode, "heads_removed": saved.heads_removed}
+    write_json({"schema_version": SCHEMA_VERSION, **record, "versions": versions()}, folder / PRUNED_MODEL_RECORD)
     return saved

@@ -15,6 +15,7 @@ Each text runs alone (no padding), through the same capture as analyze.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,9 +69,14 @@ class Inspection:
     """What `inspect` found: its record (inspect.json), the tokens, each head's summary per text, and the
     attention (read from the folder when first used)."""
 
-    record: dict
+    record: dict  # inspect.json, built from the fields below (`_record`)
     tokens: pd.DataFrame
     summary: pd.DataFrame  # one row per (text_id, layer, head)
+    model: str = ""  # as the user named it
+    texts: list[Text] = dataclasses.field(default_factory=list)
+    roles: dict[str, str] = dataclasses.field(default_factory=dict)  # head (L.H) -> role, where known
+    roles_from: str | None = None
+    probes: tuple[str, ...] = ()
     folder: Path | None = None
     _attention: pd.DataFrame | None = None
 
@@ -148,8 +154,11 @@ def inspect(
             write_page(inspect_page(record, tokens, views), folder / INSPECT_PAGE)
         attention = pd.read_parquet(folder / ATTENTION_FILE) if stage is None else None
     if stage is None:
-        return Inspection(record, tokens, summary, _attention=attention)
-    return Inspection(record, tokens, summary, folder=stage.target)
+        folder = None
+    else:
+        attention, folder = None, stage.target
+    return Inspection(record, tokens, summary, loaded.source.display, chosen_texts, known, roles_from,
+                      tuple(dict.fromkeys(probes)), folder=folder, _attention=attention)  # fmt: skip
 
 
 def check_request(texts, sentences, probes, heads, roles, report) -> None:
