@@ -50,46 +50,42 @@ def print_analysis(report: Report) -> None:
     """Per-layer entropy, the depth gradient, the run's counts and warnings; labels per band; the heads the
     loss needs most (when importance was measured)."""
     console = _console()
-    run = report.run
-    arch = run["model"]["architecture"]
-    table = Table(title=_title(f"{run['model']['input']}: mean attention entropy per layer (nats)"))
+    facts = report.facts
+    table = Table(title=_title(f"{facts.model}: mean attention entropy per layer (nats)"))
     for name in ("layer", "mean", "min head", "max head"):
         table.add_column(name, justify="right")
     for layer, row in layer_entropy(report.heads).iterrows():
         table.add_row(str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
     console.print(table)
     bands = early_late_entropy(report.heads, report.depth)
-    timings = run["timings"]
     if bands is not None:
         console.print(
             f"early layers {bands['early_layers']}: {bands['early']:.3f} nats, "
             f"late layers {bands['late_layers']}: {bands['late']:.3f} nats, gradient {bands['gradient']:+.3f}",
         )
-    corpus = run["corpus"]
     capped = (
-        f", {corpus['cut_before_tokenizing']} so long they were cut before tokenizing"
-        if corpus.get("cut_before_tokenizing")
+        f", {facts.cut_before_tokenizing} so long they were cut before tokenizing"
+        if facts.cut_before_tokenizing
         else ""
     )
+    speed = "" if facts.tokens_per_second is None else f"; {facts.tokens_per_second:,.0f} tokens/s"
     console.print(
-        f"{corpus['sentences']} sentences, {corpus['tokens']} tokens "
-        f"({corpus['truncated_sentences']} truncated{capped}); {arch['layers']} layers x {arch['heads']} heads "
-        f"on {run['device']} ({run['dtype']}); {timings['tokens_per_second']:,.0f} tokens/s",
+        f"{facts.sentences} sentences, {facts.tokens} tokens ({facts.truncated} truncated{capped}); "
+        f"{facts.layers} layers x {facts.heads} heads on {facts.device} ({facts.dtype}){speed}",
     )
-    numerics = run["numerics"]
-    if numerics["nonfinite_rows"]:
+    if facts.nonfinite_rows:
         console.print(
-            f"warning: {numerics['nonfinite_rows']} attention rows held NaN or inf "
-            f"({numerics['heads_with_nonfinite_rows']} heads; left out of the metrics, counted in "
-            "nonfinite_rows). float16 overflow? Try --dtype bfloat16 or float32.",
+            f"warning: {facts.nonfinite_rows} attention rows held NaN or inf ({facts.heads_with_nonfinite_rows} "
+            "heads; left out of the metrics, counted in nonfinite_rows). float16 overflow? Try --dtype bfloat16 or "
+            "float32.",
         )
-    if numerics["unnormalised_rows"]:
+    if facts.unnormalised_rows:
         console.print(
-            f"warning: {numerics['unnormalised_rows']} attention rows do not sum to 1 "
-            f"({numerics['heads_with_unnormalised_rows']} heads; counted in unnormalised_rows).",
+            f"warning: {facts.unnormalised_rows} attention rows do not sum to 1 "
+            f"({facts.heads_with_unnormalised_rows} heads; counted in unnormalised_rows).",
         )
     console.print(f"wrote {report.folder}/")
-    print_label_counts(report, run["model"]["input"])
+    print_label_counts(report, facts.model)
     print_role_heads(report)
     _print_most_important(report)
 
@@ -120,11 +116,11 @@ def _print_most_important(report: Report) -> None:
     column = importance_column(heads)
     if column is None:
         return
-    importance = report.run["importance"]
+    facts = report.facts
     console = _console()
     exact = column.startswith("ablation")
     how = f"by {column}" if exact else f"by |{column}|, a first-order estimate"
-    clean = f"clean loss {importance['clean_loss']:.4f} nats"
+    clean = "no clean loss" if facts.clean_loss is None else f"clean loss {facts.clean_loss:.4f} nats"
     for title, chosen in (
         (f"the 10 heads the loss needs most, {how} ({clean})", most_important(heads)),
         (f"the 10 heads it needs least alone, {how} (headscope prune removes heads together, verified)",
@@ -144,27 +140,27 @@ def _print_most_important(report: Report) -> None:
             "in saturated layers, where removing a head costs more than its gradient says. Measure removals with "
             "--importance exact, headscope ablate (heads together) or headscope prune."
         )
-    _print_role_groups(importance.get("roles") or [])
+    _print_role_groups(facts.role_removals)
 
 
-def _print_role_groups(entries: list[dict]) -> None:
+def _print_role_groups(removals) -> None:
     """Each role's heads removed together: the delta on every token and on repeated tokens, with intervals."""
-    if not entries:
+    if not removals:
         return
     table = Table(title=_title("each role's heads removed together (exact, nats of loss)"), box=box.SIMPLE_HEAD)
     for name in ("role (heads)", "removal", "all tokens", "repeated tokens"):
         table.add_column(name, justify="left" if name.startswith("role") or name == "removal" else "right")
-    for entry in entries:
+    for removal in removals:
         cells = []
         for scoring in ("all", "repeats"):
-            effect = entry[scoring]
+            effect = removal.effects.get(scoring) or {"delta": None}
             if effect["delta"] is None:
                 cells.append("- (no tokens)")
                 continue
             low, high = effect["delta_ci_low"], effect["delta_ci_high"]
             interval = "" if low is None else f" [{low:+.3f}, {high:+.3f}]"
             cells.append(f"{effect['delta']:+.4f}{interval} ({effect['tokens']:,})")
-        table.add_row(f"{entry['role']} ({len(entry['heads'])})", entry["mode"], *cells)
+        table.add_row(f"{removal.role} ({len(removal.heads)})", removal.mode, *cells)
     _console().print(table)
 
 
@@ -186,11 +182,10 @@ def print_label_counts(report: Report, title: str) -> None:
 def print_comparison(comparison) -> None:
     """The method, the heads that changed most and the layers where the mean entropy moved."""
     console = _console()
-    record = comparison.record
-    for side in ("a", "b"):
-        console.print(f"{side.upper()}: {record[side]['model']} on {record[side]['corpus']}")
-    console.print(f"method: {record['method']}")
-    differ = record.get("settings_differ") or {}
+    for side, (model, corpus) in comparison.sides.items():
+        console.print(f"{side.upper()}: {model} on {corpus}")
+    console.print(f"method: {comparison.method}")
+    differ = comparison.settings_differ
     if differ:
         console.print(
             "note: the reports were measured with settings that change what the numbers mean: "
@@ -203,7 +198,7 @@ def print_comparison(comparison) -> None:
         console.print(shares.round(3).to_string())
         return
     heads = comparison.heads
-    counts = ", ".join(f"{metric} {n}" for metric, n in record["significant_heads"].items())
+    counts = ", ".join(f"{metric} {n}" for metric, n in comparison.significant_heads.items())
     console.print(f"heads whose change is significant (FDR 5%): {counts} of {len(heads)}")
     table = Table(title="the heads whose entropy changed most", box=box.SIMPLE_HEAD)
     for name in ("head", "A", "B", "B - A", "95% interval", "sig.", "role A -> B"):

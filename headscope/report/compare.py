@@ -61,6 +61,26 @@ class Comparison:
     def title(self) -> str:
         return f"{self.record['b']['name']} against {self.record['a']['name']}"
 
+    @property
+    def sides(self) -> dict[str, tuple[str, str]]:
+        """ "a" and "b": (model, corpus path) of each report."""
+        return {side: (str(self.record[side]["model"]), str(self.record[side]["corpus"])) for side in ("a", "b")}
+
+    @property
+    def method(self) -> str:
+        """How the intervals were made (paired or not, and why)."""
+        return self.record["method"]
+
+    @property
+    def settings_differ(self) -> dict[str, list]:
+        """Settings that change what a number means, where the reports differ: name -> [A's, B's]."""
+        return dict(self.record.get("settings_differ") or {})
+
+    @property
+    def significant_heads(self) -> dict[str, int]:
+        """Per metric, the heads whose change passes the false discovery rate (same grid only)."""
+        return dict(self.record.get("significant_heads", {}))
+
 
 def read_side(folder: Path, name: str) -> Report:
     """One side of a comparison, refused with one line if it is from another schema version or lacks a table."""

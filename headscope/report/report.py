@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +37,68 @@ from headscope.tables import (
     SENTENCES_SCHEMA,
     read_table,
 )
+
+
+@dataclass(frozen=True)
+class RoleRemoval:
+    """One role's heads removed together (analyze --importance): its delta on each scoring, where measured."""
+
+    role: str
+    mode: str
+    heads: tuple[str, ...]
+    effects: dict[str, dict]  # scoring ("all", "repeats") -> tokens, delta, delta_ci_low, delta_ci_high, ...
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What run.json says about the run, typed: what the printout reads (run.record builds run.json; this is
+    its one reader for them). Absent values (an older report) are None or 0."""
+
+    model: str
+    layers: int | None
+    heads: int | None
+    device: str
+    dtype: str
+    sentences: int
+    tokens: int
+    truncated: int
+    cut_before_tokenizing: int
+    tokens_per_second: float | None
+    nonfinite_rows: int
+    heads_with_nonfinite_rows: int
+    unnormalised_rows: int
+    heads_with_unnormalised_rows: int
+    clean_loss: float | None  # with importance
+    role_removals: tuple[RoleRemoval, ...]
+
+    @classmethod
+    def of(cls, run: dict) -> RunFacts:
+        model, corpus = _section(run, "model"), _section(run, "corpus")
+        architecture, numerics = _section(model, "architecture"), _section(run, "numerics")
+        importance = _section(run, "importance")
+        removals = tuple(
+            RoleRemoval(entry["role"], entry["mode"], tuple(entry["heads"]),
+                        {scoring: entry[scoring] for scoring in ("all", "repeats") if scoring in entry})
+            for entry in importance.get("roles") or ()
+        )  # fmt: skip
+        return cls(
+            model=str(model.get("input", "?")),
+            layers=architecture.get("layers"),
+            heads=architecture.get("heads"),
+            device=str(run.get("device", "?")),
+            dtype=str(run.get("dtype", "?")),
+            sentences=corpus.get("sentences") or 0,
+            tokens=corpus.get("tokens") or 0,
+            truncated=corpus.get("truncated_sentences") or 0,
+            cut_before_tokenizing=corpus.get("cut_before_tokenizing") or 0,
+            tokens_per_second=_section(run, "timings").get("tokens_per_second"),
+            nonfinite_rows=numerics.get("nonfinite_rows") or 0,
+            heads_with_nonfinite_rows=numerics.get("heads_with_nonfinite_rows") or 0,
+            unnormalised_rows=numerics.get("unnormalised_rows") or 0,
+            heads_with_unnormalised_rows=numerics.get("heads_with_unnormalised_rows") or 0,
+            clean_loss=importance.get("clean_loss"),
+            role_removals=removals,
+        )
 
 
 class Report:
@@ -97,6 +160,11 @@ class Report:
             path = self.folder / name
             self._tables[name] = _read_heads(path, _grid(self.run)) if name == HEADS_FILE else _READERS[name](path)
         return self._tables[name]
+
+    @property
+    def facts(self) -> RunFacts:
+        """What run.json says about the run, typed."""
+        return RunFacts.of(self.run)
 
     @property
     def depth(self) -> int:
