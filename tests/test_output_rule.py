@@ -301,13 +301,20 @@ def test_a_symlinked_output_folder_is_followed(planted_gpt2, corpus, tmp_path):
     [
         (lambda p: p.write_text("a file"), "exists and is not a folder"),
         (lambda p: None, "cannot create the output folder"),
+        ("/", "is the root of the file system"),
     ],
 )
-def test_unusable_output_paths_are_refused_before_loading(planted_gpt2, tmp_path, no_model_loading, make, message):
+def test_unusable_output_paths_are_refused_before_loading(
+    planted_gpt2, folders, tmp_path, no_model_loading, make, message
+):
     out = tmp_path / "out"
-    make(out)
-    target = out if out.exists() else Path("/proc/headscope-cannot-write-here")
+    if isinstance(make, str):  # a path as it is
+        target = Path(make)
+    else:
+        make(out)
+        target = out if out.exists() else Path("/proc/headscope-cannot-write-here")
     assert_one_line_error(no_model_loading("analyze", planted_gpt2, "--out", target), message)
+    assert_one_line_error(run_cli("plot", folders["report"], "--out", target), message)  # and every other writer
 
 
 def headscope_process(*args) -> subprocess.Popen:

@@ -81,6 +81,8 @@ def check_target(
 
 
 def _check_target(target: Path, kind: str, option: str, overwrite: bool, protected, resumable: bool) -> None:
+    if target.parent == target:  # first: the root has no parent to look for, nor a name
+        raise OutputError(f"{option} {target} is the root of the file system; name a folder for the output")
     existing = next(path for path in target.parents if path.exists())
     if not existing.is_dir():
         raise OutputError(f"{option} {target} lies under {existing}, which is a file, not a folder")
@@ -90,8 +92,6 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
             f"{option} names a folder whose name has {len(os.fsencode(target.name))} bytes; headscope needs "
             f"{_WORK_NAME_EXTRA} more for its work folder beside it (at most {name_max}): choose a shorter name"
         )
-    if target.parent == target:
-        raise OutputError(f"{option} {target} is the root of the file system; name a folder for the output")
     cwd = resolved(Path.cwd())
     if target == cwd or target in cwd.parents:
         raise OutputError(
