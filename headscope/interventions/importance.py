@@ -46,7 +46,9 @@ class Importance:
     attribution_mean: np.ndarray
     ablation_zero: np.ndarray | None = None  # (layers, heads), exact mode only
     ablation_mean: np.ndarray | None = None
-    means: np.ndarray | None = None  # (layers, heads, head_dim): each head's mean output over the corpus
+    # (last measured layer + 1, heads, head_dim): each head's mean output over the corpus, by layer index (zeros
+    # for a layer not measured): what mean removal puts in
+    means: np.ndarray | None = None
     roles: list[dict] | None = None  # each role's heads removed together (`role_groups`)
 
     @classmethod
@@ -99,7 +101,7 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         heads=plan.heads,
         head_dim=plan.architecture["head_dim"],
         exact=exact,
-        replicas_per_forward=lambda batch: plan.replica_tokens // batch.input_ids.numel(),
+        replicas_per_forward=plan.replicas,
         reporter=reporter,
     )
     reporter.finish()
@@ -120,20 +122,18 @@ def role_groups(capture, batches, plan, labelled, means: np.ndarray, sentences: 
     groups = {role: heads for role, heads in groups.items() if heads}
     if not groups:
         return []
-    full = np.zeros((plan.depth, plan.heads, means.shape[-1]))
-    full[list(plan.layers)] = means  # only measured layers have roles, and means
     settings, entries = plan.settings, []
     reporter.stage(f"each role's heads removed together ({len(groups)} roles, zero and mean)")
     reporter.start(len(REMOVAL_MODES) * sentences, what="role ablation")
     for mode in REMOVAL_MODES:
-        removal = Removal(mode, full)
+        removal = Removal(mode, means)  # only measured layers have roles, and means
         losses = group_losses(
             capture,
             batches,
             list(groups.values()),
             removal,
             scorings=SCORINGS,
-            replicas_per_forward=lambda batch: plan.replica_tokens // batch.input_ids.numel(),
+            replicas_per_forward=plan.replicas,
             reporter=reporter,
         )
         for index, (role, heads) in enumerate(groups.items()):
@@ -173,11 +173,11 @@ def measure_importance(
         capture, batches, layer_ids, heads, head_dim,
         on_batch=lambda batch: reporter.advance(len(batch.sentence_ids), batch.n_tokens),
     )  # fmt: skip
-    means, tokens = found.sums.means(), found.tokens
+    tokens = found.tokens
     full = np.zeros((max(layer_ids) + 1, heads, head_dim))
-    full[list(layer_ids)] = means
+    full[list(layer_ids)] = found.sums.means()
     result = Importance(
-        means=means,
+        means=full,
         mode="exact" if exact else "fast",
         clean_loss=found.loss / max(tokens, 1),
         predicted_tokens=tokens,

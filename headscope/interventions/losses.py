@@ -45,9 +45,6 @@ class LossModel:
     def batches(self) -> Iterator[Batch]:
         return self.plan.batches(self.feed, "importance", self.loaded.device)
 
-    def replicas(self, batch: Batch) -> int:
-        return self.plan.replica_tokens // batch.input_ids.numel()
-
     def means(self) -> np.ndarray:
         """(depth, heads, head_dim) float64: each head's mean output over every real token of the corpus."""
         if self._means is None:
@@ -77,7 +74,7 @@ class LossModel:
             groups,
             removal,
             scorings=scorings,
-            replicas_per_forward=self.replicas,
+            replicas_per_forward=self.plan.replicas,
             reporter=self.reporter if progress else None,
             base=base,
         )

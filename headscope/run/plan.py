@@ -66,6 +66,10 @@ class Plan:
         (passes through the LM: gradients, removed heads)."""
         return {"corpus": self.corpus, "importance": self.importance}[kind]
 
+    def replicas(self, batch: Batch) -> int:
+        """How many replicas of `batch` one forward pass with heads removed may hold (`replica_tokens`)."""
+        return self.replica_tokens // batch.input_ids.numel()
+
     def collate(self, ids: list[int], sequences: list[list[int]], device=None) -> Batch:
         """One batch of `sequences`, padded on the plan's side (settings.padding_side, which changes no number)."""
         return collate(ids, sequences, padding_side=self.settings.padding_side, device=device)
