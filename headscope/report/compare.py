@@ -123,9 +123,9 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
     paired = digests[0] is not None and digests[0] == digests[1]
     if paired and all((r.folder / SENTENCE_HEADS_FILE).is_file() for r in (ra, rb)):
         check_fits(replicates, len(heads))
-        head_stats, layer_stats = paired_intervals(ra, rb, heads, layer_ids, replicates, seed)
+        head_stats, layer_stats, sentences = paired_intervals(ra, rb, heads, layer_ids, replicates, seed)
         record["method"] = f"paired (the same sentences): Poisson bootstrap over sentences, {replicates} replicates"
-        if len(ra.sentences) < MIN_BOOTSTRAP_SENTENCES:
+        if sentences < MIN_BOOTSTRAP_SENTENCES:  # the sentences measured (with a token), as the bootstrap saw them
             record["method"] += f"; {ONE_SENTENCE_NOTE}"
         record.update(replicates=replicates, seed=seed)
     else:
@@ -232,7 +232,8 @@ def head_deltas(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
 
 
 def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, replicates: int, seed: int):
-    """Bootstrap intervals of every head's and every layer mean's delta, resampling sentences in pairs."""
+    """Bootstrap intervals of every head's and every layer mean's delta, resampling sentences in pairs, and how many
+    sentences there were to resample (with fewer than two the intervals and p-values are NaN)."""
     cells = len(heads)
     metrics = INTERVAL_METRICS
     sums = {side: {m: np.zeros((2, replicates, cells)) for m in metrics} for side in ("a", "b")}
@@ -272,7 +273,7 @@ def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, rep
     if sentences < MIN_BOOTSTRAP_SENTENCES:  # every replicate resamples the one sentence: no interval, no test
         head_stats = {metric: _undefined(stats) for metric, stats in head_stats.items()}
         layer_stats = {metric: _undefined(stats) for metric, stats in layer_stats.items()}
-    return head_stats, layer_stats
+    return head_stats, layer_stats, sentences
 
 
 def _undefined(stats: tuple) -> tuple[np.ndarray, ...]:

@@ -25,7 +25,7 @@ import torch
 from headscope.arguments import as_path
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules
 from headscope.errors import ConfigError, OutputError
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE
+from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.measures.example import example_views
@@ -152,7 +152,7 @@ def analyze(
                     importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled)
             with timings.phase("write"):  # the example views: their attention is written with the tables
                 examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
-        if settings.bootstrap and measured.progress.measured_sentences < MIN_BOOTSTRAP_SENTENCES:
+        if settings.bootstrap and not measured.resampled:
             reporter.note(ONE_SENTENCE_NOTE)
         reporter.stage("writing tables")
         analysis = Analysis(loaded, corpus, plan, measured, probes, importance, examples, thresholds, roles, timings)
@@ -166,7 +166,6 @@ def analyze(
             tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
     if out is None:
         return Report(run, tables=tables)
-    _report_cleaned(work, reporter)
     return Report(run, folder=work.target, tables=tables)
 
 

@@ -15,7 +15,7 @@ import pandas as pd
 
 from headscope.config import RoleThresholds, Thresholds
 from headscope.errors import OutputError
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ProbeResult, head_intervals, layer_intervals
+from headscope.estimates import ProbeResult, head_intervals, layer_intervals
 from headscope.interventions.importance import Importance
 from headscope.labels import label_heads
 from headscope.layout import (
@@ -72,8 +72,7 @@ def write_tables(folder: Path, analysis: Analysis, parts: PartFiles) -> tuple[di
     a, plan, measured = analysis, analysis.plan, analysis.measured
     with a.timings.phase("write"):
         _merge_parts(parts, folder, measured, a.corpus, plan)
-        resampled = measured.progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES
-        replicates = measured.bootstrap.metrics() if measured.bootstrap is not None and resampled else None
+        replicates = measured.bootstrap.metrics() if measured.resampled else None
         heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None)
         write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)

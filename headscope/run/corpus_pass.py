@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from headscope.errors import ConfigError
-from headscope.estimates import Bootstrap
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, Bootstrap
 from headscope.measures.row_sums import AttentionStatistics
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.distributed import ONE_PROCESS, Ranks, Rounds, combined
@@ -39,6 +39,12 @@ class Measured:
     bootstrap: Bootstrap | None  # the replicate sums behind the intervals (None: --bootstrap 0)
     progress: Progress  # counts: sentences measured, empty, tokens, truncated, batches; the example sentence
     attention_paths: dict  # attention class -> how its probabilities were read
+
+    @property
+    def resampled(self) -> bool:
+        """Do the intervals exist: bootstrap replicates over at least two measured sentences (over one, every
+        replicate is that sentence again, and the "interval" would have zero width)?"""
+        return self.bootstrap is not None and self.progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES
 
 
 def measure_corpus(

@@ -15,7 +15,6 @@ from importlib import metadata
 
 import torch
 
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES
 from headscope.labels import classification_record
 from headscope.layout import SCHEMA_VERSION
 from headscope.model.identity import model_identity
@@ -124,7 +123,7 @@ def run_record(analysis, heads) -> dict:
             "replicates": settings.bootstrap,
             "seed": settings.bootstrap_seed,
             "sentences": progress.measured_sentences,
-            "intervals": progress.measured_sentences >= MIN_BOOTSTRAP_SENTENCES,
+            "intervals": measured.resampled,
         }
         if settings.bootstrap
         else None,
