@@ -9,6 +9,7 @@ capped before anything is expanded. No third-party imports.
 from __future__ import annotations
 
 import numbers
+import os
 import re
 from collections.abc import Iterator
 
@@ -122,8 +123,6 @@ def as_head_groups(value, option: str = "heads") -> list[tuple[tuple[int, int], 
 
 def as_path(value, option: str):
     """A path given to the Python API (a str or os.PathLike), or None: anything else is refused naming the option."""
-    import os
-
     if value is None or isinstance(value, str | os.PathLike):
         return value
     raise ConfigError(f"{option} takes a path (a str or pathlib.Path); got {value!r}")

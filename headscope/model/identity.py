@@ -54,8 +54,10 @@ def check_report_model(run: dict, loaded, report: Path | str, option: str = "--r
             f"{option} {report} was measured on {name} ({_shape(architecture)}), and this model is "
             f"{loaded.source.display} ({_shape(loaded.architecture)}): its roles name another model's heads"
         )
-    fingerprint, here = recorded.get("weights_sha256"), weights_fingerprint(loaded.model)
-    if None not in (fingerprint, here) and recorded.get("weights_dtype") == dtype_name(loaded.dtype):
+    fingerprint = recorded.get("weights_sha256")
+    comparable = fingerprint is not None and recorded.get("weights_dtype") == dtype_name(loaded.dtype)
+    here = weights_fingerprint(loaded.model) if comparable else None  # hashed only when it can decide
+    if here is not None:
         if fingerprint != here:
             raise ConfigError(
                 f"{option} {report} was measured on {name}, whose weights differ from those of "
