@@ -20,9 +20,24 @@ OFFSET_CATEGORIES: tuple[str, ...] = ("first", *(str(k) for k in range(MAX_OFFSE
 # The probe battery's patterns (headscope.measures.probes); each gives a probe_<pattern> column.
 PROBE_PATTERNS: tuple[str, ...] = ("induction", "duplicate", "previous")
 
+# Off the sink (a row's mass renormalised without the sentence's first token): where the largest weight sits, an
+# offset 0..MAX_OFFSET back or anything else (the first token is not a place here).
+OFFSINK_CATEGORIES: tuple[str, ...] = OFFSET_CATEGORIES[1:]
+
 # Row sums that count rows (denominators), and how many of a sentence's n rows each leaves out in a causal
-# model: the first row sees one key (no normalised entropy) and has no previous token.
-ROWS_LEFT_OUT: dict[str, int] = {"n_rows": 0, "norm_rows": 1, "prev_rows": 1, "evidence_rows": EVIDENCE_FROM}
+# model: the first row sees one key (no normalised entropy) and has no previous token; off the sink, the first row
+# sees nothing, the second one key, and the previous token of the second is the first token.
+ROWS_LEFT_OUT: dict[str, int] = {
+    "n_rows": 0,
+    "norm_rows": 1,
+    "prev_rows": 1,
+    "evidence_rows": EVIDENCE_FROM,
+    "write_rows": 0,
+    "value_rows": 1,
+    "offsink_rows": 1,
+    "offsink_norm_rows": 2,
+    "offsink_prev_rows": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -148,6 +163,76 @@ MEASURED: tuple[Column, ...] = (
         slots=("evidence_rows", *(f"top_{category}" for category in OFFSET_CATEGORIES)),
     ),
     Column("top_offset_share", "float64", "share of rows that top_offset holds", shown=True),
+    Column(
+        "logit_std",
+        "float64",
+        "standard deviation of the row's pre-softmax scores over the keys it sees (the softmax's scale)",
+        sums=("logit_std", "norm_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+        scale="magnitude",
+    ),
+    Column(
+        "write_norm",
+        "float64",
+        "norm of what the head writes: ||W_O^h z_h(t)||, its slice of the output projection times its output",
+        sums=("write_norm", "write_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+        scale="magnitude",
+    ),
+    Column(
+        "write_ratio",
+        "float64",
+        "write_norm / the norm of the residual stream entering the layer, per row",
+        sums=("write_ratio", "write_rows"),
+        interval=True,
+        per_sentence=True,
+        shown=True,
+        scale="magnitude",
+    ),
+    Column(
+        "sink_value_ratio",
+        "float64",
+        "norm of the first token's value vector / the mean value norm over the keys the row sees",
+        sums=("sink_value_ratio", "value_rows"),
+        per_sentence=True,
+        shown=True,
+        scale="magnitude",
+    ),
+    Column(
+        "active_rows",
+        "float64",
+        "share of rows whose first-token mass is at most --sink-threshold (where a sink head is not sinking)",
+        sums=("active_hits", "offsink_rows"),
+        shown=True,
+    ),
+    Column(
+        "offsink_prev_token",
+        "float64",
+        "prev_token with the row's mass renormalised without the first token",
+        sums=("offsink_prev_token", "offsink_prev_rows"),
+        per_sentence=True,
+        shown=True,
+    ),
+    Column(
+        "offsink_norm_entropy",
+        "float64",
+        "norm_entropy of the row's mass renormalised without the first token",
+        sums=("offsink_norm_entropy", "offsink_norm_rows"),
+        per_sentence=True,
+        shown=True,
+        scale="entropy",
+    ),
+    Column(
+        "offsink_top_offset",
+        "string",
+        "top_offset of the rows' mass renormalised without the first token: an offset 0-8 back, or other",
+        slots=("offsink_evidence_rows", *(f"offsink_top_{category}" for category in OFFSINK_CATEGORIES)),
+    ),
+    Column("offsink_top_offset_share", "float64", "share of rows that offsink_top_offset holds", shown=True),
 )
 
 LABELS: tuple[Column, ...] = (

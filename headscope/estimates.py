@@ -19,13 +19,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from headscope.columns import COUNTS, INTERVAL_METRICS, OFFSET_CATEGORIES, PROBE_PATTERNS, RATIOS, STAT_INDEX
+from headscope.columns import (
+    COUNTS,
+    INTERVAL_METRICS,
+    OFFSET_CATEGORIES,
+    OFFSINK_CATEGORIES,
+    PROBE_PATTERNS,
+    RATIOS,
+    STAT_INDEX,
+)
 
 
 def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
     """Turn stat sums (..., len(STATS)) into metric means (...), ``entropy_std``, the row counts, and the
     top-offset evidence: ``top_offset`` (the category holding most rows' largest weight, a string) and
-    ``top_offset_share`` (the share of evidence rows it holds).
+    ``top_offset_share`` (the share of evidence rows it holds); likewise ``offsink_top_offset`` and its share, off
+    the sink.
 
     A metric with no rows to average (e.g. prev_token of one-token sentences) is NaN (top_offset: None).
     """
@@ -41,11 +50,12 @@ def metric_means(sums: np.ndarray) -> dict[str, np.ndarray]:
         n = stat("n_rows")
         variance = stat("entropy_sq") / np.where(n > 0, n, 1) - out["entropy"] ** 2
         out["entropy_std"] = np.where(n > 0, np.sqrt(np.clip(variance, 0.0, None)), np.nan)
-    counts = np.stack([stat(f"top_{category}") for category in OFFSET_CATEGORIES], axis=-1)  # (..., categories)
-    evidence = stat("evidence_rows")
-    top = counts.argmax(-1)
-    out["top_offset"] = np.where(evidence > 0, np.array(OFFSET_CATEGORIES, dtype=object)[top], None)
-    out["top_offset_share"] = ratio(np.take_along_axis(counts, top[..., None], -1)[..., 0], evidence)
+    for prefix, categories in (("", OFFSET_CATEGORIES), ("offsink_", OFFSINK_CATEGORIES)):
+        counts = np.stack([stat(f"{prefix}top_{category}") for category in categories], axis=-1)  # (..., categories)
+        evidence = stat(f"{prefix}evidence_rows")
+        top = counts.argmax(-1)
+        out[f"{prefix}top_offset"] = np.where(evidence > 0, np.array(categories, dtype=object)[top], None)
+        out[f"{prefix}top_offset_share"] = ratio(np.take_along_axis(counts, top[..., None], -1)[..., 0], evidence)
     return out
 
 

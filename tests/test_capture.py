@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import headscope
-from headscope.measures.row_sums import AttentionStatistics
+from headscope.measures.statistics import AttentionStatistics
 from headscope.model.capture import RowBlock, attached
 from headscope.run.feed import collate, tokenize_sentences
 

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from headscope.columns import INTERVAL_METRICS
 from headscope.layout import SCHEMA_VERSION
 from headscope.report.compare import _normal_delta, benjamini_hochberg, compare_reports, head_deltas
 
@@ -79,7 +80,7 @@ def test_a_report_compared_with_itself_changes_nothing(planted_pair):
         assert (heads[f"{metric}_delta"] == 0).all() and not heads[f"{metric}_significant"].any()
         assert (heads[f"{metric}_delta_ci_low"] == 0).all() and (heads[f"{metric}_delta_ci_high"] == 0).all()
     assert not comparison.layers["entropy_significant"].any()
-    assert comparison.record["significant_heads"] == dict.fromkeys(METRICS, 0)
+    assert comparison.record["significant_heads"] == dict.fromkeys(INTERVAL_METRICS, 0)
 
 
 def test_different_corpora_are_compared_unpaired(planted_pair, tmp_path, corpus_lines):
@@ -279,7 +280,8 @@ def test_a_one_token_corpus_compared_with_itself_has_nothing_significant(planted
     out = tmp_path / "c"
     result = run_cli("compare", report, report, "--out", out, "--replicates", "50")
     assert result.exit_code == 0, result.output
-    assert "significant (FDR 5%): entropy 0, norm_entropy 0, diagonal 0, sink 0 of 6" in result.output
+    none = ", ".join(f"{metric} 0" for metric in ("entropy", "norm_entropy", "diagonal", "sink", "logit_std"))
+    assert f"significant (FDR 5%): {none}" in result.output
     heads = pd.read_parquet(out / "compare.parquet")
     assert heads["norm_entropy_p"].isna().all() and not heads["norm_entropy_significant"].any()
 

@@ -47,7 +47,18 @@ def reference(query, key, value, visible, seq_start, softcap=None):
     t = query.shape[2]
     rows = torch.arange(t)
     offset = rows[None, :] - rows[:, None]  # key - query
+    is_first = (rows[None, :] == seq_start[:, None])[:, None, None, :]  # (batch, 1, 1, keys)
+    rest = probs.masked_fill(is_first, 0.0)
+    rest_mass = rest.sum(-1)
+    shown = visible[:, None].expand_as(scores)
+    logits = torch.where(shown, scores, 0.0)
+    count = shown.sum(-1)
+    mean = logits.sum(-1) / count
     return {
+        "rest_mass": rest_mass,
+        "rest_entropy": torch.special.entr(rest / rest_mass[..., None]).sum(-1),
+        "rest_top_key": rest.argmax(-1),
+        "logit_std": (torch.where(shown, scores - mean[..., None], 0.0).square().sum(-1) / count).sqrt(),
         "output": (probs @ v).transpose(1, 2),
         "entropy": torch.special.entr(probs).sum(-1),
         "max_weight": probs.amax(-1),
@@ -100,11 +111,17 @@ def test_fused_rows_equal_the_full_probabilities(mask_name, softcap):
     expected = reference(query, key, value, visible, seq_start, softcap)
     real = visible.any(-1)  # (batch, t): padding rows see nothing, and may hold anything
     torch.testing.assert_close(output.double()[real], expected["output"][real], rtol=0, atol=1e-5)
-    for name in ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible"):
+    names = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible", "rest_mass")
+    for name in (*names, "logit_std"):
         got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
     assert not values.top_tied.transpose(1, 2)[real].any()  # random logits: one largest key per row
     assert torch.equal(values.top_key.transpose(1, 2)[real], expected["top_key"].transpose(1, 2)[real])
+    off_sink = (expected["rest_mass"] > 0).transpose(1, 2) & real[..., None]  # rows that see a key but the first
+    for name in ("rest_entropy", "rest_top_key"):
+        got, want = values.__getattribute__(name).transpose(1, 2), expected[name].transpose(1, 2)
+        torch.testing.assert_close(got[off_sink].double(), want[off_sink].double(), rtol=0, atol=1e-5, msg=name)
+    assert not values.rest_top_tied.transpose(1, 2)[off_sink].any()
 
 
 def test_tiles_and_blocks_do_not_change_the_numbers():

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import headscope
-from headscope.columns import STAT_INDEX, STATS
+from headscope.columns import RATIOS, STAT_INDEX, STATS
 from headscope.estimates import Bootstrap, head_intervals, poisson_weights, t_interval
 
 INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
@@ -36,12 +36,7 @@ def test_streamed_replicates_equal_the_direct_weighted_sums():
         streamed.add(ids[part], sums[:, part])
     weights = poisson_weights(ids, 30, seed=3)  # (sentences, replicates)
     for metric, values in streamed.metrics().items():
-        numerator, denominator = {
-            "entropy": ("entropy", "n_rows"),
-            "norm_entropy": ("norm_entropy", "norm_rows"),
-            "sink": ("sink", "n_rows"),
-            "diagonal": ("diagonal", "n_rows"),
-        }[metric]
+        numerator, denominator = RATIOS[metric]
         direct = np.einsum("sr,lsh->rlh", weights, sums[..., STAT_INDEX[numerator]]) / np.einsum(
             "sr,lsh->rlh", weights, sums[..., STAT_INDEX[denominator]]
         )

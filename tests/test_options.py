@@ -260,7 +260,9 @@ def neutral(**options):
 def check_block_bytes(planted, texts, baseline, tmp_path):
     report = headscope.analyze(str(planted), texts, block_bytes=4096, **FAST)
     assert "fused" in " ".join(report.run["attention_implementation"].values())
-    assert_same_numbers(report, baseline, atol=1e-5)
+    # Off the sink, the planted first-token head spreads its rest evenly: its largest off-sink weight is a tie up to
+    # float rounding, which the eager probabilities and the fused logits break on different rows.
+    assert_same_numbers(report, baseline, atol=1e-5, without=("offsink_top_offset_share",))
 
 
 class ThreadsSeen(NullReporter):

@@ -22,33 +22,11 @@ from pathlib import Path
 
 import torch
 
-from headscope.errors import ConfigError, ModelLoadError, ResourceError
+from headscope.errors import ConfigError, ResourceError
 from headscope.interventions.removal import Removal
 from headscope.model.capture import decoder_layers
 from headscope.model.memory import readable
-
-OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo")  # the output projection, by architecture
-
-
-def output_projection(layer: torch.nn.Module, inputs: int) -> tuple[str, torch.nn.Module]:
-    """The attention's output projection in a decoder layer: a linear map named like one, inside a module named
-    like attention, taking `inputs` (heads * head_dim) features. Returns (its name in the layer, the module)."""
-    for name, module in layer.named_modules():
-        parent, _, own = name.rpartition(".")
-        if own in OUTPUT_NAMES and "att" in parent.lower() and _in_features(module) == inputs:
-            return name, module
-    raise ModelLoadError(
-        f"{type(layer).__name__} has no output projection headscope recognises ({', '.join(OUTPUT_NAMES)})"
-    )
-
-
-def _in_features(module: torch.nn.Module) -> int | None:
-    if isinstance(module, torch.nn.Linear):
-        return module.in_features
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and weight is not None:  # GPT-2's: weight (in, out)
-        return weight.shape[0]
-    return None
+from headscope.model.projection import output_projection
 
 
 @contextlib.contextmanager

@@ -1,9 +1,7 @@
-"""The corpus statistics measure: every attention row reduced to per-(sentence, head) sums.
-
-`AttentionStatistics` rides on the capture (see headscope.model.capture.Measure); the maths below it are pure
-functions on tensors. A layer's attention probabilities ``attn`` have shape (batch, heads, q, k).
-``head_row_sums`` reduces them to per-(sentence, head) *sums* over the valid query rows, one slot per entry
-of ``headscope.columns.STATS``; headscope.estimates turns them into means at the end.
+"""Every attention row reduced to per-(sentence, head) sums: pure functions on tensors (the measure that rides on
+the capture is headscope.measures.statistics.AttentionStatistics). A layer's attention probabilities ``attn``
+have shape (batch, heads, q, k); ``head_row_sums`` reduces them to per-(sentence, head) *sums* over the valid
+query rows, one slot per entry of ``headscope.columns.STATS``; headscope.estimates turns them into means at the end.
 
 Definitions (row t of one head, A[t, s] the probability it gives key s):
     entropy          -sum_s A[t,s] ln A[t,s]                  (nats, 0 ln 0 = 0)
@@ -18,6 +16,13 @@ Definitions (row t of one head, A[t, s] the probability it gives key s):
     top_offset       over rows t >= 4: where most rows put their largest weight: "first" (the first
                      position), an offset k = t - argmax_s A[t,s] in 0..8, or "other" (further back, or
                      a largest weight shared by several keys); top_offset_share is the share of rows it holds
+    logit_std        sqrt(mean_s (l[t,s] - mean_s l[t,s])^2) over the keys row t sees, l the pre-softmax scores
+                     (from ln A on the eager path: the same up to one number per row)    rows seeing >= 2 keys
+  Off the sink: R = sum_{s != f} A[t,s] (f the first position), A'[t,s] = A[t,s] / R for s != f; rows with R > 0
+    active_rows      share of rows with A[t, f] <= sink_threshold
+    offsink_prev_token   A'[t, t-1]                                      rows t >= 2
+    offsink_norm_entropy -sum A' ln A' / ln(keys row t sees but f)        rows seeing >= 2 such keys
+    offsink_top_offset   top_offset of A' (an offset 0..8, or other)     rows t >= 4
 Positions are counted from the sentence's first real token, so left and right
 padding give the same numbers. Rows holding NaN or inf (float16 overflow, say) are
 counted in ``nonfinite_rows`` and left out of every metric; rows whose mass is not 1
@@ -27,101 +32,13 @@ sinks legitimately sum to less than 1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, OFFSET_CATEGORIES, RATIOS, STATS
+from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, OFFSET_CATEGORIES, OFFSINK_CATEGORIES, RATIOS, STATS
 from headscope.config import SINK_THRESHOLD
-from headscope.errors import ModelLoadError
-from headscope.model.fused import RowValues
+from headscope.measures.rows import first_key, first_visible, log_probability_std, masked_std, without_first
 from headscope.model.masks import count_visible
-from headscope.run.feed import Batch
-
-
-class AttentionStatistics:
-    """Per-(sentence, head) sums of every row statistic in ``STATS``, for the layers asked for.
-
-    A Measure: after each batch, `finish` returns (wanted layers, batch, heads, stats) sums, left on the device
-    of the batch (nothing synchronises per layer or per batch; the caller moves many batches' sums at once).
-    """
-
-    def __init__(
-        self, *, window: int, sink_threshold: float, accum_dtype: torch.dtype, layers: Sequence[int] | None = None
-    ) -> None:
-        self.window = window
-        self.sink_threshold = sink_threshold
-        self.accum_dtype = accum_dtype
-        self.layers = sorted(set(layers)) if layers is not None else None
-        self._batch: Batch | None = None
-        self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, stats), summed over its blocks
-
-    @classmethod
-    def from_plan(cls, plan) -> AttentionStatistics:
-        """The statistics a run's plan asks for: its window, sink threshold, accumulation dtype and layers."""
-        settings = plan.settings
-        return cls(
-            window=settings.window,
-            sink_threshold=settings.sink_threshold,
-            accum_dtype=plan.accumulate,
-            layers=plan.layers,
-        )
-
-    def start(self, batch: Batch) -> None:
-        self._batch = batch
-        self._sums = {}
-
-    def wants(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-    def last_layer(self) -> int | None:
-        return None if self.layers is None else self.layers[-1]
-
-    def attention(self, layer, block) -> None:
-        common = {
-            "key_visible": block.visible,
-            "query_valid": block.query_valid,
-            "seq_start": block.seq_start,
-            "window": self.window,
-            "row_offset": block.first_row,
-            "accum_dtype": self.accum_dtype,
-            "sink_threshold": self.sink_threshold,
-        }
-        if block.weights is not None:
-            # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
-            tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
-            sums = head_row_sums(block.weights, mass_tolerance=tolerance, **common)
-        else:
-            sums = head_row_sums_from_logits(block.logits, **common)
-        self._add(layer, sums)
-
-    def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
-        """A whole layer's per-row values from the fused pass (headscope.model.fused), computed with our `window`."""
-        sums = head_row_sums_from_values(
-            values,
-            query_valid=query_valid,
-            seq_start=seq_start,
-            accum_dtype=self.accum_dtype,
-            sink_threshold=self.sink_threshold,
-        )
-        self._add(layer, sums)
-
-    def _add(self, layer: int, sums: torch.Tensor) -> None:
-        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
-
-    def finish(self) -> torch.Tensor:
-        """The batch's sums, (wanted layers, batch, heads, stats), in layer order, on the batch's device (with a
-        device map, each layer's small sums move there from the device its attention ran on)."""
-        if not self._sums:
-            raise ModelLoadError(
-                "the model never called an attention function headscope can read (no attention layers?)"
-            )
-        device = self._batch.input_ids.device
-        # Asynchronous only towards an accelerator: a non-blocking copy into host memory may not be done yet.
-        asynchronous = device.type != "cpu"
-        sums = torch.stack([self._sums[layer].to(device, non_blocking=asynchronous) for layer in sorted(self._sums)])
-        self._sums = {}
-        return sums
+from headscope.model.readoff import RowValues
 
 
 def diagonal_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -163,6 +80,7 @@ def head_row_sums(
     accum_dtype: torch.dtype = torch.float64,
     mass_tolerance: float = 1e-3,
     sink_threshold: float = SINK_THRESHOLD,
+    first_at_zero: bool | None = None,
 ) -> torch.Tensor:
     """Per-(sentence, head) sums of every row statistic in ``STATS``, over a block of query rows.
 
@@ -173,22 +91,45 @@ def head_row_sums(
     seq_start:   (batch,) long, index of each sentence's first real token (0 with right padding)
     window:      half-width of the diagonal band
     sink_threshold: a row counts towards `sink_rate` when its mass on the first token exceeds this
+    first_at_zero: every sentence starts at position 0 (right padding: the keys off the sink are a view, not a
+                 copy); None: find out (one look at seq_start)
     Returns (batch, heads, len(STATS)) in ``accum_dtype``, on attn's device. Sums over disjoint row
     blocks add up to the sums over all rows.
+
+    Every statistic over all keys is put together from the same statistic over the keys off the sink (every key
+    but the sentence's first) and the first key's weight, so the off-sink statistics cost no extra pass and the
+    off-sink mass is summed, never taken as 1 - sink (which loses every digit when the sink holds nearly all).
     """
     probs = attn.float()  # reductions in float32 at least, whatever the model dtype
-    largest = probs.amax(-1)
+    first = first_key(seq_start, probs.shape)
+    on_first = probs.gather(-1, first).squeeze(-1)
+    rest, index_shift = without_first(probs, seq_start, first_at_zero)
+    rest_largest = rest.amax(-1)
+    rest_top = rest.argmax(-1) + index_shift
+    rest_holding = (rest == rest_largest[..., None]).sum(-1)
+    # Summed in float64: a row nearly all on the sink leaves a small mass whose digits the renormalising divides up,
+    # and float32 sums of it would depend on where padding puts the zeros.
+    rest_mass = rest.sum(-1, dtype=torch.float64)
+    rest_entropy = torch.special.entr(rest).sum(-1, dtype=torch.float64)
+    largest = torch.maximum(rest_largest, on_first)
     per_row = {
-        "entropy": torch.special.entr(probs).sum(-1),
+        "entropy": (rest_entropy + torch.special.entr(on_first)).float(),
         "max_weight": largest,
-        "mass": probs.sum(-1),
-        "top_key": probs.argmax(-1),
-        "top_tied": (probs == largest[..., None]).sum(-1) > 1,  # no single key holds the largest weight
+        "mass": (rest_mass + on_first).float(),
+        "top_key": torch.where(on_first > rest_largest, first[..., 0], rest_top),
+        # no single key holds the largest weight
+        "top_tied": (on_first == largest).long() + torch.where(rest_largest == largest, rest_holding, 0) > 1,
+        "rest_mass": rest_mass,
+        "rest_entropy": rest_entropy / rest_mass + torch.log(rest_mass),
+        "rest_top_key": rest_top,
+        "rest_top_tied": rest_holding > 1,
+        "logit_std": log_probability_std(probs, key_visible, torch.finfo(attn.dtype).tiny),
         **_positional_mass(probs, seq_start, window, row_offset),
     }
     return _sum_rows(
         per_row,
         *_visible_counts(key_visible, window, row_offset),
+        first_visible(key_visible, first),
         query_valid,
         seq_start,
         row_offset,
@@ -208,6 +149,7 @@ def head_row_sums_from_logits(
     row_offset: int = 0,
     accum_dtype: torch.dtype = torch.float64,
     sink_threshold: float = SINK_THRESHOLD,
+    first_at_zero: bool | None = None,
 ) -> torch.Tensor:
     """``head_row_sums(softmax(logits))``, with fewer passes over the (rows, keys) block.
 
@@ -215,23 +157,44 @@ def head_row_sums_from_logits(
     at the dtype's minimum). With z = logits - max and S = sum exp(z):
         entropy = ln S - sum_s p_s z_s    (both terms >= 0: no cancellation)
         max_weight = 1 / S
-    so the probabilities are never normalised in full and no logarithm is taken per key.
+    so the probabilities are never normalised in full and no logarithm is taken per key. The sums run over the
+    keys off the sink, the first key's term added after (as in `head_row_sums`).
     """
     scores = logits.float()
     shifted = scores - scores.amax(-1, keepdim=True)  # (batch, heads, rows, keys), <= 0
     unnormalised = torch.exp(shifted)  # largest entry of each row is exactly 1
     total = unnormalised.sum(-1)  # (batch, heads, rows), >= 1
+    first = first_key(seq_start, scores.shape)
+    # Off the sink: the first key's weight 0 and its logit the lowest (the sums and the top key skip it).
+    rest, index_shift = without_first(unnormalised, seq_start, first_at_zero)
+    rest_shifted, _ = without_first(shifted, seq_start, first_at_zero, fill=torch.finfo(torch.float32).min)
+    rest_total = rest.sum(-1)
+    rest_largest = rest_shifted.amax(-1)
     per_row = {
         "entropy": torch.log(total) - torch.linalg.vecdot(unnormalised, shifted) / total,
         "max_weight": 1.0 / total,
         "mass": torch.ones_like(total),  # normalised by construction; overflow shows up as a non-finite total
         "top_key": shifted.argmax(-1),
         "top_tied": (shifted == 0).sum(-1) > 1,  # the largest logit is shifted to exactly 0
+        "rest_mass": rest_total / total,
+        "rest_entropy": torch.log(rest_total) - torch.linalg.vecdot(rest, rest_shifted) / rest_total,
+        "rest_top_key": rest_shifted.argmax(-1) + index_shift,
+        "rest_top_tied": (rest_shifted == rest_largest[..., None]).sum(-1) > 1,
+        "logit_std": masked_std(shifted, key_visible),
         **{name: mass / total for name, mass in _positional_mass(unnormalised, seq_start, window, row_offset).items()},
     }
     n_visible, band_visible = _visible_counts(key_visible, window, row_offset)
     return _sum_rows(
-        per_row, n_visible, band_visible, query_valid, seq_start, row_offset, accum_dtype, 1.0, sink_threshold
+        per_row,
+        n_visible,
+        band_visible,
+        first_visible(key_visible, first),
+        query_valid,
+        seq_start,
+        row_offset,
+        accum_dtype,
+        1.0,
+        sink_threshold,
     )
 
 
@@ -254,11 +217,17 @@ def head_row_sums_from_values(
         "diagonal": values.diagonal,
         "sink": values.sink,
         "prev_token": values.prev_token,
+        "rest_mass": values.rest_mass,
+        "rest_entropy": values.rest_entropy,
+        "rest_top_key": values.rest_top_key,
+        "rest_top_tied": values.rest_top_tied,
+        "logit_std": values.logit_std,
     }
     return _sum_rows(
         per_row,
         values.n_visible,
         values.band_visible,
+        values.first_visible,
         query_valid,
         seq_start,
         0,
@@ -277,12 +246,9 @@ def _positional_mass(
     weights: torch.Tensor, seq_start: torch.Tensor, window: int, row_offset: int
 ) -> dict[str, torch.Tensor]:
     """Per-row diagonal, sink and prev_token mass of (batch, heads, rows, keys) weights."""
-    batch, heads, rows, keys = weights.shape
-    # A block of padding rows before a left-padded sentence may end before its first key: clamp (ignored rows).
-    first_key = seq_start.clamp(max=keys - 1).view(batch, 1, 1, 1).expand(batch, heads, rows, 1)
     return {
         "diagonal": band_row_sums(weights, window, row_offset),
-        "sink": weights.gather(-1, first_key).squeeze(-1),
+        "sink": weights.gather(-1, first_key(seq_start, weights.shape)).squeeze(-1),
         "prev_token": diagonal_rows(weights, row_offset - 1),
     }
 
@@ -291,6 +257,7 @@ def _sum_rows(
     per_row: dict[str, torch.Tensor],
     n_visible: torch.Tensor,
     band_visible: torch.Tensor,
+    first_visible: torch.Tensor,
     query_valid: torch.Tensor,
     seq_start: torch.Tensor,
     row_offset: int,
@@ -298,7 +265,10 @@ def _sum_rows(
     mass_tolerance: float,
     sink_threshold: float,
 ) -> torch.Tensor:
-    """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(STATS))."""
+    """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(STATS)).
+
+    The slots of what a head writes (OUTPUT_SLOTS) are left 0: `head_write_sums` fills them from the layer's
+    output."""
     entropy = per_row["entropy"]
     batch, heads, rows = entropy.shape
     mass = per_row["mass"]
@@ -323,8 +293,19 @@ def _sum_rows(
     other = per_row["top_tied"] | (offset < 0) | (offset > MAX_OFFSET)
     category = torch.where(other, MAX_OFFSET + 2, offset + 1).masked_fill(on_first & ~per_row["top_tied"], 0)
     category = category.masked_fill(~evidence, MAX_OFFSET + 3)
-    top = torch.zeros(batch, heads, MAX_OFFSET + 4, dtype=accum_dtype, device=entropy.device)
-    top.scatter_add_(-1, category, torch.ones_like(category, dtype=accum_dtype))
+    top = _category_counts(category, MAX_OFFSET + 4, accum_dtype)
+
+    # Off the sink: rows that see some key besides the sentence's first (whose off-sink mass did not underflow to
+    # 0), where the off-sink top key sits (it cannot be the first token), and how many keys they see besides it.
+    rest_mass = per_row["rest_mass"]
+    offsink = valid & (rest_mass > 0)
+    rest_visible = n_visible - first_visible.long()
+    offsink_norm_entropy = per_row["rest_entropy"] / torch.log(rest_visible.clamp(min=2).float())
+    rest_offset = torch.arange(row_offset, row_offset + rows, device=entropy.device) - per_row["rest_top_key"]
+    rest_other = per_row["rest_top_tied"] | (rest_offset < 0) | (rest_offset > MAX_OFFSET)
+    offsink_evidence = evidence & offsink
+    rest_category = torch.where(rest_other, MAX_OFFSET + 1, rest_offset).masked_fill(~offsink_evidence, MAX_OFFSET + 2)
+    rest_top = _category_counts(rest_category, MAX_OFFSET + 3, accum_dtype)
 
     # The rows each row count counts; a ratio's numerator is summed over its denominator's rows (columns.RATIOS).
     counted = {
@@ -334,6 +315,10 @@ def _sum_rows(
         "evidence_rows": evidence,
         "nonfinite_rows": nonfinite,
         "unnormalised_rows": unnormalised,
+        "offsink_rows": offsink,
+        "offsink_norm_rows": offsink & (rest_visible >= 2),
+        "offsink_prev_rows": offsink & (position >= 2)[:, None, :],
+        "offsink_evidence_rows": offsink_evidence,
     }
     row_values = {  # the numerators of columns.RATIOS, and the squares for the spread, per row
         "entropy": entropy,
@@ -345,6 +330,10 @@ def _sum_rows(
         "max_weight": per_row["max_weight"],
         "sink_hits": (per_row["sink"] > sink_threshold).to(entropy.dtype),
         "entropy_sq": entropy.square(),
+        "logit_std": per_row["logit_std"],
+        "active_hits": (per_row["sink"] <= sink_threshold).to(entropy.dtype),
+        "offsink_prev_token": per_row["prev_token"] / rest_mass,
+        "offsink_norm_entropy": offsink_norm_entropy,
     }
     denominator = {numerator: rows_of for numerator, rows_of in RATIOS.values()} | {"entropy_sq": "n_rows"}
     # Every value column in one pass: (batch, heads, values, rows), summed over the rows. `where`, not multiply:
@@ -358,5 +347,14 @@ def _sum_rows(
         **dict(zip(row_values, value_sums.unbind(-1), strict=True)),
         **dict(zip(counted, row_counts.unbind(-1), strict=True)),
         **{f"top_{name}": top[..., i] for i, name in enumerate(OFFSET_CATEGORIES)},
+        **{f"offsink_top_{name}": rest_top[..., i] for i, name in enumerate(OFFSINK_CATEGORIES)},
     }
-    return torch.stack([sums[name].to(accum_dtype) for name in STATS], dim=-1)
+    unwritten = torch.zeros(batch, heads, dtype=accum_dtype, device=entropy.device)
+    return torch.stack([sums[name].to(accum_dtype) if name in sums else unwritten for name in STATS], dim=-1)
+
+
+def _category_counts(category: torch.Tensor, categories: int, accum_dtype: torch.dtype) -> torch.Tensor:
+    """(batch, heads, rows) category numbers -> (batch, heads, categories) how many rows hold each."""
+    batch, heads, _ = category.shape
+    counts = torch.zeros(batch, heads, categories, dtype=accum_dtype, device=category.device)
+    return counts.scatter_add_(-1, category, torch.ones_like(category, dtype=accum_dtype))

@@ -20,7 +20,8 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import AttentionInterface
@@ -52,6 +53,27 @@ class Measure(Protocol):
 
     def attention(self, layer: int, block: RowBlock) -> None:
         """Read one block of `layer`'s attention (never modify it; it is dropped after the call)."""
+
+
+@dataclass(frozen=True)
+class LayerOutput:
+    """What a layer's attention wrote: for the measures that read heads' outputs (`OutputMeasure`)."""
+
+    attention: torch.nn.Module  # the layer's attention module (its output projection inside)
+    output: torch.Tensor  # (batch, t, heads, head_dim): every head's output, before the output projection
+    value: torch.Tensor  # (batch, kv_heads, t, head_dim): the values the heads weighed
+    mask: torch.Tensor | None  # as the attention function received it (see headscope.model.masks)
+    residual_norm: torch.Tensor  # (batch, t) float32: the norm of the residual stream entering the layer
+    query_valid: torch.Tensor  # (batch, t) bool
+    seq_start: torch.Tensor  # (batch,) long
+
+
+@runtime_checkable
+class OutputMeasure(Protocol):
+    """A Measure that also reads what each layer it wants wrote (after its `attention` calls for that layer)."""
+
+    def head_output(self, layer: int, written: LayerOutput) -> None:
+        """Read `layer`'s heads' outputs (the model's own, before any editor replaces them)."""
 
 
 class OutputEditor(Protocol):
@@ -112,6 +134,7 @@ class Capture:
         self._editors: Sequence[OutputEditor] = ()
         self._stop_after: int | None = None
         self._placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._residual_norms: dict[int, torch.Tensor] = {}  # layer -> (batch, t), for the OutputMeasures
 
     @property
     def paths(self) -> dict[str, str]:
@@ -157,6 +180,8 @@ class Capture:
                     stack.callback(hook.remove)
                 if start_at > 0:
                     stack.enter_context(self._skipping(start_at, handed_on))
+                if any(isinstance(measure, OutputMeasure) for measure in measures):
+                    stack.enter_context(self._reading_residual())
                 return self.model(**kwargs)
         except _StopForward:
             return None
@@ -168,6 +193,25 @@ class Capture:
             raise _out_of_memory(batch) from err
         finally:
             self._measures, self._editors = (), ()
+            self._residual_norms = {}
+
+    @contextlib.contextmanager
+    def _reading_residual(self) -> Iterator[None]:
+        """Keep the norm of the residual stream entering each decoder layer, per token (one number a row)."""
+
+        def reader(index: int):
+            def read(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                self._residual_norms[index] = torch.linalg.vector_norm(hidden.float(), dim=-1)
+
+            return read
+
+        hooks = [layer.register_forward_pre_hook(reader(i), with_kwargs=True) for i, layer in enumerate(self.decoder)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def run_keeping_layers(
         self, batch: Batch, editors: Sequence[OutputEditor] = (), measures: Sequence[Measure] = (), **options
@@ -223,6 +267,11 @@ class Capture:
             output = self.readout.read(readers, layer, module, query, key, value, mask, kwargs)
         else:
             output = self.readout.unread(module, query, key, value, mask, kwargs)
+        for reader in readers:
+            if isinstance(reader, OutputMeasure):
+                valid, start = self._placed[query.device]
+                written = LayerOutput(module, output, value, mask, self._residual_norms[layer], valid, start)
+                reader.head_output(layer, written)
         for editor in self._editors:
             output = editor.output(layer, output)
         if self._stop_after is not None and layer >= self._stop_after:

@@ -1,10 +1,13 @@
 """A layer's attention output and every per-row statistic in one pass over tiles of keys (the flash recurrence).
 
-The probabilities are never materialised. For each query row t, over the key tiles seen so far, the pass keeps
+The probabilities are never materialised. For each query row t, over the key tiles seen so far (every key but the
+sentence's first, which headscope.model.readoff puts back: the statistics off the sink come from the same state),
+the pass keeps
 
     m    the largest logit                          A    sum_s e^(s_s - m)
     B    sum_s e^(s_s - m) (s_s - m)    (<= 0)      O    sum_s e^(s_s - m) v_s
     n    how many keys hold exactly m                top  the first key that does
+    seen, mean, spread   how many keys, their logits' mean and sum of squared deviations (merged tile by tile)
 
 and when a tile raises the maximum to m' it rescales A, B and O by alpha = e^(m - m') (B also gains
 (m - m') A). At the end the row's
@@ -23,7 +26,7 @@ is any tile the mask hides entirely (a sliding window).
 On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, Triton kernels on CUDA), so the
 several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
 say) the same function runs op by op, with the same maths. For the statistics alone of a float32 model on the
-CPU, headscope's C++ kernel (headscope.model.native) replaces the tile loop: same state, same read-off below.
+CPU, headscope's C++ kernel (headscope.model.native) replaces the tile loop: same state, same read-off.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from headscope.model import native
 from headscope.model.masks import TileVisibility
+from headscope.model.readoff import RowValues, read_off, softcapped
 
 # Query rows per block and keys per tile: a tile of logits for 9 heads is 9 x 128 x 1,024 floats (4.5 MiB),
 # which stays in the CPU's last-level cache between the passes over it. Measured on one SmolLM2 layer at 8,192
@@ -44,8 +47,6 @@ from headscope.model.masks import TileVisibility
 # 64 x 512 and 128 x 256 slower (more tiles, more dispatch).
 BLOCK_ROWS = 128
 TILE_KEYS = 1024
-# Offsets of the diagonal band handled per gather: bounds the (rows x offsets x head_dim) keys gathered.
-BAND_CHUNK = 32
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
 # one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
 COMPILE_FROM = 2**25
@@ -55,40 +56,21 @@ NATIVE_CHECK_ROWS = 8
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RowValues:
-    """Per-row statistics of one layer, (batch, heads, rows) each, plus what the mask shows of each row."""
-
-    entropy: torch.Tensor
-    max_weight: torch.Tensor
-    top_key: torch.Tensor  # long: the first key holding the row's largest logit
-    top_tied: torch.Tensor  # bool: several keys hold it
-    diagonal: torch.Tensor
-    sink: torch.Tensor
-    prev_token: torch.Tensor
-    n_visible: torch.Tensor  # (batch, 1, rows): keys the row may see
-    band_visible: torch.Tensor  # (batch, 1, rows): of them, within the diagonal band
-
-
-def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """c tanh(scores / c), Gemma 2's logit softcapping (the scores themselves when there is none)."""
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
-
-
 def _tile_step(
     query: torch.Tensor,  # (batch, kv_heads, groups * rows, head_dim), already scaled
     key: torch.Tensor,  # (batch, kv_heads, keys, head_dim)
     value: torch.Tensor | None,  # (batch, kv_heads, keys, head_dim); None: no output wanted
     hidden: torch.Tensor | None,  # (batch or 1, 1, 1, rows, keys) bool, True = hidden; or (rows,) long, the
     # last key of the tile each row sees (causal); None: all visible
-    state: tuple,  # m, A, B, n, top: (batch, kv_heads, groups * rows); O: (..., head_dim) or None
+    state: tuple,  # m, A, B, n, top, seen, mean, spread: (batch, kv_heads, groups * rows); O: (..., head_dim) or None
     key_start: int,
     softcap: float | None,
+    first_key: torch.Tensor,  # (batch,) long: each sentence's first key, left out of the fold
     fold: Callable | None = None,
 ) -> tuple:
     """One tile of keys folded into the running state of a block of query rows (`fold`: `_fold`, or a compiled
     copy of it)."""
-    m, total, weighted, count, top, output = state
+    m, total, weighted, count, top, seen, mean, spread, output = state
     scores = torch.matmul(query, key.transpose(-1, -2))  # (batch, kv_heads, groups * rows, keys)
     batch, kv_heads, group_rows, keys = scores.shape
     limit = None
@@ -98,31 +80,46 @@ def _tile_step(
     elif hidden is not None:  # as (batch * kv_heads * groups * rows, keys), like the scores
         rows = hidden.shape[-2]
         hidden = hidden.expand(batch, kv_heads, group_rows // rows, rows, keys).reshape(-1, keys)
-    flat = [x.reshape(-1) for x in (m, total, weighted, count)]
+    skip = (first_key - key_start).view(batch, 1, 1).expand(batch, kv_heads, group_rows).reshape(-1)
+    flat = [x.reshape(-1) for x in (m, total, weighted, count, seen, mean, spread)]
     weights, alpha, *folded, found = (fold or _fold)(
-        scores.reshape(-1, keys), hidden, limit, *flat, softcap, value is not None
+        scores.reshape(-1, keys), hidden, limit, skip, *flat, softcap, value is not None
     )
-    m, total, weighted, count, found = (x.view(m.shape) for x in (*folded, found))
+    m, total, weighted, count, seen, mean, spread, found = (x.view(m.shape) for x in (*folded, found))
     top = torch.where(found >= 0, found + key_start, top)
     if value is not None:
         output = alpha.view(m.shape)[..., None] * output + torch.matmul(weights.view(scores.shape), value.float())
-    return m, total, weighted, count, top, output
+    return m, total, weighted, count, top, seen, mean, spread, output
 
 
-def _fold(scores, hidden, limit, m, total, weighted, count, softcap: float | None, keep: bool):
+def _fold(scores, hidden, limit, skip, m, total, weighted, count, seen, mean, spread, softcap: float | None, keep):
     """The elementwise heart of a tile step, on (rows, keys) scores and (rows,) running values: what is
     compiled. Returns the tile's weights e^(s - m') (if `keep`, for the output; None otherwise), alpha, the
-    new m, A, B, n, and where in the tile the new maximum first sits (-1: not in this tile).
+    new m, A, B, n, seen, mean, spread, and where in the tile the new maximum first sits (-1: not in this tile).
 
     The tile's top key is the first key holding the new maximum, found in the same pass as the sums (a
     max-with-index pass vectorises poorly); when several keys hold it the row is tied and `top` is not used.
+    Key `skip` of the tile (the sentence's first key, when it is in the tile) is left out like a hidden one: the
+    read-off adds it back. seen, mean, spread: how many visible keys, their logits' mean and sum of squared
+    deviations, merged tile by tile (Chan et al.'s pairwise update: no digits lost to a large mean).
     """
+    lowest = torch.finfo(torch.float32).min
     scores = softcapped(scores.float(), softcap)
+    columns = torch.arange(scores.shape[-1], device=scores.device)[None, :]
     if hidden is not None:
-        scores = scores.masked_fill(hidden, torch.finfo(torch.float32).min)
+        scores = scores.masked_fill(hidden, lowest)
     if limit is not None:  # causal, computed in the loop: no (rows, keys) mask to read
-        later = torch.arange(scores.shape[-1], device=scores.device)[None, :] > limit[:, None]
-        scores = scores.masked_fill(later, torch.finfo(torch.float32).min)
+        scores = scores.masked_fill(columns > limit[:, None], lowest)
+    scores = scores.masked_fill(columns == skip[:, None], lowest)
+    visible = scores > lowest
+    tile_seen = visible.sum(-1)
+    tile_mean = torch.where(visible, scores, 0.0).sum(-1) / tile_seen.clamp(min=1)
+    tile_spread = torch.where(visible, scores - tile_mean[:, None], 0.0).square().sum(-1)
+    new_seen = seen + tile_seen
+    delta = tile_mean - mean
+    share = tile_seen / new_seen.clamp(min=1)
+    spread = spread + tile_spread + delta.square() * seen * share
+    mean = mean + delta * share
     new_m = torch.maximum(m, scores.amax(-1))
     shifted = scores - new_m[:, None]  # <= 0
     weights = torch.exp(shifted)
@@ -135,7 +132,7 @@ def _fold(scores, hidden, limit, m, total, weighted, count, softcap: float | Non
     count = torch.where(new_m == m, count, 0) + holding
     first = torch.where(at_max, torch.arange(scores.shape[-1], device=scores.device), scores.shape[-1]).amin(-1)
     found = torch.where((new_m > m) & (holding > 0), first, -1)
-    return (weights if keep else None), alpha, new_m, total, weighted, count, found
+    return (weights if keep else None), alpha, new_m, total, weighted, count, new_seen, mean, spread, found
 
 
 @functools.cache
@@ -148,7 +145,7 @@ def _compiled_fold() -> Callable:
 
 def _compiled(scores, hidden, limit, *rest):
     # Rows vary with the batch; keys with the tile (full tiles are TILE_KEYS wide, the rest are few per block).
-    for tensor in (scores, hidden, limit, *rest[:4]):
+    for tensor in (scores, hidden, limit, *rest[:8]):
         if tensor is not None:
             torch._dynamo.mark_dynamic(tensor, 0)
     if scores.shape[-1] != TILE_KEYS:
@@ -213,8 +210,8 @@ class TileKernel:
             return None
         return functools.partial(self._native, module)
 
-    def _native(self, module, scaled, key, positions, visibility, softcap) -> tuple | None:
-        states = native.row_state(module, scaled, key, positions, visibility, softcap)
+    def _native(self, module, scaled, key, positions, first_key, visibility, softcap) -> tuple | None:
+        states = native.row_state(module, scaled, key, positions, first_key, visibility, softcap)
         if states is None or self._native_checked:
             self.native_runs += states is not None
             return states
@@ -222,13 +219,14 @@ class TileKernel:
         batch, heads, t, head_dim = scaled.shape
         rows = positions[-NATIVE_CHECK_ROWS:]
         grouped = scaled.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows)
-        expected = _fold_tiles(grouped, key, None, visibility, rows, softcap, _tile_step, TILE_KEYS)
-        seen = (visibility.counts(rows) > 0).expand(batch, heads, -1)  # rows seeing nothing are padding, unread
+        expected = _fold_tiles(grouped, key, None, visibility, rows, softcap, _tile_step, TILE_KEYS, first_key)
+        # Rows that see some key but the first (padding sees none; a row that sees only the first has no state).
+        seen = expected[5] > 0
         got = [x[..., -len(rows) :][seen] for x in states]
-        expected = [x[seen] for x in expected[:4]]
-        agrees = all(
-            torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got[1:3], expected[1:3], strict=True)
-        ) and torch.equal(got[3] > 1, expected[3] > 1)
+        expected = [x[seen] for x in expected[:8]]
+        close = (1, 2, 6, 7)  # A, B, mean, spread
+        agrees = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
+        agrees = agrees and torch.equal(got[3] > 1, expected[3] > 1) and torch.equal(got[5], expected[5])
         self._native_checked = True
         if not agrees:
             self.native_failed = "its first result disagreed with the tile loop"
@@ -279,16 +277,16 @@ def fused_attention(
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
     states = None
     if row_state is not None and value is None:
-        states = row_state(scaled, key, positions, visibility, softcap)
+        states = row_state(scaled, key, positions, seq_start, visibility, softcap)
     outputs, values = [], []
     for first in range(0, len(positions), block_rows):
         rows = positions[first : first + block_rows]
         block_query = grouped_query.index_select(3, rows) if len(rows) != t else grouped_query
         if states is None:
-            state = _fold_tiles(block_query, key, value, visibility, rows, softcap, step, tile_keys)
+            state = _fold_tiles(block_query, key, value, visibility, rows, softcap, step, tile_keys, seq_start)
         else:
             state = (*(x[..., first : first + block_rows] for x in states), None)
-        output, row_values = _read_off(block_query, key, visibility, rows, state, softcap, seq_start, window)
+        output, row_values = read_off(block_query, key, value, visibility, rows, state, softcap, seq_start, window)
         outputs.append(output)
         values.append(row_values)
     output = None
@@ -299,9 +297,10 @@ def fused_attention(
     return output, joined
 
 
-def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile_keys) -> tuple:
-    """Fold every key tile a block of query rows may see: its m, A, B, n, top ((batch, heads, rows) each) and
-    output sum ((batch, heads, rows, head_dim); None without `value`)."""
+def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile_keys, first_key) -> tuple:
+    """Fold every key tile a block of query rows may see, but each sentence's first key (first_key: (batch,) long):
+    its m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and output sum ((batch, heads, rows,
+    head_dim); None without `value`)."""
     batch, kv_heads, groups, n_rows, head_dim = grouped_query.shape
     flat_query = grouped_query.reshape(batch, kv_heads, groups * n_rows, head_dim)
     shape = (batch, kv_heads, groups * n_rows)
@@ -312,6 +311,9 @@ def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile
         torch.zeros(shape, device=device),
         torch.zeros(shape, dtype=torch.long, device=device),
         torch.zeros(shape, dtype=torch.long, device=device),
+        torch.zeros(shape, dtype=torch.long, device=device),  # seen
+        torch.zeros(shape, device=device),  # mean
+        torch.zeros(shape, device=device),  # spread
         None if value is None else torch.zeros((*shape, head_dim), device=device),
     )
     # The tile of the block's own diagonal first (every real row sees itself, so the running maximum is a real
@@ -321,31 +323,8 @@ def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile
         if not seen:
             continue
         tile_values = None if value is None else value[:, :, keys]
-        state = step(flat_query, key[:, :, keys], tile_values, hidden, state, keys.start, softcap)
+        state = step(flat_query, key[:, :, keys], tile_values, hidden, state, keys.start, softcap, first_key)
     return tuple(None if x is None else x.view(batch, kv_heads * groups, n_rows, *x.shape[3:]) for x in state)
-
-
-def _read_off(grouped_query, key, visibility, rows, state, softcap, seq_start, window):
-    """A block of rows' output and statistics from its folded state."""
-    batch, _, _, n_rows, _ = grouped_query.shape
-    m, total, weighted, count, top, output = state
-    output = None if output is None else output / total[..., None]
-    point = functools.partial(_point_probability, grouped_query, key, m, total, softcap)
-    diagonal, band_visible = _band(point, visibility, rows, window, batch)
-    sink_key = seq_start.view(batch, 1).expand(batch, n_rows)[..., None]  # (batch, rows, 1)
-    prev_key = (rows - 1).view(1, n_rows, 1).expand(batch, n_rows, 1)
-    values = RowValues(
-        entropy=torch.log(total) - weighted / total,
-        max_weight=1.0 / total,
-        top_key=top,
-        top_tied=count > 1,
-        diagonal=diagonal,
-        sink=(point(sink_key) * visibility.points(rows, sink_key)).squeeze(-1),
-        prev_token=(point(prev_key) * visibility.points(rows, prev_key)).squeeze(-1),
-        n_visible=visibility.counts(rows),
-        band_visible=band_visible,
-    )
-    return output, values
 
 
 def _tiles(first: int, last: int, width: int) -> list[slice]:
@@ -355,33 +334,3 @@ def _tiles(first: int, last: int, width: int) -> list[slice]:
         tiles.append(slice(max(0, first - width), first))
         first -= width
     return tiles
-
-
-def _point_probability(grouped_query, key, m, total, softcap, key_positions: torch.Tensor) -> torch.Tensor:
-    """e^(s - m) / A for key `key_positions[b, r, j]` of each row r: (batch, heads, rows, j).
-
-    Positions outside 0..t-1 are clamped (the caller zeroes them by their visibility).
-    """
-    batch, kv_heads, groups, n_rows, head_dim = grouped_query.shape
-    points = key_positions.shape[-1]
-    index = key_positions.clamp(0, key.shape[2] - 1).reshape(batch, 1, n_rows * points, 1)
-    picked = key.gather(2, index.expand(batch, kv_heads, n_rows * points, head_dim))
-    picked = picked.view(batch, kv_heads, 1, n_rows, points, head_dim)
-    scores = torch.linalg.vecdot(grouped_query[..., None, :], picked).float()  # (batch, kv, groups, rows, points)
-    scores = softcapped(scores, softcap).view(batch, kv_heads * groups, n_rows, points)
-    return torch.exp(scores - m[..., None]) / total[..., None]
-
-
-def _band(point, visibility: TileVisibility, rows: torch.Tensor, window: int, batch: int):
-    """Mass within +-window of the diagonal, and how many keys there each row may see.
-
-    Causal rows see no key after themselves, so the offsets are -window..0 (fewer near the sentence start).
-    """
-    offsets = torch.arange(-min(window, int(rows[-1])), 1, device=rows.device)
-    mass, seen = 0.0, 0
-    for chunk in offsets.split(BAND_CHUNK):
-        key_positions = (rows[:, None] + chunk[None, :]).expand(batch, -1, -1)  # (batch, rows, offsets)
-        visible = visibility.points(rows, key_positions)  # (batch, 1, rows, offsets)
-        mass = mass + (point(key_positions) * visible).sum(-1)
-        seen = seen + visible.sum(-1)
-    return mass, seen

@@ -72,16 +72,21 @@ def row_state(
     scaled: torch.Tensor,
     key: torch.Tensor,
     positions: torch.Tensor,
+    first_key: torch.Tensor,
     visibility,
     softcap: float | None,
 ) -> tuple[torch.Tensor, ...] | None:
-    """m, A, B, n, top ((batch, heads, rows) each, as headscope.model.fused's tile loop leaves them) of query rows
-    `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim)); None for a mask the kernel does not
-    take (one per head)."""
+    """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each, as headscope.model.fused's tile loop leaves
+    them: every key but each sentence's first, first_key (batch,) long) of query rows `positions` of `scaled`
+    (query * scaling, (batch, heads, t, head_dim)); None for a mask the kernel does not take (one per head)."""
     mask = None
     if visibility.mask is not None:
         if visibility.mask.shape[1] != 1 or visibility.mask.shape[-1] != key.shape[-2]:
             return None
         mask = visible_keys(visibility.mask)[:, 0].contiguous()  # (batch or 1, t, keys) bool
     rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
-    return tuple(module.row_state(rows.contiguous(), key.contiguous(), positions.contiguous(), mask, softcap or 0.0))
+    return tuple(
+        module.row_state(
+            rows.contiguous(), key.contiguous(), positions.contiguous(), first_key.contiguous(), mask, softcap or 0.0
+        )
+    )

@@ -31,8 +31,9 @@ from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
 from headscope.errors import ModelLoadError
-from headscope.model.fused import TileKernel, fused_attention, softcapped, tile_shape
+from headscope.model.fused import TileKernel, fused_attention, tile_shape
 from headscope.model.masks import TileVisibility, additive_mask, key_visibility
+from headscope.model.readoff import softcapped
 
 # Rows per block, at most: small blocks let causal attention skip most keys after each block's last row.
 MAX_BLOCK_ROWS = 128

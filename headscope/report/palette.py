@@ -39,6 +39,7 @@ SCALES: dict[str, tuple[str, list[str], tuple[float, float] | None, bool]] = {
     "share": ("viridis", _VIRIDIS, (0.0, 1.0), False),  # a share of attention: more is brighter
     "diverging": ("RdBu_r", _RDBU_R, None, True),  # importance: red raises the loss, blue lowers it
     "count": ("Greys", _GREYS, None, False),  # how many heads: more is darker
+    "magnitude": ("viridis", _VIRIDIS, None, False),  # a norm or a scale, unbounded: more is brighter
 }
 
 

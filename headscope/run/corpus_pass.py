@@ -15,7 +15,7 @@ import torch
 
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, Bootstrap
-from headscope.measures.row_sums import AttentionStatistics
+from headscope.measures.statistics import AttentionStatistics
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.distributed import ONE_PROCESS, Ranks, Rounds, combined
 from headscope.run.feed import Chunk, CorpusFeed

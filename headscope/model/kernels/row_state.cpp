@@ -1,9 +1,11 @@
 // The softmax state of every query row of causal attention, in one cache-resident pass over blocks of keys.
 //
-// For each row, over the keys it may see (key <= its position, and the mask's when there is one), the same
-// running values as headscope/fused.py's tile step, with the same rescaling when a block raises the maximum:
+// For each row, over the keys it may see (key <= its position, and the mask's when there is one) but its sentence's
+// first key, the same running values as headscope/fused.py's tile step, with the same rescaling when a block raises
+// the maximum:
 //     m  the largest logit        A  sum e^(s - m)        B  sum e^(s - m) (s - m)
 //     n  keys holding exactly m   top  the first of them
+//     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations
 // A block of rows is 64 queries of one head; a block of keys is 512. Their logits (128 KiB) are one sgemm into a
 // buffer that stays in the core's cache for the two passes over it (maximum, then exponentials and sums), as
 // sdpa's own CPU kernel does for the output. Threads take (sentence, head, row block) tasks.
@@ -49,10 +51,57 @@ float reduce_sum(const Vec& v) {
 struct RowState {
   float m, total, weighted;
   int64_t count, top;
+  int64_t seen;         // visible keys folded
+  double mean, spread;  // their logits' mean and sum of squared deviations
 };
 
+// Merges the logits' count, mean and squared deviations of s[0..n) into the row's (Chan et al.'s pairwise update, as
+// fused.py's tile step): two passes over the block in cache, the mean first, so a large mean costs no digits.
+// dense: no key of s is hidden; otherwise hidden keys (at `lowest`) are left out.
+void merge_moments(RowState& row, const float* s, int64_t n, float lowest, bool dense) {
+  const int64_t width = Vec::size();
+  int64_t seen = 0, j = 0;
+  float sum = 0.f;
+  if (dense) {
+    Vec total(0.f);
+    for (; j + width <= n; j += width) total = total + Vec::loadu(s + j);
+    sum = reduce_sum(total);
+    for (; j < n; ++j) sum += s[j];
+    seen = n;
+  } else {
+    for (; j < n; ++j) {
+      if (s[j] > lowest) {
+        sum += s[j];
+        ++seen;
+      }
+    }
+  }
+  if (seen == 0) return;
+  const float mean = sum / static_cast<float>(seen);
+  float spread = 0.f;
+  if (dense) {
+    Vec squares(0.f), centre(mean);
+    for (j = 0; j + width <= n; j += width) {
+      const Vec d = Vec::loadu(s + j) - centre;
+      squares = at::vec::fmadd(d, d, squares);
+    }
+    spread = reduce_sum(squares);
+    for (; j < n; ++j) spread += (s[j] - mean) * (s[j] - mean);
+  } else {
+    for (j = 0; j < n; ++j) {
+      if (s[j] > lowest) spread += (s[j] - mean) * (s[j] - mean);
+    }
+  }
+  const int64_t merged = row.seen + seen;
+  const double delta = static_cast<double>(mean) - row.mean, share = static_cast<double>(seen) / merged;
+  row.spread += spread + delta * delta * static_cast<double>(row.seen) * share;
+  row.mean += delta * share;
+  row.seen = merged;
+}
+
 // Folds logits s[0..n) (keys key0..key0+n-1, hidden ones already at `lowest`) into a row's state.
-void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest) {
+void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest, bool dense) {
+  merge_moments(row, s, n, lowest, dense);
   const int64_t width = Vec::size();
   int64_t j = 0;
   Vec vmax(lowest);
@@ -96,13 +145,16 @@ void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest) 
 }  // namespace
 
 // query: (batch, heads, rows, dim) float32 contiguous, already scaled; key: (batch, kv_heads, keys, dim) float32
-// contiguous (head h reads kv head h / (heads / kv_heads)); positions: (rows,) long, increasing; mask: (batch or 1,
-// query positions, keys) bool, True = visible, or None for plain causal attention. Returns m, A, B (float32) and
-// n, top (long), each (batch, heads, rows); rows that see no key keep m = lowest, A = 0 (padding: never read).
+// contiguous (head h reads kv head h / (heads / kv_heads)); positions: (rows,) long, increasing; first_key: (batch,)
+// long, each sentence's first key, left out of the state (fused.py's read-off adds it back); mask: (batch or 1,
+// query positions, keys) bool, True = visible, or None for plain causal attention. Returns m, A, B (float32), n, top
+// (long), seen (long), mean, spread (float32), each (batch, heads, rows); rows that see no key keep m = lowest, A = 0
+// (padding: never read).
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const at::Tensor& positions,
-                                  const c10::optional<at::Tensor>& mask, double softcap) {
+                                  const at::Tensor& first_key, const c10::optional<at::Tensor>& mask, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
-  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous() && first_key.is_contiguous(),
+              "contiguous inputs");
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2), groups = heads / kv_heads;
   const bool* visible = nullptr;
@@ -117,6 +169,10 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   at::Tensor m_out = at::empty({batch, heads, rows}, options);
   at::Tensor total_out = at::empty_like(m_out), weighted_out = at::empty_like(m_out);
   at::Tensor count_out = at::empty({batch, heads, rows}, options.dtype(at::kLong)), top_out = at::empty_like(count_out);
+  at::Tensor seen_out = at::empty_like(count_out), mean_out = at::empty_like(m_out), spread_out = at::empty_like(m_out);
+  const int64_t* sentence_first = first_key.data_ptr<int64_t>();
+  int64_t* seen_data = seen_out.data_ptr<int64_t>();
+  float *mean_data = mean_out.data_ptr<float>(), *spread_data = spread_out.data_ptr<float>();
   const float* q = query.data_ptr<float>();
   const float* k = key.data_ptr<float>();
   const int64_t* position = positions.data_ptr<int64_t>();
@@ -155,7 +211,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const float* block_query = q + out * dim;
       const float* head_keys = k + (b * kv_heads + h / groups) * keys * dim;
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
-      for (int64_t i = 0; i < n_rows; ++i) state[i] = {lowest, 0.f, 0.f, 0, 0};
+      for (int64_t i = 0; i < n_rows; ++i) state[i] = {lowest, 0.f, 0.f, 0, 0, 0, 0.0, 0.0};
+      const int64_t skip = sentence_first[b];  // the sentence's first key: not folded
       const int64_t stop = std::min(keys, position[first_row + n_rows - 1] + 1);  // causal: no key after the last row
       const int64_t sentence_rows = (mask_batch == 1 ? 0 : b) * mask_rows;
       int64_t first[ROWS];
@@ -180,8 +237,14 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
           // row (causal); in a row that is not one run, the keys the mask hides get the lowest logit, as the eager
           // functions give them.
           const int64_t n_seen = std::min<int64_t>(n_keys, row + 1 - key0);
-          const int64_t lo = std::max<int64_t>(0, first[i] - key0);
+          int64_t lo = std::max<int64_t>(0, first[i] - key0);
+          // The sentence's first key: dropped from the front of the row's keys (where it is in a run of them), else
+          // hidden like a masked key.
+          bool dense = run[i];
+          if (skip - key0 == lo) ++lo;
           if (n_seen <= lo) continue;
+          const bool skip_inside = skip - key0 > lo && skip - key0 < n_seen;
+          dense = dense && !skip_inside;
           float* s = scores.data() + i * n_keys + lo;
           const int64_t n = n_seen - lo;
           if (cap > 0) {
@@ -195,7 +258,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
             const bool* row_mask = sentence_mask + row * keys + key0 + lo;
             for (int64_t j = 0; j < n; ++j) s[j] = row_mask[j] ? s[j] : lowest;
           }
-          fold(state[i], s, n, key0 + lo, lowest);
+          if (skip_inside) s[skip - key0 - lo] = lowest;
+          fold(state[i], s, n, key0 + lo, lowest, dense);
         }
       }
       for (int64_t i = 0; i < n_rows; ++i) {
@@ -204,10 +268,13 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         weighted_data[out + i] = state[i].weighted;
         count_data[out + i] = state[i].count;
         top_data[out + i] = state[i].top;
+        seen_data[out + i] = state[i].seen;
+        mean_data[out + i] = static_cast<float>(state[i].mean);
+        spread_data[out + i] = static_cast<float>(state[i].spread);
       }
     }
   });
-  return {m_out, total_out, weighted_out, count_out, top_out};
+  return {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

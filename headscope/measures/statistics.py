@@ -1,0 +1,124 @@
+"""The corpus statistics measure: rides on the capture (headscope.model.capture.Measure and OutputMeasure) and
+reduces every layer's attention rows (headscope.measures.row_sums) and what its heads wrote
+(headscope.measures.writes) to per-(sentence, head) sums, one slot per entry of ``headscope.columns.STATS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from headscope.errors import ModelLoadError
+from headscope.measures.row_sums import head_row_sums, head_row_sums_from_logits, head_row_sums_from_values
+from headscope.measures.writes import head_write_sums, sink_value_ratios, write_norms
+from headscope.model.capture import LayerOutput
+from headscope.model.masks import key_visibility
+from headscope.model.projection import head_grams
+from headscope.model.readoff import RowValues
+from headscope.run.feed import Batch
+
+
+class AttentionStatistics:
+    """Per-(sentence, head) sums of every row statistic in ``STATS``, for the layers asked for.
+
+    A Measure: after each batch, `finish` returns (wanted layers, batch, heads, stats) sums, left on the device
+    of the batch (nothing synchronises per layer or per batch; the caller moves many batches' sums at once).
+    """
+
+    def __init__(
+        self, *, window: int, sink_threshold: float, accum_dtype: torch.dtype, layers: Sequence[int] | None = None
+    ) -> None:
+        self.window = window
+        self.sink_threshold = sink_threshold
+        self.accum_dtype = accum_dtype
+        self.layers = sorted(set(layers)) if layers is not None else None
+        self._batch: Batch | None = None
+        self._first_at_zero = True  # every sentence of the batch starts at position 0 (right padding)
+        self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, stats), summed over its blocks
+        self._grams: dict[int, torch.Tensor] = {}  # layer -> W_h^T W_h of its output projection, per head
+
+    @classmethod
+    def from_plan(cls, plan) -> AttentionStatistics:
+        """The statistics a run's plan asks for: its window, sink threshold, accumulation dtype and layers."""
+        settings = plan.settings
+        return cls(
+            window=settings.window,
+            sink_threshold=settings.sink_threshold,
+            accum_dtype=plan.accumulate,
+            layers=plan.layers,
+        )
+
+    def start(self, batch: Batch) -> None:
+        self._batch = batch
+        self._first_at_zero = bool((batch.seq_start == 0).all())  # once a batch, not once a block
+        self._sums = {}
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def last_layer(self) -> int | None:
+        return None if self.layers is None else self.layers[-1]
+
+    def attention(self, layer, block) -> None:
+        common = {
+            "key_visible": block.visible,
+            "query_valid": block.query_valid,
+            "seq_start": block.seq_start,
+            "window": self.window,
+            "row_offset": block.first_row,
+            "accum_dtype": self.accum_dtype,
+            "sink_threshold": self.sink_threshold,
+            "first_at_zero": self._first_at_zero,
+        }
+        if block.weights is not None:
+            # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
+            tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
+            sums = head_row_sums(block.weights, mass_tolerance=tolerance, **common)
+        else:
+            sums = head_row_sums_from_logits(block.logits, **common)
+        self._add(layer, sums)
+
+    def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
+        """A whole layer's per-row values from the fused pass (headscope.model.fused), computed with our `window`."""
+        sums = head_row_sums_from_values(
+            values,
+            query_valid=query_valid,
+            seq_start=seq_start,
+            accum_dtype=self.accum_dtype,
+            sink_threshold=self.sink_threshold,
+        )
+        self._add(layer, sums)
+
+    def head_output(self, layer: int, written: LayerOutput) -> None:
+        """What the layer's heads wrote (headscope.measures.writes): the OUTPUT_SLOTS of its sums."""
+        _, t, heads, head_dim = written.output.shape
+        if layer not in self._grams:  # the weights do not change within a run
+            self._grams[layer] = head_grams(written.attention, heads, head_dim)
+        norms = write_norms(written.output, self._grams[layer])
+
+        def visible_rows(rows: slice) -> torch.Tensor:
+            return key_visibility(written.mask, written.query_valid, rows, t)
+
+        value_ratio, defined = sink_value_ratios(written.value, visible_rows, written.seq_start, heads)
+        sums = head_write_sums(
+            norms, written.residual_norm, value_ratio, defined, written.query_valid, self.accum_dtype
+        )
+        self._add(layer, sums)
+
+    def _add(self, layer: int, sums: torch.Tensor) -> None:
+        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
+
+    def finish(self) -> torch.Tensor:
+        """The batch's sums, (wanted layers, batch, heads, stats), in layer order, on the batch's device (with a
+        device map, each layer's small sums move there from the device its attention ran on)."""
+        if not self._sums:
+            raise ModelLoadError(
+                "the model never called an attention function headscope can read (no attention layers?)"
+            )
+        device = self._batch.input_ids.device
+        # Asynchronous only towards an accelerator: a non-blocking copy into host memory may not be done yet.
+        asynchronous = device.type != "cpu"
+        sums = torch.stack([self._sums[layer].to(device, non_blocking=asynchronous) for layer in sorted(self._sums)])
+        self._sums = {}
+        return sums

@@ -1,0 +1,89 @@
+"""What each head writes into the residual stream, and what its sink reads: per-(sentence, head) sums from a layer's
+output (headscope.model.capture.LayerOutput), whatever path its attention took.
+
+Definitions (row t of head h, z_h(t) its output before the output projection, W_h the projection's columns for it,
+x(t) the residual stream entering the layer, v_s the value vector at key s of the head's KV head):
+    write_norm        ||W_h z_h(t)||_2                        (no bias; before any norm after attention)
+    write_ratio       ||W_h z_h(t)||_2 / ||x(t)||_2
+    sink_value_ratio  ||v_first|| / mean_{s the row sees} ||v_s||     rows t >= 1 that see the first token
+Each is summed over the real rows of each sentence (headscope.estimates takes the means).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from headscope.columns import STATS
+from headscope.model.masks import count_visible
+
+# The slots these sums fill; every other slot of STATS is left 0 (the attention's row sums fill them).
+OUTPUT_SLOTS = ("write_norm", "write_rows", "write_ratio", "sink_value_ratio", "value_rows")
+VALUE_BLOCK_ROWS = 256  # query rows per block of the keys-each-row-sees product
+
+
+def write_norms(output: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
+    """||W_h z_h(t)|| for every row and head: output (batch, t, heads, head_dim), grams (heads, head_dim, head_dim)
+    = W_h^T W_h. Returns (batch, heads, t) float32."""
+    z = output.float()
+    squared = torch.linalg.vecdot(torch.einsum("bthd,hde->bthe", z, grams.to(z.device)), z)
+    return squared.clamp(min=0).sqrt().transpose(1, 2)  # rounding may take a zero write a hair below 0
+
+
+def sink_value_ratios(
+    value: torch.Tensor, visible_rows: Callable[[slice], torch.Tensor], seq_start: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, ||v_first|| / the mean ||v_s|| over the keys the row sees, and whether the row sees the first key
+    and another (the rows it is defined on).
+
+    value: (batch, kv_heads, t, head_dim); visible_rows(rows): (batch or 1, 1, rows, t) bool, the keys query rows
+    `rows` see; None for plain causal attention (row t sees keys 0..t). Returns (batch, heads, t) float32 and
+    (batch, 1, t) bool; query head h reads KV head h // (heads // kv_heads).
+    """
+    batch, kv_heads, t, _ = value.shape
+    norms = torch.linalg.vector_norm(value.float(), dim=-1)  # (batch, kv_heads, t)
+    first = seq_start.clamp(max=t - 1)
+    on_first = norms.gather(-1, first.view(batch, 1, 1).expand(batch, kv_heads, 1))  # (batch, kv_heads, 1)
+    sums, counts, sees_first = [], [], []
+    for start in range(0, t, VALUE_BLOCK_ROWS):
+        rows = slice(start, min(t, start + VALUE_BLOCK_ROWS))
+        visible = visible_rows(rows)  # (batch or 1, 1, rows, t)
+        sums.append(torch.matmul(visible.float(), norms[..., None])[..., 0])  # (batch, kv_heads, rows)
+        counts.append(count_visible(visible))
+        sees_first.append(
+            visible.expand(batch, -1, -1, -1).gather(
+                -1, first.view(batch, 1, 1, 1).expand(batch, 1, visible.shape[2], 1)
+            )[..., 0]
+        )
+    mean = torch.cat(sums, -1) / torch.cat(counts, -1).clamp(min=1)
+    ratio = (on_first / mean).repeat_interleave(heads // kv_heads, dim=1)
+    defined = torch.cat(sees_first, -1) & (torch.cat(counts, -1) >= 2)
+    return ratio, defined
+
+
+def head_write_sums(
+    norms: torch.Tensor,
+    residual_norm: torch.Tensor,
+    value_ratio: torch.Tensor,
+    value_defined: torch.Tensor,
+    query_valid: torch.Tensor,
+    accum_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(batch, heads, len(STATS)) sums of the OUTPUT_SLOTS over each sentence's real rows (the rest 0).
+
+    norms: (batch, heads, t) write norms; residual_norm: (batch, t); value_ratio, value_defined: from
+    `sink_value_ratios`; query_valid: (batch, t) bool."""
+    ratio = norms / residual_norm[:, None, :].float()
+    real = query_valid[:, None, :]
+    written = real & torch.isfinite(norms) & torch.isfinite(ratio)
+    valued = real & value_defined & torch.isfinite(value_ratio)
+    sums = {
+        "write_norm": torch.where(written, norms, 0.0).to(accum_dtype).sum(-1),
+        "write_rows": written.expand_as(norms).sum(-1),
+        "write_ratio": torch.where(written, ratio, 0.0).to(accum_dtype).sum(-1),
+        "sink_value_ratio": torch.where(valued, value_ratio, 0.0).to(accum_dtype).sum(-1),
+        "value_rows": valued.expand_as(norms).sum(-1),
+    }
+    unread = torch.zeros(norms.shape[:2], dtype=accum_dtype, device=norms.device)
+    return torch.stack([sums[name].to(accum_dtype) if name in sums else unread for name in STATS], dim=-1)

@@ -1,0 +1,63 @@
+"""The attention's output projection, and what it makes of each head's output.
+
+The output projection takes the concatenated head outputs (t, heads * head_dim) to the residual stream; head h owns
+input features h * head_dim ... (h + 1) * head_dim, and writes W_h z_h (t) with W_h those columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from headscope.errors import ModelLoadError
+
+OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo")  # the output projection, by architecture
+
+
+def output_projection(layer: torch.nn.Module, inputs: int) -> tuple[str, torch.nn.Module]:
+    """The attention's output projection in a decoder layer (or an attention module): a linear map named like one,
+    inside a module named like attention (or directly in the attention module given), taking `inputs`
+    (heads * head_dim) features. Returns (its name in `layer`, the module)."""
+    for name, module in layer.named_modules():
+        parent, _, own = name.rpartition(".")
+        attention = "att" in parent.lower() or (not parent and "att" in type(layer).__name__.lower())
+        if own in OUTPUT_NAMES and attention and _in_features(module) == inputs:
+            return name, module
+    raise ModelLoadError(
+        f"{type(layer).__name__} has no output projection headscope recognises ({', '.join(OUTPUT_NAMES)})"
+    )
+
+
+def _in_features(module: torch.nn.Module) -> int | None:
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and weight is not None:  # GPT-2's: weight (in, out)
+        return weight.shape[0]
+    return None
+
+
+def head_grams(attention: torch.nn.Module, heads: int, head_dim: int) -> torch.Tensor:
+    """(heads, head_dim, head_dim) float32: W_h^T W_h for each head's columns W_h of the output projection, so that
+    ||W_h z||^2 = z^T (W_h^T W_h) z costs head_dim^2, not head_dim x hidden, per row. Formed in float64.
+
+    Weights a device map keeps off the device (on the disk, or on the CPU for a GPU layer) are brought in for the
+    product, as accelerate brings them in for the forward pass."""
+    _, projection = output_projection(attention, heads * head_dim)
+    with _weights_present(projection):
+        weight = projection.weight.detach()
+        columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
+        per_head = columns.double().reshape(columns.shape[0], heads, head_dim)
+        return torch.einsum("mhd,mhe->hde", per_head, per_head).float()
+
+
+@contextlib.contextmanager
+def _weights_present(module: torch.nn.Module):
+    if module.weight.device.type != "meta":
+        yield
+        return
+    from accelerate.utils import align_module_device  # only device-mapped models keep weights on the meta device
+
+    with align_module_device(module):
+        yield
