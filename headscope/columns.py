@@ -33,6 +33,7 @@ ROWS_LEFT_OUT: dict[str, int] = {
     "prev_rows": 1,
     "evidence_rows": EVIDENCE_FROM,
     "write_rows": 0,
+    "ratio_rows": 0,
     "value_rows": 1,
     "offsink_rows": 1,
     "offsink_norm_rows": 2,
@@ -67,6 +68,7 @@ def _probe_columns(pattern: str) -> tuple[Column, ...]:
         Column(f"{name}_chance", "float64", f"what uniform attention gives {name}"),
         Column(f"{name}_ci_low", "float64", f"{name}: 95% t-interval over seeds, low end"),
         Column(f"{name}_ci_high", "float64", f"{name}: 95% t-interval over seeds, high end"),
+        Column(f"{name}_offsink", "float64", f"{name} with each row renormalised without the first token", shown=True),
     )
 
 
@@ -187,7 +189,7 @@ MEASURED: tuple[Column, ...] = (
         "write_ratio",
         "float64",
         "write_norm / the norm of the residual stream entering the layer, per row",
-        sums=("write_ratio", "write_rows"),
+        sums=("write_ratio", "ratio_rows"),
         interval=True,
         per_sentence=True,
         shown=True,
@@ -241,11 +243,22 @@ LABELS: tuple[Column, ...] = (
     ),
     Column("head_type", "string", "local, copy, broad or mixed"),
     Column("type_reason", "string", "the evidence that decided the head type"),
-    Column("role", "string", "induction, duplicate-token, previous-token, sink, positional, broad or other"),
+    Column("role", "string", "induction, duplicate-token, previous-token, dormant, sink, positional, broad or other"),
     Column("role_reason", "string", "the evidence that decided the role"),
+    Column("role_detail", "string", "for a sink head, what it does off the sink (empty for other roles)"),
 )
 
 INTERVAL_METRICS: tuple[str, ...] = tuple(c.name for c in MEASURED if c.interval)
+# What schema 6 added (issue 33): what heads write, their logit scale, what they do off the sink, and the role detail.
+WRITTEN_AND_OFF_SINK: tuple[str, ...] = (
+    *(
+        name
+        for c in MEASURED[[c.name for c in MEASURED].index("logit_std") :]
+        for name in (c.name, *((f"{c.name}_ci_low", f"{c.name}_ci_high") if c.interval else ()))
+    ),
+    "role_detail",
+    *(f"probe_{pattern}_offsink" for pattern in PROBE_PATTERNS),
+)
 IMPORTANCE_COLUMNS: tuple[str, ...] = tuple(_IMPORTANCE)
 
 

@@ -308,6 +308,7 @@ class RoleThresholds:
     induction        probe_induction >= probe_min
     duplicate-token  probe_duplicate >= probe_min
     previous-token   probe_previous >= probe_min (prev_token on the corpus when the probes were skipped)
+    dormant          write_ratio < dormant_max_write_ratio
     sink             sink_rate >= sink_rate_min
     positional       top_offset is a fixed offset (not "first", not "other") holding >= offset_share_min of rows
     broad            norm_entropy >= Thresholds.broad_min_norm_entropy
@@ -317,9 +318,12 @@ class RoleThresholds:
     probe_min: float = 0.3
     sink_rate_min: float = 0.5
     offset_share_min: float = 0.5
+    # dormant: what the head writes is under 2.5% of the residual stream it is added to, on average over rows. On
+    # SmolLM2 the heads under it, removed together, lower the loss (README: Roles).
+    dormant_max_write_ratio: float = 0.025
 
     def __post_init__(self) -> None:
-        for name in ("probe_min", "sink_rate_min", "offset_share_min"):
+        for name in ("probe_min", "sink_rate_min", "offset_share_min", "dormant_max_write_ratio"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"--role-{name.replace('_', '-')} must be between 0 and 1; got {value}")

@@ -183,16 +183,31 @@ class ProbeResult:
     prefix: int  # tokens the tokenizer put before the random ones
     repeats: int  # copies of the random tokens in each sequence
     per_seed: np.ndarray | None = None  # (seeds, layers, heads, patterns): each seed's score
+    off_sink: dict[str, np.ndarray] | None = None  # pattern -> (layers, heads): the score off the sink
 
 
-def summarise_probes(mass: np.ndarray, rows: np.ndarray, chance: np.ndarray, prefix: int, repeats: int) -> ProbeResult:
-    """Scores per seed (mass / rows), then their mean and 95% t-interval over seeds.
+def summarise_probes(
+    mass: np.ndarray,
+    rows: np.ndarray,
+    chance: np.ndarray,
+    off_sink: np.ndarray | None = None,
+    off_sink_rows: np.ndarray | None = None,
+    *,
+    prefix: int,
+    repeats: int,
+) -> ProbeResult:
+    """Scores per seed (mass / rows), then their mean and 95% t-interval over seeds; off the sink, the mean over
+    seeds of each seed's off-sink mass / its rows.
 
-    mass: (seeds, layers, heads, patterns); rows, chance: (seeds, patterns).
+    mass, off_sink: (seeds, layers, heads, patterns); rows, chance, off_sink_rows: (seeds, patterns).
     """
     per_seed = mass / rows[:, None, None, :]
     mean, low, high = t_interval(per_seed)
     chance_level = chance.sum(0) / rows.sum(0)
+    off_sink_mean = None
+    if off_sink is not None:
+        scores = (off_sink / off_sink_rows[:, None, None, :]).mean(axis=0)
+        off_sink_mean = {p: scores[..., i] for i, p in enumerate(PROBE_PATTERNS)}
     return ProbeResult(
         scores={p: mean[..., i] for i, p in enumerate(PROBE_PATTERNS)},
         low={p: low[..., i] for i, p in enumerate(PROBE_PATTERNS)},
@@ -201,4 +216,5 @@ def summarise_probes(mass: np.ndarray, rows: np.ndarray, chance: np.ndarray, pre
         prefix=prefix,
         repeats=repeats,
         per_seed=per_seed,
+        off_sink=off_sink_mean,
     )

@@ -13,7 +13,8 @@ entropy first would call it a copy head.
 
 Roles, the finer answer the literature names (RoleThresholds; the order and why is in the README):
     induction, duplicate-token, previous-token   from the probe battery's scores
-    sink                                         sink_rate on the corpus
+    dormant                                      write_ratio on the corpus: it writes next to nothing
+    sink                                         sink_rate on the corpus (role_detail: what it does off the sink)
     positional                                   a fixed top_offset holding most rows' largest weight
     broad                                        norm_entropy, as for the type
     other                                        anything else
@@ -32,8 +33,17 @@ from headscope.config import RoleThresholds, Thresholds
 
 HeadType = Literal["local", "copy", "broad", "mixed"]
 HEAD_TYPES: tuple[HeadType, ...] = ("local", "copy", "broad", "mixed")
-Role = Literal["induction", "duplicate-token", "previous-token", "sink", "positional", "broad", "other"]
-ROLES: tuple[Role, ...] = ("induction", "duplicate-token", "previous-token", "sink", "positional", "broad", "other")
+Role = Literal["induction", "duplicate-token", "previous-token", "dormant", "sink", "positional", "broad", "other"]
+ROLES: tuple[Role, ...] = (
+    "induction",
+    "duplicate-token",
+    "previous-token",
+    "dormant",
+    "sink",
+    "positional",
+    "broad",
+    "other",
+)
 FIXED_OFFSETS = tuple(category for category in OFFSET_CATEGORIES if category.isdigit())  # "0" (itself), "1", ...
 
 # type -> (test on the heads table, reason shown for heads that pass it). Order is the rule's order.
@@ -88,6 +98,10 @@ ROLE_RULES: dict[Role, RoleRule] = {
     "induction": (lambda h, r, t: h["probe_induction"] >= r.probe_min, _probe_reason("probe_induction")),
     "duplicate-token": (lambda h, r, t: h["probe_duplicate"] >= r.probe_min, _probe_reason("probe_duplicate")),
     "previous-token": (lambda h, r, t: _previous_evidence(h) >= r.probe_min, _previous_reason),
+    "dormant": (
+        lambda h, r, t: h["write_ratio"] < r.dormant_max_write_ratio,
+        lambda row, r, t: f"write_ratio {row.write_ratio:.4f} < {r.dormant_max_write_ratio}",
+    ),
     "sink": (
         lambda h, r, t: h["sink_rate"] >= r.sink_rate_min,
         lambda row, r, t: f"sink_rate {row.sink_rate:.3f} >= {r.sink_rate_min}",
@@ -138,7 +152,55 @@ def assign_roles(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresho
     tests = [test(out, roles, thresholds) for test, _ in ROLE_RULES.values()]
     out["role"] = _first_match(tests, list(ROLE_RULES), "other")
     out["role_reason"] = [_role_reason(row, roles, thresholds) for row in out.itertuples()]
+    out["role_detail"] = [
+        off_sink_detail(row, roles, thresholds) if row.role == "sink" else None for row in out.itertuples()
+    ]
     return out
+
+
+def off_sink_behaviour(row, roles: RoleThresholds, thresholds: Thresholds) -> tuple[str, str]:
+    """What a head does with the mass it keeps off the sink (its rows renormalised without the first token), by the
+    role rule's own tests in its order on the off-sink evidence: (behaviour, the number that decided it).
+
+    induction, duplicate-token  probe_<pattern>_offsink >= probe_min
+    previous-token  probe_previous_offsink >= probe_min (offsink_prev_token on the corpus without probes)
+    positional      offsink_top_offset a fixed offset holding >= offset_share_min of rows
+    broad           offsink_norm_entropy >= broad_min_norm_entropy
+    mixed           anything else (its off-sink norm entropy given)
+    """
+    probes = {"induction": "probe_induction_offsink", "duplicate-token": "probe_duplicate_offsink"}
+    for behaviour, column in probes.items():
+        score = getattr(row, column, float("nan"))
+        if pd.notna(score) and score >= roles.probe_min:
+            return behaviour, f"{score:.2f}"
+    previous = getattr(row, "probe_previous_offsink", float("nan"))
+    previous = row.offsink_prev_token if pd.isna(previous) else previous
+    if pd.notna(previous) and previous >= roles.probe_min:
+        return "previous-token", f"{previous:.2f}"
+    offset, share = row.offsink_top_offset, row.offsink_top_offset_share
+    if offset in FIXED_OFFSETS and pd.notna(share) and share >= roles.offset_share_min:
+        where = "itself" if offset == "0" else f"{offset} back"
+        return "positional", f"{where} in {share:.2f} of rows"
+    entropy = row.offsink_norm_entropy
+    if pd.notna(entropy) and entropy >= thresholds.broad_min_norm_entropy:
+        return "broad", f"norm entropy {entropy:.2f}"
+    return "mixed", f"norm entropy {entropy:.2f}"
+
+
+def off_sink_detail(row, roles: RoleThresholds, thresholds: Thresholds) -> str | None:
+    """role_detail of a sink head: "sink; off the sink: previous-token (0.71)", with the share of rows where it
+    is not sinking; None for a report from before headscope measured it (schema < 6)."""
+    if pd.isna(row.active_rows):
+        return None
+    behaviour, evidence = off_sink_behaviour(row, roles, thresholds)
+    return f"sink; off the sink: {behaviour} ({evidence}); active in {row.active_rows:.2f} of rows"
+
+
+def full_label(labelled: pd.DataFrame) -> pd.Series:
+    """Each head's role with what its detail names: "sink: previous-token" for a sink head that is a previous-token
+    head off the sink, the role alone otherwise."""
+    behaviour = labelled["role_detail"].str.extract(r"off the sink: ([a-z-]+)", expand=False)
+    return labelled["role"].where(behaviour.isna(), labelled["role"] + ": " + behaviour)
 
 
 def label_heads(heads: pd.DataFrame, thresholds: Thresholds, roles: RoleThresholds) -> pd.DataFrame:

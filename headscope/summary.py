@@ -33,12 +33,14 @@ def least_needed(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
     return heads.loc[heads[column].abs().sort_values().index[:count]]
 
 
-# The evidence that gives each role (labels.ROLE_RULES): a role's heads are ranked by it. previous-token falls
+# The evidence that gives each role (labels.ROLE_RULES): a role's heads are ranked by it (dormant: the least written
+# first). previous-token falls
 # back to the corpus's prev_token for heads the probes did not score, as its rule does.
 ROLE_EVIDENCE: dict[str, str] = {
     "induction": "probe_induction",
     "duplicate-token": "probe_duplicate",
     "previous-token": "probe_previous",
+    "dormant": "write_ratio",
     "sink": "sink_rate",
     "positional": "top_offset_share",
     "broad": "norm_entropy",
@@ -47,7 +49,8 @@ ROLE_EVIDENCE: dict[str, str] = {
 
 def top_heads_per_role(heads: pd.DataFrame, count: int = 5) -> list[dict]:
     """Per role that some head has (in the rule's order; "other" has no evidence to rank by): how many heads,
-    the evidence column, and the `count` heads with the most of it as (layer, head, score), highest first."""
+    the evidence column, and the `count` heads with the most of it as (layer, head, score), strongest first (for
+    dormant heads, the least written)."""
     found = []
     for role, column in ROLE_EVIDENCE.items():
         mine = heads[heads["role"] == role]
@@ -56,7 +59,8 @@ def top_heads_per_role(heads: pd.DataFrame, count: int = 5) -> list[dict]:
         score = mine[column] if column in mine else pd.Series(float("nan"), index=mine.index)
         if role == "previous-token" and score.isna().all():
             column, score = "prev_token", mine["prev_token"]
-        top = mine.assign(score=score).sort_values(["score", "layer", "head"], ascending=[False, True, True])
+        highest = role != "dormant"
+        top = mine.assign(score=score).sort_values(["score", "layer", "head"], ascending=[not highest, True, True])
         found.append(
             {
                 "role": role,
@@ -66,6 +70,15 @@ def top_heads_per_role(heads: pd.DataFrame, count: int = 5) -> list[dict]:
             }
         )
     return found
+
+
+def off_sink_counts(heads: pd.DataFrame) -> dict[str, int]:
+    """How many sink heads do what off the sink (labels.off_sink_behaviour, as role_detail names it), most first;
+    empty for a report without role_detail."""
+    if "role_detail" not in heads:
+        return {}
+    behaviour = heads.loc[heads["role"] == "sink", "role_detail"].str.extract(r"off the sink: ([a-z-]+)")[0]
+    return {str(name): int(n) for name, n in behaviour.value_counts().items()}
 
 
 def depth_bands(depth: int) -> dict[str, range]:

@@ -21,6 +21,7 @@ from headscope.columns import (
     MEASURED_COLUMNS,
     PER_SENTENCE,
     PROBE_PATTERNS,
+    WRITTEN_AND_OFF_SINK,
 )
 from headscope.errors import OutputError
 from headscope.estimates import ProbeResult, metric_means
@@ -126,6 +127,8 @@ def heads_frame(
         columns[f"{name}_chance"] = np.full(layers * heads, probes.chance[pattern]) if probes else missing
         columns[f"{name}_ci_low"] = probes.low[pattern].reshape(-1) if probes else missing
         columns[f"{name}_ci_high"] = probes.high[pattern].reshape(-1) if probes else missing
+        off_sink = probes.off_sink if probes else None
+        columns[f"{name}_offsink"] = off_sink[pattern].reshape(-1) if off_sink else missing
     for name in IMPORTANCE_COLUMNS:
         values = (importance or {}).get(name)
         columns[name] = values.reshape(-1) if values is not None else missing
@@ -260,7 +263,7 @@ def write_json(data: dict, path: Path) -> None:
 
 
 # Columns a later schema version added: a table written before them reads with them empty (null).
-ADDED_COLUMNS = {"attention": 5, "window": 5}
+ADDED_COLUMNS = {"attention": 5, "window": 5} | {name: 6 for name in WRITTEN_AND_OFF_SINK}
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:

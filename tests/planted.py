@@ -55,8 +55,14 @@ def build_tokenizer(words: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]")
 
 
-def build_planted_gpt2(folder: Path, corpus_lines: list[str], beta: float = BETA) -> Path:
-    """Save the planted model (scores `beta` on the planted keys) and its tokenizer into `folder`; return it."""
+def build_planted_gpt2(
+    folder: Path, corpus_lines: list[str], beta: float = BETA, *, silent: int | None = None, then_previous: float = 0.0
+) -> Path:
+    """Save the planted model (scores `beta` on the planted keys) and its tokenizer into `folder`; return it.
+
+    silent: a layer-0 head whose value weights are zero (it attends as planted and writes nothing);
+    then_previous: the first-token head also scores `then_previous * beta` on the previous token (off the sink, it
+    is a previous-token head)."""
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import GPT2Config, GPT2Model
 
@@ -92,7 +98,11 @@ def build_planted_gpt2(folder: Path, corpus_lines: list[str], beta: float = BETA
             if t >= 1:
                 weight[t, q + PREVIOUS * HEAD_DIM + t - 1] = a  # query of t looks for key t-1
             weight[t, q + FIRST * HEAD_DIM + 0] = a  # query of t looks for key 0
+            if t >= 2 and then_previous:
+                weight[t, q + FIRST * HEAD_DIM + t - 1] = then_previous * a  # and, less, for key t-1
         weight[:, 2 * N_EMBD :] = block.attn.c_attn.weight[:, 2 * N_EMBD :]  # keep random values
+        if silent is not None:
+            weight[:, 2 * N_EMBD + silent * HEAD_DIM : 2 * N_EMBD + (silent + 1) * HEAD_DIM] = 0.0
         block.attn.c_attn.weight.copy_(weight)
         block.attn.c_attn.bias.zero_()
     model.save_pretrained(folder)

@@ -85,19 +85,24 @@ def role_evidence(sentences: list[np.ndarray], threshold: float = 0.3) -> dict[s
 
 
 def probe_scores(attentions: list[np.ndarray], prefix: int, length: int) -> dict[str, np.ndarray]:
-    """Mean over seeds of each probe score, from each seed's (heads, t, t) attention, row by row.
+    """Mean over seeds of each probe score, from each seed's (heads, t, t) attention, row by row; and, as
+    "<pattern>_offsink", the same with each row renormalised without position 0, over the rows whose target is
+    not position 0.
 
     A sequence is prefix + r + r: induction rows are the second copy (key t - length + 1), duplicate rows
     the same (key t - length), previous rows every random row but the first (key t - 1).
     """
-    per_seed = {name: [] for name in ("induction", "duplicate", "previous")}
+    targets = {
+        "induction": [(t, t - length + 1) for t in range(prefix + length, prefix + 2 * length)],
+        "duplicate": [(t, t - length) for t in range(prefix + length, prefix + 2 * length)],
+        "previous": [(t, t - 1) for t in range(prefix + 1, prefix + 2 * length)],
+    }
+    per_seed = {name: [] for name in (*targets, *(f"{name}_offsink" for name in targets))}
     for attn in attentions:
-        second = range(prefix + length, prefix + 2 * length)
-        per_seed["induction"].append(np.mean([attn[:, t, t - length + 1] for t in second], axis=0))
-        per_seed["duplicate"].append(np.mean([attn[:, t, t - length] for t in second], axis=0))
-        per_seed["previous"].append(
-            np.mean([attn[:, t, t - 1] for t in range(prefix + 1, prefix + 2 * length)], axis=0)
-        )
+        for name, pairs in targets.items():
+            per_seed[name].append(np.mean([attn[:, t, key] for t, key in pairs], axis=0))
+            off = [attn[:, t, key] / attn[:, t, 1 : t + 1].sum(axis=-1) for t, key in pairs if key >= 1]
+            per_seed[f"{name}_offsink"].append(np.mean(off, axis=0))
     return {name: np.mean(values, axis=0) for name, values in per_seed.items()}
 
 

@@ -15,6 +15,8 @@ from helpers import tiny_model_folder
 from reference import corpus_means
 
 METRICS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight")
+METRICS += ("logit_std", "write_norm", "write_ratio", "sink_value_ratio", "active_rows", "offsink_prev_token")
+METRICS += ("offsink_norm_entropy",)
 TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
 
 

@@ -111,6 +111,7 @@ def test_fused_rows_equal_the_full_probabilities(mask_name, softcap):
     expected = reference(query, key, value, visible, seq_start, softcap)
     real = visible.any(-1)  # (batch, t): padding rows see nothing, and may hold anything
     torch.testing.assert_close(output.double()[real], expected["output"][real], rtol=0, atol=1e-5)
+    assert torch.isfinite(output).all()  # but never NaN: the next layer reads them (its values at padding keys)
     names = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible", "rest_mass")
     for name in (*names, "logit_std"):
         got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())

@@ -444,6 +444,9 @@ EFFECTS = {
     "role_probe_min": labels_follow("role-probe-min", "0.99", "probe_min", "role"),
     "role_sink_rate_min": labels_follow("role-sink-rate-min", "0.0", "sink_rate_min", "role"),
     "role_offset_share_min": labels_follow("role-offset-share-min", "0.0", "offset_share_min", "role"),
+    "role_dormant_max_write_ratio": labels_follow(
+        "role-dormant-max-write-ratio", "1.0", "dormant_max_write_ratio", "role"
+    ),
 }
 
 

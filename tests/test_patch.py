@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reference_patching import Reference
 
 from headscope.interventions.patch import patch
 from headscope.interventions.patching import patch_effects
 
 from helpers import tiny_model_folder
 from planted import write_reader_pairs
+from reference_patching import Reference
 
 WORDS = [chr(ord("a") + i) for i in range(16)]
 

@@ -175,6 +175,12 @@ def evidence(**columns) -> pd.DataFrame:
         "top_offset": "other",
         "top_offset_share": 0.2,
         "norm_entropy": 0.5,
+        "write_ratio": 0.1,
+        "active_rows": 0.2,
+        "offsink_prev_token": 0.1,
+        "offsink_top_offset": "other",
+        "offsink_top_offset_share": 0.3,
+        "offsink_norm_entropy": 0.5,
     }
     return pd.DataFrame([{**row, **columns}])
 
@@ -186,6 +192,8 @@ def evidence(**columns) -> pd.DataFrame:
         ({"probe_duplicate": 0.5, "probe_previous": 0.5}, "duplicate-token", "probe_duplicate 0.500 >= 0.3"),
         ({"probe_previous": 0.7, "sink_rate": 0.8}, "previous-token", "probe_previous 0.700 >= 0.3"),
         ({"probe_previous": float("nan"), "prev_token": 0.8}, "previous-token", "prev_token 0.800 >= 0.3 (no probes)"),
+        ({"probe_induction": 0.9, "write_ratio": 0.001}, "induction", "probe_induction 0.900 >= 0.3"),
+        ({"write_ratio": 0.001, "sink_rate": 0.99}, "dormant", "write_ratio 0.0010 < 0.025"),
         ({"sink_rate": 0.8, "top_offset": "0", "top_offset_share": 0.9}, "sink", "sink_rate 0.800 >= 0.5"),
         ({"top_offset": "0", "top_offset_share": 0.9}, "positional", "top_offset 0 in 0.900 of rows >= 0.5"),
         ({"top_offset": "first", "top_offset_share": 0.9}, "other", "no rule matched"),
@@ -246,7 +254,8 @@ def test_a_planted_induction_circuit_is_found(induction_report):
         chance = heads[f"probe_{pattern}_chance"]
         assert np.allclose(random_heads[f"probe_{pattern}"], chance.iloc[0], atol=0.01), pattern
         assert (random_heads[f"probe_{pattern}_ci_low"] <= random_heads[f"probe_{pattern}"]).all()
-    assert (random_heads["role"] == "broad").all()
+    # The other heads' outputs are discarded (their output projection columns are zero): they write nothing.
+    assert (random_heads["write_norm"] == 0).all() and (random_heads["role"] == "dormant").all()
 
 
 def test_classify_reapplies_the_roles_with_other_thresholds(induction_report, tmp_path):

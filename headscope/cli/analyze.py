@@ -51,6 +51,7 @@ def analyze(
     role_probe_min: o.RoleProbeMin = o.ROLE_THRESHOLDS.probe_min,
     role_sink_rate_min: o.RoleSinkRateMin = o.ROLE_THRESHOLDS.sink_rate_min,
     role_offset_share_min: o.RoleOffsetShareMin = o.ROLE_THRESHOLDS.offset_share_min,
+    role_dormant_max_write_ratio: o.RoleDormantMaxWriteRatio = o.ROLE_THRESHOLDS.dormant_max_write_ratio,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
     from headscope.config import RoleThresholds, Thresholds, settings_from_command_line
@@ -61,7 +62,7 @@ def analyze(
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
-        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min)
+        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min, role_dormant_max_write_ratio)
     with user_errors(ctx):
         report = run_analysis(
             model,

@@ -106,6 +106,10 @@ RoleProbeMin = Annotated[
     float, typer.Option(help="Role induction / duplicate-token / previous-token if that probe score >= this.")
 ]
 RoleSinkRateMin = Annotated[float, typer.Option(help="Role sink if sink_rate >= this (after the probe roles).")]
+RoleDormantMaxWriteRatio = Annotated[
+    float,
+    typer.Option(help="Role dormant if what the head writes / the residual stream < this (after the probe roles)."),
+]
 RoleOffsetShareMin = Annotated[
     float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
 ]

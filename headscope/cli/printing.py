@@ -23,6 +23,7 @@ from headscope.summary import (
     layer_entropy,
     least_needed,
     most_important,
+    off_sink_counts,
     strongest_positions,
     top_heads_per_role,
 )
@@ -107,6 +108,10 @@ def print_role_heads(report: Report, count: int = 3) -> None:
         role = f"{entry['role']} ({entry['heads']})"
         table.add_row(role, entry["evidence"], *top, *[""] * (count - len(top)))
     _console().print(table)
+    behaviours = off_sink_counts(report.heads)
+    if behaviours:
+        counts = ", ".join(f"{name} {n}" for name, n in behaviours.items())
+        _console().print(f"sink heads, by what they do off the sink (role_detail): {counts}")
 
 
 def _print_most_important(report: Report) -> None:

@@ -19,6 +19,11 @@ sequence, P = prefix length, L = length):
 Each has a chance level beside it: what uniform causal attention gives on the same rows, the number of
 target keys over the p + 1 keys a row sees. Scores are per seed first; the reported score is their mean,
 with a Student-t interval over seeds.
+
+Off the sink (probe_<pattern>_offsink): the same mass with each row's attention renormalised without the
+sequence's first token (mass / the row's mass on every other key), over the rows whose targets are not that token
+(with no prefix, the first copy's first token is both): what a head that parks most of its mass on the first token
+does with the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from headscope.columns import PROBE_PATTERNS
 from headscope.errors import ConfigError
 from headscope.estimates import ProbeResult, summarise_probes
 from headscope.measures.row_sums import diagonal_rows
+from headscope.measures.rows import without_first
 from headscope.run.feed import Batch
 from headscope.run.progress import Reporter
 
@@ -138,6 +144,35 @@ def pattern_mass(
     return torch.stack(sums, dim=-1)
 
 
+def off_sink_pattern_mass(
+    probs: torch.Tensor,
+    row_offset: int,
+    seq_start: torch.Tensor,
+    query_valid: torch.Tensor,
+    prefix: int,
+    spec: ProbeSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pattern_mass` of the attention renormalised without each sequence's first token, over the rows where some
+    target is another token: ((batch, heads, patterns) float64 mass, (batch, patterns) float64 rows)."""
+    batch, heads, rows, _ = probs.shape
+    positions = torch.arange(row_offset, row_offset + rows, device=probs.device)[None, :] - seq_start[:, None]
+    rest, _ = without_first(probs, seq_start, None)
+    rest_mass = rest.sum(-1, dtype=torch.float64)  # (batch, heads, rows): summed, never 1 - sink
+    sums, counts = [], []
+    for pattern in PROBE_PATTERNS:
+        defined, offsets = pattern_rows(positions, prefix, spec)[pattern]
+        mass = torch.zeros(batch, heads, rows, device=probs.device)
+        counted = torch.zeros_like(defined)
+        for offset in offsets:
+            lands = defined & query_valid & (positions + offset >= max(prefix, 1))  # random, and not the first
+            counted |= lands
+            mass += torch.where(lands[:, None, :], diagonal_rows(probs, row_offset + offset), 0.0)
+        kept = counted[:, None, :] & (rest_mass > 0)
+        sums.append(torch.where(kept, mass.double() / rest_mass, 0.0).sum(-1))
+        counts.append(counted.sum(-1).double())
+    return torch.stack(sums, dim=-1), torch.stack(counts, dim=-1)
+
+
 def pattern_counts(query_valid: torch.Tensor, seq_start: torch.Tensor, prefix: int, spec: ProbeSpec):
     """Per sequence and pattern: the rows it is defined on, and the mass uniform causal attention would put
     on their targets (each row sees p + 1 keys). query_valid: (batch, t). Returns two (batch, patterns)."""
@@ -154,16 +189,18 @@ def pattern_counts(query_valid: torch.Tensor, seq_start: torch.Tensor, prefix: i
 
 
 class ProbeScores:
-    """A Measure for probe batches: per (sequence, layer, head), the target mass of every pattern."""
+    """A Measure for probe batches: per (sequence, layer, head), the target mass of every pattern, and off the sink."""
 
     def __init__(self, spec: ProbeSpec, prefix: int, layers: Sequence[int]) -> None:
         self.spec, self.prefix = spec, prefix
         self.layers = sorted(set(layers))
         self._mass: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, patterns)
+        self._off_sink: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, patterns)
+        self._off_sink_rows: torch.Tensor | None = None  # (batch, patterns), summed over a layer's blocks
         self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def start(self, batch: Batch) -> None:
-        self._mass = {}
+        self._mass, self._off_sink, self._off_sink_rows = {}, {}, None
         self._counts = pattern_counts(batch.attention_mask.bool(), batch.seq_start, self.prefix, self.spec)
 
     def wants(self, layer: int) -> bool:
@@ -173,21 +210,21 @@ class ProbeScores:
         return self.layers[-1]
 
     def attention(self, layer: int, block) -> None:
-        mass = pattern_mass(
-            block.probabilities().float(),
-            block.first_row,
-            block.seq_start,
-            block.query_valid,
-            self.prefix,
-            self.spec,
-        )
+        where = (block.probabilities().float(), block.first_row, block.seq_start, block.query_valid)
+        mass = pattern_mass(*where, self.prefix, self.spec)
+        off_sink, rows = off_sink_pattern_mass(*where, self.prefix, self.spec)
         self._mass[layer] = mass if layer not in self._mass else self._mass[layer] + mass
+        self._off_sink[layer] = off_sink if layer not in self._off_sink else self._off_sink[layer] + off_sink
+        if layer == self.layers[0]:  # the rows are the same in every layer: counted once
+            self._off_sink_rows = rows if self._off_sink_rows is None else self._off_sink_rows + rows
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(layers, batch, heads, patterns) target mass; (batch, patterns) rows and chance mass. On the CPU."""
+    def finish(self) -> tuple[np.ndarray, ...]:
+        """(layers, batch, heads, patterns) target mass; (batch, patterns) rows and chance mass; the same mass off
+        the sink and its (batch, patterns) rows. On the CPU."""
         mass = torch.stack([self._mass[layer] for layer in sorted(self._mass)]).cpu().numpy()
+        off_sink = torch.stack([self._off_sink[layer] for layer in sorted(self._off_sink)]).cpu().numpy()
         rows, chance = (x.cpu().numpy() for x in self._counts)
-        return mass, rows, chance
+        return mass, rows, chance, off_sink, self._off_sink_rows.cpu().numpy()
 
 
 @dataclass(frozen=True)
@@ -223,13 +260,17 @@ def run_probes(capture, battery: Battery, device, plan, reporter: Reporter) -> P
     scores = ProbeScores(spec, prefix, layers=plan.layers)
     limits = plan.limits("corpus")
     per_batch = max(1, min(limits.max_sentences, limits.max_tokens // tokens))
-    masses, rows, chances = [], [], []
+    masses, rows, chances, off_sink, off_sink_rows = [], [], [], [], []
     for first in range(0, spec.seeds, per_batch):
         seeds = range(first, min(first + per_batch, spec.seeds))
         batch = plan.collate(list(seeds), [sequence(seed) for seed in seeds], device)
         capture.run(batch, measures=[scores])
-        mass, row, chance = scores.finish()  # (layers, batch, heads, patterns), (batch, patterns) twice
+        # (layers, batch, heads, patterns), (batch, patterns) twice; the same off the sink
+        mass, row, chance, off_mass, off_rows = scores.finish()
         masses.append(np.moveaxis(mass, 1, 0))
         rows.append(row)
         chances.append(chance)
-    return summarise_probes(np.concatenate(masses), np.concatenate(rows), np.concatenate(chances), prefix, spec.repeats)
+        off_sink.append(np.moveaxis(off_mass, 1, 0))
+        off_sink_rows.append(off_rows)
+    joined = (np.concatenate(parts) for parts in (masses, rows, chances, off_sink, off_sink_rows))
+    return summarise_probes(*joined, prefix=prefix, repeats=spec.repeats)

@@ -4,7 +4,7 @@ output (headscope.model.capture.LayerOutput), whatever path its attention took.
 Definitions (row t of head h, z_h(t) its output before the output projection, W_h the projection's columns for it,
 x(t) the residual stream entering the layer, v_s the value vector at key s of the head's KV head):
     write_norm        ||W_h z_h(t)||_2                        (no bias; before any norm after attention)
-    write_ratio       ||W_h z_h(t)||_2 / ||x(t)||_2
+    write_ratio       ||W_h z_h(t)||_2 / ||x(t)||_2                rows with x(t) != 0
     sink_value_ratio  ||v_first|| / mean_{s the row sees} ||v_s||     rows t >= 1 that see the first token
 Each is summed over the real rows of each sentence (headscope.estimates takes the means).
 """
@@ -19,7 +19,7 @@ from headscope.columns import STATS
 from headscope.model.masks import count_visible
 
 # The slots these sums fill; every other slot of STATS is left 0 (the attention's row sums fill them).
-OUTPUT_SLOTS = ("write_norm", "write_rows", "write_ratio", "sink_value_ratio", "value_rows")
+OUTPUT_SLOTS = ("write_norm", "write_rows", "write_ratio", "ratio_rows", "sink_value_ratio", "value_rows")
 VALUE_BLOCK_ROWS = 256  # query rows per block of the keys-each-row-sees product
 
 
@@ -76,12 +76,15 @@ def head_write_sums(
     `sink_value_ratios`; query_valid: (batch, t) bool."""
     ratio = norms / residual_norm[:, None, :].float()
     real = query_valid[:, None, :]
-    written = real & torch.isfinite(norms) & torch.isfinite(ratio)
+    written = real & torch.isfinite(norms)
+    # A row whose residual stream is exactly 0 (a token embedded as zeros) has no ratio: left out of write_ratio.
+    compared = written & torch.isfinite(ratio)
     valued = real & value_defined & torch.isfinite(value_ratio)
     sums = {
         "write_norm": torch.where(written, norms, 0.0).to(accum_dtype).sum(-1),
         "write_rows": written.expand_as(norms).sum(-1),
-        "write_ratio": torch.where(written, ratio, 0.0).to(accum_dtype).sum(-1),
+        "write_ratio": torch.where(compared, ratio, 0.0).to(accum_dtype).sum(-1),
+        "ratio_rows": compared.expand_as(norms).sum(-1),
         "sink_value_ratio": torch.where(valued, value_ratio, 0.0).to(accum_dtype).sum(-1),
         "value_rows": valued.expand_as(norms).sum(-1),
     }

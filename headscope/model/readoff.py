@@ -60,11 +60,14 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
     rest_seen = (n_visible - first_visible.long()) > 0
     rest_m = torch.where(rest_seen, rest_m, -math.inf)
     first_logit = torch.where(first_visible, logit(sink_key).squeeze(-1), -math.inf)
+    # A row that sees no key at all (padding) reads off as 0s, never NaN: the next layer reads its output.
     m = torch.maximum(rest_m, first_logit)
+    m = torch.where(torch.isfinite(m), m, 0.0)
     rest_scale = torch.where(rest_seen, torch.exp(rest_m - m), 0.0)
     first_weight = torch.exp(first_logit - m)  # 0 when the first key is hidden
     rest_total = torch.where(rest_seen, rest_total, 0.0)
     total = rest_total * rest_scale + first_weight
+    total = torch.where(total > 0, total, 1.0)
     rest_shift = torch.where(rest_seen, rest_m - m, 0.0)
     weighted = rest_scale * (torch.where(rest_seen, rest_weighted, 0.0) + rest_shift * rest_total)
     weighted = weighted + torch.where(first_visible, first_weight * (first_logit - m), 0.0)

@@ -30,8 +30,10 @@ FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_
 # The all-heads table: who the head is, its role and why, the probe scores, then its type and every other column
 # the selector offers.
 _PROBES = tuple(f"probe_{pattern}" for pattern in PROBE_PATTERNS)
-TABLE = ("layer", "head", "role", "role_reason", *_PROBES, "head_type", "kv_head")
+TABLE = ("layer", "head", "role", "role_reason", "role_detail", *_PROBES, "head_type", "kv_head")
 TABLE += (*(c.name for c in HEADS_COLUMNS if c.shown and c.name not in _PROBES), "top_offset", "n_rows")
+# What the head panel shows first: the head's role and why, what it does off the sink, and how much it writes.
+PANEL_FIRST = ("role", "role_reason", "role_detail", "write_ratio", "write_norm", "head_type")
 # Columns report.js reads by name (the heads grid, labels, filter, classification map).
 SCRIPT_READS = ("layer", "head", "head_type", "role", "top_offset", "locality", "norm_entropy")
 
@@ -191,7 +193,7 @@ def report_page(report: Report, *, files_in: Path | None = None) -> str:
             "selectable": shown,
             "scales": {name: COLUMNS[name].scale for name in shown},
             "table": [name for name in TABLE if name in present],
-            "panel": present,
+            "panel": list(dict.fromkeys((*(name for name in PANEL_FIRST if name in present), *present))),
             "text": [name for name in present if not COLUMNS[name].numeric],
             "about": {name: COLUMNS[name].about for name in present},
         },

@@ -14,6 +14,7 @@ ROLES = {
     "induction": "#e7298a",
     "duplicate-token": "#66a61e",
     "previous-token": "#17becf",
+    "dormant": "#3b3b3b",
     "sink": "#8c564b",
     "positional": "#e6ab02",
     "broad": "#1f77b4",
