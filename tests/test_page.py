@@ -140,6 +140,10 @@ def test_the_report_page_in_a_real_browser(browser, report, tmp_path):
     assert float(panel["entropy"]) == pytest.approx(expected["entropy"], abs=1e-4)
     assert float(panel["entropy_ci_low"]) == pytest.approx(expected["entropy_ci_low"], abs=1e-4)
     assert float(panel["probe_previous"]) == pytest.approx(expected["probe_previous"], abs=1e-4)
+    # What a researcher reads first: the role, why, what a sink does off the sink, how much the head writes.
+    keys = [line.split(" ", 1)[0] for line in browser.find_element(By.ID, "panel-table").text.splitlines()]
+    assert keys[:4] == ["role", "role_reason", "role_detail", "write_ratio"]
+    assert float(panel["write_ratio"]) == pytest.approx(expected["write_ratio"], abs=1e-4)
 
     ActionChains(browser).move_to_element_with_offset(plot, *cell_offset(browser, 0, 2)).click().perform()
     time.sleep(0.5)

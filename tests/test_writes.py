@@ -13,9 +13,11 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 import headscope
+from headscope.columns import STAT_INDEX
 from headscope.config import RoleThresholds, Thresholds
 from headscope.labels import assign_roles, full_label, off_sink_behaviour
-from headscope.measures.rows import log_probability_std, masked_std
+from headscope.measures.row_sums import head_row_sums, head_row_sums_from_logits
+from headscope.measures.rows import masked_std
 from headscope.measures.writes import sink_value_ratios, write_norms
 from headscope.model.masks import causal_visible_keys
 from headscope.model.projection import head_grams
@@ -72,9 +74,15 @@ def test_spreads_are_over_the_visible_keys_and_the_log_probabilities_give_the_lo
     want = np.array([[[np.std(logits[b, h, t, : t + 1].double().numpy()) for t in range(6)] for h in range(3)]
                      for b in range(2)])  # fmt: skip
     np.testing.assert_allclose(masked_std(logits, visible).numpy(), want, rtol=1e-5, atol=1e-6)
-    probs = torch.softmax(logits.masked_fill(~visible, -math.inf), -1)
-    got = log_probability_std(probs, visible, torch.finfo(torch.float32).tiny)
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    # The eager path has only the probabilities; ln A differs from the logits by one number per row.
+    masked = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
+    where = {"key_visible": visible, "query_valid": torch.ones(2, 6, dtype=torch.bool),
+             "seq_start": torch.zeros(2, dtype=torch.long), "window": 1}  # fmt: skip
+    from_probabilities = head_row_sums(torch.softmax(masked, -1), **where)[..., STAT_INDEX["logit_std"]]
+    from_logits = head_row_sums_from_logits(masked, **where)[..., STAT_INDEX["logit_std"]]
+    expected = torch.from_numpy(want[..., 1:].sum(-1))  # rows seeing >= 2 keys
+    torch.testing.assert_close(from_logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(from_probabilities, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_off_sink_behaviour_follows_the_role_rules_order():

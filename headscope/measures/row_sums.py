@@ -32,11 +32,13 @@ sinks legitimately sum to less than 1).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, OFFSET_CATEGORIES, OFFSINK_CATEGORIES, RATIOS, STATS
 from headscope.config import SINK_THRESHOLD
-from headscope.measures.rows import first_key, first_visible, log_probability_std, masked_std, without_first
+from headscope.measures.rows import first_key, first_visible, masked_std, without_first
 from headscope.model.masks import count_visible
 from headscope.model.readoff import RowValues
 
@@ -103,14 +105,18 @@ def head_row_sums(
     probs = attn.float()  # reductions in float32 at least, whatever the model dtype
     first = first_key(seq_start, probs.shape)
     on_first = probs.gather(-1, first).squeeze(-1)
+    # One logarithm per weight, for the entropy and the logits' spread; a weight below the dtype's smallest normal
+    # number (0 when it underflowed, and every hidden key) counts as that number (its entropy term stays 0).
+    logs = torch.log(probs.clamp(min=torch.finfo(attn.dtype).tiny))
     rest, index_shift = without_first(probs, seq_start, first_at_zero)
+    rest_logs, _ = without_first(logs, seq_start, first_at_zero)
     rest_largest = rest.amax(-1)
     rest_top = rest.argmax(-1) + index_shift
     rest_holding = (rest == rest_largest[..., None]).sum(-1)
     # Summed in float64: a row nearly all on the sink leaves a small mass whose digits the renormalising divides up,
     # and float32 sums of it would depend on where padding puts the zeros.
     rest_mass = rest.sum(-1, dtype=torch.float64)
-    rest_entropy = torch.special.entr(rest).sum(-1, dtype=torch.float64)
+    rest_entropy = -(rest * rest_logs).sum(-1, dtype=torch.float64)
     largest = torch.maximum(rest_largest, on_first)
     per_row = {
         "entropy": (rest_entropy + torch.special.entr(on_first)).float(),
@@ -123,7 +129,7 @@ def head_row_sums(
         "rest_entropy": rest_entropy / rest_mass + torch.log(rest_mass),
         "rest_top_key": rest_top,
         "rest_top_tied": rest_holding > 1,
-        "logit_std": log_probability_std(probs, key_visible, torch.finfo(attn.dtype).tiny),
+        "logit_std": masked_std(logs, key_visible),  # ln A = logit - ln(sum e^logit): the same spread
         **_positional_mass(probs, seq_start, window, row_offset),
     }
     return _sum_rows(
@@ -343,14 +349,26 @@ def _sum_rows(
     masks = torch.stack([counted[denominator[name]].expand(shape) for name in row_values], dim=-2)
     value_sums = torch.where(masks, values, 0.0).to(accum_dtype).sum(-1)
     row_counts = torch.stack([rows_of.expand(shape) for rows_of in counted.values()], dim=-2).sum(-1)
-    sums = {
-        **dict(zip(row_values, value_sums.unbind(-1), strict=True)),
-        **dict(zip(counted, row_counts.unbind(-1), strict=True)),
-        **{f"top_{name}": top[..., i] for i, name in enumerate(OFFSET_CATEGORIES)},
-        **{f"offsink_top_{name}": rest_top[..., i] for i, name in enumerate(OFFSINK_CATEGORIES)},
-    }
-    unwritten = torch.zeros(batch, heads, dtype=accum_dtype, device=entropy.device)
-    return torch.stack([sums[name].to(accum_dtype) if name in sums else unwritten for name in STATS], dim=-1)
+    # Every sum side by side, then one gather into the order of STATS (the slots of what heads write stay 0): a
+    # handful of operations, not one per slot (on short sentences each costs more than its arithmetic).
+    names = (
+        *row_values,
+        *counted,
+        *(f"top_{name}" for name in OFFSET_CATEGORIES),
+        "top_not_kept",
+        *(f"offsink_top_{name}" for name in OFFSINK_CATEGORIES),
+        "offsink_top_not_kept",
+    )
+    zero = torch.zeros(batch, heads, 1, dtype=accum_dtype, device=entropy.device)
+    side_by_side = torch.cat([value_sums, row_counts.to(accum_dtype), top, rest_top, zero], dim=-1)
+    return side_by_side.index_select(-1, _stats_order(names, str(entropy.device)))
+
+
+@functools.cache
+def _stats_order(names: tuple[str, ...], device: str) -> torch.Tensor:
+    """Where each slot of STATS is among `names` (the last column, a 0, for a slot not among them)."""
+    where = {name: i for i, name in enumerate(names)}
+    return torch.tensor([where.get(name, len(names)) for name in STATS], device=device)
 
 
 def _category_counts(category: torch.Tensor, categories: int, accum_dtype: torch.dtype) -> torch.Tensor:

@@ -31,21 +31,16 @@ def without_first(
 
 
 def first_visible(key_visible: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """(batch, 1 or heads, rows) bool: may the row see its sentence's first key?"""
-    return key_visible.gather(-1, first[:, : key_visible.shape[1]]).squeeze(-1)
+    """(batch, 1 or heads, rows) bool: may the row see its sentence's first key? key_visible: (batch or 1, 1 or
+    heads, rows, keys)."""
+    shown = key_visible.expand(first.shape[0], -1, -1, -1)
+    return shown.gather(-1, first[:, : shown.shape[1]]).squeeze(-1)
 
 
 def masked_std(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Standard deviation (over n, not n - 1) of each row of x (..., keys) over its visible keys: (...). Two
     passes (the mean, then the squares about it), so that a large mean costs no digits."""
     count = count_visible(visible).clamp(min=1)
-    mean = torch.where(visible, x, 0.0).sum(-1) / count
-    deviation = torch.where(visible, x - mean[..., None], 0.0)
-    return torch.sqrt(deviation.square().sum(-1) / count)
-
-
-def log_probability_std(probs: torch.Tensor, visible: torch.Tensor, smallest: float) -> torch.Tensor:
-    """The logits' standard deviation over the visible keys, from the probabilities: ln p = logit - ln S differs
-    from the logit by one number per row, so the two spread alike. A probability below `smallest` (the model
-    dtype's smallest normal number; 0 when it underflowed) counts as `smallest`."""
-    return masked_std(torch.log(probs.clamp(min=smallest)), visible)
+    mean = x.masked_fill(~visible, 0.0).sum(-1) / count
+    deviation = (x - mean[..., None]).masked_fill_(~visible, 0.0)
+    return torch.sqrt(torch.linalg.vecdot(deviation, deviation) / count)

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
+from headscope.columns import STATS
 from headscope.errors import ModelLoadError
 from headscope.measures.row_sums import head_row_sums, head_row_sums_from_logits, head_row_sums_from_values
-from headscope.measures.writes import head_write_sums, sink_value_ratios, write_norms
+from headscope.measures.writes import OUTPUT_INDEX, head_write_sums, sink_value_ratios, write_norms
 from headscope.model.capture import LayerOutput
 from headscope.model.masks import key_visibility
 from headscope.model.projection import head_grams
@@ -101,10 +102,11 @@ class AttentionStatistics:
             return key_visibility(written.mask, written.query_valid, rows, t)
 
         value_ratio, defined = sink_value_ratios(written.value, visible_rows, written.seq_start, heads)
-        sums = head_write_sums(
-            norms, written.residual_norm, value_ratio, defined, written.query_valid, self.accum_dtype
-        )
-        self._add(layer, sums)
+        residual, valid = written.residual_norm, written.query_valid
+        sums = head_write_sums(norms, residual, value_ratio, defined, valid, self.accum_dtype)
+        if layer not in self._sums:  # the layer's attention is read first; in case it was not, start from 0
+            self._sums[layer] = sums.new_zeros(*sums.shape[:2], len(STATS))
+        self._sums[layer][..., OUTPUT_INDEX] += sums
 
     def _add(self, layer: int, sums: torch.Tensor) -> None:
         self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums

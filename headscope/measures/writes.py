@@ -18,17 +18,20 @@ import torch
 from headscope.columns import STATS
 from headscope.model.masks import count_visible
 
-# The slots these sums fill; every other slot of STATS is left 0 (the attention's row sums fill them).
+# The slots these sums fill, in this order; the attention's row sums fill every other slot of STATS.
 OUTPUT_SLOTS = ("write_norm", "write_rows", "write_ratio", "ratio_rows", "sink_value_ratio", "value_rows")
+OUTPUT_INDEX = [STATS.index(name) for name in OUTPUT_SLOTS]
 VALUE_BLOCK_ROWS = 256  # query rows per block of the keys-each-row-sees product
 
 
 def write_norms(output: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
     """||W_h z_h(t)|| for every row and head: output (batch, t, heads, head_dim), grams (heads, head_dim, head_dim)
     = W_h^T W_h. Returns (batch, heads, t) float32."""
-    z = output.float()
-    squared = torch.linalg.vecdot(torch.einsum("bthd,hde->bthe", z, grams.to(z.device)), z)
-    return squared.clamp(min=0).sqrt().transpose(1, 2)  # rounding may take a zero write a hair below 0
+    batch, t, heads, head_dim = output.shape
+    z = output.float().permute(2, 0, 1, 3).reshape(heads, batch * t, head_dim)  # one product per head: bmm
+    squared = (torch.bmm(z, grams.to(z.device)) * z).sum(-1)  # (heads, batch * t)
+    # rounding may take a zero write a hair below 0
+    return squared.clamp(min=0).sqrt().view(heads, batch, t).transpose(0, 1)
 
 
 def sink_value_ratios(
@@ -70,7 +73,7 @@ def head_write_sums(
     query_valid: torch.Tensor,
     accum_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(batch, heads, len(STATS)) sums of the OUTPUT_SLOTS over each sentence's real rows (the rest 0).
+    """(batch, heads, len(OUTPUT_SLOTS)) sums over each sentence's real rows, in the order of OUTPUT_SLOTS.
 
     norms: (batch, heads, t) write norms; residual_norm: (batch, t); value_ratio, value_defined: from
     `sink_value_ratios`; query_valid: (batch, t) bool."""
@@ -80,13 +83,9 @@ def head_write_sums(
     # A row whose residual stream is exactly 0 (a token embedded as zeros) has no ratio: left out of write_ratio.
     compared = written & torch.isfinite(ratio)
     valued = real & value_defined & torch.isfinite(value_ratio)
-    sums = {
-        "write_norm": torch.where(written, norms, 0.0).to(accum_dtype).sum(-1),
-        "write_rows": written.expand_as(norms).sum(-1),
-        "write_ratio": torch.where(compared, ratio, 0.0).to(accum_dtype).sum(-1),
-        "ratio_rows": compared.expand_as(norms).sum(-1),
-        "sink_value_ratio": torch.where(valued, value_ratio, 0.0).to(accum_dtype).sum(-1),
-        "value_rows": valued.expand_as(norms).sum(-1),
-    }
-    unread = torch.zeros(norms.shape[:2], dtype=accum_dtype, device=norms.device)
-    return torch.stack([sums[name].to(accum_dtype) if name in sums else unread for name in STATS], dim=-1)
+    shape = norms.shape
+    values = torch.stack([norms, ratio, value_ratio.expand(shape)], dim=-2)  # (batch, heads, 3, t)
+    rows = torch.stack([written.expand(shape), compared.expand(shape), valued.expand(shape)], dim=-2)
+    sums = torch.where(rows, values, 0.0).to(accum_dtype).sum(-1)  # write_norm, write_ratio, sink_value_ratio
+    counts = rows.sum(-1).to(accum_dtype)  # write_rows, ratio_rows, value_rows
+    return torch.stack([sums[..., 0], counts[..., 0], sums[..., 1], counts[..., 1], sums[..., 2], counts[..., 2]], -1)

@@ -7,6 +7,7 @@ input features h * head_dim ... (h + 1) * head_dim, and writes W_h z_h (t) with 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -38,6 +39,11 @@ def _in_features(module: torch.nn.Module) -> int | None:
     return None
 
 
+# projection module -> (its weight's version, its grams): the weights rarely change between runs on one model, and
+# forming the grams costs a product over the whole projection.
+_GRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def head_grams(attention: torch.nn.Module, heads: int, head_dim: int) -> torch.Tensor:
     """(heads, head_dim, head_dim) float32: W_h^T W_h for each head's columns W_h of the output projection, so that
     ||W_h z||^2 = z^T (W_h^T W_h) z costs head_dim^2, not head_dim x hidden, per row. Formed in float64.
@@ -45,11 +51,18 @@ def head_grams(attention: torch.nn.Module, heads: int, head_dim: int) -> torch.T
     Weights a device map keeps off the device (on the disk, or on the CPU for a GPU layer) are brought in for the
     product, as accelerate brings them in for the forward pass."""
     _, projection = output_projection(attention, heads * head_dim)
+    version = (projection.weight._version, projection.weight.data_ptr(), projection.weight.device)
+    cached = _GRAMS.get(projection)
+    if cached is not None and cached[0] == version:
+        return cached[1]
     with _weights_present(projection):
         weight = projection.weight.detach()
         columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
         per_head = columns.double().reshape(columns.shape[0], heads, head_dim)
-        return torch.einsum("mhd,mhe->hde", per_head, per_head).float()
+        grams = torch.einsum("mhd,mhe->hde", per_head, per_head).float()
+    if projection.weight.device.type != "meta":  # weights brought in for the product may differ next time
+        _GRAMS[projection] = (version, grams)
+    return grams
 
 
 @contextlib.contextmanager
