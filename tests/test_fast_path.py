@@ -33,7 +33,13 @@ def test_fused_path_matches_eager_path_on_smollm2(smollm2, shipped_corpus):
     fused = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, block_bytes=TINY_BLOCKS)
     assert "eager" in eager.run["attention_implementation"]["LlamaAttention"]
     assert "fused" in fused.run["attention_implementation"]["LlamaAttention"]
-    assert_same_heads(fused.heads, eager.heads)
+    assert_same_heads(fused.heads, eager.heads, names=[name for name in METRICS if name != "active_rows"])
+    # active_rows counts rows whose first-token mass is at most the sink threshold: a row within float32 rounding
+    # of it may fall on either side on the two paths (on one machine, one row of one head of 270). At most one row.
+    got, expected = fused.heads.sort_values(["layer", "head"]), eager.heads.sort_values(["layer", "head"])
+    counted = expected["n_rows"].to_numpy() - eager.run["corpus"]["sentences"]  # rows that see a key besides the first
+    flipped = np.abs(got["active_rows"].to_numpy() - expected["active_rows"].to_numpy()) * counted
+    assert flipped.max() <= 1 + 1e-6 and (flipped > 1e-6).sum() <= 2
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])

@@ -54,17 +54,23 @@ def test_write_norms_equal_each_heads_columns_times_its_output(kind):
     assert torch.equal(silent, torch.zeros(2, heads, 5))
 
 
-def test_sink_value_ratio_divides_the_first_value_norm_by_the_mean_the_row_sees():
-    value = torch.zeros(2, 1, 4, 2)  # (batch, kv_heads, t, head_dim); norms 1, 2, 3, 4 along each sentence
+@pytest.mark.parametrize("visibility", ["causal", "mask"])
+def test_sink_value_ratio_divides_the_first_value_norm_by_the_mean_the_row_sees(visibility):
+    value = torch.zeros(3, 1, 4, 2)  # (batch, kv_heads, t, head_dim); norms 1, 2, 3, 4 along each sentence
     value[..., 0] = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    query_valid = torch.tensor([[True] * 4, [False, True, True, True]])  # sentence 1 starts at position 1
-    seq_start = torch.tensor([0, 1])
-    ratio, defined = sink_value_ratios(value, lambda rows: causal_visible_keys(query_valid, rows), seq_start, heads=2)
-    assert ratio.shape == (2, 2, 4)  # both query heads read the one KV head
+    # sentence 1 starts at position 1 (left padding), sentence 2 ends at position 2 (right padding)
+    query_valid = torch.tensor([[True] * 4, [False, True, True, True], [True, True, True, False]])
+    seq_start = torch.tensor([0, 1, 0])
+    # Plain causal attention (no mask: running sums) and the same visibility given as a mask (a product) agree.
+    masked = None if visibility == "causal" else lambda rows: causal_visible_keys(query_valid, rows)
+    ratio, defined = sink_value_ratios(value, query_valid, seq_start, heads=2, visible_rows=masked)
+    assert ratio.shape == (3, 2, 4)  # both query heads read the one KV head
     torch.testing.assert_close(ratio[0, 0, 1:], torch.tensor([1 / 1.5, 1 / 2.0, 1 / 2.5]))
     torch.testing.assert_close(ratio[1, 1, 2:], torch.tensor([2 / 2.5, 2 / 3.0]))
+    torch.testing.assert_close(ratio[2, 0, 1:3], torch.tensor([1 / 1.5, 1 / 2.0]))
     assert defined[0, 0].tolist() == [False, True, True, True]  # row 0 sees only the first key
     assert defined[1, 0].tolist() == [False, False, True, True]  # padding, then the sentence's own first row
+    assert defined[2, 0, :3].tolist() == [False, True, True]  # (the padding row after it is never counted)
 
 
 def test_spreads_are_over_the_visible_keys_and_the_log_probabilities_give_the_logits_spread():

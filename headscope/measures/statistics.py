@@ -101,7 +101,8 @@ class AttentionStatistics:
         def visible_rows(rows: slice) -> torch.Tensor:
             return key_visibility(written.mask, written.query_valid, rows, t)
 
-        value_ratio, defined = sink_value_ratios(written.value, visible_rows, written.seq_start, heads)
+        masked = None if written.mask is None else visible_rows  # None: plain causal, summed as running sums
+        value_ratio, defined = sink_value_ratios(written.value, written.query_valid, written.seq_start, heads, masked)
         residual, valid = written.residual_norm, written.query_valid
         sums = head_write_sums(norms, residual, value_ratio, defined, valid, self.accum_dtype)
         if layer not in self._sums:  # the layer's attention is read first; in case it was not, start from 0

@@ -35,34 +35,63 @@ def write_norms(output: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
 
 
 def sink_value_ratios(
-    value: torch.Tensor, visible_rows: Callable[[slice], torch.Tensor], seq_start: torch.Tensor, heads: int
+    value: torch.Tensor,
+    query_valid: torch.Tensor,
+    seq_start: torch.Tensor,
+    heads: int,
+    visible_rows: Callable[[slice], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, ||v_first|| / the mean ||v_s|| over the keys the row sees, and whether the row sees the first key
     and another (the rows it is defined on).
 
-    value: (batch, kv_heads, t, head_dim); visible_rows(rows): (batch or 1, 1, rows, t) bool, the keys query rows
-    `rows` see; None for plain causal attention (row t sees keys 0..t). Returns (batch, heads, t) float32 and
-    (batch, 1, t) bool; query head h reads KV head h // (heads // kv_heads).
+    value: (batch, kv_heads, t, head_dim); query_valid: (batch, t) bool, the real tokens; visible_rows(rows):
+    (batch or 1, 1, rows, t) bool, the keys query rows `rows` see, or None for plain causal attention (row t sees
+    the real keys 0..t). Returns (batch, heads, t) float32 and (batch, 1, t) bool; query head h reads KV head
+    h // (heads // kv_heads).
     """
     batch, kv_heads, t, _ = value.shape
     norms = torch.linalg.vector_norm(value.float(), dim=-1)  # (batch, kv_heads, t)
-    first = seq_start.clamp(max=t - 1)
-    on_first = norms.gather(-1, first.view(batch, 1, 1).expand(batch, kv_heads, 1))  # (batch, kv_heads, 1)
+    first = seq_start.clamp(max=t - 1).view(batch, 1, 1)
+    on_first = norms.gather(-1, first.expand(batch, kv_heads, 1))  # (batch, kv_heads, 1)
+    if visible_rows is None:
+        sums, counts, sees_first = _causal_value_sums(norms, query_valid, first)
+    else:
+        sums, counts, sees_first = _masked_value_sums(norms, visible_rows, first)
+    mean = sums / counts.clamp(min=1)
+    ratio = (on_first / mean).repeat_interleave(heads // kv_heads, dim=1)
+    return ratio, sees_first & (counts >= 2)
+
+
+def _causal_value_sums(
+    norms: torch.Tensor, query_valid: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention: the keys row t sees are the real keys up to t, so the sums are running sums (in float64:
+    8,192 float32 additions in a row would cost digits). A (rows, t) visibility block per 256 rows cost 0.3 s a
+    SmolLM2 layer at 8,192 tokens; this costs one pass over t."""
+    valid = query_valid[:, None, :]  # (batch, 1, t)
+    sums = torch.where(valid, norms.double(), 0.0).cumsum(-1).float()
+    counts = valid.cumsum(-1)
+    positions = torch.arange(query_valid.shape[-1], device=query_valid.device)
+    sees_first = (positions >= first) & valid.gather(-1, first)
+    return sums, counts, sees_first
+
+
+def _masked_value_sums(
+    norms: torch.Tensor, visible_rows: Callable[[slice], torch.Tensor], first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Any mask (padding our mask function builds, sliding windows): the sum over each row's visible keys as a
+    product with the visibility, VALUE_BLOCK_ROWS rows at a time."""
+    batch, _, t = norms.shape
     sums, counts, sees_first = [], [], []
     for start in range(0, t, VALUE_BLOCK_ROWS):
-        rows = slice(start, min(t, start + VALUE_BLOCK_ROWS))
-        visible = visible_rows(rows)  # (batch or 1, 1, rows, t)
+        visible = visible_rows(slice(start, min(t, start + VALUE_BLOCK_ROWS)))  # (batch or 1, 1, rows, t)
         sums.append(torch.matmul(visible.float(), norms[..., None])[..., 0])  # (batch, kv_heads, rows)
         counts.append(count_visible(visible))
+        rows = visible.shape[2]
         sees_first.append(
-            visible.expand(batch, -1, -1, -1).gather(
-                -1, first.view(batch, 1, 1, 1).expand(batch, 1, visible.shape[2], 1)
-            )[..., 0]
+            visible.expand(batch, -1, -1, -1).gather(-1, first[..., None].expand(batch, 1, rows, 1))[..., 0]
         )
-    mean = torch.cat(sums, -1) / torch.cat(counts, -1).clamp(min=1)
-    ratio = (on_first / mean).repeat_interleave(heads // kv_heads, dim=1)
-    defined = torch.cat(sees_first, -1) & (torch.cat(counts, -1) >= 2)
-    return ratio, defined
+    return torch.cat(sums, -1), torch.cat(counts, -1), torch.cat(sees_first, -1)
 
 
 def head_write_sums(

@@ -52,6 +52,11 @@ TILE_KEYS = 1024
 COMPILE_FROM = 2**25
 # Rows on which the C++ kernel's first result is checked against the tile loop.
 NATIVE_CHECK_ROWS = 8
+# The C++ kernel's state covers every row in one call, and read_off is some sixty small tensor operations whatever
+# its rows: read 128 rows at a time, they cost 64 calls a layer at 8,192 tokens (1.5 s of an analysis of SmolLM2).
+# So rows are read off in the budget a block's logits would take (block_rows x tile_keys), at this many floats a
+# row (read_off's temporaries are some sixty (batch, heads, rows) tensors): 1,024 rows by default.
+READ_OFF_FLOATS = 128
 
 _log = logging.getLogger(__name__)
 
@@ -279,6 +284,7 @@ def fused_attention(
     if row_state is not None and value is None:
         states = row_state(scaled, key, positions, seq_start, visibility, softcap)
     outputs, values = [], []
+    block_rows = block_rows if states is None else max(block_rows, block_rows * tile_keys // READ_OFF_FLOATS)
     for first in range(0, len(positions), block_rows):
         rows = positions[first : first + block_rows]
         block_query = grouped_query.index_select(3, rows) if len(rows) != t else grouped_query
