@@ -17,6 +17,7 @@ from headscope.model.memory import free_memory
 from headscope.model.placement import check_device_map
 
 from helpers import QUICK, assert_one_line_error, refuse_to_load, run_cli, snapshot
+from planted import build_planted_copier, copy_words
 
 # The planted GPT-2: embeddings and layer 0 on the CPU, layer 1 kept on disk and loaded for each pass.
 OFFLOADED = {"wte": "cpu", "wpe": "cpu", "h.0": "cpu", "h.1": "disk", "ln_f": "cpu"}
@@ -147,3 +148,65 @@ def test_what_loading_offloads_is_removed_when_the_run_ends(planted_gpt2, tmp_pa
     assert run_cli("analyze", planted_gpt2, "--out", tmp_path / "o2", *options[:2], "--offload-folder", fresh,
                    *QUICK, loader=loader).exit_code == 0  # fmt: skip
     assert not fresh.exists()  # made by loading: removed whole
+
+
+# ---------------------------------------------------------------- every model command
+
+
+# The same placement for the model with its LM head (ablate, prune, importance): transformers names the base model's
+# modules under "transformer." there.
+LM_OFFLOADED = {f"transformer.{name}": device for name, device in OFFLOADED.items()} | {"lm_head": "cpu"}
+
+
+def test_interventions_with_a_layer_offloaded_to_disk_equal_the_plain_run(tmp_path):
+    """ablate, importance and inspect through accelerate's hooks (layer 1 read from disk for each pass, the
+    removed heads' constants put where the layer runs) give the numbers of the plain run, on a model whose heads
+    matter (the planted copier: heads 0.0 and 0.1 carry what the next token needs)."""
+    folder = build_planted_copier(tmp_path / "model", copiers=(0, 1))
+    words = copy_words()
+    texts = [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(12)]
+    plain_model = load_model(str(folder), lm_head=True)
+    mapped_model = load_model(str(folder), lm_head=True, device_map=LM_OFFLOADED, offload_folder=tmp_path / "off")
+    assert {p.device.type for p in mapped_model.lm.transformer.h[1].parameters()} == {"meta"}
+    groups = {"heads": [[(0, 0), (0, 1)], [(1, 2)]], "bootstrap": 20}
+    for mode in ("zero", "mean"):
+        plain = headscope.ablate(plain_model, texts, mode=mode, **groups).groups
+        mapped = headscope.ablate(mapped_model, texts, mode=mode, **groups).groups
+        pd.testing.assert_frame_equal(mapped, plain)
+        assert plain["delta"][0] > 1.0  # the copiers matter: a pass that ignored the removal would differ
+    options = {"importance": "exact", "charts": None, "page": False, "probes": False, "bootstrap": 0}
+    plain = headscope.analyze(plain_model, texts, **options).heads
+    mapped = headscope.analyze(mapped_model, texts, **options).heads
+    importance = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
+    np.testing.assert_array_equal(mapped[importance].to_numpy(float), plain[importance].to_numpy(float))
+    plain = headscope.inspect(plain_model, texts=texts[:2], heads=[(1, 0), (0, 1)]).attention
+    mapped = headscope.inspect(mapped_model, texts=texts[:2], heads=[(1, 0), (0, 1)]).attention
+    pd.testing.assert_frame_equal(mapped, plain)
+
+
+@pytest.mark.parametrize("command", ["inspect", "ablate", "prune", "patch"])
+def test_every_model_command_takes_a_device_map_and_checks_its_offload_folder(command, planted_gpt2, tmp_path):
+    """The options exist on every model command, reach the loader, and the offload folder's rule holds there too
+    (it may not be --out): refused before the model loads."""
+    out = tmp_path / "out"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"clean": "a b", "corrupt": "a c", "answer": "b", "distractor": "c"}\n')
+    arguments = {
+        "inspect": ["--text", "the cat sat", "--heads", "0.0"],
+        "ablate": ["--heads", "0.0", "--bootstrap", "0"],
+        "prune": ["--budget", "0.1"],
+        "patch": ["--pairs", pairs],
+    }[command]
+    result = run_cli(command, planted_gpt2, *arguments, "--out", out, "--device-map", "auto",
+                     "--offload-folder", out, loader=refuse_to_load)  # fmt: skip
+    assert_one_line_error(result, "--offload-folder", "is --out or inside it", code=2)
+    seen = {}
+
+    def loader(source, settings, model_config, lm_head):
+        seen.update(device_map=settings.device_map, offload_folder=settings.offload_folder)
+        raise AssertionError("stop here")
+
+    (tmp_path / "map.json").write_text(json.dumps({"": "cpu"}))
+    run_cli(command, planted_gpt2, *arguments, "--out", out, "--device-map", tmp_path / "map.json",
+            "--offload-folder", tmp_path / "offload", loader=loader)  # fmt: skip
+    assert seen == {"device_map": str(tmp_path / "map.json"), "offload_folder": str(tmp_path / "offload")}

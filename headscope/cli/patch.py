@@ -30,6 +30,8 @@ def patch(
     max_length: o.MaxLength = o.DEFAULTS.max_length,
     max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
     device: o.Device = o.DEFAULT_DEVICE,
+    device_map: o.DeviceMap = o.DEFAULTS.device_map,
+    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
     dtype: o.DType = o.DEFAULT_DTYPE,
     threads: o.Threads = o.DEFAULTS.threads,
     revision: o.Revision = o.DEFAULTS.revision,

@@ -23,6 +23,8 @@ def prune(
     max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
     text_column: o.TextColumn = o.DEFAULTS.text_column,
     device: o.Device = o.DEFAULT_DEVICE,
+    device_map: o.DeviceMap = o.DEFAULTS.device_map,
+    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
     dtype: o.DType = o.DEFAULT_DTYPE,
     threads: o.Threads = o.DEFAULTS.threads,
     revision: o.Revision = o.DEFAULTS.revision,

@@ -117,6 +117,7 @@ def ablate(
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     stage = run.stage(out, "ablation", overwrite=overwrite)
+    run.check_offload_folder(model, {"--out": out})
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(stage).path if stage is not None else None
         with loss_model(stack, model, run, loader, "ablate") as lm:

@@ -112,6 +112,7 @@ def patch(
         run.protected["the pairs file"] = pairs.path
     settings, reporter = run.settings, run.reporter
     stage = run.stage(out, "patching", overwrite=overwrite)
+    run.check_offload_folder(model, {"--out": out})
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(stage).path if stage is not None else None
         loaded, plan = run.open(stack, model, loader, lm_head=True, what="patch")

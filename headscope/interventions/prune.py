@@ -123,6 +123,7 @@ def prune(
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).
     stages = {"prune": run.stage(out, "pruning", overwrite=overwrite),
               "model": run.stage(save_model, "model", overwrite=overwrite)}  # fmt: skip
+    run.check_offload_folder(model, {"--out": out, "--save-model": save_model})
     started = time.perf_counter()
     with contextlib.ExitStack() as stack, stages["prune"] or contextlib.nullcontext() as prune_stage:
         with loss_model(stack, model, run, loader, "prune") as lm:

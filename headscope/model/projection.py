@@ -51,16 +51,20 @@ def head_grams(attention: torch.nn.Module, heads: int, head_dim: int) -> torch.T
     Weights a device map keeps off the device (on the disk, or on the CPU for a GPU layer) are brought in for the
     product, as accelerate brings them in for the forward pass."""
     _, projection = output_projection(attention, heads * head_dim)
-    version = (projection.weight._version, projection.weight.data_ptr(), projection.weight.device)
+    weight = projection.weight
+    # Weights a device map brings in for each pass (disk offload: inference tensors, with no version counter, new
+    # each time) may differ next time: formed afresh, never cached.
+    cacheable = weight.device.type != "meta" and not weight.is_inference()
+    version = (weight._version, weight.data_ptr(), weight.device) if cacheable else None
     cached = _GRAMS.get(projection)
-    if cached is not None and cached[0] == version:
+    if cacheable and cached is not None and cached[0] == version:
         return cached[1]
     with _weights_present(projection):
         weight = projection.weight.detach()
         columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
         per_head = columns.double().reshape(columns.shape[0], heads, head_dim)
         grams = torch.einsum("mhd,mhe->hde", per_head, per_head).float()
-    if projection.weight.device.type != "meta":  # weights brought in for the product may differ next time
+    if cacheable:
         _GRAMS[projection] = (version, grams)
     return grams
 

@@ -101,7 +101,7 @@ def analyze(
         command.reporter = command.reporter if ranks.main else NullReporter()  # one progress bar, one summary
     settings, reporter, corpus = command.settings, command.reporter, command.corpus
     work = command.stage(out, "report", overwrite=overwrite, resumable=resume)  # rank 0 alone enters it
-    command.check_offload_folder(model, out)
+    command.check_offload_folder(model, {"--out": out})
     timings = Timings()
 
     with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)

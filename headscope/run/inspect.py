@@ -127,6 +127,7 @@ def inspect(
         _check_sentences(sentences, corpus)
     labelled = _report_roles(report) if report is not None else None
     stage = run.stage(out, "inspection", overwrite=overwrite)
+    run.check_offload_folder(model, {"--out": out})
     with contextlib.ExitStack() as stack:
         if stage is not None:
             folder = stack.enter_context(stage).path

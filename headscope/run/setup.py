@@ -74,11 +74,12 @@ class CommandRun:
             return None
         return StagedDirectory(Path(out), kind=kind, overwrite=overwrite, resumable=resumable, protected=self.protected)
 
-    def check_offload_folder(self, model, out) -> None:
-        """--offload-folder may not be --out, the model's folder or the corpus's folder (checked before loading)."""
+    def check_offload_folder(self, model, outputs: dict[str, str | Path | None]) -> None:
+        """--offload-folder may not be an output (`outputs`: option -> folder, e.g. {"--out": out}) or inside one,
+        nor the model's folder or the corpus's folder (checked before loading)."""
         if isinstance(model, LoadedModel):
             return
-        within = {"--out": Path(out)} if out is not None else {}
+        within = {option: Path(folder) for option, folder in outputs.items() if folder is not None}
         if self.source.kind != "hub":
             within["the model's folder"] = Path(self.source.location)
         equal = {"the corpus's folder": self.corpus.path.parent} if self.corpus is not None else {}
