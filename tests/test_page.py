@@ -190,13 +190,15 @@ def test_the_report_page_in_a_real_browser(browser, report, tmp_path):
     assert roles[0][0][1] == heads.loc[(0, 1), "role"]
     assert set(colour for _, colour in roles[1]) == set(palette.ROLES.values())
 
-    # The table leads with role, its reason and the probes; a click on a row selects that head everywhere.
+    # The table leads with role, its reason, what a sink does off the sink and the probes; a click on a row
+    # selects that head everywhere.
     headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#heads-table th")]
-    assert headers[:7] == [
+    assert headers[:8] == [
         "layer",
         "head",
         "role",
         "role_reason",
+        "role_detail",
         "probe_induction",
         "probe_duplicate",
         "probe_previous",

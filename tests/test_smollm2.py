@@ -88,11 +88,13 @@ def test_per_sentence_metrics_match_output_attentions(batched, reference_attenti
 def test_batch_size_and_padding_side_do_not_change_results(smollm2, shipped_corpus, batched):
     one_at_a_time = headscope.analyze(smollm2, shipped_corpus, batch_size=1, sentence_heads=False)
     left = headscope.analyze(smollm2, shipped_corpus, batch_size=7, padding_side="left", sentence_heads=False)
-    numbers = [c for c in MEASURED_COLUMNS if c not in ("layer", "head", "kv_head", "top_offset")]
+    categories = ("top_offset", "offsink_top_offset")
+    numbers = [c for c in MEASURED_COLUMNS if c not in ("layer", "head", "kv_head", *categories)]
     for other in (one_at_a_time, left):
         for name in numbers:
             np.testing.assert_allclose(other.heads[name], batched.heads[name], atol=1e-5, err_msg=name)
-        assert other.heads["top_offset"].tolist() == batched.heads["top_offset"].tolist()
+        for name in categories:
+            assert other.heads[name].tolist() == batched.heads[name].tolist(), name
         assert other.heads["role"].tolist() == batched.heads["role"].tolist()
 
 
