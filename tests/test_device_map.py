@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -159,7 +160,7 @@ LM_OFFLOADED = {f"transformer.{name}": device for name, device in OFFLOADED.item
 
 
 def test_interventions_with_a_layer_offloaded_to_disk_equal_the_plain_run(tmp_path):
-    """ablate, importance and inspect through accelerate's hooks (layer 1 read from disk for each pass, the
+    """ablate, importance, inspect and patch through accelerate's hooks (layer 1 read from disk for each pass, the
     removed heads' constants put where the layer runs) give the numbers of the plain run, on a model whose heads
     matter (the planted copier: heads 0.0 and 0.1 carry what the next token needs)."""
     folder = build_planted_copier(tmp_path / "model", copiers=(0, 1))
@@ -182,6 +183,14 @@ def test_interventions_with_a_layer_offloaded_to_disk_equal_the_plain_run(tmp_pa
     plain = headscope.inspect(plain_model, texts=texts[:2], heads=[(1, 0), (0, 1)]).attention
     mapped = headscope.inspect(mapped_model, texts=texts[:2], heads=[(1, 0), (0, 1)]).attention
     pd.testing.assert_frame_equal(mapped, plain)
+    # patch: the clean run's head outputs recorded and put back in the corrupt run, per head and per position
+    pairs = [{"clean": f"{a} {a} {a}", "corrupt": f"{b} {b} {b}", "answer": a, "distractor": b}
+             for a, b in itertools.pairwise(words[:7])]  # fmt: skip
+    for positions in ("all", "each"):
+        plain = headscope.patch(plain_model, pairs, positions=positions, bootstrap=0, charts=None)
+        mapped = headscope.patch(mapped_model, pairs, positions=positions, bootstrap=0, charts=None)
+        pd.testing.assert_frame_equal(mapped.effects, plain.effects)
+        pd.testing.assert_frame_equal(mapped.per_pair, plain.per_pair)
 
 
 @pytest.mark.parametrize("command", ["inspect", "ablate", "prune", "patch"])
