@@ -267,3 +267,38 @@ def test_ablate_shows_its_progress(redundant):
     progress = Progress()
     headscope.ablate(loaded, sentences, heads=[[(0, 0)], [(0, 1)]], bootstrap=0, reporter=progress)
     assert progress.started == [(len(sentences), "ablation")] and progress.done == len(sentences)
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+@pytest.mark.parametrize("batching", [{}, {"batch_size": 4, "max_memory": 2**21}])
+def test_the_planned_passes_are_the_passes_run(redundant, mode, batching):
+    """ablate says what it will run before it runs (reporter note, ablation.json "planned"): the forward passes
+    (counted at the final norm, which every pass reaches) and the decoder-layer runs (counted at each block: a
+    replica pass starts at its groups' first removed layer) equal what the model then runs."""
+    loaded, sentences = redundant
+    calls = {"final": 0, "blocks": 0}
+
+    def count(name):
+        def hook(module, args):
+            calls[name] += 1
+
+        return hook
+
+    handles = [loaded.lm.transformer.ln_f.register_forward_pre_hook(count("final"))]
+    handles += [block.register_forward_pre_hook(count("blocks")) for block in loaded.lm.transformer.h]
+    notes = []
+
+    class Notes(NullReporter):
+        def note(self, message):
+            notes.append(message)
+
+    groups = [[(0, 0)], [(1, 2)], [(0, 1), (1, 0)], [(1, 1)]]
+    try:
+        found = headscope.ablate(loaded, sentences, heads=groups, mode=mode, bootstrap=0, reporter=Notes(), **batching)
+    finally:
+        for handle in handles:
+            handle.remove()
+    planned = found.record["planned"]
+    assert planned["forwards"] == calls["final"] and planned["layer_runs"] == calls["blocks"]
+    assert planned["forwards"] > len(groups)  # replicas were counted, not only the clean passes
+    assert any(note.startswith(f"planned: {planned['forwards']:,} forward passes") for note in notes)

@@ -23,7 +23,7 @@ from headscope.arguments import as_head_groups, as_path, as_texts, head_name
 from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
-from headscope.interventions.groups import SCORINGS, group_effect
+from headscope.interventions.groups import SCORINGS, PassPlan, group_effect
 from headscope.interventions.losses import loss_model
 from headscope.interventions.removal import Head
 from headscope.labels import ROLES
@@ -72,12 +72,14 @@ class Ablation:
     header: dict  # run.setup.record_header: model, corpus, device, dtype, settings, versions
     bootstrap: dict  # replicates, seed, level
     folder: Path | None = None
+    planned: PassPlan | None = None  # the passes it ran, counted before it ran them
 
     @property
     def record(self) -> dict:
         groups = [dataclasses.asdict(effect) | {"heads": list(effect.heads)} for effect in self.effects]
+        planned = None if self.planned is None else dataclasses.asdict(self.planned)
         return {**self.header, "mode": self.mode, "loss_on": self.loss_on, "bootstrap": self.bootstrap,
-                "groups": groups}  # fmt: skip
+                "planned": planned, "groups": groups}  # fmt: skip
 
     @property
     def groups(self) -> pd.DataFrame:
@@ -125,6 +127,8 @@ def ablate(
                 check_report_model(read_run(Path(report)), lm.loaded, report)
             for group in groups:
                 lm.plan.check_heads(group.heads, group.source)
+            planned = lm.planned([g.heads for g in groups], mode)
+            reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
             removal = lm.removal(mode)
             plural = "s" * (len(groups) != 1)
             reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
@@ -132,6 +136,7 @@ def ablate(
             losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
             reporter.finish()
             found = _ablation(lm, corpus, groups, losses, settings, mode, loss_on)
+            found.planned = planned
             if settings.bootstrap and any(g.delta is not None and g.delta_ci_low is None for g in found.effects):
                 reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
         if folder is not None:

@@ -16,6 +16,7 @@ returned on the clean pass).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -127,6 +128,41 @@ def group_losses(
         if reporter is not None:
             reporter.advance(len(batch.sentence_ids), batch.n_tokens)
     return result
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """What group_losses will run, counted before it runs: forward passes (one clean pass per batch, then the
+    replicated ones), decoder-layer runs (a pass that starts at layer s runs depth - s layers) and token-layers
+    (each replica's real tokens times the layers its pass runs: the work a model's size multiplies)."""
+
+    forwards: int = 0
+    layer_runs: int = 0
+    token_layers: int = 0
+
+    def __add__(self, other: PassPlan) -> PassPlan:
+        return PassPlan(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+    def describe(self, depth: int) -> str:
+        return (f"{self.forwards:,} forward passes, {self.token_layers / max(depth, 1):,.0f} token-forwards "
+                f"(whole-model equivalents)")  # fmt: skip
+
+
+def planned_passes(
+    batches: Iterable[Batch], groups: Sequence[Sequence[Head]], depth: int,
+    replicas_per_forward: Callable[[Batch], int], base: Sequence[Head] = (),
+) -> PassPlan:  # fmt: skip
+    """The PassPlan of group_losses over `batches` (the same replica_passes it runs)."""
+    forwards = layer_runs = token_layers = 0
+    for batch in batches:
+        forwards, layer_runs, token_layers = forwards + 1, layer_runs + depth, token_layers + batch.n_tokens * depth
+        if not groups:
+            continue
+        for start, members in replica_passes(groups, set(base), depth, max(1, replicas_per_forward(batch))):
+            forwards += 1
+            layer_runs += depth - start
+            token_layers += batch.n_tokens * len(members) * (depth - start)
+    return PassPlan(forwards, layer_runs, token_layers)
 
 
 def replica_passes(groups, base: set, depth: int, per_forward: int) -> list[tuple[int, list[int]]]:

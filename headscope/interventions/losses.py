@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headscope.interventions.groups import GroupLosses, group_losses
+from headscope.interventions.groups import GroupLosses, PassPlan, group_losses, planned_passes
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.nll import token_losses
 from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, gradient_pass
@@ -78,6 +78,18 @@ class LossModel:
             reporter=self.reporter if progress else None,
             base=base,
         )
+
+    def planned(self, groups: Sequence[Sequence[Head]], mode: str, base: Sequence[Head] = ()) -> PassPlan:
+        """What `removal(mode)` and then `losses(groups, ..., base=base)` will run, counted from the corpus's
+        batches before anything runs (mean removal first takes a clean pass over the corpus for the means)."""
+
+        def batches():
+            return self.plan.batches(self.feed, "importance", "cpu")  # counted on the host: nothing moves
+
+        planned = planned_passes(batches(), groups, self.plan.depth, self.plan.replicas, base)
+        if mode == "mean" and self._means is None:
+            planned = planned + planned_passes(batches(), [], self.plan.depth, self.plan.replicas)
+        return planned
 
     def attribution(self, removed: Sequence[Head], removal: Removal) -> dict[Head, float]:
         """Per head: the first-order estimate (nats per predicted token) of also removing it, with `removed`
