@@ -156,8 +156,6 @@ def planned_passes(
     forwards = layer_runs = token_layers = 0
     for batch in batches:
         forwards, layer_runs, token_layers = forwards + 1, layer_runs + depth, token_layers + batch.n_tokens * depth
-        if not groups:
-            continue
         for start, members in replica_passes(groups, set(base), depth, max(1, replicas_per_forward(batch))):
             forwards += 1
             layer_runs += depth - start
