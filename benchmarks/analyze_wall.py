@@ -4,7 +4,7 @@ versions, run it once per checkout, interleaved, in fresh processes:
 
     python benchmarks/analyze_wall.py --tokens 8192 --runs 2
     PYTHONPATH=/tmp/before python benchmarks/analyze_wall.py --tokens 8192 --runs 2     # another checkout
-    python benchmarks/analyze_wall.py --corpus --runs 5
+    python benchmarks/analyze_wall.py --corpus --runs 5 --threads 1   # one thread: far less noise on a shared VM
 
 A script, not a test: it reports figures.
 """
@@ -12,8 +12,10 @@ A script, not a test: it reports figures.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
+import torch
 from lengths import sentence_of
 
 import headscope
@@ -26,7 +28,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="length of the one text")
     parser.add_argument("--corpus", action="store_true", help="the shipped corpus instead of one text")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     quiet_transformers(show_progress=False)
     model = load_model("smollm2", device="cpu", dtype="float32")
     if args.corpus:
@@ -44,6 +49,7 @@ def main() -> None:
     seconds = [run() for _ in range(args.runs)]
     print(f"headscope from {headscope.__file__}")
     print("seconds:", ", ".join(f"{s:.2f}" for s in seconds))
+    print(f"min {min(seconds):.2f}  median {statistics.median(seconds):.2f}  ({torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":
