@@ -25,6 +25,7 @@ CHART_FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
 IMPORTANCE_MODES: tuple[str, ...] = ("none", "fast", "exact")
 REMOVAL_MODES: tuple[str, ...] = ("zero", "mean")  # how a head is removed (interventions.removal)
 DEFAULT_REMOVAL = "mean"  # the removal ablate and prune use unless told
+PRUNE_PATIENCE = 2  # prune stops after this many rounds in a row each add under 1% of the heads
 LOSS_ON: tuple[str, ...] = ("all", "repeats")  # which predicted tokens ablate scores (measures.groups)
 PATCH_WHATS: tuple[str, ...] = ("output", "pattern", "values")  # what of a head `patch` puts in (interventions.patch)
 PATCH_DIRECTIONS: tuple[str, ...] = ("denoise", "noise")  # into the corrupt prompt, or into the clean one
@@ -86,7 +87,11 @@ class RunConfig:
         None, "Memory for activations, attention and replicas, e.g. 8GiB. Default: half the free device memory."
     )
     block_bytes: int = setting(BLOCK_BYTES, "A layer's attention larger than this is reduced in blocks of query rows.")
-    layers: tuple[int, ...] | None = setting(None, "Only these layers, e.g. 0-5,10 (later layers are not even run).")
+    layers: tuple[int, ...] | None = setting(
+        None,
+        "Only these layers, e.g. 0-5,10: analyze and inspect read only them (later layers are not even run); "
+        "prune removes heads of these layers only.",
+    )
     sentence_heads: bool = setting(True, "Also write per-(sentence, layer, head) metrics (large for big corpora).")
     chunk_sentences: int = setting(
         4096,

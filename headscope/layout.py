@@ -73,6 +73,7 @@ PATCH_CHARTS = ("patch_heatmap", "patch_positions")
 # What `headscope prune` writes, recognised by prune.json; --save-model writes a transformers checkpoint into a
 # folder of its own, recognised by pruned.json beside the files transformers writes.
 PRUNE_RECORD = "prune.json"
+PRUNE_JOURNAL = "prune-journal.json"  # an interrupted prune --resume's checkpoint (interventions/journal.py)
 HEAD_MASK_FILE = "head_mask.parquet"
 PRUNE_CHARTS = ("prune_curve",)
 PRUNED_MODEL_RECORD = "pruned.json"

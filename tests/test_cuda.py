@@ -71,3 +71,67 @@ def test_smollm2_on_cuda_against_the_cpu(smollm2, shipped_corpus, dtype):
     assert_heads_close(on_gpu.heads, on_cpu.heads, atol=1e-4 if dtype == "float32" else 3e-2)
     if dtype == "float32":
         assert on_gpu.heads["role"].tolist() == on_cpu.heads["role"].tolist()
+
+
+# ---------------------------------------------------------------- interventions on the GPU
+
+INTERVENTION_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # nats; bfloat16 keeps 8 bits of mantissa
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    """The planted copier (heads 0.0 and 0.1 carry the next token: removing both costs nats) and its texts."""
+    from planted import build_planted_copier, copy_words
+
+    folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model", copiers=(0, 1), logit=20.0)
+    words = copy_words()
+    return str(folder), [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(24)]
+
+
+def on(device: str, dtype: str, folder: str):
+    return load_model(folder, device=device, dtype=dtype, lm_head=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ablate_on_cuda_equals_the_cpu(copier, dtype):
+    folder, texts = copier
+    groups = {"heads": [[(0, 0), (0, 1)], [(1, 2)]], "bootstrap": 0}
+    for mode in ("zero", "mean"):
+        cpu = headscope.ablate(on("cpu", "float32", folder), texts, mode=mode, **groups).groups
+        gpu = headscope.ablate(on("cuda", dtype, folder), texts, mode=mode, **groups).groups
+        for column in ("clean_loss", "ablated_loss", "delta"):
+            np.testing.assert_allclose(gpu[column], cpu[column], atol=INTERVENTION_TOLERANCE[dtype], err_msg=column)
+        assert cpu["delta"][0] > 1.0  # the copiers matter: a removal the GPU ignored would show
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prune_on_cuda_finds_what_the_cpu_finds(copier, dtype):
+    folder, texts = copier
+    cpu = headscope.prune(on("cpu", "float32", folder), texts, budget=0.01, mode="zero")
+    gpu = headscope.prune(on("cuda", dtype, folder), texts, budget=0.01, mode="zero")
+    assert len(gpu.result.heads) == len(cpu.result.heads) == 7  # every head but one of the two copiers
+    assert gpu.result.loss - gpu.result.clean_loss <= 0.01
+    if dtype == "float32":
+        assert gpu.result.heads == cpu.result.heads
+        assert gpu.result.loss == pytest.approx(cpu.result.loss, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_importance_on_cuda_equals_the_cpu(copier, dtype):
+    folder, texts = copier
+    options = {"importance": "exact", "charts": None, "page": False, "probes": False, "bootstrap": 0}
+    cpu = headscope.analyze(on("cpu", "float32", folder), texts, **options).heads
+    gpu = headscope.analyze(on("cuda", dtype, folder), texts, **options).heads
+    for column in ("ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"):
+        scale = max(1.0, float(np.abs(cpu[column]).max()))
+        np.testing.assert_allclose(gpu[column], cpu[column], atol=INTERVENTION_TOLERANCE[dtype] * scale, err_msg=column)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_inspect_on_cuda_equals_the_cpu(copier, dtype):
+    folder, texts = copier
+    heads = [(0, 0), (1, 2)]
+    cpu = headscope.inspect(load_model(folder, device="cpu", dtype="float32"), texts=texts[:3], heads=heads).attention
+    gpu = headscope.inspect(load_model(folder, device="cuda", dtype=dtype), texts=texts[:3], heads=heads).attention
+    assert len(gpu) == len(cpu)
+    np.testing.assert_allclose(gpu["weight"], cpu["weight"], atol=1e-5 if dtype == "float32" else 2e-2)

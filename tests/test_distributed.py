@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ pytestmark = [
 # hands back a model whose Nth forward pass fails, as a device error would. Test-only: nothing in headscope
 # knows about it.
 FAULT = """
+import json
 import os
 if os.environ.get("RANK") == "1" and os.environ.get("HEADSCOPE_TEST_FAIL_AT"):
     import headscope.model.loading as loading
@@ -113,11 +115,11 @@ def test_a_failure_on_one_rank_stops_both_with_one_message_and_resume_continues(
 
 
 def test_what_a_data_parallel_run_cannot_do_is_refused_once(planted_gpt2, tmp_path):
-    result = analyze(planted_gpt2, tmp_path / "report", "--importance", "fast", ranks=2)
+    result = analyze(planted_gpt2, tmp_path / "report", "--device-map", "auto", ranks=2)
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert ours == [
-        "Error: --importance is not split between ranks yet; run it in one process (without torchrun) "
+        "Error: --device-map spreads one model over the devices; it cannot be combined with torchrun "
         "(see headscope analyze --help)"
     ]
 
@@ -131,3 +133,85 @@ def test_a_refusal_on_rank_0_stops_every_rank_at_once(planted_gpt2, one_process)
     assert result.returncode != 0 and ours == [
         f"Error: output folder {one_process} holds a headscope report; pass --overwrite to replace it"
     ]
+
+
+# ---------------------------------------------------------------- interventions across ranks
+
+
+def command(*args: str, ranks: int = 1, env: dict | None = None):
+    """`headscope ARGS` in one process or under torchrun, one thread per process (as `analyze` above)."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    launcher = [sys.executable, "-m"] if ranks == 1 else [TORCHRUN, f"--nproc-per-node={ranks}", "-m"]
+    return subprocess.run([*launcher, "headscope", *map(str, args)], capture_output=True, text=True,
+                          env=environment, timeout=300)  # fmt: skip
+
+
+def published(folder: Path, record: str) -> dict:
+    """A record as written, less what differs between any two runs (when, how long)."""
+    data = json.loads((folder / record).read_text())
+    data.pop("created"), data.pop("seconds", None)
+    return data
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    """The planted copier (its heads 0.0 and 0.1 carry the next token) and a corpus of 40 repeated words: sentences
+    of 3 to 8 tokens, in several batches of different lengths with --max-memory 2MiB, dealt to both ranks."""
+    from planted import build_planted_copier, copy_words
+
+    folder = tmp_path_factory.mktemp("copier")
+    model = build_planted_copier(folder / "model", copiers=(0, 1), logit=20.0)
+    words = copy_words()
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(" ".join([words[i % 7]] * (3 + i % 6)) for i in range(40)) + "\n")
+    return model, corpus
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablate_and_prune_on_two_ranks_equal_one_process(copier, tmp_path, mode):
+    model, corpus = copier
+    common = ["--corpus", corpus, "--mode", mode, "--max-memory", "2MiB"]  # several batches, dealt to both ranks
+    ablate = ["ablate", model, "--heads", "0.0,0.1", "--heads", "1.2", *common, "--bootstrap", "200"]
+    prune = ["prune", model, "--budget", "0.01", *common, "--no-charts"]
+    for args, record in ((ablate, "ablation.json"), (prune, "prune.json")):
+        one = command(*args, "--out", tmp_path / f"one-{record}")
+        two = command(*args, "--out", tmp_path / f"two-{record}", ranks=2)
+        assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+        assert published(tmp_path / f"two-{record}", record) == published(tmp_path / f"one-{record}", record)
+        assert sorted(p.name for p in (tmp_path / f"two-{record}").iterdir()) == sorted(
+            p.name for p in (tmp_path / f"one-{record}").iterdir()
+        )
+        assert two.stdout.replace("two-", "one-") == one.stdout  # one summary: rank 0 speaks
+    assert published(tmp_path / "one-ablation.json", "ablation.json")["planned"]["forwards"] >= 6  # 3 batches at least
+    removed = published(tmp_path / "two-prune.json", "prune.json")["heads"]
+    assert len(removed) == 7 and ("0.0" in removed) != ("0.1" in removed)  # every head but one of the copiers
+
+
+def test_importance_on_two_ranks_equals_one_process(copier, tmp_path):
+    model, corpus = copier
+    args = ["analyze", model, "--corpus", corpus, "--importance", "exact", "--max-memory", "2MiB", "--no-charts",
+            "--no-page", "--no-probes", "--bootstrap", "50"]  # fmt: skip
+    one = command(*args, "--out", tmp_path / "one")
+    two = command(*args, "--out", tmp_path / "two", ranks=2)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    importance = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
+    left, right = (pd.read_parquet(tmp_path / name / "heads.parquet") for name in ("one", "two"))
+    np.testing.assert_allclose(right[importance].to_numpy(float), left[importance].to_numpy(float), rtol=1e-12)
+    runs = [json.loads((tmp_path / name / "run.json").read_text()) for name in ("one", "two")]
+    assert runs[1]["importance"]["roles"] == runs[0]["importance"]["roles"] != []  # each role removed together
+    tokens = [run["importance"]["predicted_tokens"] for run in runs]
+    assert tokens[0] == tokens[1] == sum(3 + i % 6 - 1 for i in range(40))  # every sentence, whichever rank ran it
+
+
+def test_a_failure_on_one_rank_stops_prune_on_both_with_one_message(copier, tmp_path):
+    model, corpus = copier
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(FAULT)
+    env = {"PYTHONPATH": str(fault), "HEADSCOPE_TEST_FAIL_AT": "6"}  # rank 1's sixth forward pass fails
+    args = ["prune", model, "--budget", "0.01", "--corpus", corpus, "--max-memory", "2MiB", "--no-charts"]
+    failed = command(*args, "--out", tmp_path / "p", ranks=2, env=env)
+    assert failed.returncode != 0
+    ours = [line for line in failed.stderr.splitlines() if line.startswith("Error:")]
+    assert ours == ["Error: rank 1 of 2 failed: RuntimeError: injected device failure"]
+    assert not (tmp_path / "p").exists()

@@ -184,6 +184,7 @@ def test_no_other_command_removes_a_checkpoint(checkpointed, folders, planted_gp
         "analyze": ["analyze", planted_gpt2, "--out", out, *QUICK, "--no-charts"],
         "ablate": ["ablate", planted_gpt2, "--heads", "0.0", "--out", out, "--bootstrap", "0"],
         "prune": ["prune", planted_gpt2, "--budget", "0.1", "--out", out, "--no-charts"],
+        "prune --resume": ["prune", planted_gpt2, "--budget", "0.1", "--out", out, "--no-charts", "--resume"],
         "patch": ["patch", planted_gpt2, "--pairs", folders["pairs"], "--out", out, "--no-charts"],
         "inspect": ["inspect", planted_gpt2, "--text", "the cat", "--out", out, "--no-page"],
         "classify --out": ["classify", report, "--out", out],

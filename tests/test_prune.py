@@ -67,6 +67,100 @@ def test_a_budget_nothing_fits_removes_nothing():
     assert result.heads == [] and result.loss == 1.0 and result.curve == [(0, 1.0)]
 
 
+def test_rounds_take_the_cheapest_heads_within_their_share_and_fill_the_budget():
+    costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
+    loss, verify, estimate, _ = cost_model(costs, {})
+    steps = []
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify,
+                          on_step=lambda found: steps.append(len(found.heads)))  # fmt: skip
+    # the first round takes the heads within 0.05 / 24 each (the first two); later rounds the next cheapest
+    assert steps[0] == 2 and result.heads[:2] == HEADS[:2]
+    fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))  # 9 heads
+    assert sorted(result.heads) == HEADS[:fits] and result.loss == pytest.approx(loss(result.heads))
+    assert result.one_shot == fits  # the first round's costs already named them: its one-shot answer
+
+
+def test_a_search_behind_its_one_shot_answer_returns_the_answer():
+    costs = {h: 0.004 for h in HEADS}  # 12 heads fit together, but only pairs of the first 12 are verified cheap
+    _, verify, estimate, _ = cost_model(costs, {})
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, max_rounds=0)
+    assert result.heads == [] and result.one_shot == 0  # no round: no answer either
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, max_rounds=1)
+    assert result.one_shot == 12 and len(result.heads) == 12 and result.loss == pytest.approx(1.048)
+    assert "one-shot answer" in result.stopped and result.curve == [(0, 1.0), (12, result.loss)]
+
+
+def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
+    rng = np.random.default_rng(1)
+    costs = {h: float(rng.uniform(0.0, 0.004)) for h in HEADS}
+    _, verify, _, _ = cost_model(costs, {})
+    # blind estimates (every head the same): the shortlists' order is arbitrary; exact costs alone decide
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.03, shortlist=24, verify=verify,
+                          estimate=lambda removed: {h: 0.0 for h in HEADS if h not in removed})  # fmt: skip
+    assert result.loss <= 1.03 and result.loss == pytest.approx(1.0 + sum(costs[h] for h in result.heads))
+    cheapest = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.03 + 1e-12, side="right"))
+    assert len(result.heads) >= cheapest - 3
+
+
+@pytest.mark.parametrize("patience", [0, 1, 2])
+def test_patience_stops_rounds_that_add_almost_nothing(patience):
+    heads = [(layer, head) for layer in range(50) for head in range(6)]  # 300 heads: 1% is 3
+    chain = heads[::-1]  # only the chain's prefixes fit: every round can add its next head, and only that one
+
+    def verify(sets):
+        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) else 2.0 for s in sets]
+
+    def estimate(removed):
+        return {h: 0.0 if h == chain[len(removed)] else 0.01 for h in heads if h not in removed}
+
+    result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify,
+                          patience=patience, max_rounds=5)  # fmt: skip
+    assert result.heads == chain[: result.rounds]  # one head a round
+    if patience:
+        assert result.rounds == patience and result.stopped.startswith(f"patience: {patience} rounds")
+    else:
+        assert result.rounds == 5 and result.stopped == "max_rounds: 5 rounds"
+
+
+def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_path):
+    from headscope.errors import OutputError
+    from headscope.interventions.journal import SearchJournal
+
+    rng = np.random.default_rng(2)
+    costs = {h: float(rng.exponential(0.01)) for h in HEADS}
+    pairs = {((1, 1), (2, 2)): 5.0, ((0, 3), (3, 0)): 0.02}
+    _, verify, estimate, _ = cost_model(costs, pairs)
+    options = {"clean_loss": 1.0, "budget": 0.08, "shortlist": 6, "tries": 3}
+    whole = prune_search(HEADS, estimate=estimate, verify=verify, **options)
+    assert whole.verify_calls >= 4
+
+    class Interrupted(Exception):
+        pass
+
+    live = {"verify": 0}
+
+    def verify_until(limit):
+        def counted(sets):
+            if live["verify"] == limit:
+                raise Interrupted
+            live["verify"] += 1
+            return verify(sets)
+
+        return counted
+
+    path, key = tmp_path / "journal.json", {"budget": 0.08}
+    first = SearchJournal(path, key, resume=True)
+    with pytest.raises(Interrupted):
+        prune_search(HEADS, estimate=first.estimate(estimate), verify=first.verify(verify_until(3)), **options)
+    live["verify"] = 0
+    again = SearchJournal(path, key, resume=True)
+    resumed = prune_search(HEADS, estimate=again.estimate(estimate), verify=again.verify(verify_until(-1)), **options)
+    assert (resumed.heads, resumed.curve, resumed.loss) == (whole.heads, whole.curve, whole.loss)
+    assert again.replayed >= 4 and live["verify"] == whole.verify_calls - 3  # only what was not done yet ran
+    with pytest.raises(OutputError, match="budget differ"):
+        SearchJournal(path, {"budget": 0.09}, resume=True)
+
+
 # ---------------------------------------------------------------- on models
 
 
@@ -142,6 +236,8 @@ def test_mean_pruning_a_llama_folds_the_means_into_new_biases(tmp_path, corpus_l
         (["--budget", "0"], ["--budget must be a positive number"]),
         (["--budget", "nan"], ["--budget must be a positive number"]),
         (["--budget", "0.1", "--mode", "half"], ["--mode"]),
+        (["--budget", "0.1", "--max-rounds", "-1"], ["--max-rounds must be a whole number"]),
+        (["--budget", "0.1", "--patience", "-1"], ["--patience must be a whole number"]),
     ],
 )
 def test_prune_refuses_bad_options_before_loading(args, fragments, tmp_path):
@@ -276,18 +372,24 @@ def test_a_save_that_fails_after_the_search_keeps_the_search(redundant, tmp_path
 
 
 class Notes(NullReporter):
-    def __init__(self, interrupt_at: str | None = None) -> None:
-        self.notes, self.interrupt_at = [], interrupt_at
+    """Keeps the notes; raises KeyboardInterrupt at the stage starting `interrupt_at`, or at the note (an accepted
+    step) numbered `interrupt_at_step`."""
+
+    def __init__(self, interrupt_at: str | None = None, interrupt_at_step: int | None = None) -> None:
+        self.notes, self.interrupt_at, self.interrupt_at_step = [], interrupt_at, interrupt_at_step
 
     def note(self, text: str) -> None:
         self.notes.append(text)
+        steps = sum("heads removed (+" in n for n in self.notes)
+        if "heads removed (+" in text and steps == self.interrupt_at_step:
+            raise KeyboardInterrupt
 
     def stage(self, text: str) -> None:
         if self.interrupt_at and text.startswith(self.interrupt_at):
             raise KeyboardInterrupt
 
 
-def test_prune_says_which_heads_each_step_removed_and_never_advertises_resume(redundant, tmp_path):
+def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, tmp_path):
     loaded, sentences = redundant
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(sentences) + "\n")
@@ -297,9 +399,57 @@ def test_prune_says_which_heads_each_step_removed_and_never_advertises_resume(re
     steps = [n for n in notes.notes if "heads removed (+" in n]
     assert steps and all("(+-" not in n and "nats)" in n for n in steps)
     named = [h for n in steps for h in n.split("(+")[1].split(")")[0].split(",")]
-    assert named == json.loads((tmp_path / "a" / "prune.json").read_text())["heads"]  # every head, in order, once
+    record = json.loads((tmp_path / "a" / "prune.json").read_text())
+    assert named == record["heads"]  # every head, in order, once
+    assert any(n.startswith("planned: rounds of a gradient pass, 8 heads verified alone (8 in") for n in notes.notes)
+    search = record["search"]
+    assert search["forward_passes"] >= search["verify_calls"] * 2 and search["gradient_passes"] >= 1
     result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at="pruning within"))
-    assert result.exit_code == 130 and "--resume" not in result.output
+    assert result.exit_code == 130 and "--resume" in result.output  # prune can continue: it says so
+    assert not any(p.name.startswith(".b") for p in tmp_path.iterdir())  # without --resume nothing is kept
+
+
+def test_an_interrupted_prune_resumes_to_the_result_an_uninterrupted_one_gives(redundant, tmp_path):
+    loaded, sentences = redundant
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(sentences) + "\n")
+    args = ["prune", loaded.source.location, "--corpus", corpus, "--budget", "0.01", "--mode", "mean", "--no-charts"]
+    assert run_cli(*args, "--out", tmp_path / "whole").exit_code == 0
+    whole = json.loads((tmp_path / "whole" / "prune.json").read_text())
+    assert len(whole["curve"]) >= 3  # at least two accepted steps: one to interrupt after, one to resume to
+    interrupted = run_cli(*args, "--out", tmp_path / "r", "--resume", reporter=Notes(interrupt_at_step=1))
+    assert interrupted.exit_code == 130
+    journal = tmp_path / ".r.partial" / "prune-journal.json"
+    assert json.loads(journal.read_text())["state"]["heads"] == whole["heads"][: whole["curve"][1]["heads_removed"]]
+    refused = run_cli(*args, "--out", tmp_path / "r")  # without --resume the checkpoint is not someone else's
+    assert_one_line_error(refused, "interrupted `headscope prune --resume` run", code=1)
+    notes = Notes()
+    resumed = run_cli(*args, "--out", tmp_path / "r", "--resume", reporter=notes)
+    assert resumed.exit_code == 0, resumed.output
+    record = json.loads((tmp_path / "r" / "prune.json").read_text())
+    for key in ("heads", "curve", "clean_loss", "pruned_loss", "set_aside"):
+        assert record[key] == whole[key], key
+    assert record["search"]["resumed_calls"] >= 2 and record["search"]["rounds"] == whole["search"]["rounds"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["head_mask.parquet", "prune.json"]
+    assert not (tmp_path / ".r.partial").exists()
+
+
+def test_prune_removes_heads_of_the_layers_it_is_given_only(redundant, tmp_path):
+    loaded, sentences = redundant
+    everywhere = headscope.prune(loaded, sentences, budget=0.01, mode="zero")
+    assert {layer for layer, _ in everywhere.result.heads} == {0, 1}
+    found = headscope.prune(loaded, sentences, budget=0.01, mode="zero", layers=[1])
+    assert found.result.heads and {layer for layer, _ in found.result.heads} == {1}
+    assert found.record["search"]["candidates"] == 4 and list(found.record["settings"]["layers"]) == [1]
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [({"max_rounds": -1}, "--max-rounds"), ({"patience": -2}, "--patience"), ({"resume": True}, "--out")],
+)
+def test_prune_refuses_a_stopping_rule_that_cannot_be(options, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        headscope.prune("gpt2", budget=0.1, loader=refuse_to_load, **options)
 
 
 @pytest.mark.slow

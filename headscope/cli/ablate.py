@@ -42,6 +42,7 @@ def ablate(
     from headscope.interventions.ablate import ablate as run_ablation
     from headscope.interventions.ablate import check_request
     from headscope.model.loading import resolve_source
+    from headscope.run.distributed import ranks_from_env
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
@@ -64,4 +65,5 @@ def ablate(
             reporter=reporter,
             **loader,
         )
-    print_ablation(found)
+    if ranks_from_env().main:  # under torchrun every rank has the result; rank 0 speaks
+        print_ablation(found)

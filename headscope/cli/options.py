@@ -24,6 +24,7 @@ from headscope.config import (
     PATCH_METRICS,
     PATCH_POSITIONS,
     PATCH_WHATS,
+    PRUNE_PATIENCE,
     REMOVAL_MODES,
     RoleThresholds,
     RunConfig,
@@ -56,6 +57,7 @@ DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAU
 DEFAULT_ENCODING = EncodingChoice(DEFAULTS.encoding_errors)
 DEFAULT_IMPORTANCE = ImportanceChoice(DEFAULTS.importance)
 DEFAULT_FORMAT = ChartFormat(CHART_FORMATS[0])
+DEFAULT_PATIENCE = PRUNE_PATIENCE
 DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice(DEFAULT_REMOVAL), LossOnChoice(LOSS_ON[0])
 DEFAULT_WHAT, DEFAULT_DIRECTION = WhatChoice(PATCH_WHATS[0]), DirectionChoice(PATCH_DIRECTIONS[0])
 DEFAULT_POSITIONS, DEFAULT_METRIC = PositionsChoice(PATCH_POSITIONS[0]), MetricChoice(PATCH_METRICS[0])
@@ -187,6 +189,12 @@ Fast = Annotated[
     bool, typer.Option(help="Attribution patching: a first-order estimate from one backward pass (not exact).")
 ]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
+MaxRounds = Annotated[
+    int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and a shortlist each).")
+]
+Patience = Annotated[
+    int, typer.Option(help="Stop when this many rounds in a row each add under 1% of the heads (0: never).")
+]
 Replicates = Annotated[
     int, typer.Option(help="Paired bootstrap replicates (same sentences in both reports), 2 to 100,000.")
 ]

@@ -17,6 +17,10 @@ def prune(
     out: o.Out = None,
     save_model: o.SaveModel = None,
     overwrite: o.Overwrite = False,
+    resume: o.Resume = False,
+    max_rounds: o.MaxRounds = None,
+    patience: o.Patience = o.DEFAULT_PATIENCE,
+    layers: o.Layers = o.DEFAULTS.layers,
     charts: o.Charts = True,
     chart_format: o.Format = o.DEFAULT_FORMAT,
     max_length: o.MaxLength = o.DEFAULTS.max_length,
@@ -38,11 +42,13 @@ def prune(
     from headscope.interventions.prune import check_request
     from headscope.interventions.prune import prune as run_pruning
     from headscope.model.loading import resolve_source
+    from headscope.run.distributed import ranks_from_env
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
-        check_request(budget, mode.value, chart_format.value if charts else None)
+        check_request(budget, mode.value, chart_format.value if charts else None, max_rounds=max_rounds,
+                      patience=patience)  # fmt: skip
     with user_errors(ctx):
         found = run_pruning(
             model,
@@ -53,8 +59,12 @@ def prune(
             overwrite=overwrite,
             save_model=save_model,
             charts=chart_format.value if charts else None,
+            resume=resume,
+            max_rounds=max_rounds,
+            patience=patience,
             config=settings,
             reporter=reporter,
             **loader,
         )
-    print_pruning(found)
+    if ranks_from_env().main:  # under torchrun every rank has the result; rank 0 speaks
+        print_pruning(found)

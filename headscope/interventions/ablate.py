@@ -117,11 +117,12 @@ def ablate(
     if report is not None:
         groups += role_groups(report, roles, each_role)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
+    ranks = run.data_parallel(model, "ablate")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     stage = run.stage(out, "ablation", overwrite=overwrite)
     run.check_offload_folder(model, {"--out": out})
     with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(stage).path if stage is not None else None
+        folder = stack.enter_context(stage).path if stage is not None and ranks.main else None  # rank 0 writes
         with loss_model(stack, model, run, loader, "ablate") as lm:
             if report is not None:
                 check_report_model(read_run(Path(report)), lm.loaded, report)
@@ -141,7 +142,7 @@ def ablate(
                 reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
         if folder is not None:
             write_json(found.record, folder / ABLATION_RECORD)
-    found.folder = stage.target if stage is not None else None
+    found.folder = stage.target if stage is not None and ranks.main else None
     return found
 
 

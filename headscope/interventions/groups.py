@@ -28,6 +28,7 @@ from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, po
 from headscope.interventions.nll import token_nll
 from headscope.interventions.removal import Head, Removal, RemovedHeads
 from headscope.model.capture import replicate
+from headscope.run.distributed import Ranks, gather, together
 from headscope.run.feed import Batch
 from headscope.run.progress import Reporter
 
@@ -73,6 +74,24 @@ class GroupLosses:
         self.tokens.setdefault(scoring, []).append(tokens)
         self.clean.setdefault(scoring, []).append(clean)
         self.ablated.setdefault(scoring, []).append(ablated)
+
+    @classmethod
+    def dealt(cls, shares: Sequence[GroupLosses]) -> GroupLosses:
+        """The losses of a corpus whose batches were dealt round-robin (batch i to share i % len(shares)), in the
+        order one process would have seen them: the same arrays, so the same sums in the same order."""
+        merged = cls()
+        sentence_ids = []
+        for share in shares:  # each share's sentence ids, split by its batches
+            sizes = [len(tokens) for tokens in next(iter(share.tokens.values()), [])]
+            ids = np.asarray(share.sentence_ids, dtype=int)
+            sentence_ids.append(np.split(ids, np.cumsum(sizes)[:-1]) if sizes else [])
+        for index in range(sum(len(ids) for ids in sentence_ids)):
+            share, batch = shares[index % len(shares)], index // len(shares)
+            merged.sentence_ids.extend(int(i) for i in sentence_ids[index % len(shares)][batch])
+            for scoring in share.tokens:
+                merged.add(scoring, share.tokens[scoring][batch], share.clean[scoring][batch],
+                           share.ablated[scoring][batch])  # fmt: skip
+        return merged
 
     def arrays(self, scoring: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens (S,), clean (S,), ablated (groups, S)) over every sentence, in the order seen."""
@@ -128,6 +147,14 @@ def group_losses(
         if reporter is not None:
             reporter.advance(len(batch.sentence_ids), batch.n_tokens)
     return result
+
+
+def shared_group_losses(ranks: Ranks, capture, batches, *args, **kwargs) -> GroupLosses:
+    """group_losses over this rank's share of the corpus (`batches()` yields it: `distributed.share_of`), put
+    together on every rank in the order one process sees the batches: the same arrays as one process's, so the same
+    sums. A failure on any rank stops every rank with its message."""
+    share = together(ranks, lambda: group_losses(capture, batches, *args, **kwargs))
+    return GroupLosses.dealt(gather(ranks, share)) if ranks.parallel else share
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ import numpy as np
 from headscope.arguments import head_name
 from headscope.config import REMOVAL_MODES
 from headscope.errors import ResourceError
-from headscope.interventions.groups import SCORINGS, group_effect, group_losses
-from headscope.interventions.removal import Removal, gradient_pass
+from headscope.interventions.groups import SCORINGS, group_effect, shared_group_losses
+from headscope.interventions.removal import Removal, shared_gradient_pass
 from headscope.labels import ROLES
 from headscope.model.memory import readable
+from headscope.run.distributed import ONE_PROCESS, Ranks, share_of
 from headscope.run.feed import Batch, CorpusFeed
 from headscope.run.progress import Reporter
 
@@ -78,14 +79,18 @@ def check_importance_fits(feed: CorpusFeed, plan, what: str = "--importance") ->
         )
 
 
-def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, device, roles=None) -> Importance:
+def run_importance(
+    capture, feed: CorpusFeed, plan, reporter: Reporter, *, device, roles=None, ranks: Ranks = ONE_PROCESS
+) -> Importance:
     """Head importance of every measured head over the feed's corpus, through `capture` (an attached LM); with
-    `roles` (the heads table, labelled), also each role's heads removed together (`role_groups`)."""
+    `roles` (the heads table, labelled), also each role's heads removed together (`role_groups`). ranks: a
+    data-parallel run's; each rank runs its share of the batches (dealt round-robin) and every rank gets the whole
+    result (the per-sentence losses gathered in one process's order, the float64 sums all-reduced)."""
     settings = plan.settings
     exact = settings.importance == "exact"
 
     def batches() -> Iterator[Batch]:
-        return plan.batches(feed, "importance", device)
+        return share_of(ranks, plan.batches(feed, "importance", device))
 
     predicted = sum(max(len(ids) - 1, 0) for index in range(len(feed)) for ids in feed.chunk(index).ids)
     if predicted == 0:
@@ -103,15 +108,18 @@ def run_importance(capture, feed: CorpusFeed, plan, reporter: Reporter, *, devic
         exact=exact,
         replicas_per_forward=plan.replicas,
         reporter=reporter,
+        ranks=ranks,
     )
     reporter.finish()
     if roles is not None:
         sentences = len(feed.corpus.sentences)
-        importance.roles = role_groups(capture, batches, plan, roles, importance.means, sentences, reporter)
+        importance.roles = role_groups(capture, batches, plan, roles, importance.means, sentences, reporter, ranks)
     return importance
 
 
-def role_groups(capture, batches, plan, labelled, means: np.ndarray, sentences: int, reporter: Reporter) -> list[dict]:
+def role_groups(
+    capture, batches, plan, labelled, means: np.ndarray, sentences: int, reporter: Reporter, ranks: Ranks = ONE_PROCESS
+) -> list[dict]:
     """Per role that some measured head has (but "other") and per removal mode: the role's heads removed together,
     the delta on every predicted token and on the repeated tokens, with 95% paired bootstrap intervals."""
     groups = {
@@ -127,7 +135,8 @@ def role_groups(capture, batches, plan, labelled, means: np.ndarray, sentences: 
     reporter.start(len(REMOVAL_MODES) * sentences, what="role ablation")
     for mode in REMOVAL_MODES:
         removal = Removal(mode, means)  # only measured layers have roles, and means
-        losses = group_losses(
+        losses = shared_group_losses(
+            ranks,
             capture,
             batches,
             list(groups.values()),
@@ -162,15 +171,16 @@ def measure_importance(
     exact: bool,
     replicas_per_forward: Callable[[Batch], int],
     reporter: Reporter,
+    ranks: Ranks = ONE_PROCESS,
 ) -> Importance:
     """Attribution (and with `exact`, ablation) of every head of `layer_ids` over the corpus `batches`.
 
     capture: an attached causal LM (headscope.model.capture.attached); batches() -> the corpus's batches afresh
     (called once per pass: twice with `exact`); replicas_per_forward(batch) -> how many replicas of `batch`
-    one forward pass may hold.
+    one forward pass may hold; ranks: with `batches` yielding this rank's share (see run_importance).
     """
-    found = gradient_pass(
-        capture, batches, layer_ids, heads, head_dim,
+    found = shared_gradient_pass(
+        ranks, capture, batches, layer_ids, heads, head_dim,
         on_batch=lambda batch: reporter.advance(len(batch.sentence_ids), batch.n_tokens),
     )  # fmt: skip
     tokens = found.tokens
@@ -185,19 +195,19 @@ def measure_importance(
         attribution_mean=Removal("mean", full).estimate(found.sums, tokens),
     )
     if exact:
-        zero, mean = _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter)
+        zero, mean = _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter, ranks)
         result.ablation_zero, result.ablation_mean = zero / max(tokens, 1), mean / max(tokens, 1)
     return result
 
 
-def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter):
+def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter, ranks):
     """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus: each head a group
     of one (interventions.groups), the replicas of a batch sharing its clean pass and starting at their head's
     layer. full: (depth, heads, head_dim) means, of the measured layers."""
     singles = [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in REMOVAL_MODES]
     removals = [Removal(mode, full) for mode in REMOVAL_MODES] * (len(singles) // len(REMOVAL_MODES))
-    losses = group_losses(
-        capture, batches, singles, removals, replicas_per_forward=replicas_per_forward, reporter=reporter
+    losses = shared_group_losses(
+        ranks, capture, batches, singles, removals, replicas_per_forward=replicas_per_forward, reporter=reporter
     )
     _, clean, ablated = losses.arrays("all")
     increases = (ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads, len(REMOVAL_MODES))

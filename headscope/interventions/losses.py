@@ -5,6 +5,11 @@ does (sentences never split, replicas within --max-memory) and answers three que
     means()                        each head's mean output over the corpus on the clean model (mean removal)
     losses(groups, removal, ...)   per sentence, the clean loss and the loss with each group removed together
     attribution(removed, removal)  first-order estimate of removing each further head, on the pruned model
+
+Under torchrun the batches are dealt round-robin (batch i to rank i % N, batched as rank 0 batches); each rank runs
+its own, and every answer is put together on every rank: the per-sentence losses gathered back into one process's
+order (the same arrays, so the same sums: equal to one process's exactly), the float64 sums of the means and of the
+gradient pass all-reduced (equal within ~1e-15). A failure on one rank stops every rank with its message.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headscope.interventions.groups import GroupLosses, PassPlan, group_losses, planned_passes
+from headscope.interventions.groups import GroupLosses, PassPlan, planned_passes, shared_group_losses
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.nll import token_losses
-from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, gradient_pass
+from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, shared_gradient_pass
 from headscope.model.capture import Capture, attached
 from headscope.model.loading import LoadedModel, Loader
+from headscope.run.distributed import ONE_PROCESS, Ranks, added, share_of, together
 from headscope.run.feed import Batch, CorpusFeed
 from headscope.run.plan import Plan
 from headscope.run.progress import Reporter
@@ -36,6 +42,7 @@ class LossModel:
     plan: Plan
     loaded: LoadedModel
     reporter: Reporter
+    ranks: Ranks = ONE_PROCESS
     _means: np.ndarray | None = None
 
     @property
@@ -43,15 +50,20 @@ class LossModel:
         return [(layer, head) for layer in range(self.plan.depth) for head in range(self.plan.heads)]
 
     def batches(self) -> Iterator[Batch]:
-        return self.plan.batches(self.feed, "importance", self.loaded.device)
+        """This rank's batches of the corpus (all of them in one process)."""
+        return share_of(self.ranks, self.plan.batches(self.feed, "importance", self.loaded.device))
 
     def means(self) -> np.ndarray:
         """(depth, heads, head_dim) float64: each head's mean output over every real token of the corpus."""
         if self._means is None:
             recorder = OutputSums(range(self.plan.depth), self.plan.heads, self.plan.architecture["head_dim"])
-            for batch in self.batches():
-                self.capture.run(batch, editors=[recorder])
-            self._means = recorder.means()
+
+            def record():
+                for batch in self.batches():
+                    self.capture.run(batch, editors=[recorder])
+
+            together(self.ranks, record)
+            self._means = recorder.summed_over(added(self.ranks)).means()
         return self._means
 
     def removal(self, mode: str) -> Removal:
@@ -67,8 +79,9 @@ class LossModel:
         progress: bool = False,
     ) -> GroupLosses:
         """group_losses over the corpus; base: heads every group holds (see group_losses); progress: report each
-        batch's sentences to the reporter (a pass the user waits on, such as ablate's)."""
-        return group_losses(
+        batch's sentences to the reporter (a pass the user waits on, such as ablate's; rank 0's share of it)."""
+        return shared_group_losses(
+            self.ranks,
             self.capture,
             self.batches,
             groups,
@@ -95,8 +108,8 @@ class LossModel:
         """Per head: the first-order estimate (nats per predicted token) of also removing it, with `removed`
         removed (Removal.estimate, from one gradient pass over the corpus on the model pruned so far)."""
         depth, heads, head_dim = self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"]
-        found = gradient_pass(
-            self.capture, self.batches, range(depth), heads, head_dim,
+        found = shared_gradient_pass(
+            self.ranks, self.capture, self.batches, range(depth), heads, head_dim,
             edit=lambda batch: [RemovedHeads([list(removed)], removal, len(batch.sentence_ids))],
         )  # fmt: skip
         estimate = removal.estimate(found.sums, found.tokens)
@@ -105,14 +118,14 @@ class LossModel:
 
 @contextlib.contextmanager
 def loss_model(stack: contextlib.ExitStack, model, run: CommandRun, loader: Loader, what: str) -> Iterator[LossModel]:
-    """The model loaded (with its LM head) and attached, the corpus fed as head importance feeds it; what: the
-    command, as messages name it."""
-    loaded, plan = run.open(stack, model, loader, lm_head=True, what=what)
+    """The model loaded (with its LM head) and attached, the corpus fed as head importance feeds it, on every rank
+    of a data-parallel run (`run.data_parallel` first); what: the command, as messages name it."""
+    loaded, plan = run.open(stack, model, loader, lm_head=True, what=what, ranks=run.ranks)
     chunk = max(1, len(run.corpus.sentences))  # one chunk: every pass reads the whole corpus again
     feed = CorpusFeed(run.corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
     check_importance_fits(feed, plan, what)
     with attached(loaded.lm, block_bytes=run.settings.block_bytes) as capture:
-        yield LossModel(capture, feed, plan, loaded, run.reporter)
+        yield LossModel(capture, feed, plan, loaded, run.reporter, run.ranks)
 
 
 def plain_loss(folder: Path, lm: LossModel) -> float:
@@ -130,7 +143,7 @@ def plain_loss(folder: Path, lm: LossModel) -> float:
     positions = "position_ids" in inspect.signature(model.forward).parameters
     total, tokens = 0.0, 0
     with torch.inference_mode():
-        for batch in lm.batches():
+        for batch in lm.plan.batches(lm.feed, "importance", loaded.device):
             kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
             if positions:
                 kwargs["position_ids"] = batch.position_ids

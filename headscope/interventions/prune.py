@@ -1,7 +1,8 @@
 """prune(): as many heads removed together as a loss budget allows, every step verified by a forward pass.
 
-the search     interventions/search.py: rank the remaining heads by the magnitude of their first-order estimate
-               on the model pruned so far, verify a few nested steps at once, keep the largest within budget
+the search     interventions/search.py: a one-shot start from the clean model's ranking, then rounds that verify a
+               shortlist alone and pack the cheapest together, every accepted step verified; with resume, every
+               answer it got is journalled (interventions/journal.py) and an interrupted search replays them
 the removal    zero, or each head's clean corpus mean (interventions/removal.py)
 the output     prune.json (heads in removal order, clean and verified pruned loss, the curve), head_mask.parquet
                ((layers, heads) 0/1, usable as `head_mask`), prune_curve.png; with save_model, a transformers
@@ -21,25 +22,30 @@ import numpy as np
 import pandas as pd
 
 from headscope.arguments import as_path, head_name
-from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
+from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, PRUNE_PATIENCE, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
+from headscope.interventions.groups import PassPlan
+from headscope.interventions.journal import SearchJournal
 from headscope.interventions.losses import LossModel, loss_model, plain_loss
 from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult, prune_search
 from headscope.interventions.surgery import check_savable
-from headscope.layout import HEAD_MASK_FILE, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
+from headscope.layout import HEAD_MASK_FILE, PRUNE_JOURNAL, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.run.corpus import Corpus
+from headscope.run.distributed import ONE_PROCESS
 from headscope.run.files import atomic_path
 from headscope.run.output import resolved
 from headscope.run.progress import Reporter
-from headscope.run.record import versions
+from headscope.run.record import fingerprint, versions
 from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
 SHORTLIST = 24  # heads verified alone per round of the search (the likeliest, by their first-order estimate)
-TRIES = 4  # nested steps verified per round
+FIRST_SHORTLIST = 64  # ... in the first round, whose costs also give the one-shot answer
+TRIES = 4  # nested sizes verified per packing pass
+PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
 
 @dataclass
@@ -64,6 +70,12 @@ class Pruning:
     head_mask: pd.DataFrame  # (layers, heads), 1 kept, 0 removed
     header: dict  # run.setup.record_header
     seconds: float
+    candidates: int  # heads the search could remove (all, or those of --layers)
+    patience: int
+    max_rounds: int | None
+    passes: PassPlan  # the verifying forward passes the search ran (gradient passes are counted apart)
+    depth: int
+    resumed_calls: int = 0  # answers replayed from an interrupted search's journal
     saved_model: SavedModel | None = None
     folder: Path | None = None
 
@@ -86,10 +98,23 @@ class Pruning:
             "curve": [{"heads_removed": n, "loss": loss} for n, loss in result.curve],
             "set_aside": [head_name(*h) for h in result.set_aside],
             "search": {
-                "rank": "shortlist by first-order estimate magnitude on the model pruned so far; then exact cost alone",
+                "rank": "rounds: shortlist by first-order estimate magnitude on the model pruned so far, exact cost "
+                "alone, packed cheapest first within each head's share of the budget left",
                 "shortlist": SHORTLIST,
+                "first_shortlist": FIRST_SHORTLIST,
+                "one_shot": result.one_shot,
                 "nested_steps": TRIES,
+                "patience": self.patience,
+                "max_rounds": self.max_rounds,
+                "candidates": self.candidates,
+                "rounds": result.rounds,
+                "stopped": result.stopped,
                 "verified_sets": result.verified_sets,
+                "verify_calls": result.verify_calls,
+                "gradient_passes": result.estimates,
+                "forward_passes": self.passes.forwards,
+                "token_forwards": round(self.passes.token_layers / max(self.depth, 1)),
+                "resumed_calls": self.resumed_calls,
             },
             "seconds": round(self.seconds, 1),
             "saved_model": None if self.saved_model is None else dataclasses.asdict(self.saved_model),
@@ -106,6 +131,9 @@ def prune(
     overwrite: bool = False,
     save_model: str | Path | None = None,
     charts: str | None = CHART_FORMATS[0],
+    resume: bool = False,
+    max_rounds: int | None = None,
+    patience: int = PRUNE_PATIENCE,
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
@@ -114,30 +142,44 @@ def prune(
     """Remove as many heads as `budget` (nats of corpus loss above the clean model's) allows; see the module.
 
     save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint; charts: the curve's
-    format, or None; options / config: the RunConfig fields it reads (as `ablate`)."""
-    check_request(budget, mode, charts)
+    format, or None; resume: journal the search beside `out` and continue an interrupted one from its journal;
+    max_rounds, patience: when the search stops (interventions/search.py); options / config: the RunConfig fields
+    it reads (as `ablate`, and `layers`: the only layers whose heads it may remove)."""
+    check_request(budget, mode, charts, max_rounds=max_rounds, patience=patience)
     out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
+    if resume and out is None:
+        raise ConfigError("--resume needs an output folder (--out): the search's journal is kept beside it")
     _check_folders(out, save_model)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
+    ranks = run.data_parallel(model, "prune")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).
-    stages = {"prune": run.stage(out, "pruning", overwrite=overwrite),
+    stages = {"prune": run.stage(out, "pruning", overwrite=overwrite, resumable=resume),
               "model": run.stage(save_model, "model", overwrite=overwrite)}  # fmt: skip
     run.check_offload_folder(model, {"--out": out, "--save-model": save_model})
     started = time.perf_counter()
-    with contextlib.ExitStack() as stack, stages["prune"] or contextlib.nullcontext() as prune_stage:
+    writes = stages["prune"] if ranks.main else None  # under torchrun rank 0 alone writes
+    with contextlib.ExitStack() as stack, writes or contextlib.nullcontext() as prune_stage:
         with loss_model(stack, model, run, loader, "prune") as lm:
             if save_model is not None:
                 check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
-            result, removal = _search(lm, budget, mode, reporter)
+            candidates = [head for head in lm.all_heads if head[0] in lm.plan.layers]
+            journal = None
+            if resume:
+                key = fingerprint(lm.loaded, corpus, settings, ONE_PROCESS) | {"budget": budget, "mode": mode,
+                      "max_rounds": max_rounds, "patience": patience}  # fmt: skip
+                journal = SearchJournal(stages["prune"].path / PRUNE_JOURNAL, key, resume=True, writes=ranks.main)
+            search = _search(lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds, patience=patience)
+        result, removal = search.result, search.removal
         found = Pruning(
             lm.loaded.source.display, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
-            lm.plan.heads), record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus),
-            time.perf_counter() - started,
+            lm.plan.heads), record_header(lm.loaded, settings, PRUNE_SETTINGS, corpus),
+            time.perf_counter() - started, len(candidates), patience, max_rounds, search.passes, lm.plan.depth,
+            journal.replayed if journal is not None else 0,
         )  # fmt: skip
         failure = None
-        if save_model is not None:
+        if save_model is not None and ranks.main:
             try:  # published (or removed) when this block ends, before the pruning's own folder
                 with stages["model"] as model_stage:
                     saved = _save(lm, result, removal, model_stage.path, reporter)
@@ -148,6 +190,7 @@ def prune(
                 failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
                 found.saved_model = SavedModel(path=None, error=failure)
         if prune_stage is not None:
+            (prune_stage.path / PRUNE_JOURNAL).unlink(missing_ok=True)  # a finished search has nothing to resume
             _write(prune_stage.path, found.record, found.head_mask, charts, reporter)
     if failure is not None:
         kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
@@ -168,53 +211,94 @@ def _check_folders(out, save_model) -> None:
         raise ConfigError(f"{inner} is inside {outer}; each needs a folder of its own, side by side")
 
 
-def check_request(budget, mode: str, charts: str | None) -> None:
-    """Refuse a budget, mode or chart format that cannot be, before anything loads."""
+def check_request(
+    budget, mode: str, charts: str | None, *, max_rounds: int | None = None, patience: int = PRUNE_PATIENCE
+) -> None:
+    """Refuse a budget, mode, chart format or stopping rule that cannot be, before anything loads."""
     if isinstance(budget, bool) or not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
         raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
+    if max_rounds is not None and (isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0):
+        raise ConfigError(f"--max-rounds must be a whole number, 0 or more; got {max_rounds}")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        raise ConfigError(f"--patience must be a whole number, 0 or more (0: never stop early); got {patience}")
     if mode not in REMOVAL_MODES:
         raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {mode!r}")
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
 
 
-def _search(lm: LossModel, budget: float, mode: str, reporter: Reporter) -> tuple[PruneResult, np.ndarray | None]:
+@dataclass
+class _Searched:
+    result: PruneResult
+    removal: Removal
+    passes: PassPlan  # the verifying forward passes run
+
+
+def _search(
+    lm: LossModel,
+    candidates: list[tuple[int, int]],
+    budget: float,
+    mode: str,
+    reporter: Reporter,
+    journal: SearchJournal | None,
+    *,
+    max_rounds: int | None,
+    patience: int,
+) -> _Searched:
     removal = lm.removal(mode)
     reporter.stage("clean loss")
     tokens, clean, _ = lm.losses([], removal).arrays("all")
     if tokens.sum() == 0:
         raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to keep within budget")
     clean_loss = float(clean.sum() / tokens.sum())
+    passes = PassPlan()
 
     def verify(sets):
-        shared = set.intersection(*map(set, sets))  # the heads removed so far: their pass is shared
-        counts, _, ablated = lm.losses(sets, removal, base=sorted(shared)).arrays("all")
+        nonlocal passes
+        shared = sorted(set.intersection(*map(set, sets)))  # the heads removed so far: their pass is shared
+        passes = passes + lm.planned(sets, mode, base=shared)
+        counts, _, ablated = lm.losses(sets, removal, base=shared).arrays("all")
         return list(ablated.sum(1) / counts.sum())
 
     def estimate(removed):
-        return lm.attribution(removed, removal)
+        found = lm.attribution(removed, removal)
+        return {head: found[head] for head in candidates if head not in set(removed)}
 
+    if journal is not None:
+        verify, estimate = journal.verify(verify), journal.estimate(estimate)
     removed_before = 0
 
     def step(found: PruneResult) -> None:
         nonlocal removed_before
         added = ",".join(head_name(*head) for head in found.heads[removed_before:])
         removed_before = len(found.heads)
+        if journal is not None:  # saved before it is said
+            journal.step(found)
         delta = found.loss - found.clean_loss  # signed: removing a head can lower the loss
         reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
 
+    alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
+    reporter.note(
+        f"planned: rounds of a gradient pass, {alone[1]} heads verified alone ({alone[0]} in the first round) and "
+        "a few sets packed; "
+        + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
+        + (f", or {patience} rounds in a row adding under 1% of the heads" if patience else "")
+    )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
     result = prune_search(
-        lm.all_heads,
+        candidates,
         clean_loss=clean_loss,
         budget=budget,
         estimate=estimate,
         verify=verify,
         shortlist=SHORTLIST,
+        first_shortlist=FIRST_SHORTLIST,
         tries=TRIES,
+        patience=patience,
+        max_rounds=max_rounds,
         on_step=step,
     )
-    return result, removal
+    return _Searched(result, removal, passes)
 
 
 def head_mask(heads, depth: int, count: int) -> pd.DataFrame:

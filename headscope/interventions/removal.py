@@ -27,6 +27,7 @@ import torch
 from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES
 from headscope.errors import ConfigError
 from headscope.interventions.nll import token_losses
+from headscope.run.distributed import Ranks, added, together
 from headscope.run.feed import Batch
 
 Head = tuple[int, int]  # (layer, head)
@@ -156,6 +157,13 @@ class OutputSums:
     def means(self) -> np.ndarray:
         return self.sum_output / max(self.positions, 1)
 
+    def summed_over(self, add: Callable[[np.ndarray], np.ndarray]) -> OutputSums:
+        """These sums added up with every rank's: add(array) is the all-ranks sum of a float64 array."""
+        self.sum_output, self.sum_grad = add(self.sum_output), add(self.sum_grad)
+        self.sum_output_grad = add(self.sum_output_grad)
+        self.positions = int(add(np.array([float(self.positions)]))[0])
+        return self
+
 
 @dataclass
 class GradientPass:
@@ -165,6 +173,16 @@ class GradientPass:
     loss: float
     tokens: int
     sums: OutputSums
+
+
+def shared_gradient_pass(ranks: Ranks, *args, **kwargs) -> GradientPass:
+    """gradient_pass over this rank's share of the corpus, its sums added over every rank (float64 all-reduce)."""
+    found = together(ranks, lambda: gradient_pass(*args, **kwargs))
+    if not ranks.parallel:
+        return found
+    add = added(ranks)
+    loss, tokens = add(np.array([found.loss, float(found.tokens)]))
+    return GradientPass(float(loss), int(tokens), found.sums.summed_over(add))
 
 
 def gradient_pass(

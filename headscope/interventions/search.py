@@ -1,4 +1,4 @@
-"""Which heads can go together within a loss budget: an iterative search whose every step is verified.
+"""Which heads can go together within a loss budget: a search whose every accepted step is verified.
 
 The search knows the model only through two functions:
 - estimate(removed) -> {head: estimated loss increase of also removing it}, for every head still in the model,
@@ -7,21 +7,37 @@ The search knows the model only through two functions:
 - verify(sets) -> [loss], the exact corpus loss with each set of heads removed together (one forward pass,
   the sets as replicas of the batch).
 
-Each round shortlists the remaining heads whose estimate is smallest in magnitude (signed estimates fail in
-saturated layers, where a head's removal costs more than its gradient says), verifies removing each of them alone
-on top of the heads removed so far, orders them by that exact cost (a head whose removal lowers the loss first),
-and verifies removing the first s of that order together for a few nested sizes s at once (step, step/2, ...; 1).
-The largest size whose verified loss stays within the budget is accepted; the step doubles after a full step and
-shrinks to what fitted otherwise. When not one shortlisted head fits alone, the search ends. The loss of the
-accepted set is always a verified one, so the result never exceeds the budget.
+Each round:
+1. a gradient pass on the model pruned so far shortlists the remaining heads whose estimate is smallest in
+   magnitude (signed estimates fail in saturated layers, where a head's removal costs more than its gradient
+   says); the first round shortlists `first_shortlist` heads, later ones `shortlist`;
+2. each shortlisted head is verified alone on top of the heads removed: its exact marginal cost;
+3. packing, with no further gradient pass: the shortlist, cheapest exact cost first (a head whose removal lowers
+   the loss first), is predicted to add its costs; of the heads whose cost is within their fair share of the
+   budget left (what is left / the shortlist's length: a round does not spend the budget on heads a later round
+   may find cheaper), the longest prefix predicted to fit is verified with nested smaller ones (size, size/2, ...
+   1) in one pass, the largest verified fit accepted, and packing goes on down the shortlist until no head is
+   within its share or no verified size fits. A round that accepted nothing takes its cheapest head, if it fits.
+
+The first round's costs give the one-shot answer too: the cheapest heads of its shortlist removed together, the
+most the budget allows, verified in the round's first packing pass. The search is never behind it: should it end
+with fewer heads, the one-shot answer is the result.
+
+It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
+rounds in a row each add fewer than 1% of the candidate heads (a round near the budget pays a gradient pass and a
+shortlist for a head or two). The loss of the accepted set is always a verified one, so the result never exceeds
+the budget.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 Head = tuple[int, int]
+MIN_GAIN_SHARE = 0.01  # a round that adds fewer than this share of the candidates counts against patience
 
 
 @dataclass
@@ -33,6 +49,11 @@ class PruneResult:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (heads removed, verified loss) per accepted step
     set_aside: list[Head] = field(default_factory=list)  # the last shortlist: each overshot the budget alone
     verified_sets: int = 0  # sets verified by a forward pass
+    verify_calls: int = 0  # replicated passes over the corpus those sets took (each one clean pass and replicas)
+    estimates: int = 0  # gradient passes over the corpus
+    rounds: int = 0
+    one_shot: int = 0  # heads of the one-shot answer (the first round's cheapest, together)
+    stopped: str = ""  # why the search ended
 
 
 def prune_search(
@@ -42,40 +63,97 @@ def prune_search(
     budget: float,
     estimate: Callable[[list[Head]], dict[Head, float]],
     verify: Callable[[list[list[Head]]], list[float]],
-    shortlist: int = 32,
+    shortlist: int = 24,
+    first_shortlist: int = 64,
     tries: int = 4,
-    first_step: int | None = None,
+    patience: int = 2,
+    max_rounds: int | None = None,
     on_step: Callable[[PruneResult], None] | None = None,
 ) -> PruneResult:
     """Remove as many of `all_heads` as `budget` (nats above `clean_loss`) allows; see the module's docstring.
 
-    shortlist: heads verified alone each round; tries: nested sizes verified each round (the last is 1);
-    first_step: the first round's largest size (default: a sixteenth of the heads)."""
+    shortlist, first_shortlist: heads verified alone each round (the first round); tries: nested sizes verified
+    per packing pass (the last is 1); patience: rounds in a row adding under 1% of the heads before it stops (0:
+    never); max_rounds: at most this many rounds (None: no limit)."""
     result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
     limit = clean_loss + budget
-    step = max(1, first_step or len(all_heads) // 16)
+    min_gain = max(1, math.ceil(MIN_GAIN_SHARE * len(all_heads)))
+    one_shot: tuple[list[Head], float] = ([], clean_loss)
+    stalled = 0
     while True:
-        removed, aside = set(result.heads), set(result.set_aside)
-        remaining = [head for head in all_heads if head not in removed and head not in aside]
+        removed = set(result.heads)
+        remaining = [head for head in all_heads if head not in removed]
         if not remaining:
+            result.stopped = "every head removed"
             break
-        estimates = estimate(list(result.heads))
-        candidates = sorted(remaining, key=lambda head: (abs(estimates[head]), head))[:shortlist]
+        if max_rounds is not None and result.rounds >= max_rounds:
+            result.stopped = f"max_rounds: {max_rounds} rounds"
+            break
+        if patience and stalled >= patience:
+            result.stopped = f"patience: {patience} rounds in a row added fewer than {min_gain} heads each"
+            break
+        result.rounds += 1
+        before = len(result.heads)
+        estimates = _estimated(estimate, result)
+        size = first_shortlist if result.rounds == 1 else shortlist
+        candidates = sorted(remaining, key=lambda head: (abs(estimates[head]), head))[:size]
         alone = _verified(verify, [[*result.heads, head] for head in candidates], result)
-        order = [head for _, head in sorted(zip(alone, candidates, strict=True))]  # cheapest exact cost first
         if min(alone) > limit:  # not one of the likeliest heads fits: the rest would cost more
-            result.set_aside.extend(candidates)
+            result.set_aside = list(candidates)
+            result.stopped = "no shortlisted head fits alone"
             break
-        fitting = sum(loss <= limit for loss in alone)
-        sizes = _nested_sizes(min(step, fitting), tries)
-        losses = [*_verified(verify, [result.heads + order[:size] for size in sizes[:-1]], result), min(alone)]
-        size, loss = max((size, loss) for size, loss in zip(sizes, losses, strict=True) if loss <= limit)
-        _accept(result, order[:size], loss, on_step)
-        step = min(2 * size, shortlist) if size == sizes[0] else size
+        costs = {head: loss - result.loss for head, loss in zip(candidates, alone, strict=True)}
+        found = _pack(result, costs, verify, limit, tries, on_step, one_shot=result.rounds == 1)
+        if found is not None:
+            one_shot = found
+        stalled = stalled + 1 if len(result.heads) - before < min_gain else 0
+    result.one_shot = len(one_shot[0])
+    if len(one_shot[0]) > len(result.heads):  # never behind the one-shot answer
+        result.heads, result.loss = list(one_shot[0]), one_shot[1]
+        result.curve = [(0, clean_loss), (len(result.heads), result.loss)]
+        result.stopped += "; the one-shot answer removed more heads and is the result"
     return result
 
 
-def _nested_sizes(step: int, tries: int) -> list[int]:
+def _pack(
+    result: PruneResult, costs: dict[Head, float], verify, limit: float, tries: int, on_step, *, one_shot: bool
+) -> tuple[list[Head], float] | None:
+    """Part 3: accept prefixes of the shortlist, cheapest exact cost first, while their heads are within their
+    share of the budget left and a verified size fits. With one_shot, also verify the one-shot answer (the
+    longest prefix predicted to fit the whole budget, in the first pass) and return it with its loss."""
+    pool = sorted(costs, key=lambda head: (costs[head], head))
+    known = {1: result.loss + costs[pool[0]]}  # a size of one is the cheapest head, verified alone already
+    answer = None
+    accepted = 0
+    while pool and result.loss + costs[pool[0]] <= limit:
+        predicted = [result.loss + total for total in accumulate(costs[head] for head in pool)]
+        share = (limit - result.loss) / len(costs)  # a head's fair share of what is left
+        within = sum(costs[head] <= share for head in pool)
+        top = max([size for size in range(1, within + 1) if predicted[size - 1] <= limit], default=0)
+        if top == 0 and accepted:
+            break  # no head is worth its share now: a later round may find cheaper ones
+        sizes = nested_sizes(max(top, 1), tries)
+        asked = [size for size in sizes if size not in known]
+        fits = max([size for size, loss in enumerate(predicted, 1) if loss <= limit], default=1)
+        extra = [fits] if one_shot and answer is None and fits not in sizes else []
+        losses = dict(known) | dict(
+            zip(asked + extra, _verified(verify, [result.heads + pool[:n] for n in asked + extra], result), strict=True)
+        )
+        if one_shot and answer is None:
+            answer = (list(pool[:fits]), losses[fits])
+            if answer[1] > limit:  # the prediction was wrong: no one-shot answer beyond what packing verifies
+                answer = ([], result.loss)
+        fitting = [size for size in sizes if losses[size] <= limit]
+        if not fitting:
+            break
+        size = max(fitting)
+        _accept(result, pool[:size], losses[size], on_step)
+        accepted += size
+        pool, known = pool[size:], {}
+    return answer
+
+
+def nested_sizes(step: int, tries: int) -> list[int]:
     """step, step/2, step/4, ... down to 1, at most `tries` of them, always ending at 1: largest first."""
     sizes = []
     size = step
@@ -85,9 +163,17 @@ def _nested_sizes(step: int, tries: int) -> list[int]:
     return [*sizes, 1]
 
 
+def _estimated(estimate, result: PruneResult) -> dict[Head, float]:
+    result.estimates += 1
+    return estimate(list(result.heads))
+
+
 def _verified(verify, sets: list[list[Head]], result: PruneResult) -> list[float]:
+    if not sets:
+        return []
     result.verified_sets += len(sets)
-    return list(verify(sets)) if sets else []
+    result.verify_calls += 1
+    return list(verify(sets))
 
 
 def _accept(result: PruneResult, heads: list[Head], loss: float, on_step) -> None:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,7 +40,16 @@ from headscope.run.assemble import Analysis, labelled_heads, write_tables
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.corpus import Corpus
 from headscope.run.corpus_pass import measure_corpus
-from headscope.run.distributed import Ranks, broadcast, check_parallel, join, leave, meet, rank_device, ranks_from_env
+from headscope.run.distributed import (
+    ONE_PROCESS,
+    broadcast,
+    check_parallel,
+    join,
+    leave,
+    rank_device,
+    ranks_from_env,
+    together,
+)
 from headscope.run.feed import CorpusFeed
 from headscope.run.output import StagedDirectory
 from headscope.run.plan import Plan, needs_lm_head, resized
@@ -115,14 +122,12 @@ def analyze(
             stack.callback(leave, ranks)
             folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
         with timings.phase("load"):
-            together = functools.partial(_together, ranks)
             loaded, plan = command.open(stack, model, loader, lm_head=needs_lm_head(settings), what="--importance",
-                                    together=together)  # fmt: skip
-        plan = _batched_as_rank_0(plan, loaded, ranks)
+                                        ranks=ranks)  # fmt: skip
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
         progress, running = Progress(), {}
         if resume:
-            progress, running, plan = _together(ranks, lambda: _resumed(parts, plan, loaded, reporter))
+            progress, running, plan = together(ranks, lambda: _resumed(parts, plan, loaded, reporter))
         feed = CorpusFeed(
             corpus,
             loaded.tokenizer,
@@ -141,15 +146,26 @@ def analyze(
                 measured = measure_corpus(
                     capture, feed, plan, parts, progress, running, reporter, device=loaded.device, ranks=ranks
                 )
-            if not ranks.main:
-                return None  # rank 0 writes the report from everyone's sums and parts
+            # Rank 0 writes the report from everyone's sums and parts; importance is split between the ranks, so
+            # with it every rank stays, and waits (or stops with rank 0) while rank 0 runs the probes.
+            if not ranks.main and not plan.measures_importance:
+                return None
+            stay = ranks if plan.measures_importance else ONE_PROCESS
             with timings.phase("probes"):
-                probes = run_probes(capture, battery, loaded.device, plan, reporter) if settings.probes else None
+                probes = together(stay, lambda: run_probes(capture, battery, loaded.device, plan, reporter)
+                                  if settings.probes and ranks.main else None)  # fmt: skip
             with timings.phase("importance"):
                 importance = None
                 if plan.measures_importance:  # each role's heads are ablated together too
-                    labelled = labelled_heads(plan, measured, probes, None, (thresholds, roles))
-                    importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled)
+
+                    def label():  # on rank 0, which has the probes' scores; handed to every rank
+                        return labelled_heads(plan, measured, probes, None, (thresholds, roles)) if ranks.main else None
+
+                    labelled = broadcast(ranks, together(ranks, label))
+                    importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled,
+                                                ranks=ranks)  # fmt: skip
+            if not ranks.main:
+                return None
             with timings.phase("write"):  # the example views: their attention is written with the tables
                 examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
         if settings.bootstrap and not measured.resampled:
@@ -175,28 +191,6 @@ def _draw(report: Report, folder: Path, charts: str | None, page: bool, target: 
     reporter.stage("drawing charts and writing report.html")
     for what in write_presentation(report, folder, fmt=charts, page=page)[1]:
         reporter.warn(f"could not draw {what}; the tables are written (headscope plot {target} tries again)")
-
-
-def _together(ranks: Ranks, step: Callable):
-    """`step()` on every rank; if it fails on any, every rank stops, with that rank's message (no rank is left
-    waiting for the others). In one process, just `step()`."""
-    try:
-        result = step()
-    except BaseException as err:
-        if ranks.parallel:
-            meet(ranks, (0, 0), err)  # every rank stops, with this rank's message
-        raise
-    if ranks.parallel:
-        meet(ranks, (0, 0))
-    return result
-
-
-def _batched_as_rank_0(plan: Plan, loaded: LoadedModel, ranks: Ranks) -> Plan:
-    """The run's plan; in a data-parallel run, batched as rank 0's (batches decide the order of float sums)."""
-    if not ranks.parallel:
-        return plan
-    return resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, dtype=loaded.dtype,
-                   device_type=loaded.device.type)  # fmt: skip
 
 
 def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Reporter):

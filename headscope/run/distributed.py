@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +125,30 @@ def meet(ranks: Ranks, counts: tuple[int, int], error: BaseException | None = No
     return tuple(int(sum(report[0][i] for report in reports)) for i in range(2))
 
 
+def together(ranks: Ranks, step):
+    """`step()` on every rank; if it fails on any, every rank stops, with that rank's message (no rank is left
+    waiting for the others). In one process, just `step()`."""
+    try:
+        result = step()
+    except BaseException as err:
+        if ranks.parallel:
+            meet(ranks, (0, 0), err)  # every rank stops, with this rank's message
+        raise
+    if ranks.parallel:
+        meet(ranks, (0, 0))
+    return result
+
+
+def share_of(ranks: Ranks, items: Iterable) -> Iterator:
+    """This rank's items of a sequence dealt round-robin (item i to rank i % N): all of them in one process."""
+    return (item for index, item in enumerate(items) if ranks.owns(index))
+
+
+def added(ranks: Ranks) -> Callable[[np.ndarray], np.ndarray]:
+    """array -> its sum over every rank (float64, all-reduced on the host): the identity in one process."""
+    return lambda array: all_sum(ranks, array, torch.device("cpu"))
+
+
 def _one_line(error: BaseException) -> str:
     """The error as one line; headscope's own errors are already written for users, others get their type."""
     text = str(error).strip().splitlines()
@@ -187,12 +212,15 @@ def combined(ranks: Ranks, measured, device: torch.device, chunks: int):
 
 
 def check_parallel(settings, out, model_is_loaded: bool) -> None:
-    """What a data-parallel run cannot do (yet), refused before anything loads."""
+    """What a data-parallel analyze cannot do, refused before anything loads."""
     if out is None:
         raise ConfigError("a data-parallel run (torchrun) needs --out: every rank writes its part of the tables there")
+    check_parallel_model(settings, model_is_loaded, "run")
+
+
+def check_parallel_model(settings, model_is_loaded: bool, what: str) -> None:
+    """What no data-parallel run can do, refused before anything loads; what: the command."""
     if model_is_loaded:
-        raise ConfigError("a data-parallel run loads the model on every rank: pass its name or path, not a model")
-    if settings.importance != "none":
-        raise ConfigError("--importance is not split between ranks yet; run it in one process (without torchrun)")
+        raise ConfigError(f"a data-parallel {what} loads the model on every rank: pass its name or path, not a model")
     if settings.device_map is not None:
         raise ConfigError("--device-map spreads one model over the devices; it cannot be combined with torchrun")

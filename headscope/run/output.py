@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from headscope.errors import OutputError
-from headscope.layout import KINDS, why_not_replaceable
+from headscope.layout import KINDS, PRUNE_JOURNAL, PRUNE_RECORD, why_not_replaceable
 from headscope.run.files import (
     MARKER,
     disk_refusal,
@@ -104,7 +104,7 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
             raise OutputError(f"{option} {target} holds {what} ({path}); choose another output folder")
     if target.exists() and not target.is_dir():
         raise OutputError(f"output path {target} exists and is not a folder")
-    _check_checkpoint(target, option, continuing=resumable and kind == RESUMABLE_KIND)
+    _check_checkpoint(target, option, kind, continuing=resumable and kind in RESUMABLE_KINDS)
     if not target.is_dir():
         return
     try:
@@ -121,7 +121,7 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
         raise OutputError(f"output folder {target} holds {KINDS[kind].name}; pass --overwrite to replace it")
 
 
-RESUMABLE_KIND = "report"  # the only kind a run checkpoints (analyze --resume)
+RESUMABLE_KINDS = {"report": "analyze", "pruning": "prune"}  # the kinds a run checkpoints, and the command
 
 
 def checkpoint_of(target: Path) -> Path:
@@ -129,15 +129,19 @@ def checkpoint_of(target: Path) -> Path:
     return target.parent / f".{target.name}.partial"
 
 
-def _check_checkpoint(target: Path, option: str, *, continuing: bool) -> None:
+def _check_checkpoint(target: Path, option: str, kind: str, *, continuing: bool) -> None:
     """A checkpoint belongs to the run that wrote it: only the same command with --resume continues it (and
     consumes it when it publishes). Any other run into that folder name is refused, saying what is there, instead
     of replacing or deleting hours of measuring."""
     checkpoint = checkpoint_of(target)
-    if continuing or not (checkpoint.is_dir() and ours(checkpoint, target) and holds_work(checkpoint)):
+    if not (checkpoint.is_dir() and ours(checkpoint, target) and holds_work(checkpoint)):
+        return
+    # prune's checkpoint is its search's journal (its record, once it publishes); analyze's are part files and sums
+    owner = "prune" if any((checkpoint / name).is_file() for name in (PRUNE_JOURNAL, PRUNE_RECORD)) else "analyze"
+    if continuing and owner == RESUMABLE_KINDS[kind]:
         return
     raise OutputError(
-        f"{checkpoint} holds the checkpoint of an interrupted `headscope analyze --resume` run into {target}; "
+        f"{checkpoint} holds the checkpoint of an interrupted `headscope {owner} --resume` run into {target}; "
         f"continue it (the same command with --resume), delete that folder, or choose another {option}"
     )
 

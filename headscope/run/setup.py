@@ -11,18 +11,39 @@ intervention) differ only in what they do with the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from headscope.arguments import as_path
 from headscope.config import RunConfig, run_settings
 from headscope.layout import SCHEMA_VERSION
-from headscope.model.loading import LoadedModel, Loader, ModelSource, open_model, protected_inputs, resolve_source
+from headscope.model.loading import (
+    LoadedModel,
+    Loader,
+    ModelSource,
+    open_model,
+    pick_device,
+    protected_inputs,
+    resolve_source,
+)
 from headscope.model.placement import check_offload_folder, dtype_name
 from headscope.run.corpus import Corpus, as_corpus
+from headscope.run.distributed import (
+    ONE_PROCESS,
+    Ranks,
+    broadcast,
+    check_parallel_model,
+    join,
+    leave,
+    rank_device,
+    ranks_from_env,
+    together,
+)
 from headscope.run.output import StagedDirectory
-from headscope.run.plan import Plan, plan_for_model
+from headscope.run.plan import Plan, plan_for_model, resized
 from headscope.run.progress import NullReporter, Reporter
 from headscope.run.record import versions
 
@@ -45,6 +66,7 @@ class CommandRun:
     source: ModelSource
     corpus: Corpus | None
     protected: dict[str, Path]  # description -> path: what its outputs may never replace
+    ranks: Ranks = ONE_PROCESS  # set by `data_parallel`
 
     @classmethod
     def prepare(
@@ -93,13 +115,33 @@ class CommandRun:
         *,
         lm_head: bool = False,
         what: str = "this command",
-        together=None,
+        ranks: Ranks = ONE_PROCESS,
     ) -> tuple[LoadedModel, Plan]:
         """The model loaded (its clean-up on `stack`) and the run's plan. lm_head: the command scores the loss;
-        what: the command, as messages name it; together: how every rank of a data-parallel run loads at once."""
+        what: the command, as messages name it; ranks: a data-parallel run's (every rank joins the process group,
+        loads at once, and batches as rank 0 does: batches decide the order of float sums)."""
+        if ranks.parallel:
+            join(ranks, pick_device(self.settings.device))
+            stack.callback(leave, ranks)
         loaded = open_model(stack, model, self.source, self.settings, loader, self.reporter, lm_head=lm_head,
-                            what=what, together=together)  # fmt: skip
-        return loaded, plan_for_model(self.settings, loaded)
+                            what=what, together=functools.partial(together, ranks))  # fmt: skip
+        plan = plan_for_model(self.settings, loaded)
+        if ranks.parallel:
+            plan = resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, dtype=loaded.dtype,
+                           device_type=loaded.device.type)  # fmt: skip
+        return loaded, plan
+
+    def data_parallel(self, model, what: str) -> Ranks:
+        """Under torchrun, this process's rank (one process otherwise; kept as `ranks`): each rank on its own
+        device, one reporter (rank 0's); refused in one line where it cannot be: a model already loaded, a device
+        map. Call it before reading `settings` and `reporter`."""
+        ranks = ranks_from_env()
+        if ranks.parallel:
+            check_parallel_model(self.settings, isinstance(model, LoadedModel), what)
+            self.settings = dataclasses.replace(self.settings, device=rank_device(ranks, self.settings.device))
+            self.reporter = self.reporter if ranks.main else NullReporter()
+        self.ranks = ranks
+        return ranks
 
 
 def record_header(loaded: LoadedModel, settings: RunConfig, used: tuple[str, ...], corpus: Corpus | None) -> dict:
