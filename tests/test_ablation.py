@@ -302,3 +302,35 @@ def test_the_planned_passes_are_the_passes_run(redundant, mode, batching):
     assert planned["forwards"] == calls["final"] and planned["layer_runs"] == calls["blocks"]
     assert planned["forwards"] > len(groups)  # replicas were counted, not only the clean passes
     assert any(note.startswith(f"planned: {planned['forwards']:,} forward passes") for note in notes)
+
+
+def test_exact_importance_says_what_its_ablations_will_run(redundant):
+    """analyze --importance exact notes and records its ablations' passes before they run: the forward passes
+    without gradients (the gradient pass has them) counted at the final norm during the importance stage."""
+    import torch
+
+    loaded, sentences = redundant
+    calls = {"ablation": 0}
+    stages, notes = [], []
+
+    class Stages(NullReporter):
+        def stage(self, text):
+            stages.append((text, calls["ablation"]))
+
+        def note(self, message):
+            notes.append(message)
+
+    def hook(module, args):
+        calls["ablation"] += not torch.is_grad_enabled()
+
+    handle = loaded.lm.transformer.ln_f.register_forward_pre_hook(hook)
+    options = {"charts": None, "page": False, "probes": False, "bootstrap": 0, "max_memory": 2**21}
+    try:
+        report = headscope.analyze(loaded, sentences, importance="exact", reporter=Stages(), **options)
+    finally:
+        handle.remove()
+    planned = report.run["importance"]["planned"]
+    at = next(i for i, (text, _) in enumerate(stages) if text.startswith("importance (exact)"))
+    ran = stages[at + 1][1] - stages[at][1]
+    assert planned["forwards"] == ran > 2  # several batches, and replicas counted, not only the clean passes
+    assert any(f"then {planned['forwards']:,} forward passes" in note for note in notes)

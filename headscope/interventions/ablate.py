@@ -85,6 +85,26 @@ class Ablation:
     def groups(self) -> pd.DataFrame:
         return pd.DataFrame(self.record["groups"])
 
+    def __repr__(self) -> str:
+        return (
+            f"Ablation(model={self.model!r}, mode={self.mode!r}, loss_on={self.loss_on!r}, {len(self.effects)} groups)"
+        )
+
+    def _repr_html_(self) -> str:
+        """In a notebook: each group's loss against the clean loss, with its 95% interval (the printout's table)."""
+        from headscope.report.notebook import block, facts, table
+
+        rows = [(e.name, len(e.heads), e.tokens, e.clean_loss, e.ablated_loss, e.delta, e.delta_ci_low,
+                 e.delta_ci_high) for e in self.effects]  # fmt: skip
+        return block(
+            f"headscope ablation: {self.model}",
+            facts([("mode", self.mode), ("loss on", self.loss_on)]),
+            table(["group", "heads", "tokens", "clean loss", "ablated loss", "delta", "95% low", "95% high"], rows),
+        )
+
+    def to_html(self) -> str:
+        return self._repr_html_()
+
 
 def ablate(
     model: str | LoadedModel,

@@ -27,7 +27,7 @@ import numpy as np
 from headscope.arguments import head_name
 from headscope.config import REMOVAL_MODES
 from headscope.errors import ResourceError
-from headscope.interventions.groups import SCORINGS, group_effect, shared_group_losses
+from headscope.interventions.groups import SCORINGS, PassPlan, group_effect, planned_passes, shared_group_losses
 from headscope.interventions.removal import Removal, shared_gradient_pass
 from headscope.labels import ROLES
 from headscope.model.memory import readable
@@ -51,6 +51,7 @@ class Importance:
     # for a layer not measured): what mean removal puts in
     means: np.ndarray | None = None
     roles: list[dict] | None = None  # each role's heads removed together (`role_groups`)
+    planned: PassPlan | None = None  # exact mode: the ablation's passes, counted before they ran
 
     @classmethod
     def unmeasured(cls, mode: str, layers: int, heads: int) -> Importance:
@@ -96,6 +97,12 @@ def run_importance(
     if predicted == 0:
         reporter.warn("no sentence has a token to predict (each has one token or none): importance is not measured")
         return Importance.unmeasured(settings.importance, len(plan.layers), plan.heads)
+    planned = None
+    if exact:  # a 7B model's exact importance takes hours: say what it will run before it does
+        counted = planned_passes(plan.batches(feed, "importance", "cpu"), _singles(plan.layers, plan.heads),
+                                 plan.depth, plan.replicas)  # fmt: skip
+        planned = counted
+        reporter.note(f"planned: a gradient pass, then {counted.describe(plan.depth)} for the ablations")
     reporter.stage(f"importance ({settings.importance}): {'attribution and ablation' if exact else 'attribution'}")
     passes = 2 if exact else 1  # the gradient pass, then the ablation pass
     reporter.start(len(feed.corpus.sentences) * passes, what=f"importance ({settings.importance})")
@@ -111,6 +118,7 @@ def run_importance(
         ranks=ranks,
     )
     reporter.finish()
+    importance.planned = planned
     if roles is not None:
         sentences = len(feed.corpus.sentences)
         importance.roles = role_groups(capture, batches, plan, roles, importance.means, sentences, reporter, ranks)
@@ -200,11 +208,16 @@ def measure_importance(
     return result
 
 
+def _singles(layer_ids, heads: int) -> list[list[tuple[int, int]]]:
+    """Exact importance's groups: every head alone, once per removal mode (REMOVAL_MODES order)."""
+    return [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in REMOVAL_MODES]
+
+
 def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter, ranks):
     """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus: each head a group
     of one (interventions.groups), the replicas of a batch sharing its clean pass and starting at their head's
     layer. full: (depth, heads, head_dim) means, of the measured layers."""
-    singles = [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in REMOVAL_MODES]
+    singles = _singles(layer_ids, heads)
     removals = [Removal(mode, full) for mode in REMOVAL_MODES] * (len(singles) // len(REMOVAL_MODES))
     losses = shared_group_losses(
         ranks, capture, batches, singles, removals, replicas_per_forward=replicas_per_forward, reporter=reporter

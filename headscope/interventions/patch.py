@@ -72,6 +72,26 @@ class Patching:
         order = self.effects["effect"].abs().fillna(-1).sort_values(ascending=False).index
         return self.effects.loc[order[:count]]
 
+    def __repr__(self) -> str:
+        return f"Patching(model={self.record.get('model', {}).get('input')!r}, {len(self.effects)} effects)"
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the settings and the ten largest effects."""
+        from headscope.report.notebook import block, facts, table
+
+        record = self.record
+        top = self.top(10)
+        columns = [c for c in ("layer", "head", "position", "effect", "effect_ci_low", "effect_ci_high", "role")
+                   if c in top.columns]  # fmt: skip
+        return block(
+            f"headscope patching: {self.record.get('model', {}).get('input', '')}",
+            facts([(key, record.get(key)) for key in ("what", "direction", "positions", "metric")]),
+            table(columns, top[columns].itertuples(index=False), caption="the largest effects"),
+        )
+
+    def to_html(self) -> str:
+        return self._repr_html_()
+
 
 def patch(
     model: str | LoadedModel,

@@ -44,6 +44,8 @@ from headscope.tables import write_json
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
 SHORTLIST = 24  # heads verified alone per round of the search (the likeliest, by their first-order estimate)
 FIRST_SHORTLIST = 64  # ... in the first round, whose costs also give the one-shot answer
+SCREEN_EVERY = 4  # the shortlists' costs are measured on every fourth sentence: a quarter of the passes
+MIN_SCREEN_SENTENCES = 20  # ... when that leaves this many sentences; on a smaller corpus they are verified
 TRIES = 4  # nested sizes verified per packing pass
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
@@ -76,12 +78,43 @@ class Pruning:
     passes: PassPlan  # the verifying forward passes the search ran (gradient passes are counted apart)
     depth: int
     resumed_calls: int = 0  # answers replayed from an interrupted search's journal
+    screen_every: int | None = None  # the shortlists' costs measured on every n-th sentence (None: verified)
     saved_model: SavedModel | None = None
     folder: Path | None = None
 
     @property
     def heads(self) -> list[str]:
         return [head_name(*h) for h in self.result.heads]
+
+    def __repr__(self) -> str:
+        result = self.result
+        return (f"Pruning(model={self.model!r}, {len(result.heads)} of {self.total_heads} heads removed, "
+                f"{result.loss - result.clean_loss:+.4f} nats of {result.budget:g})")  # fmt: skip
+
+    def _repr_html_(self) -> str:
+        """In a notebook: what was removed within which budget, and the verified curve."""
+        from headscope.report.notebook import block, facts, table
+
+        result = self.result
+        curve = [(n, loss, loss - result.clean_loss) for n, loss in result.curve]
+        return block(
+            f"headscope prune: {self.model}",
+            facts(
+                [
+                    ("removed", f"{len(result.heads)} of {self.total_heads} heads"),
+                    ("mode", self.mode),
+                    ("budget", f"{result.budget:g} nats"),
+                    ("clean loss", result.clean_loss),
+                    ("pruned loss", result.loss),
+                    ("stopped", result.stopped),
+                ]
+            ),
+            table(["heads removed", "verified loss", "delta"], curve, caption="the verified curve"),
+            facts([("heads, in removal order", ", ".join(self.heads))]),
+        )
+
+    def to_html(self) -> str:
+        return self._repr_html_()
 
     @property
     def record(self) -> dict:
@@ -109,6 +142,8 @@ class Pruning:
                 "candidates": self.candidates,
                 "rounds": result.rounds,
                 "stopped": result.stopped,
+                "screen_every": self.screen_every,
+                "screened_sets": result.screened_sets,
                 "verified_sets": result.verified_sets,
                 "verify_calls": result.verify_calls,
                 "gradient_passes": result.estimates,
@@ -176,7 +211,7 @@ def prune(
             lm.loaded.source.display, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
             lm.plan.heads), record_header(lm.loaded, settings, PRUNE_SETTINGS, corpus),
             time.perf_counter() - started, len(candidates), patience, max_rounds, search.passes, lm.plan.depth,
-            journal.replayed if journal is not None else 0,
+            journal.replayed if journal is not None else 0, search.screen_every,
         )  # fmt: skip
         failure = None
         if save_model is not None and ranks.main:
@@ -231,7 +266,8 @@ def check_request(
 class _Searched:
     result: PruneResult
     removal: Removal
-    passes: PassPlan  # the verifying forward passes run
+    passes: PassPlan  # the forward passes run (verifying and screening)
+    screen_every: int | None
 
 
 def _search(
@@ -264,8 +300,17 @@ def _search(
         found = lm.attribution(removed, removal)
         return {head: found[head] for head in candidates if head not in set(removed)}
 
+    sample = lm.sample(SCREEN_EVERY) if len(lm.feed.corpus.sentences) >= SCREEN_EVERY * MIN_SCREEN_SENTENCES else None
+
+    def screen(sets):  # each set's loss minus the shared heads' on the sample's sentences (the same pass's)
+        shared = sorted(set.intersection(*map(set, sets)))
+        nonlocal passes
+        passes = passes + sample.planned(sets, mode, base=shared)
+        counts, clean, ablated = sample.losses(sets, removal, base=shared).arrays("all")
+        return list((ablated.sum(1) - clean.sum()) / counts.sum())
+
     if journal is not None:
-        verify, estimate = journal.verify(verify), journal.estimate(estimate)
+        verify, estimate, screen = journal.verify(verify), journal.estimate(estimate), journal.screen(screen)
     removed_before = 0
 
     def step(found: PruneResult) -> None:
@@ -278,9 +323,10 @@ def _search(
         reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
 
     alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
+    costed = f"on every {SCREEN_EVERY}th sentence" if sample is not None else "exactly"
     reporter.note(
-        f"planned: rounds of a gradient pass, {alone[1]} heads verified alone ({alone[0]} in the first round) and "
-        "a few sets packed; "
+        f"planned: rounds of a gradient pass, {alone[1]} heads costed alone {costed} ({alone[0]} in the first "
+        "round) and a few sets packed and verified; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
         + (f", or {patience} rounds in a row adding under 1% of the heads" if patience else "")
     )
@@ -291,6 +337,7 @@ def _search(
         budget=budget,
         estimate=estimate,
         verify=verify,
+        screen=screen if sample is not None else None,
         shortlist=SHORTLIST,
         first_shortlist=FIRST_SHORTLIST,
         tries=TRIES,
@@ -298,7 +345,7 @@ def _search(
         max_rounds=max_rounds,
         on_step=step,
     )
-    return _Searched(result, removal, passes)
+    return _Searched(result, removal, passes, SCREEN_EVERY if sample is not None else None)
 
 
 def head_mask(heads, depth: int, count: int) -> pd.DataFrame:

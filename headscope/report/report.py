@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -119,6 +120,43 @@ class Report:
         self.run = run
         self.folder = Path(folder) if folder is not None else None
         self._tables: dict[str, pd.DataFrame | None] = dict(tables or {})
+
+    def __repr__(self) -> str:
+        facts = self.facts
+        where = f", folder={str(self.folder)!r}" if self.folder is not None else ""
+        return f"Report(model={facts.model!r}, {facts.layers} layers x {facts.heads} heads{where})"
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the run's facts, each role's strongest heads, then report.html's heatmap and head panel."""
+        from headscope.arguments import head_name
+        from headscope.report.notebook import block, facts, framed, table
+        from headscope.report.page import report_page
+        from headscope.summary import top_heads_per_role
+
+        run = self.facts
+        header = facts([("model", run.model), ("sentences", run.sentences), ("tokens", run.tokens),
+                        ("grid", f"{run.layers} layers x {run.heads} heads"), ("device", run.device)])  # fmt: skip
+        roles = table(
+            ["role", "heads", "evidence", "strongest heads"],
+            [
+                (
+                    entry["role"],
+                    entry["heads"],
+                    entry["evidence"],
+                    ", ".join(
+                        head_name(layer, head) + (f" ({score:.3f})" if math.isfinite(score) else "")
+                        for layer, head, score in entry["top"]
+                    ),
+                )
+                for entry in top_heads_per_role(self.heads, 3)
+            ],
+            caption="the strongest heads of each role, by the evidence for it",
+        )
+        return block(f"headscope report: {run.model}", header, roles, framed(report_page(self)))
+
+    def to_html(self) -> str:
+        """The same view as a notebook shows (`_repr_html_`), as a string."""
+        return self._repr_html_()
 
     @classmethod
     def open(cls, folder: Path | str) -> Report:

@@ -79,6 +79,24 @@ class Inspection:
     probes: tuple[str, ...] = ()
     folder: Path | None = None
     _attention: pd.DataFrame | None = None
+    page: str | None = None  # inspect.html's text (with page=True): what a notebook shows
+
+    def __repr__(self) -> str:
+        return f"Inspection(model={self.model!r}, {len(self.texts)} texts, {len(self.summary)} head views)"
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the inspected heads' summary and inspect.html's head-by-text view."""
+        from headscope.report.notebook import block, facts, framed, table
+
+        columns = [c for c in ("text_id", "layer", "head", "largest_at", "mean_largest") if c in self.summary]
+        rows = [[", ".join(f"{name} {share:.0%}" for name, share in v) if isinstance(v, list) else v for v in row]
+                for row in self.summary[columns].head(12).itertuples(index=False)]  # fmt: skip
+        view = framed(self.page) if self.page is not None else ""
+        return block(f"headscope inspect: {self.model}", facts([("texts", len(self.texts))]),
+                     table(columns, rows, caption="where each head looks"), view)  # fmt: skip
+
+    def to_html(self) -> str:
+        return self._repr_html_()
 
     @property
     def attention(self) -> pd.DataFrame:
@@ -148,18 +166,20 @@ def inspect(
         write_table(tokens, folder / TOKENS_FILE, TOKENS_SCHEMA)
         record = _record(loaded, plan, corpus, chosen_texts, chosen, known, roles_from, probes, summary)
         write_json(record, folder / INSPECT_RECORD)
+        shown = None
         if page:
             from headscope.report.inspect_page import inspect_page
             from headscope.report.page import write_page
 
-            write_page(inspect_page(record, tokens, views), folder / INSPECT_PAGE)
+            shown = inspect_page(record, tokens, views)
+            write_page(shown, folder / INSPECT_PAGE)
         attention = pd.read_parquet(folder / ATTENTION_FILE) if stage is None else None
     if stage is None:
         folder = None
     else:
         attention, folder = None, stage.target
     return Inspection(record, tokens, summary, loaded.source.display, chosen_texts, known, roles_from,
-                      tuple(dict.fromkeys(probes)), folder=folder, _attention=attention)  # fmt: skip
+                      tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown)  # fmt: skip
 
 
 def check_request(texts, sentences, probes, heads, roles, report) -> None:

@@ -140,6 +140,12 @@ def run_record(analysis, heads) -> dict:
             "predicted_tokens": importance.predicted_tokens,
             "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
             "roles": importance.roles,
+            "planned": None
+            if importance.planned is None
+            else {
+                "forwards": importance.planned.forwards,
+                "token_forwards": round(importance.planned.token_layers / max(plan.depth, 1)),
+            },
         },
         "classification": classification_record(heads, analysis.thresholds, analysis.roles),
     }

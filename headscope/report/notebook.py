@@ -1,0 +1,62 @@
+"""Results in a notebook cell: the HTML behind every result object's `_repr_html_` (pandas', plotly's and
+circuitsvis's convention), from the same pages the commands write.
+
+A result shows what the command's printout shows, as small HTML tables, and, where the command writes a page
+(report.html, inspect.html), that page inside an iframe whose `srcdoc` is the whole page: self-contained and
+offline like the file (plotly inlined), and isolated, so that two results in one notebook cannot clash (their
+element ids, styles and scripts live in separate documents). Text from the data is always escaped; a missing or
+NaN number is an empty cell.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+
+import pandas as pd
+
+PAGE_HEIGHT = 720  # pixels: an iframe does not size itself to its page; the page scrolls inside it
+
+_STYLE = "font-family:system-ui,sans-serif;font-size:13px;line-height:1.4;max-width:100%;"
+
+
+def cell(value) -> str:
+    """One value as table text: numbers to 4 significant places, NaN, NA and None as nothing, text escaped."""
+    if value is None or (not isinstance(value, str) and pd.api.types.is_scalar(value) and pd.isna(value)):
+        return ""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return f"{int(value):,}"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return f"{float(value):.4g}" if math.isfinite(float(value)) else ""
+    return html.escape(str(value))
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence], caption: str | None = None) -> str:
+    head = "".join(f'<th style="text-align:left;padding:2px 8px">{html.escape(c)}</th>' for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f'<td style="padding:2px 8px">{cell(v)}</td>' for v in row) + "</tr>" for row in rows
+    )
+    title = f'<caption style="text-align:left;font-weight:600">{html.escape(caption)}</caption>' if caption else ""
+    return f'<table style="border-collapse:collapse">{title}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def facts(pairs: Iterable[tuple[str, object]]) -> str:
+    """A line of `name: value` facts (the printout's header)."""
+    parts = [f"<b>{html.escape(name)}</b> {cell(value)}" for name, value in pairs if value is not None]
+    return f'<p style="margin:4px 0">{" · ".join(parts)}</p>'
+
+
+def framed(page: str, height: int = PAGE_HEIGHT) -> str:
+    """A whole page in an isolated iframe (its own document: no id, style or script clash with anything else)."""
+    source = html.escape(page, quote=True)
+    return (
+        f'<iframe srcdoc="{source}" style="width:100%;height:{height}px;border:1px solid #ddd" '
+        f'sandbox="allow-scripts" loading="lazy"></iframe>'
+    )
+
+
+def block(title: str, *parts: str) -> str:
+    """One result: a title and its parts, in a div styled on its own (inline: nothing leaks into the notebook)."""
+    return f'<div style="{_STYLE}"><h4 style="margin:4px 0">{html.escape(title)}</h4>{"".join(parts)}</div>'

@@ -1,0 +1,136 @@
+"""Results in a notebook: every result object's `_repr_html_` (escaped, NaN as no value, each page isolated in its
+own iframe), and two of them in one page, in headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_page import CHROMIUM, DRIVER, console_problems, needs_browser
+
+import headscope
+from headscope.report.notebook import cell, table
+from headscope.report.report import Report
+
+OUTSIDE_IFRAMES = re.compile(r'srcdoc="[^"]*"')  # the pages, escaped: what is left is the cell's own HTML
+
+
+def own_html(html: str) -> str:
+    """The HTML a notebook puts in its own document (every page's text lies escaped in an iframe's srcdoc)."""
+    return OUTSIDE_IFRAMES.sub('srcdoc=""', html)
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    from planted import build_planted_copier, copy_words
+
+    folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model", copiers=(0, 1), logit=20.0)
+    words = copy_words()
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    return loaded, [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def report(planted_gpt2, corpus_lines):
+    return headscope.analyze(str(planted_gpt2), corpus_lines, charts=None, page=False, bootstrap=0)
+
+
+def test_a_cell_escapes_text_and_leaves_missing_numbers_empty():
+    assert cell("<script>alert(1)</script>") == "&lt;script&gt;alert(1)&lt;/script&gt;"
+    for missing in (float("nan"), np.float32("nan"), None, pd.NA, float("inf")):
+        assert cell(missing) == ""
+    assert cell(np.float32(0.123456)) == "0.1235" and cell(np.int64(12345)) == "12,345" and cell(True) == "True"
+    html = table(["a", "b"], [("x", float("nan"))])
+    assert '<td style="padding:2px 8px"></td>' in html and "nan" not in html
+
+
+def test_the_report_shows_its_roles_and_its_page_isolated(report):
+    text = repr(report)
+    assert text.startswith("Report(model=") and "layers x" in text and len(text) < 200  # __repr__ stays short
+    html = report._repr_html_()
+    assert report.to_html() == html
+    assert html.count("<iframe") == 1 and 'sandbox="allow-scripts"' in html
+    assert "<script" not in own_html(html)  # the page's scripts run in the iframe's document only
+    assert "the strongest heads of each role" in html
+    for role in report.heads["role"].unique():
+        if role != "other":
+            assert f">{role}<" in own_html(html)
+
+
+def test_text_from_the_data_is_escaped_and_nan_is_no_value(report):
+    heads = report.heads.copy()
+    heads["prev_token"] = np.nan  # previous-token heads' evidence
+    run = {**report.run, "model": {**report.run["model"], "input": "<script>alert(1)</script>"}}
+    html = Report(run, tables={"heads.parquet": heads, "examples.parquet": report.examples})._repr_html_()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in own_html(html) and "<script" not in own_html(html)
+    assert "(nan)" not in html and ">nan<" not in html
+
+
+def test_the_intervention_results_show_their_tables(copier):
+    loaded, texts = copier
+    ablation = headscope.ablate(loaded, texts, heads=[[(0, 0), (0, 1)]], mode="zero", bootstrap=20)
+    assert repr(ablation).startswith("Ablation(model=") and "1 groups" in repr(ablation)
+    html = ablation._repr_html_()
+    effect = ablation.effects[0]
+    assert ">0.0,0.1<" in html and f">{effect.delta:.4g}<" in html and "<iframe" not in html
+    pruning = headscope.prune(loaded, texts, budget=0.01, mode="zero")
+    html = pruning._repr_html_()
+    assert f"{len(pruning.result.heads)} of 8 heads" in html and ", ".join(pruning.heads) in html
+    assert repr(pruning).startswith("Pruning(model=") and "heads removed" in repr(pruning)
+    pairs = [{"clean": "w1 w1 w1", "corrupt": "w2 w2 w2", "answer": "w1", "distractor": "w2"}]
+    patching = headscope.patch(loaded, pairs, bootstrap=0, charts=None)
+    html = patching._repr_html_()
+    assert "the largest effects" in html and repr(patching).startswith("Patching(model=")
+    inspection = headscope.inspect(loaded, texts=texts[:2], heads=[(0, 0), (1, 2)])
+    html = inspection._repr_html_()
+    assert html.count("<iframe") == 1 and "<script" not in own_html(html) and "where each head looks" in html
+    assert repr(inspection).startswith("Inspection(model=")
+
+
+@needs_browser
+def test_two_results_in_one_page_each_become_interactive(report, copier, tmp_path):
+    """A notebook's output area holds many results: two report views and an inspection in one page, each page
+    ready in its own iframe, with no console error."""
+    from selenium.webdriver.common.by import By
+
+    loaded, texts = copier
+    inspection = headscope.inspect(loaded, texts=texts[:2], heads=[(0, 0), (1, 2)])
+    page = tmp_path / "notebook.html"
+    parts = [report._repr_html_(), report._repr_html_(), inspection._repr_html_()]
+    page.write_text("<!doctype html><html><body>" + "".join(f"<div>{p}</div>" for p in parts) + "</body></html>")
+    driver = _driver()
+    try:
+        driver.get_log("browser")
+        driver.get(page.resolve().as_uri())
+        frames = driver.find_elements(By.TAG_NAME, "iframe")
+        assert len(frames) == 3
+        for index, frame in enumerate(frames):
+            driver.execute_script("arguments[0].scrollIntoView()", frame)  # lazy frames load when seen
+            driver.switch_to.frame(frame)
+            started = time.perf_counter()
+            while driver.execute_script("return document.body && document.body.dataset.ready") != "true":
+                assert time.perf_counter() - started < 30, f"iframe {index} never became ready"
+                time.sleep(0.05)
+            if index < 2:  # the report's heatmap drew in each of the two, independently
+                assert driver.execute_script("return document.getElementById('heatmap').data[0].z.length") == 2
+            driver.switch_to.default_content()
+        assert console_problems(driver) == []
+        driver.save_screenshot(str(tmp_path / "notebook.png"))
+    finally:
+        driver.quit()
+
+
+def _driver():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--window-size=1400,1400", "--allow-file-access-from-files"):  # fmt: skip
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(DRIVER), options=options)
