@@ -1,7 +1,7 @@
 """A search that survives an interruption: every answer the model gave it, saved as it came.
 
-prune's search (interventions/search.py) is a pure function of what `estimate`, `screen` and `verify` return. The
-journal wraps them: each call's question and answer are appended to a JSON file (rewritten atomically after every call,
+prune's search (interventions/search.py) is a pure function of what `estimate` and `verify` return. The journal
+wraps both: each call's question and answer are appended to a JSON file (rewritten atomically after every call,
 with the search's state so far for a reader), and a resumed search replays the saved answers in order, each
 checked against the question it is asked again, then goes on live. A resumed search therefore takes exactly the
 decisions the interrupted one took and ends where an uninterrupted one would: floats survive JSON unchanged
@@ -57,13 +57,6 @@ class SearchJournal:
         def journalled(sets: list[list[Head]]) -> list[float]:
             question = [[list(head) for head in group] for group in sets]
             return self._answer("verify", question, lambda: [float(loss) for loss in function(sets)])
-
-        return journalled
-
-    def screen(self, function: Callable[[list[list[Head]]], list[float]]) -> Callable:
-        def journalled(sets: list[list[Head]]) -> list[float]:
-            question = [[list(head) for head in group] for group in sets]
-            return self._answer("screen", question, lambda: [float(cost) for cost in function(sets)])
 
         return journalled
 

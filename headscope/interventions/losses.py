@@ -15,7 +15,6 @@ gradient pass all-reduced (equal within ~1e-15). A failure on one rank stops eve
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,14 +65,6 @@ class LossModel:
             together(self.ranks, record)
             self._means = recorder.summed_over(added(self.ranks)).means()
         return self._means
-
-    def sample(self, every: int) -> LossModel:
-        """The same model on every `every`-th sentence of the corpus: a loss a fraction of the passes cost, for a
-        search's screening (the means, once computed, are the whole corpus's)."""
-        corpus = dataclasses.replace(self.feed.corpus, sentences=self.feed.corpus.sentences[::every])
-        feed = CorpusFeed(corpus, self.loaded.tokenizer, max_length=self.plan.max_length,
-                          chunk_sentences=max(1, len(corpus.sentences)), keep=True)  # fmt: skip
-        return dataclasses.replace(self, feed=feed)
 
     def removal(self, mode: str) -> Removal:
         return Removal(mode, self.means() if mode == "mean" else None)

@@ -44,8 +44,6 @@ from headscope.tables import write_json
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
 SHORTLIST = 24  # heads verified alone per round of the search (the likeliest, by their first-order estimate)
 FIRST_SHORTLIST = 64  # ... in the first round, whose costs also give the one-shot answer
-SCREEN_EVERY = 4  # the shortlists' costs are measured on every fourth sentence: a quarter of the passes
-MIN_SCREEN_SENTENCES = 20  # ... when that leaves this many sentences; on a smaller corpus they are verified
 TRIES = 4  # nested sizes verified per packing pass
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
@@ -78,7 +76,6 @@ class Pruning:
     passes: PassPlan  # the verifying forward passes the search ran (gradient passes are counted apart)
     depth: int
     resumed_calls: int = 0  # answers replayed from an interrupted search's journal
-    screen_every: int | None = None  # the shortlists' costs measured on every n-th sentence (None: verified)
     saved_model: SavedModel | None = None
     folder: Path | None = None
 
@@ -142,8 +139,6 @@ class Pruning:
                 "candidates": self.candidates,
                 "rounds": result.rounds,
                 "stopped": result.stopped,
-                "screen_every": self.screen_every,
-                "screened_sets": result.screened_sets,
                 "verified_sets": result.verified_sets,
                 "verify_calls": result.verify_calls,
                 "gradient_passes": result.estimates,
@@ -211,7 +206,7 @@ def prune(
             lm.loaded.source.display, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
             lm.plan.heads), record_header(lm.loaded, settings, PRUNE_SETTINGS, corpus),
             time.perf_counter() - started, len(candidates), patience, max_rounds, search.passes, lm.plan.depth,
-            journal.replayed if journal is not None else 0, search.screen_every,
+            journal.replayed if journal is not None else 0,
         )  # fmt: skip
         failure = None
         if save_model is not None and ranks.main:
@@ -266,8 +261,7 @@ def check_request(
 class _Searched:
     result: PruneResult
     removal: Removal
-    passes: PassPlan  # the forward passes run (verifying and screening)
-    screen_every: int | None
+    passes: PassPlan  # the verifying forward passes run
 
 
 def _search(
@@ -300,17 +294,8 @@ def _search(
         found = lm.attribution(removed, removal)
         return {head: found[head] for head in candidates if head not in set(removed)}
 
-    sample = lm.sample(SCREEN_EVERY) if len(lm.feed.corpus.sentences) >= SCREEN_EVERY * MIN_SCREEN_SENTENCES else None
-
-    def screen(sets):  # each set's loss minus the shared heads' on the sample's sentences (the same pass's)
-        shared = sorted(set.intersection(*map(set, sets)))
-        nonlocal passes
-        passes = passes + sample.planned(sets, mode, base=shared)
-        counts, clean, ablated = sample.losses(sets, removal, base=shared).arrays("all")
-        return list((ablated.sum(1) - clean.sum()) / counts.sum())
-
     if journal is not None:
-        verify, estimate, screen = journal.verify(verify), journal.estimate(estimate), journal.screen(screen)
+        verify, estimate = journal.verify(verify), journal.estimate(estimate)
     removed_before = 0
 
     def step(found: PruneResult) -> None:
@@ -323,10 +308,9 @@ def _search(
         reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
 
     alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
-    costed = f"on every {SCREEN_EVERY}th sentence" if sample is not None else "exactly"
     reporter.note(
-        f"planned: rounds of a gradient pass, {alone[1]} heads costed alone {costed} ({alone[0]} in the first "
-        "round) and a few sets packed and verified; "
+        f"planned: rounds of a gradient pass, {alone[1]} heads verified alone ({alone[0]} in the first round) and "
+        "a few sets packed; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
         + (f", or {patience} rounds in a row adding under 1% of the heads" if patience else "")
     )
@@ -337,7 +321,6 @@ def _search(
         budget=budget,
         estimate=estimate,
         verify=verify,
-        screen=screen if sample is not None else None,
         shortlist=SHORTLIST,
         first_shortlist=FIRST_SHORTLIST,
         tries=TRIES,
@@ -345,7 +328,7 @@ def _search(
         max_rounds=max_rounds,
         on_step=step,
     )
-    return _Searched(result, removal, passes, SCREEN_EVERY if sample is not None else None)
+    return _Searched(result, removal, passes)
 
 
 def head_mask(heads, depth: int, count: int) -> pd.DataFrame:

@@ -11,16 +11,13 @@ Each round:
 1. a gradient pass on the model pruned so far shortlists the remaining heads whose estimate is smallest in
    magnitude (signed estimates fail in saturated layers, where a head's removal costs more than its gradient
    says); the first round shortlists `first_shortlist` heads, later ones `shortlist`;
-2. each shortlisted head's marginal cost on top of the heads removed: verified exactly, or, with `screen`,
-   measured on a sample of the corpus (every fourth sentence for prune: a quarter of the passes), as the loss it
-   adds to that of the heads removed on the same sentences;
+2. each shortlisted head is verified alone on top of the heads removed: its exact marginal cost;
 3. packing, with no further gradient pass: the shortlist, cheapest exact cost first (a head whose removal lowers
    the loss first), is predicted to add its costs; of the heads whose cost is within their fair share of the
    budget left (what is left / the shortlist's length: a round does not spend the budget on heads a later round
    may find cheaper), the longest prefix predicted to fit is verified with nested smaller ones (size, size/2, ...
-   1) in one pass, the largest whose verified cost is within its heads' shares accepted, and packing goes on down
-   the shortlist until no head is within its share or no verified size fits. A round that accepted nothing takes
-   its cheapest head, if it fits.
+   1) in one pass, the largest verified fit accepted, and packing goes on down the shortlist until no head is
+   within its share or no verified size fits. A round that accepted nothing takes its cheapest head, if it fits.
 
 The first round's costs give the one-shot answer too: the cheapest heads of its shortlist removed together, the
 most the budget allows, verified in the round's first packing pass. The search is never behind it: should it end
@@ -52,7 +49,6 @@ class PruneResult:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (heads removed, verified loss) per accepted step
     set_aside: list[Head] = field(default_factory=list)  # the last shortlist: each overshot the budget alone
     verified_sets: int = 0  # sets verified by a forward pass
-    screened_sets: int = 0  # sets costed on the sample (screen)
     verify_calls: int = 0  # replicated passes over the corpus those sets took (each one clean pass and replicas)
     estimates: int = 0  # gradient passes over the corpus
     rounds: int = 0
@@ -67,7 +63,6 @@ def prune_search(
     budget: float,
     estimate: Callable[[list[Head]], dict[Head, float]],
     verify: Callable[[list[list[Head]]], list[float]],
-    screen: Callable[[list[list[Head]]], list[float]] | None = None,
     shortlist: int = 24,
     first_shortlist: int = 64,
     tries: int = 4,
@@ -77,9 +72,7 @@ def prune_search(
 ) -> PruneResult:
     """Remove as many of `all_heads` as `budget` (nats above `clean_loss`) allows; see the module's docstring.
 
-    screen(sets) -> [cost]: each set's loss minus that of the heads all sets share, estimated on a sample of the
-    corpus (cheaper than verify; None: the shortlist's costs are verified exactly); shortlist, first_shortlist:
-    heads costed alone each round (the first round); tries: nested sizes verified
+    shortlist, first_shortlist: heads verified alone each round (the first round); tries: nested sizes verified
     per packing pass (the last is 1); patience: rounds in a row adding under 1% of the heads before it stops (0:
     never); max_rounds: at most this many rounds (None: no limit)."""
     result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
@@ -104,19 +97,13 @@ def prune_search(
         estimates = _estimated(estimate, result)
         size = first_shortlist if result.rounds == 1 else shortlist
         candidates = sorted(remaining, key=lambda head: (abs(estimates[head]), head))[:size]
-        sets = [[*result.heads, head] for head in candidates]
-        if screen is None:
-            alone = [loss - result.loss for loss in _verified(verify, sets, result)]
-        else:
-            result.screened_sets += len(sets)
-            alone = list(screen(sets))
+        alone = [loss - result.loss for loss in _verified(verify, [[*result.heads, h] for h in candidates], result)]
         if result.loss + min(alone) > limit:  # not one of the likeliest heads fits: the rest would cost more
             result.set_aside = list(candidates)
             result.stopped = "no shortlisted head fits alone"
             break
         costs = dict(zip(candidates, alone, strict=True))
-        found = _pack(result, costs, verify, limit, tries, on_step, one_shot=result.rounds == 1,
-                      exact=screen is None)  # fmt: skip
+        found = _pack(result, costs, verify, limit, tries, on_step, one_shot=result.rounds == 1)
         if found is not None:
             one_shot = found
         stalled = stalled + 1 if len(result.heads) - before < min_gain else 0
@@ -129,15 +116,13 @@ def prune_search(
 
 
 def _pack(
-    result: PruneResult, costs: dict[Head, float], verify, limit: float, tries: int, on_step, *, one_shot: bool,
-    exact: bool,
-) -> tuple[list[Head], float] | None:  # fmt: skip
+    result: PruneResult, costs: dict[Head, float], verify, limit: float, tries: int, on_step, *, one_shot: bool
+) -> tuple[list[Head], float] | None:
     """Part 3: accept prefixes of the shortlist, cheapest exact cost first, while their heads are within their
     share of the budget left and a verified size fits. With one_shot, also verify the one-shot answer (the
-    longest prefix predicted to fit the whole budget, in the first pass) and return it with its loss. exact: the
-    costs are verified ones (a size of one needs no other pass)."""
+    longest prefix predicted to fit the whole budget, in the first pass) and return it with its loss."""
     pool = sorted(costs, key=lambda head: (costs[head], head))
-    known = {1: result.loss + costs[pool[0]]} if exact else {}
+    known = {1: result.loss + costs[pool[0]]}  # a size of one is the cheapest head, verified alone already
     answer = None
     accepted = 0
     while pool and result.loss + costs[pool[0]] <= limit:
@@ -158,10 +143,7 @@ def _pack(
             answer = (list(pool[:fits]), losses[fits])
             if answer[1] > limit:  # the prediction was wrong: no one-shot answer beyond what packing verifies
                 answer = ([], result.loss)
-        # A verified step spends at most its heads' shares (costs measured on a sample choose the cheapest-looking
-        # heads, whose verified cost runs above what they showed); the lone cheapest head only needs to fit.
-        fitting = [size for size in sizes if losses[size] <= limit
-                   and (top == 0 or losses[size] - result.loss <= size * share)]  # fmt: skip
+        fitting = [size for size in sizes if losses[size] <= limit]
         if not fitting:
             break
         size = max(fitting)
