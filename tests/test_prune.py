@@ -67,27 +67,19 @@ def test_a_budget_nothing_fits_removes_nothing():
     assert result.heads == [] and result.loss == 1.0 and result.curve == [(0, 1.0)]
 
 
-def test_rounds_take_the_cheapest_heads_within_their_share_and_fill_the_budget():
+def test_the_first_round_starts_from_the_one_shot_answer_and_later_rounds_take_their_share():
     costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
     loss, verify, estimate, _ = cost_model(costs, {})
     steps = []
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify,
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, first_shortlist=4,
                           on_step=lambda found: steps.append(len(found.heads)))  # fmt: skip
-    # the first round takes the heads within 0.05 / 24 each (the first two); later rounds the next cheapest
-    assert steps[0] == 2 and result.heads[:2] == HEADS[:2]
+    # round 1: its 4 heads together (the one-shot answer, +0.010); then no head is within its share (what is left
+    # over the 20 shortlisted: 0.002), so each round takes its cheapest while it fits
+    assert steps == [4, 5, 6, 7, 8, 9] and result.one_shot == 4 and result.rounds == 7
     fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))  # 9 heads
-    assert sorted(result.heads) == HEADS[:fits] and result.loss == pytest.approx(loss(result.heads))
-    assert result.one_shot == fits  # the first round's costs already named them: its one-shot answer
-
-
-def test_a_search_behind_its_one_shot_answer_returns_the_answer():
-    costs = {h: 0.004 for h in HEADS}  # 12 heads fit together, but only pairs of the first 12 are verified cheap
-    _, verify, estimate, _ = cost_model(costs, {})
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, max_rounds=0)
-    assert result.heads == [] and result.one_shot == 0  # no round: no answer either
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, max_rounds=1)
-    assert result.one_shot == 12 and len(result.heads) == 12 and result.loss == pytest.approx(1.048)
-    assert "one-shot answer" in result.stopped and result.curve == [(0, 1.0), (12, result.loss)]
+    assert result.heads == HEADS[:fits] and result.loss == pytest.approx(loss(result.heads))
+    whole = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify)
+    assert whole.one_shot == fits and whole.verify_calls == 3  # alone, the answer, alone again: none fits
 
 
 def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():

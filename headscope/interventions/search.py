@@ -19,9 +19,10 @@ Each round:
    1) in one pass, the largest verified fit accepted, and packing goes on down the shortlist until no head is
    within its share or no verified size fits. A round that accepted nothing takes its cheapest head, if it fits.
 
-The first round's costs give the one-shot answer too: the cheapest heads of its shortlist removed together, the
-most the budget allows, verified in the round's first packing pass. The search is never behind it: should it end
-with fewer heads, the one-shot answer is the result.
+The first round starts from the one-shot answer: its first packing pass has no shares, so it verifies the
+cheapest heads of the first shortlist removed together, as many as their costs say the budget allows (with the
+nested smaller sets), and accepts the largest that fits; every later step adds to it, so the search is never
+behind the answer one pass verified.
 
 It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
 rounds in a row each add fewer than 1% of the candidate heads (a round near the budget pays a gradient pass and a
@@ -52,7 +53,7 @@ class PruneResult:
     verify_calls: int = 0  # replicated passes over the corpus those sets took (each one clean pass and replicas)
     estimates: int = 0  # gradient passes over the corpus
     rounds: int = 0
-    one_shot: int = 0  # heads of the one-shot answer (the first round's cheapest, together)
+    one_shot: int = 0  # heads of the one-shot answer: the first round's cheapest, together (its first step)
     stopped: str = ""  # why the search ended
 
 
@@ -78,7 +79,6 @@ def prune_search(
     result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
     limit = clean_loss + budget
     min_gain = max(1, math.ceil(MIN_GAIN_SHARE * len(all_heads)))
-    one_shot: tuple[list[Head], float] = ([], clean_loss)
     stalled = 0
     while True:
         removed = set(result.heads)
@@ -103,54 +103,42 @@ def prune_search(
             result.stopped = "no shortlisted head fits alone"
             break
         costs = dict(zip(candidates, alone, strict=True))
-        found = _pack(result, costs, verify, limit, tries, on_step, one_shot=result.rounds == 1)
-        if found is not None:
-            one_shot = found
+        _pack(result, costs, verify, limit, tries, on_step, one_shot=result.rounds == 1)
         stalled = stalled + 1 if len(result.heads) - before < min_gain else 0
-    result.one_shot = len(one_shot[0])
-    if len(one_shot[0]) > len(result.heads):  # never behind the one-shot answer
-        result.heads, result.loss = list(one_shot[0]), one_shot[1]
-        result.curve = [(0, clean_loss), (len(result.heads), result.loss)]
-        result.stopped += "; the one-shot answer removed more heads and is the result"
     return result
 
 
 def _pack(
     result: PruneResult, costs: dict[Head, float], verify, limit: float, tries: int, on_step, *, one_shot: bool
-) -> tuple[list[Head], float] | None:
+) -> None:
     """Part 3: accept prefixes of the shortlist, cheapest exact cost first, while their heads are within their
-    share of the budget left and a verified size fits. With one_shot, also verify the one-shot answer (the
-    longest prefix predicted to fit the whole budget, in the first pass) and return it with its loss."""
+    share of the budget left and a verified size fits. one_shot: the first round's, whose first pass has no shares
+    (the one-shot answer)."""
     pool = sorted(costs, key=lambda head: (costs[head], head))
     known = {1: result.loss + costs[pool[0]]}  # a size of one is the cheapest head, verified alone already
-    answer = None
     accepted = 0
     while pool and result.loss + costs[pool[0]] <= limit:
         predicted = [result.loss + total for total in accumulate(costs[head] for head in pool)]
-        share = (limit - result.loss) / len(costs)  # a head's fair share of what is left
+        # a head's fair share of what is left; the first round starts from the one-shot answer, whole
+        share = math.inf if one_shot and not accepted else (limit - result.loss) / len(costs)
         within = sum(costs[head] <= share for head in pool)
         top = max([size for size in range(1, within + 1) if predicted[size - 1] <= limit], default=0)
         if top == 0 and accepted:
             break  # no head is worth its share now: a later round may find cheaper ones
         sizes = nested_sizes(max(top, 1), tries)
         asked = [size for size in sizes if size not in known]
-        fits = max([size for size, loss in enumerate(predicted, 1) if loss <= limit], default=1)
-        extra = [fits] if one_shot and answer is None and fits not in sizes else []
         losses = dict(known) | dict(
-            zip(asked + extra, _verified(verify, [result.heads + pool[:n] for n in asked + extra], result), strict=True)
+            zip(asked, _verified(verify, [result.heads + pool[:size] for size in asked], result), strict=True)
         )
-        if one_shot and answer is None:
-            answer = (list(pool[:fits]), losses[fits])
-            if answer[1] > limit:  # the prediction was wrong: no one-shot answer beyond what packing verifies
-                answer = ([], result.loss)
         fitting = [size for size in sizes if losses[size] <= limit]
         if not fitting:
             break
         size = max(fitting)
+        if one_shot and not accepted:
+            result.one_shot = size
         _accept(result, pool[:size], losses[size], on_step)
         accepted += size
         pool, known = pool[size:], {}
-    return answer
 
 
 def nested_sizes(step: int, tries: int) -> list[int]:
