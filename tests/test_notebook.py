@@ -134,3 +134,30 @@ def _driver():
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(DRIVER), options=options)
+
+
+def test_the_notebook_progress_is_one_display_updated_in_place():
+    from headscope.run.progress import NotebookReporter
+
+    now = [0.0]
+    drawn = []
+
+    class Recorded(NotebookReporter):  # the display seam: what would be drawn, and when
+        def _draw(self, force: bool = False) -> None:
+            if force or now[0] - self._drawn >= self.interval:
+                self._drawn = now[0]
+                drawn.append(self.html())
+
+    reporter = Recorded(clock=lambda: now[0])
+    reporter.stage("measuring <every> head")
+    reporter.start(100, what="corpus")
+    for _ in range(10):
+        now[0] += 0.1
+        reporter.advance(10, 120)
+    reporter.note("planned: <3> passes")
+    reporter.finish()
+    assert len(drawn) == 2 + 3 + 2  # stage, start; 3 of 10 advances (0.1 s apart, drawn 0.25 s apart); note, finish
+    last = drawn[-1]
+    assert '<progress value="100" max="100"' in last and "corpus: 100/100 sentences" in last
+    assert "measuring &lt;every&gt; head" in last and "note: planned: &lt;3&gt; passes" in last
+    assert "1,200 tokens/s" in last

@@ -29,4 +29,11 @@ def test_the_tour_runs_top_to_bottom_and_shows_its_results(tmp_path):
     html = shown.get("text/html", [])
     for result in ("report", "inspection", "ablation", "pruning"):  # each result renders itself, not its repr
         assert result in html, (result, html)
+    # progress: one display per long call, updated in place (not a line per update, not nothing)
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and "headscope.analyze(" in cell.source:
+            progress = [o for o in cell.outputs if "headscope-progress" in o.get("data", {}).get("text/html", "")]
+            assert len(progress) == 1, [o.get("output_type") for o in cell.outputs]
+            final = progress[0]["data"]["text/html"]
+            assert "<progress" in final
     nbformat.write(notebook, tmp_path / "tour.ipynb")

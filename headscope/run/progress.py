@@ -1,8 +1,9 @@
 """Progress reporting. The library only calls a Reporter; the CLI decides how it looks.
 
-``NullReporter`` is the library default (silent). ``RichReporter`` draws a progress bar on stderr when it is a
-terminal; otherwise (nohup, CI, a pipe) it writes log lines: one per stage, and one per tenth of a long pass with
-its rate and an estimate of the time left.
+``NullReporter`` is the library default (silent), but in a Jupyter kernel, where it is ``NotebookReporter``: one
+display that updates in place. ``RichReporter`` (the CLI's) draws a progress bar on stderr when it is a terminal;
+otherwise (nohup, CI, a pipe) it writes log lines: one per stage, and one per tenth of a long pass with its rate and
+an estimate of the time left.
 """
 
 from __future__ import annotations
@@ -176,3 +177,88 @@ def _duration(seconds: float) -> str:
         return f"{minutes}m{seconds:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+class NotebookReporter:
+    """In a Jupyter kernel: one display that updates in place (IPython's display ids, no widget library), showing
+    the current stage, the pass's bar (done of total, tokens/s, time left) and the notes and warnings so far.
+    Updates are throttled to one per `interval` seconds; the last state is always drawn."""
+
+    def __init__(self, interval: float = 0.25, clock=time.monotonic) -> None:
+        self.interval, self.clock = interval, clock
+        self._handle = None
+        self._drawn = -float("inf")
+        self._stage = ""
+        self._lines: list[tuple[str, str]] = []  # (kind, text): notes and warnings
+        self._pass: _PassLog | None = None
+
+    def stage(self, message: str) -> None:
+        self._stage, self._pass = message, None
+        self._draw(force=True)
+
+    def note(self, message: str) -> None:
+        self._lines.append(("note", message))
+        self._draw(force=True)
+
+    def warn(self, message: str) -> None:
+        self._lines.append(("warning", message))
+        self._draw(force=True)
+
+    def start(self, total_sentences: int, what: str = "measuring", unit: str = "sentences") -> None:
+        self._pass = _PassLog(what, total_sentences, 1, clock=self.clock, unit=unit)
+        self._draw(force=True)
+
+    def advance(self, sentences: int, tokens: int) -> None:
+        if self._pass is not None:
+            self._pass.advance(sentences, tokens)
+            self._draw()
+
+    def finish(self) -> None:
+        self._draw(force=True)
+
+    def html(self) -> str:
+        """What the display shows now."""
+        import html
+
+        parts = [f"<div><b>{html.escape(self._stage)}</b></div>"] if self._stage else []
+        if self._pass is not None:
+            done, total = self._pass.done, max(self._pass.total, 1)
+            elapsed = self.clock() - self._pass.started
+            rate = f"{self._pass.tokens / elapsed:,.0f} tokens/s" if elapsed > 0 and self._pass.tokens else ""
+            left = f"about {_duration(elapsed * (total - done) / done)} left" if 0 < done < total else ""
+            parts.append(
+                f'<div><progress value="{done}" max="{total}" style="width:16em"></progress> '
+                f"{html.escape(self._pass.what)}: {done:,}/{self._pass.total:,} {html.escape(self._pass.unit)} "
+                f"{rate} {left}</div>"
+            )
+        parts += [f"<div>{kind}: {html.escape(text)}</div>" for kind, text in self._lines]
+        return f'<div class="headscope-progress" style="font-family:monospace;font-size:12px">{"".join(parts)}</div>'
+
+    def _draw(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now - self._drawn < self.interval:
+            return
+        self._drawn = now
+        from IPython.display import HTML, display
+
+        if self._handle is None:
+            self._handle = display(HTML(self.html()), display_id=True)
+        else:
+            self._handle.update(HTML(self.html()))
+
+
+def in_notebook() -> bool:
+    """Is this a Jupyter kernel (where a display can update in place)?"""
+    import sys
+
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def default_reporter() -> Reporter:
+    """What a library call reports to when given no reporter: one updating display in a notebook, else nothing."""
+    return NotebookReporter() if in_notebook() else NullReporter()

@@ -44,7 +44,7 @@ from headscope.run.distributed import (
 )
 from headscope.run.output import StagedDirectory
 from headscope.run.plan import Plan, plan_for_model, resized
-from headscope.run.progress import NullReporter, Reporter
+from headscope.run.progress import NullReporter, Reporter, default_reporter
 from headscope.run.record import versions
 
 # The settings a command reads, as its record lists them (the rest of RunConfig is analyze's alone): what loads the
@@ -87,7 +87,7 @@ class CommandRun:
         source = model.source if isinstance(model, LoadedModel) else resolve_source(model)
         report = as_path(report, "report")
         protected = protected_inputs(source, corpus, Path(report) if report is not None else None)
-        return cls(settings, reporter or NullReporter(), source, corpus, protected)
+        return cls(settings, reporter or default_reporter(), source, corpus, protected)
 
     def stage(self, out, kind: str, *, overwrite: bool, resumable: bool = False) -> StagedDirectory | None:
         """The staged output folder of `kind` (layout.KINDS), every rule checked now; None without `out`."""
