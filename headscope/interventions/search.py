@@ -13,16 +13,16 @@ Each round:
    says); the first round shortlists `first_shortlist` heads, later ones `shortlist`;
 2. each shortlisted head is verified alone on top of the heads removed: its exact marginal cost;
 3. packing, with no further gradient pass: the shortlist, cheapest exact cost first (a head whose removal lowers
-   the loss first), is predicted to add its costs; of the heads whose cost is within their fair share of the
-   budget left (what is left / the shortlist's length: a round does not spend the budget on heads a later round
-   may find cheaper), the longest prefix predicted to fit is verified with nested smaller ones (size, size/2, ...
-   1) in one pass, the largest verified fit accepted, and packing goes on down the shortlist until no head is
-   within its share or no verified size fits. A round that accepted nothing takes its cheapest head, if it fits.
+   the loss first), is predicted to add its costs; the longest prefix predicted to stay within the round's
+   allowance (half of the budget left when the round began: a round does not spend the budget on heads a later
+   round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1) in one pass, the largest
+   verified fit accepted, and packing goes on down the shortlist until the allowance is spent or no verified size
+   fits. A round that accepted nothing takes its cheapest head, if it fits the budget.
 
-The first round starts from the one-shot answer: its first packing pass has no shares, so it verifies the
-cheapest heads of the first shortlist removed together, as many as their costs say the budget allows (with the
-nested smaller sets), and accepts the largest that fits; every later step adds to it, so the search is never
-behind the answer one pass verified.
+The first round starts from the one-shot answer: its first packing pass may spend the whole budget, so it
+verifies the cheapest heads of the first shortlist removed together, as many as their costs say the budget
+allows (with the nested smaller sets), and accepts the largest that fits; every later step adds to it, so the
+search is never behind the answer one pass verified.
 
 It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
 rounds in a row each add fewer than 1% of the candidate heads (a round near the budget pays a gradient pass and a
@@ -39,6 +39,7 @@ from itertools import accumulate
 
 Head = tuple[int, int]
 MIN_GAIN_SHARE = 0.01  # a round that adds fewer than this share of the candidates counts against patience
+ROUND_SHARE = 0.5  # a round may spend this share of the budget left when it began
 
 
 @dataclass
@@ -111,31 +112,30 @@ def prune_search(
 def _pack(
     result: PruneResult, costs: dict[Head, float], verify, limit: float, tries: int, on_step, *, one_shot: bool
 ) -> None:
-    """Part 3: accept prefixes of the shortlist, cheapest exact cost first, while their heads are within their
-    share of the budget left and a verified size fits. one_shot: the first round's, whose first pass has no shares
-    (the one-shot answer)."""
+    """Part 3: accept prefixes of the shortlist, cheapest exact cost first, while a verified size fits the round's
+    allowance: half of the budget left when the round began (the whole budget for the first round's first pass:
+    the one-shot answer)."""
     pool = sorted(costs, key=lambda head: (costs[head], head))
     known = {1: result.loss + costs[pool[0]]}  # a size of one is the cheapest head, verified alone already
+    ceiling = limit if one_shot else min(limit, result.loss + ROUND_SHARE * (limit - result.loss))
     accepted = 0
     while pool and result.loss + costs[pool[0]] <= limit:
         predicted = [result.loss + total for total in accumulate(costs[head] for head in pool)]
-        # a head's fair share of what is left; the first round starts from the one-shot answer, whole
-        share = math.inf if one_shot and not accepted else (limit - result.loss) / len(costs)
-        within = sum(costs[head] <= share for head in pool)
-        top = max([size for size in range(1, within + 1) if predicted[size - 1] <= limit], default=0)
+        top = max([size for size, loss in enumerate(predicted, 1) if loss <= ceiling], default=0)
         if top == 0 and accepted:
-            break  # no head is worth its share now: a later round may find cheaper ones
+            break  # the round has spent its allowance: a later round may find cheaper heads
         sizes = nested_sizes(max(top, 1), tries)
         asked = [size for size in sizes if size not in known]
         losses = dict(known) | dict(
             zip(asked, _verified(verify, [result.heads + pool[:size] for size in asked], result), strict=True)
         )
-        fitting = [size for size in sizes if losses[size] <= limit]
+        fitting = [size for size in sizes if losses[size] <= (ceiling if top else limit)]
         if not fitting:
             break
         size = max(fitting)
         if one_shot and not accepted:
             result.one_shot = size
+            ceiling = min(limit, losses[size] + ROUND_SHARE * (limit - losses[size]))  # the round goes on as any
         _accept(result, pool[:size], losses[size], on_step)
         accepted += size
         pool, known = pool[size:], {}
