@@ -158,6 +158,36 @@ def test_the_notebook_progress_is_one_display_updated_in_place():
     reporter.finish()
     assert len(drawn) == 2 + 3 + 2  # stage, start; 3 of 10 advances (0.1 s apart, drawn 0.25 s apart); note, finish
     last = drawn[-1]
-    assert '<progress value="100" max="100"' in last and "corpus: 100/100 sentences" in last
+    assert "<progress value='100' max='100'" in last and "corpus: 100/100 sentences" in last
     assert "measuring &lt;every&gt; head" in last and "note: planned: &lt;3&gt; passes" in last
     assert "1,200 tokens/s" in last
+
+
+@needs_browser
+def test_a_script_token_shows_as_text_in_the_notebook_view(smollm2, tmp_path):
+    """A text holding markup, inspected on the real SmolLM2: its tokens show as text inside the frame, and nothing
+    of it runs (an alert would stop the driver)."""
+    from selenium.webdriver.common.by import By
+
+    inspection = headscope.inspect(smollm2, texts=["<script>alert(1)</script> and <b>bold</b>"], heads=[(0, 0)])
+    html = inspection._repr_html_()
+    assert "<script" not in own_html(html)
+    page = tmp_path / "notebook.html"
+    page.write_text(f"<!doctype html><html><body>{html}</body></html>", encoding="utf-8")
+    driver = _driver()
+    try:
+        driver.get(page.resolve().as_uri())
+        frame = driver.find_element(By.TAG_NAME, "iframe")
+        driver.switch_to.frame(frame)
+        started = time.perf_counter()
+        while driver.execute_script("return document.body && document.body.dataset.ready") != "true":
+            assert time.perf_counter() - started < 30, "the inspection view never became ready"
+            time.sleep(0.05)
+        text = driver.execute_script("return document.body.innerText")
+        assert "script" in text and "<" in text  # the tokens, as text
+        bold = "return [...document.querySelectorAll('b')].some(e => e.textContent.includes('bold'))"
+        assert not driver.execute_script(bold)  # the text's markup never became markup
+        driver.switch_to.default_content()
+        assert console_problems(driver) == []
+    finally:
+        driver.quit()

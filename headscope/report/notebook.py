@@ -17,9 +17,9 @@ from collections.abc import Iterable, Sequence
 
 import pandas as pd
 
-PAGE_HEIGHT = 720  # pixels: an iframe does not size itself to its page; the page scrolls inside it
+from headscope.report.page import asset, fill_template
 
-_STYLE = "font-family:system-ui,sans-serif;font-size:13px;line-height:1.4;max-width:100%;"
+PAGE_HEIGHT = 720  # pixels: an iframe does not size itself to its page; the page scrolls inside it
 
 
 def cell(value) -> str:
@@ -58,5 +58,20 @@ def framed(page: str, height: int = PAGE_HEIGHT) -> str:
 
 
 def block(title: str, *parts: str) -> str:
-    """One result: a title and its parts, in a div styled on its own (inline: nothing leaks into the notebook)."""
-    return f'<div style="{_STYLE}"><h4 style="margin:4px 0">{html.escape(title)}</h4>{"".join(parts)}</div>'
+    """One result: a title and its parts, styled inline (nothing leaks into the notebook's own styles)."""
+    return fill_template(asset("notebook_block.html").strip(), {"TITLE": html.escape(title), "PARTS": "".join(parts)})
+
+
+def progress(stage: str, bar: tuple[int, int, str] | None, detail: str, lines: Sequence[tuple[str, str]]) -> str:
+    """The notebook's progress display: the stage, the pass's bar (done, total, its words) and detail (rate,
+    time left), and the notes and warnings so far; every text escaped."""
+    shown = {
+        "STAGE": f"<p style='margin:0'><b>{html.escape(stage)}</b></p>" if stage else "",
+        "BAR": "",
+        "LINES": "".join(f"<p style='margin:0'>{kind}: {html.escape(text)}</p>" for kind, text in lines),
+    }
+    if bar is not None:
+        done, total, words = bar
+        shown["BAR"] = (f"<p style='margin:0'><progress value='{done}' max='{max(total, 1)}' style='width:16em'>"
+                        f"</progress> {html.escape(words)} {html.escape(detail)}</p>")  # fmt: skip
+    return fill_template(asset("notebook_progress.html").strip(), shown)

@@ -23,7 +23,6 @@ import pandas as pd
 from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
 from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.report import palette
-from headscope.report.report import Report
 from headscope.run.files import atomic_path
 
 FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_FILE, RUN_FILE)
@@ -39,7 +38,7 @@ SCRIPT_READS = ("layer", "head", "head_type", "role", "top_offset", "locality", 
 
 
 @cache
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
     return (resources.files("headscope.report") / "assets" / name).read_text(encoding="utf-8")
 
 
@@ -174,7 +173,7 @@ def _finite(value):
     return value
 
 
-def report_page(report: Report, *, files_in: Path | None = None) -> str:
+def report_page(report, *, files_in: Path | None = None) -> str:
     """The whole report.html of `report`, as a string; it links to the report's tables found in `files_in`."""
     heads = report.heads
     present = [c.name for c in HEADS_COLUMNS if c.name in heads and heads[c.name].notna().any()]
@@ -229,21 +228,21 @@ def compare_page(comparison) -> str:
 def page_html(heading: str, body: str, app: str, title: str, data: dict) -> str:
     """The shell (assets/page.html) around a page's body and script, with its title and data."""
     title = html.escape(title)
-    return _fill(
-        _asset("page.html"),
+    return fill_template(
+        asset("page.html"),
         {
             "HEADING": heading,
             "TITLE": title,
-            "STYLE": _asset("style.css"),
+            "STYLE": asset("style.css"),
             "PLOTLY": _plotly_js(),
-            "BODY": _fill(_asset(body), {"TITLE": title}),
+            "BODY": fill_template(asset(body), {"TITLE": title}),
             "DATA": _safe_json(data),
-            "APP": _asset("common.js") + _asset(app),
+            "APP": asset("common.js") + asset(app),
         },
     )
 
 
-def _fill(template: str, values: dict[str, str]) -> str:
+def fill_template(template: str, values: dict[str, str]) -> str:
     """Every __NAME__ placeholder of `template` replaced by values[NAME], in one pass: nothing inserted is read
     again, so a title or a model name that looks like a placeholder stays as it is."""
     return re.sub(r"__([A-Z]+)__", lambda match: values[match.group(1)], template)

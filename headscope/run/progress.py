@@ -218,21 +218,17 @@ class NotebookReporter:
 
     def html(self) -> str:
         """What the display shows now."""
-        import html
+        from headscope.report.notebook import progress
 
-        parts = [f"<div><b>{html.escape(self._stage)}</b></div>"] if self._stage else []
+        bar, detail = None, ""
         if self._pass is not None:
             done, total = self._pass.done, max(self._pass.total, 1)
             elapsed = self.clock() - self._pass.started
             rate = f"{self._pass.tokens / elapsed:,.0f} tokens/s" if elapsed > 0 and self._pass.tokens else ""
             left = f"about {_duration(elapsed * (total - done) / done)} left" if 0 < done < total else ""
-            parts.append(
-                f'<div><progress value="{done}" max="{total}" style="width:16em"></progress> '
-                f"{html.escape(self._pass.what)}: {done:,}/{self._pass.total:,} {html.escape(self._pass.unit)} "
-                f"{rate} {left}</div>"
-            )
-        parts += [f"<div>{kind}: {html.escape(text)}</div>" for kind, text in self._lines]
-        return f'<div class="headscope-progress" style="font-family:monospace;font-size:12px">{"".join(parts)}</div>'
+            bar = (done, self._pass.total, f"{self._pass.what}: {done:,}/{self._pass.total:,} {self._pass.unit}")
+            detail = f"{rate} {left}".strip()
+        return progress(self._stage, bar, detail, self._lines)
 
     def _draw(self, force: bool = False) -> None:
         now = self.clock()
