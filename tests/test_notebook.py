@@ -90,6 +90,7 @@ def test_the_intervention_results_show_their_tables(copier):
     assert repr(inspection).startswith("Inspection(model=")
 
 
+@pytest.mark.slow  # starts Chromium
 @needs_browser
 def test_two_results_in_one_page_each_become_interactive(report, copier, tmp_path):
     """A notebook's output area holds many results: two report views and an inspection in one page, each page
