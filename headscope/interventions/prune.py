@@ -129,7 +129,8 @@ class Pruning:
             "set_aside": [head_name(*h) for h in result.set_aside],
             "search": {
                 "rank": "rounds: shortlist by first-order estimate magnitude on the model pruned so far, exact cost "
-                "alone, packed cheapest first within each head's share of the budget left",
+                "alone, packed cheapest first: the first round from the one-shot answer, later rounds within half "
+                "of the budget left",
                 "shortlist": SHORTLIST,
                 "first_shortlist": FIRST_SHORTLIST,
                 "one_shot": result.one_shot,
@@ -291,8 +292,8 @@ def _search(
         return list(ablated.sum(1) / counts.sum())
 
     def estimate(removed):
-        found = lm.attribution(removed, removal)
-        return {head: found[head] for head in candidates if head not in set(removed)}
+        found, gone = lm.attribution(removed, removal), set(removed)
+        return {head: found[head] for head in candidates if head not in gone}
 
     if journal is not None:
         verify, estimate = journal.verify(verify), journal.estimate(estimate)
