@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import headscope
 from headscope.errors import ConfigError, ResourceError
@@ -79,7 +80,37 @@ def test_the_first_round_starts_from_the_one_shot_answer_and_later_rounds_spend_
     fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))  # 9 heads
     assert result.heads == HEADS[:fits] and result.loss == pytest.approx(loss(result.heads))
     whole = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify)
-    assert whole.one_shot == fits and whole.verify_calls == 3  # alone, the answer, alone again: none fits
+    # the answer, trusted to the (honest) estimate, in one pass; then alone: none fits
+    assert whole.one_shot == fits and whole.verify_calls == 2 and whole.estimates == 2
+
+
+def test_an_estimate_that_stops_predicting_is_replaced_by_exact_costs():
+    """A head the estimate calls the cheapest but whose removal costs a nat (a saturated head: its gradient is flat)
+    spoils every prefix the estimate packs; the round then verifies its shortlist alone and packs by exact costs."""
+    costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
+    saturated = HEADS[5]
+    costs[saturated] = 1.0
+    loss, verify, _, calls = cost_model(costs, {})
+
+    def estimate(removed):
+        return {h: -0.01 if h == saturated else costs[h] for h in HEADS if h not in removed}
+
+    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, first_shortlist=8)
+    assert saturated not in result.heads and result.loss == pytest.approx(loss(result.heads)) and result.loss <= 1.05
+    fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))
+    assert len(result.heads) == fits  # every head the exact costs allow
+    assert calls["verify"] >= 8  # the first round's 8 heads verified alone
+
+
+def test_a_round_whose_estimate_predicts_takes_one_gradient_pass_and_one_replicated_pass():
+    heads = [(layer, head) for layer in range(10) for head in range(10)]  # 1% of the heads: 1
+    costs = {h: 0.0001 for h in heads}
+    _, verify, _, calls = cost_model(costs, {})
+    estimate = lambda removed: {h: costs[h] for h in heads if h not in removed}  # noqa: E731
+    result = prune_search(heads, clean_loss=1.0, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40)
+    # round 1: the one-shot, 40 heads (the longest prefix trusted); round 2: 40 more, round 3 the last 20
+    assert [n for n, _ in result.curve] == [0, 40, 80, 100] and result.verify_calls == result.estimates == 3
+    assert result.stopped == "every head removed" and calls["verify"] == 3 * 4
 
 
 def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
@@ -97,17 +128,21 @@ def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
 @pytest.mark.parametrize("patience", [0, 1, 2])
 def test_patience_stops_rounds_that_add_almost_nothing(patience):
     heads = [(layer, head) for layer in range(50) for head in range(6)]  # 300 heads: 1% is 3
-    chain = heads[::-1]  # only the chain's prefixes fit: every round can add its next head, and only that one
-
-    def verify(sets):
-        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) else 2.0 for s in sets]
+    chain = heads[::-1]  # only the chain's prefixes fit, and one more head of it for each gradient pass
+    passes = []
 
     def estimate(removed):
-        return {h: 0.0 if h == chain[len(removed)] else 0.01 for h in heads if h not in removed}
+        passes.append(len(removed))
+        return {h: 1e-4 * chain.index(h) for h in heads if h not in removed}
+
+    def verify(sets):
+        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= len(passes) else 2.0
+                for s in sets]  # fmt: skip
 
     result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify,
                           patience=patience, max_rounds=5)  # fmt: skip
-    assert result.heads == chain[: result.rounds]  # one head a round
+    # each round: the next head trusted to the estimate (its longer prefixes fail): the round is done
+    assert result.heads == chain[: result.rounds] and result.verify_calls == result.rounds
     if patience:
         assert result.rounds == patience and result.stopped.startswith(f"patience: {patience} rounds")
     else:
@@ -151,6 +186,32 @@ def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_p
     assert again.replayed >= 4 and live["verify"] == whole.verify_calls - 3  # only what was not done yet ran
     with pytest.raises(OutputError, match="budget differ"):
         SearchJournal(path, {"budget": 0.09}, resume=True)
+
+
+def test_the_curvature_term_is_half_the_squared_change_along_the_gradient_on_real_positions():
+    """OutputSums with curvature_of sums ((r - o) . dL/do)^2 over the unpadded positions; Removal.curvature halves it
+    per token. A loss linear in the outputs, L = sum c . o, has dL/do = c: a known gradient."""
+    from headscope.interventions.removal import OutputSums, Removal
+
+    rng = np.random.default_rng(3)
+    outputs = torch.tensor(rng.normal(size=(2, 3, 2, 4)), requires_grad=True)  # (batch, t, heads, head_dim)
+    c = torch.tensor(rng.normal(size=(2, 3, 2, 4)))
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])  # the second sentence padded on the left
+    means = rng.normal(size=(1, 2, 4))
+    for removal, r in [(Removal("mean", means), means[0]), (Removal("zero"), np.zeros((2, 4)))]:
+        sums = OutputSums([0], 2, 4, grad=True, curvature_of=removal)
+        sums.start(SimpleNamespace(attention_mask=mask))
+        kept = sums.output(0, outputs.clone())
+        (kept * c).sum().backward()
+        sums.collect()
+        o, g = outputs.detach().numpy(), c.numpy()
+        expected = np.zeros(2)
+        for b, t in zip(*np.nonzero(mask.numpy()), strict=True):
+            expected += (((r - o[b, t]) * g[b, t]).sum(-1)) ** 2
+        np.testing.assert_allclose(sums.sum_squared_change[0], expected, rtol=1e-12)
+        np.testing.assert_allclose(removal.curvature(sums, 4)[0], expected / 8, rtol=1e-12)
+    with pytest.raises(ValueError, match="did not record"):
+        Removal("mean", means).curvature(sums, 4)  # the zero removal's sums
 
 
 # ---------------------------------------------------------------- on models
@@ -252,6 +313,13 @@ def test_prune_through_the_cli(redundant, tmp_path):
     assert result.exit_code == 0, result.output
     assert "removed 7 of 8 heads" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["head_mask.parquet", "prune.json"]
+    unbounded = json.loads((out / "prune.json").read_text())["search"]
+    # --max-rounds and --patience reach the search, not only the record: one round, where the whole search ran more
+    result = run_cli(*args, "--out", str(tmp_path / "one"), "--no-charts", "--max-rounds", "1", "--patience", "0")
+    assert result.exit_code == 0, result.output
+    search = json.loads((tmp_path / "one" / "prune.json").read_text())["search"]
+    assert unbounded["rounds"] > 1 and unbounded["patience"] == 2 and unbounded["max_rounds"] is None
+    assert (search["rounds"], search["stopped"], search["patience"]) == (1, "max_rounds: 1 rounds", 0)
 
 
 @pytest.mark.parametrize("state", ["users", "ablation"])
@@ -393,7 +461,8 @@ def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, t
     named = [h for n in steps for h in n.split("(+")[1].split(")")[0].split(",")]
     record = json.loads((tmp_path / "a" / "prune.json").read_text())
     assert named == record["heads"]  # every head, in order, once
-    assert any(n.startswith("planned: rounds of a gradient pass, 8 heads verified alone (8 in") for n in notes.notes)
+    planned = [n for n in notes.notes if n.startswith("planned: rounds of a gradient pass and one replicated pass")]
+    assert planned and "8 heads verified alone (8 in the first round)" in planned[0]
     search = record["search"]
     assert search["forward_passes"] >= search["verify_calls"] * 2 and search["gradient_passes"] >= 1
     result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at="pruning within"))

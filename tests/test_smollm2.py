@@ -124,8 +124,9 @@ def importance(smollm2, corpus_lines):
 
 
 def straightforward_importance(smollm2, sentences, layer, head):
-    """ablation_zero, ablation_mean, attribution_zero, attribution_mean of one head, one sentence at a time,
-    with a hook that edits the input of the layer's output projection (nothing shared with headscope)."""
+    """ablation_zero, ablation_mean, attribution_zero, attribution_mean and the mean removal's curvature term
+    (1/2 sum over positions of ((mean - x) . g)^2) of one head, one sentence at a time, with a hook that edits the
+    input of the layer's output projection (nothing shared with headscope)."""
     lm, tokenizer = smollm2.lm, smollm2.tokenizer
     dim = smollm2.architecture["head_dim"]
     columns = slice(head * dim, (head + 1) * dim)
@@ -158,7 +159,7 @@ def straightforward_importance(smollm2, sentences, layer, head):
     with torch.inference_mode():
         zero = sum(loss(ids, replaced_by(torch.zeros(dim))) - c for ids, c in zip(inputs, clean, strict=True))
         ablated_mean = sum(loss(ids, replaced_by(mean)) - c for ids, c in zip(inputs, clean, strict=True))
-    attribution_zero = attribution_mean = 0.0
+    attribution_zero = attribution_mean = curvature_mean = 0.0
     kept = {}
 
     def differentiable(module, args):
@@ -171,7 +172,8 @@ def straightforward_importance(smollm2, sentences, layer, head):
         x, g = kept["x"][0, :, columns].detach().double(), kept["x"].grad[0, :, columns].double()
         attribution_zero += float(((0 - x) * g).sum())
         attribution_mean += float(((mean - x) * g).sum())
-    return [float(v) / predicted for v in (zero, ablated_mean, attribution_zero, attribution_mean)]
+        curvature_mean += 0.5 * float((((mean - x) * g).sum(-1) ** 2).sum())
+    return [float(v) / predicted for v in (zero, ablated_mean, attribution_zero, attribution_mean, curvature_mean)]
 
 
 def test_importance_matches_a_straightforward_computation(smollm2, importance, corpus_lines):
@@ -180,7 +182,25 @@ def test_importance_matches_a_straightforward_computation(smollm2, importance, c
         expected = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
         got = heads.loc[(layer, head), ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]]
         np.testing.assert_allclose(got[:2].to_numpy(float), expected[:2], atol=1e-4, err_msg=f"{layer} {head}")
-        np.testing.assert_allclose(got[2:].to_numpy(float), expected[2:], rtol=1e-3, atol=1e-5, err_msg="attribution")
+        np.testing.assert_allclose(got[2:].to_numpy(float), expected[2:4], rtol=1e-3, atol=1e-5, err_msg="attribution")
+
+
+def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_lines):
+    """prune's estimated cost of removing a head (mean mode, clean model): first order plus the curvature term,
+    against hooks one sentence at a time."""
+    import contextlib
+
+    from headscope.interventions.losses import loss_model
+    from headscope.model.loading import load_for_run
+    from headscope.run.setup import CommandRun
+
+    run = CommandRun.prepare(smollm2, corpus_lines[:FEW], config=None, options={}, reporter=None)
+    with contextlib.ExitStack() as stack, loss_model(stack, smollm2, run, load_for_run, "prune") as lm:
+        estimated = lm.estimated_costs([], lm.removal("mean"))
+    for layer, head in HANDFUL:
+        _, _, _, first, curvature = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
+        assert estimated[(layer, head)] == pytest.approx(first + curvature, rel=1e-3, abs=1e-5), (layer, head)
+        assert curvature > 0
 
 
 def test_batch_size_does_not_change_importance(smollm2, importance, corpus_lines):

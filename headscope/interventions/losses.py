@@ -4,7 +4,7 @@
 does (sentences never split, replicas within --max-memory) and answers three questions:
     means()                        each head's mean output over the corpus on the clean model (mean removal)
     losses(groups, removal, ...)   per sentence, the clean loss and the loss with each group removed together
-    attribution(removed, removal)  first-order estimate of removing each further head, on the pruned model
+    estimated_costs(removed, removal)  second-order estimate of removing each further head, on the pruned model
 
 Under torchrun the batches are dealt round-robin (batch i to rank i % N, batched as rank 0 batches); each rank runs
 its own, and every answer is put together on every rank: the per-sentence losses gathered back into one process's
@@ -104,15 +104,21 @@ class LossModel:
             planned = planned + planned_passes(batches(), [], self.plan.depth, self.plan.replicas)
         return planned
 
-    def attribution(self, removed: Sequence[Head], removal: Removal) -> dict[Head, float]:
-        """Per head: the first-order estimate (nats per predicted token) of also removing it, with `removed`
-        removed (Removal.estimate, from one gradient pass over the corpus on the model pruned so far)."""
+    def estimated_costs(
+        self, removed: Sequence[Head], removal: Removal, *, curvature: bool = True
+    ) -> dict[Head, float]:
+        """Per head: the estimated loss increase (nats per predicted token) of also removing it, with `removed`
+        removed: Removal.estimate + Removal.curvature (without `curvature`, the first order alone), both from one
+        gradient pass over the corpus on the model pruned so far."""
         depth, heads, head_dim = self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"]
         found = shared_gradient_pass(
             self.ranks, self.capture, self.batches, range(depth), heads, head_dim,
             edit=lambda batch: [RemovedHeads([list(removed)], removal, len(batch.sentence_ids))],
+            curvature_of=removal if curvature else None,
         )  # fmt: skip
         estimate = removal.estimate(found.sums, found.tokens)
+        if curvature:
+            estimate = estimate + removal.curvature(found.sums, found.tokens)
         return {(layer, head): float(estimate[layer, head]) for layer, head in self.all_heads}
 
 

@@ -42,8 +42,8 @@ from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
-SHORTLIST = 24  # heads verified alone per round of the search (the likeliest, by their first-order estimate)
-FIRST_SHORTLIST = 64  # ... in the first round, whose costs also give the one-shot answer
+SHORTLIST = 16  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
+FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate
 TRIES = 4  # nested sizes verified per packing pass
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
@@ -128,9 +128,11 @@ class Pruning:
             "curve": [{"heads_removed": n, "loss": loss} for n, loss in result.curve],
             "set_aside": [head_name(*h) for h in result.set_aside],
             "search": {
-                "rank": "rounds: shortlist by first-order estimate magnitude on the model pruned so far, exact cost "
-                "alone, packed cheapest first: the first round from the one-shot answer, later rounds within half "
-                "of the budget left",
+                "rank": "rounds: a gradient pass ranks the remaining heads by a second-order estimate on the model "
+                "pruned so far; the longest prefix whose estimates fit the allowance is verified (with nested "
+                "smaller ones); where that takes under 1% of the heads, a shortlist is verified alone and packed "
+                "cheapest first; the first step may spend the whole budget (the one-shot answer), later rounds "
+                "half of the budget left",
                 "shortlist": SHORTLIST,
                 "first_shortlist": FIRST_SHORTLIST,
                 "one_shot": result.one_shot,
@@ -292,7 +294,7 @@ def _search(
         return list(ablated.sum(1) / counts.sum())
 
     def estimate(removed):
-        found, gone = lm.attribution(removed, removal), set(removed)
+        found, gone = lm.estimated_costs(removed, removal), set(removed)
         return {head: found[head] for head in candidates if head not in gone}
 
     if journal is not None:
@@ -310,8 +312,9 @@ def _search(
 
     alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
     reporter.note(
-        f"planned: rounds of a gradient pass, {alone[1]} heads verified alone ({alone[0]} in the first round) and "
-        "a few sets packed; "
+        "planned: rounds of a gradient pass and one replicated pass verifying the sets its estimate packs; where the "
+        f"estimate stops predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets "
+        "packed; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
         + (f", or {patience} rounds in a row adding under 1% of the heads" if patience else "")
     )

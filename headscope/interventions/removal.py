@@ -8,7 +8,8 @@ position of the corpus on the clean model (`mean` mode, the same constant whiche
 A `Removal` does the three things a removal must do, each written once here:
     editing      RemovedHeads puts the replacement into the capture's passes (replicas of a batch, a group each)
     estimating   `estimate`: the first-order change of the loss, sum over positions of (replacement - o) . dL/do,
-                 from one gradient pass's sums (`OutputSums` with grad)
+                 from one gradient pass's sums (`OutputSums` with grad); `curvature`: the second-order term
+                 prune adds to it, half the sum over positions of ((replacement - o) . dL/do)^2
     folding      `fold`: the replacement written into the output projection's weights (zeroed columns, and in
                  mean mode W_h m_h added to the bias), so that a plain forward pass computes the same model
 
@@ -66,6 +67,17 @@ class Removal:
         replacement = self.replacement(sums.layers, *sums.sum_grad.shape[1:])
         return ((replacement * sums.sum_grad).sum(-1) - sums.sum_output_grad) / max(tokens, 1)
 
+    def curvature(self, sums: OutputSums, tokens: int) -> np.ndarray:
+        """(layers, heads): the second-order term of removing each head alone, an empirical-Fisher (Gauss-Newton)
+        estimate of 1/2 d^T H d with d = replacement - o: half the sum over positions of (d . g)^2, per predicted
+        token. A mean removal's first-order term averages out (the replacement is the output's own mean), so the
+        curvature is most of what it costs: on SmolLM2 first order alone ranks single-head costs at Spearman 0.30,
+        with this term 0.80 (benchmarks/README.md). `sums` must have recorded it for this removal
+        (`OutputSums(..., curvature_of=removal)`)."""
+        if sums.sum_squared_change is None or sums.curvature_mode != self.mode:
+            raise ValueError(f"these sums did not record the curvature of {self.mode} removal")
+        return 0.5 * sums.sum_squared_change / max(tokens, 1)
+
     def fold(self, projection: torch.nn.Module, layer: int, heads: Sequence[int], head_dim: int) -> None:
         """Write the removal of `heads` (of `layer`) into `projection`, the layer's output projection: zero the
         heads' input columns; in mean mode add W_h m_h to the bias (which must exist: surgery adds one)."""
@@ -112,15 +124,23 @@ class OutputSums:
     """An OutputEditor that leaves outputs unchanged and sums them over every real position of `layers`:
     `means()`, each head's mean output, (layers, heads, head_dim) float64. With `grad` (a gradient pass), it keeps
     the outputs until `collect()`, after the backward pass, adds what `Removal.estimate` needs too: the sums of
-    dL/do and of o . dL/do."""
+    dL/do and of o . dL/do; with `curvature_of` (a Removal) what its `curvature` needs: the sum of ((r - o) . dL/do)^2
+    for that removal's replacement r."""
 
-    def __init__(self, layers: Sequence[int], heads: int, head_dim: int, *, grad: bool = False) -> None:
+    def __init__(
+        self, layers: Sequence[int], heads: int, head_dim: int, *, grad: bool = False,
+        curvature_of: Removal | None = None,
+    ) -> None:  # fmt: skip
         self.layers, self.grad = list(layers), grad
         self._index = {layer: index for index, layer in enumerate(self.layers)}
         shape = (len(self.layers), heads, head_dim)
         self.sum_output = np.zeros(shape)  # sum of o over real positions
         self.sum_grad = np.zeros(shape)  # sum of dL/do over real positions (grad only)
         self.sum_output_grad = np.zeros(shape[:2])  # sum of o . dL/do (grad only)
+        self.curvature_mode = None if curvature_of is None else curvature_of.mode
+        self.sum_squared_change = None if curvature_of is None else np.zeros(shape[:2])  # sum of ((r - o) . dL/do)^2
+        self._replacement = None if curvature_of is None else torch.as_tensor(
+            curvature_of.replacement(self.layers, heads, head_dim))  # fmt: skip
         self.positions = 0  # real positions seen
         self._outputs: dict[int, torch.Tensor] = {}
         self._valid: torch.Tensor | None = None
@@ -140,18 +160,23 @@ class OutputSums:
         return output
 
     def _summed(self, output: torch.Tensor) -> np.ndarray:
-        mask = self._valid[:, :, None, None].to(torch.float64)  # (batch, t, 1, 1)
+        mask = self._valid[:, :, None, None].to(output.device, torch.float64)  # (batch, t, 1, 1)
         return (output.detach().double() * mask).sum((0, 1)).cpu().numpy()
 
     def collect(self) -> None:
         """Add this batch's sums of a gradient pass; call after the backward pass of its summed loss."""
-        mask = self._valid[:, :, None, None].to(torch.float64)
+        valid = self._valid[:, :, None, None].to(torch.float64)
         for layer, output in self._outputs.items():
             index = self._index[layer]
             grad = output.grad.double()
+            mask = valid.to(grad.device)  # a device map puts layers (and their outputs) on several devices
             self.sum_output[index] += self._summed(output)
             self.sum_grad[index] += (grad * mask).sum((0, 1)).cpu().numpy()
             self.sum_output_grad[index] += (output.detach().double() * grad * mask).sum((0, 1, 3)).cpu().numpy()
+            if self.sum_squared_change is not None:
+                change = self._replacement[index].to(grad.device) - output.detach().double()  # (batch, t, heads, dim)
+                squared = (change * grad).sum(-1) ** 2 * mask[..., 0]
+                self.sum_squared_change[index] += squared.sum((0, 1)).cpu().numpy()
         self._outputs = {}
 
     def means(self) -> np.ndarray:
@@ -161,6 +186,8 @@ class OutputSums:
         """These sums added up with every rank's: add(array) is the all-ranks sum of a float64 array."""
         self.sum_output, self.sum_grad = add(self.sum_output), add(self.sum_grad)
         self.sum_output_grad = add(self.sum_output_grad)
+        if self.sum_squared_change is not None:
+            self.sum_squared_change = add(self.sum_squared_change)
         self.positions = int(add(np.array([float(self.positions)]))[0])
         return self
 
@@ -194,11 +221,13 @@ def gradient_pass(
     *,
     edit: Callable[[Batch], list] = lambda batch: [],
     on_batch: Callable[[Batch], None] = lambda batch: None,
+    curvature_of: Removal | None = None,
 ) -> GradientPass:
     """One forward pass with gradients and one backward pass of the summed loss per batch (the parameters frozen:
     gradients of the head outputs only), recording the heads of `layers`. edit(batch): editors applied first (heads
-    already removed, for prune's estimate on the model pruned so far); on_batch: progress."""
-    sums = OutputSums(layers, heads, head_dim, grad=True)
+    already removed, for prune's estimate on the model pruned so far); on_batch: progress; curvature_of: the removal
+    whose second-order term the sums record too."""
+    sums = OutputSums(layers, heads, head_dim, grad=True, curvature_of=curvature_of)
     loss, tokens = 0.0, 0
     for batch in batches():
         output = capture.run(batch, editors=[*edit(batch), sums], grad=True)

@@ -2,27 +2,30 @@
 
 The search knows the model only through two functions:
 - estimate(removed) -> {head: estimated loss increase of also removing it}, for every head still in the model,
-  with `removed` already removed (headscope's is the first-order attribution of one gradient pass through the
+  with `removed` already removed (headscope's is a second-order estimate from one gradient pass through the
   pruned model, so the ranking follows what the model has become);
 - verify(sets) -> [loss], the exact corpus loss with each set of heads removed together (one forward pass,
   the sets as replicas of the batch).
 
-Each round:
-1. a gradient pass on the model pruned so far shortlists the remaining heads whose estimate is smallest in
-   magnitude (signed estimates fail in saturated layers, where a head's removal costs more than its gradient
-   says); the first round shortlists `first_shortlist` heads, later ones `shortlist`;
-2. each shortlisted head is verified alone on top of the heads removed: its exact marginal cost;
-3. packing, with no further gradient pass: the shortlist, cheapest exact cost first (a head whose removal lowers
-   the loss first), is predicted to add its costs; the longest prefix predicted to stay within the round's
-   allowance (half of the budget left when the round began: a round does not spend the budget on heads a later
-   round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1) in one pass, the largest
-   verified fit accepted, and packing goes on down the shortlist until the allowance is spent or no verified size
-   fits. A round that accepted nothing takes its cheapest head, if it fits the budget.
+Each round begins with a gradient pass on the model pruned so far, which ranks the remaining heads by estimated
+cost (a head whose removal lowers the loss first), then:
+1. trusting the estimate: the longest prefix of the ranking (at most `first_shortlist` heads) whose estimates add
+   up to within the round's allowance (half of the budget left when the round began: a round does not spend the
+   budget on heads a later round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1) in
+   one pass, and the largest verified fit accepted. If it took any head, the round is done: one gradient pass and
+   one replicated pass;
+2. else the estimate has stopped predicting, and the round measures: the `shortlist` (`first_shortlist` in the
+   first round) best-ranked heads not yet taken are each verified alone on top of the heads removed, their exact
+   marginal costs;
+3. packing, with no further gradient pass: the shortlist, cheapest exact cost first, is predicted to add its
+   costs; the longest prefix predicted to stay within the allowance is verified with nested smaller ones in one
+   pass, the largest verified fit accepted, and packing goes on down the shortlist until the allowance is spent or
+   no verified size fits. A round that accepted nothing takes its cheapest head, if it fits the budget.
 
-The first round starts from the one-shot answer: its first packing pass may spend the whole budget, so it
-verifies the cheapest heads of the first shortlist removed together, as many as their costs say the budget
-allows (with the nested smaller sets), and accepts the largest that fits; every later step adds to it, so the
-search is never behind the answer one pass verified.
+The first step is the one-shot answer: its allowance is the whole budget, so it verifies the best-ranked heads
+removed together, as many as their estimates (or, where part 1 found nothing, their exact costs alone) say the
+budget allows, and accepts the largest that fits; every later step adds to it, so the search is never behind the
+answer one pass verified.
 
 It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
 rounds in a row each add fewer than 1% of the candidate heads (a round near the budget pays a gradient pass and a
@@ -54,7 +57,7 @@ class PruneResult:
     verify_calls: int = 0  # replicated passes over the corpus those sets took (each one clean pass and replicas)
     estimates: int = 0  # gradient passes over the corpus
     rounds: int = 0
-    one_shot: int = 0  # heads of the one-shot answer: the first round's cheapest, together (its first step)
+    one_shot: int = 0  # heads of the one-shot answer: the first step, the best-ranked heads together
     stopped: str = ""  # why the search ended
 
 
@@ -65,8 +68,8 @@ def prune_search(
     budget: float,
     estimate: Callable[[list[Head]], dict[Head, float]],
     verify: Callable[[list[list[Head]]], list[float]],
-    shortlist: int = 24,
-    first_shortlist: int = 64,
+    shortlist: int = 16,
+    first_shortlist: int = 48,
     tries: int = 4,
     patience: int = 2,
     max_rounds: int | None = None,
@@ -74,7 +77,8 @@ def prune_search(
 ) -> PruneResult:
     """Remove as many of `all_heads` as `budget` (nats above `clean_loss`) allows; see the module's docstring.
 
-    shortlist, first_shortlist: heads verified alone each round (the first round); tries: nested sizes verified
+    shortlist, first_shortlist: heads verified alone in a round that measures (the first round), first_shortlist
+    also the longest prefix a round trusts to its estimate; tries: nested sizes verified
     per packing pass (the last is 1); patience: rounds in a row adding under 1% of the heads before it stops (0:
     never); max_rounds: at most this many rounds (None: no limit)."""
     result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
@@ -96,17 +100,48 @@ def prune_search(
         result.rounds += 1
         before = len(result.heads)
         estimates = _estimated(estimate, result)
-        size = first_shortlist if result.rounds == 1 else shortlist
-        candidates = sorted(remaining, key=lambda head: (abs(estimates[head]), head))[:size]
-        alone = [loss - result.loss for loss in _verified(verify, [[*result.heads, h] for h in candidates], result)]
-        if result.loss + min(alone) > limit:  # not one of the likeliest heads fits: the rest would cost more
-            result.set_aside = list(candidates)
-            result.stopped = "no shortlisted head fits alone"
-            break
-        costs = dict(zip(candidates, alone, strict=True))
-        _pack(result, costs, verify, limit, tries, on_step, one_shot=result.rounds == 1)
+        ranked = sorted(remaining, key=lambda head: (estimates[head], head))
+        _pack_estimated(result, ranked[:first_shortlist], estimates, verify, limit, tries, on_step)
+        if len(result.heads) == before:  # the estimate has stopped predicting: measure
+            taken = set(result.heads)
+            size = first_shortlist if result.rounds == 1 else shortlist
+            candidates = [head for head in ranked if head not in taken][:size]
+            if not candidates:
+                result.stopped = "every head removed"
+                break
+            singles = _verified(verify, [[*result.heads, h] for h in candidates], result)
+            alone = [loss - result.loss for loss in singles]
+            if result.loss + min(alone) > limit:  # not one of the likeliest heads fits: the rest would cost more
+                result.set_aside = list(candidates)
+                result.stopped = "no shortlisted head fits alone"
+                break
+            costs = dict(zip(candidates, alone, strict=True))
+            _pack(result, costs, verify, limit, tries, on_step, one_shot=not result.heads)
         stalled = stalled + 1 if len(result.heads) - before < min_gain else 0
     return result
+
+
+def _pack_estimated(
+    result: PruneResult, ranked: list[Head], estimates: dict[Head, float], verify, limit: float, tries: int, on_step
+) -> None:
+    """Part 1: trust the estimate. The longest prefix of `ranked` (cheapest estimate first) whose estimates add up
+    to within the allowance (the whole budget for the first step: the one-shot answer; else half of what is left) is
+    verified with nested smaller ones in one pass, and the largest that fits accepted."""
+    first = not result.heads
+    ceiling = limit if first else min(limit, result.loss + ROUND_SHARE * (limit - result.loss))
+    predicted = [result.loss + total for total in accumulate(estimates[head] for head in ranked)]
+    top = max([size for size, loss in enumerate(predicted, 1) if loss <= ceiling], default=0)
+    if top == 0:
+        return
+    sizes = nested_sizes(top, tries)
+    losses = dict(zip(sizes, _verified(verify, [result.heads + ranked[:size] for size in sizes], result), strict=True))
+    fitting = [size for size in sizes if losses[size] <= ceiling]
+    if not fitting:
+        return
+    size = max(fitting)
+    if first:
+        result.one_shot = size
+    _accept(result, ranked[:size], losses[size], on_step)
 
 
 def _pack(
