@@ -227,6 +227,42 @@ def redundant(tmp_path_factory):
     return headscope.load_model(str(folder), device="cpu", lm_head=True), sentences
 
 
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_verifying_sets_alone_stops_the_first_pass_where_the_replicas_start(redundant, mode):
+    """prune reads only the sets' losses: the first pass of each batch runs only the layers the replicas are handed
+    (here layer 0 of 2), the sets' losses equal those of a whole first pass, and the planned layer runs equal the
+    blocks the model runs."""
+    import contextlib
+
+    from headscope.interventions.losses import loss_model
+    from headscope.model.loading import load_for_run
+    from headscope.run.setup import CommandRun
+
+    loaded, sentences = redundant
+    run = CommandRun.prepare(loaded, sentences, config=None, options={"batch_size": 8}, reporter=None)
+    blocks = {"runs": 0}
+    hooks = [block.register_forward_pre_hook(lambda *_: blocks.update(runs=blocks["runs"] + 1))
+             for block in loaded.lm.transformer.h]  # fmt: skip
+    base, sets = [(0, 0)], [[(0, 0), (1, 1)], [(0, 0), (1, 2)], [(0, 0), (1, 1), (1, 3)]]
+    try:
+        with contextlib.ExitStack() as stack, loss_model(stack, loaded, run, load_for_run, "prune") as lm:
+            removal, batches = lm.removal(mode), len(list(lm.batches()))
+            found = {}
+            for clean in (True, False):
+                planned, before = lm.planned(sets, mode, base, clean=clean), blocks["runs"]
+                found[clean] = lm.losses(sets, removal, base=base, clean=clean).arrays("all")
+                assert planned.layer_runs == blocks["runs"] - before, clean
+                found[clean] += (planned,)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    (tokens, clean_losses, ablated, whole), (_, nan, alone, short) = found[True], found[False]
+    np.testing.assert_array_equal(ablated, alone)
+    assert np.isnan(nan).all() and np.isfinite(clean_losses).all() and tokens.sum() > 0
+    assert short.forwards == whole.forwards and batches > 1  # each batch's first pass still runs, only shorter:
+    assert whole.layer_runs - short.layer_runs == batches  # its layer 1 is not run
+
+
 def test_prune_keeps_one_of_two_redundant_heads_and_saves_a_model_that_computes_it(redundant, tmp_path):
     loaded, sentences = redundant
     found = headscope.prune(

@@ -112,6 +112,7 @@ def group_losses(
     replicas_per_forward: Callable[[Batch], int],
     reporter: Reporter | None = None,
     base: Sequence[Head] = (),
+    clean: bool = True,
 ) -> GroupLosses:
     """Every sentence's clean loss and its loss with each group of heads removed together, on each scoring.
 
@@ -119,34 +120,56 @@ def group_losses(
     replicas of `batch` one forward pass may hold; removal: one for every group, or one per group. base: heads every
     group holds (all groups removing them the same way); the first pass removes them
     (its losses are then the "clean" ones) and each group's replica starts at the first layer where it removes
-    more, so that groups which differ from the base only in late layers cost only those layers."""
+    more, so that groups which differ from the base only in late layers cost only those layers. Without `clean`
+    (a caller that reads only the groups' losses) the first pass stops at the last layer a replica starts from, and
+    the clean sums are NaN."""
     result = GroupLosses()
-    base = set(base)
+    base, depth = set(base), len(capture.decoder)
     for batch in batches():
         masks = {scoring: scored_targets(batch, scoring) for scoring in scorings}
         removals = [removal] * len(groups) if isinstance(removal, Removal) else list(removal)
         first = [RemovedHeads([sorted(base)], removals[0], len(batch.sentence_ids))] if base and groups else []
-        output, outputs = capture.run_keeping_layers(batch, editors=first)
-        clean = token_nll(output.logits, batch)
-        del output
+        passes = replica_passes(groups, base, depth, max(1, replicas_per_forward(batch)))
+        handing_on = _handing_on(passes, depth, clean)
+        if handing_on is None:
+            output, outputs = capture.run_keeping_layers(batch, editors=first)
+            nll = token_nll(output.logits, batch)
+            del output
+        else:  # only what the replicas start from: no logits, no clean loss
+            outputs = capture.run_keeping_layers(batch, editors=first, through=handing_on)[1] if handing_on else []
+            nll = None
         ablated = {scoring: np.zeros((len(groups), len(batch.sentence_ids))) for scoring in scorings}
-        for start, members in replica_passes(groups, base, len(outputs), max(1, replicas_per_forward(batch))):
+        for start, members in passes:
             chunk = [groups[index] for index in members]
             replicated = batch.replicated(len(chunk))
             editor = RemovedHeads(chunk, [removals[index] for index in members], len(batch.sentence_ids))
             handed_on = replicate(outputs[start - 1], len(chunk)) if start > 0 else None
             logits = capture.run(replicated, editors=[editor], start_at=start, handed_on=handed_on).logits
-            nll = token_nll(logits, replicated).view(len(chunk), *clean.shape)  # (groups, sentences, t - 1)
+            replica_nll = token_nll(logits, replicated).view(len(chunk), *mask_shape(masks))  # (groups, sentences, t-1)
             del logits
             for scoring, mask in masks.items():
-                ablated[scoring][members] = torch.where(mask, nll, 0.0).sum(-1).cpu().numpy()
+                ablated[scoring][members] = torch.where(mask, replica_nll, 0.0).sum(-1).cpu().numpy()
         for scoring, mask in masks.items():
-            clean_sums = torch.where(mask, clean, 0.0).sum(-1).cpu().numpy()
+            clean_sums = (torch.where(mask, nll, 0.0).sum(-1).cpu().numpy() if nll is not None
+                          else np.full(len(batch.sentence_ids), np.nan))  # fmt: skip
             result.add(scoring, mask.sum(-1).cpu().numpy(), clean_sums, ablated[scoring])
         result.sentence_ids.extend(batch.sentence_ids)
         if reporter is not None:
             reporter.advance(len(batch.sentence_ids), batch.n_tokens)
     return result
+
+
+def mask_shape(masks: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(sentences, t - 1): the shape of a batch's per-token losses, which every scoring's mask has."""
+    return tuple(next(iter(masks.values())).shape)
+
+
+def _handing_on(passes: list[tuple[int, list[int]]], depth: int, clean: bool) -> int | None:
+    """Where the first pass of a batch may stop: None when it must run whole (the clean loss is asked for, or
+    there is no replica), else the last layer a replica starts from (0: no first pass at all)."""
+    if clean or not passes:
+        return None
+    return min(max(start for start, _ in passes), depth)
 
 
 def shared_group_losses(ranks: Ranks, capture, batches, *args, **kwargs) -> GroupLosses:
@@ -177,13 +200,17 @@ class PassPlan:
 
 def planned_passes(
     batches: Iterable[Batch], groups: Sequence[Sequence[Head]], depth: int,
-    replicas_per_forward: Callable[[Batch], int], base: Sequence[Head] = (),
+    replicas_per_forward: Callable[[Batch], int], base: Sequence[Head] = (), clean: bool = True,
 ) -> PassPlan:  # fmt: skip
-    """The PassPlan of group_losses over `batches` (the same replica_passes it runs)."""
+    """The PassPlan of group_losses over `batches` (the same replica_passes it runs, the same first pass)."""
     forwards = layer_runs = token_layers = 0
     for batch in batches:
-        forwards, layer_runs, token_layers = forwards + 1, layer_runs + depth, token_layers + batch.n_tokens * depth
-        for start, members in replica_passes(groups, set(base), depth, max(1, replicas_per_forward(batch))):
+        passes = replica_passes(groups, set(base), depth, max(1, replicas_per_forward(batch)))
+        handing_on = _handing_on(passes, depth, clean)
+        first = depth if handing_on is None else handing_on
+        forwards, layer_runs = forwards + bool(first), layer_runs + first
+        token_layers += batch.n_tokens * first
+        for start, members in passes:
             forwards += 1
             layer_runs += depth - start
             token_layers += batch.n_tokens * len(members) * (depth - start)

@@ -77,9 +77,11 @@ class LossModel:
         base: Sequence[Head] = (),
         *,
         progress: bool = False,
+        clean: bool = True,
     ) -> GroupLosses:
         """group_losses over the corpus; base: heads every group holds (see group_losses); progress: report each
-        batch's sentences to the reporter (a pass the user waits on, such as ablate's; rank 0's share of it)."""
+        batch's sentences to the reporter (a pass the user waits on, such as ablate's; rank 0's share of it);
+        clean: whether the clean (base-only) losses are wanted (else NaN, and the first pass stops early)."""
         return shared_group_losses(
             self.ranks,
             self.capture,
@@ -90,16 +92,20 @@ class LossModel:
             replicas_per_forward=self.plan.replicas,
             reporter=self.reporter if progress else None,
             base=base,
+            clean=clean,
         )
 
-    def planned(self, groups: Sequence[Sequence[Head]], mode: str, base: Sequence[Head] = ()) -> PassPlan:
-        """What `removal(mode)` and then `losses(groups, ..., base=base)` will run, counted from the corpus's
-        batches before anything runs (mean removal first takes a clean pass over the corpus for the means)."""
+    def planned(
+        self, groups: Sequence[Sequence[Head]], mode: str, base: Sequence[Head] = (), *, clean: bool = True
+    ) -> PassPlan:
+        """What `removal(mode)` and then `losses(groups, ..., base=base, clean=clean)` will run, counted from the
+        corpus's batches before anything runs (mean removal first takes a clean pass over the corpus for the
+        means)."""
 
         def batches():
             return self.plan.batches(self.feed, "importance", "cpu")  # counted on the host: nothing moves
 
-        planned = planned_passes(batches(), groups, self.plan.depth, self.plan.replicas, base)
+        planned = planned_passes(batches(), groups, self.plan.depth, self.plan.replicas, base, clean)
         if mode == "mean" and self._means is None:
             planned = planned + planned_passes(batches(), [], self.plan.depth, self.plan.replicas)
         return planned

@@ -42,7 +42,7 @@ from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
-SHORTLIST = 16  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
+SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
 FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate
 TRIES = 4  # nested sizes verified per packing pass
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
@@ -289,8 +289,8 @@ def _search(
     def verify(sets):
         nonlocal passes
         shared = sorted(set.intersection(*map(set, sets)))  # the heads removed so far: their pass is shared
-        passes = passes + lm.planned(sets, mode, base=shared)
-        counts, _, ablated = lm.losses(sets, removal, base=shared).arrays("all")
+        passes = passes + lm.planned(sets, mode, base=shared, clean=False)
+        counts, _, ablated = lm.losses(sets, removal, base=shared, clean=False).arrays("all")  # only the sets' losses
         return list(ablated.sum(1) / counts.sum())
 
     def estimate(removed):

@@ -71,8 +71,8 @@ class Removal:
         """(layers, heads): the second-order term of removing each head alone, an empirical-Fisher (Gauss-Newton)
         estimate of 1/2 d^T H d with d = replacement - o: half the sum over positions of (d . g)^2, per predicted
         token. A mean removal's first-order term averages out (the replacement is the output's own mean), so the
-        curvature is most of what it costs: on SmolLM2 first order alone ranks single-head costs at Spearman 0.30,
-        with this term 0.80 (benchmarks/README.md). `sums` must have recorded it for this removal
+        curvature is much of what it costs: on SmolLM2 first order alone ranks single-head costs at Spearman 0.53,
+        with this term 0.85 (benchmarks/prune_estimate.py). `sums` must have recorded it for this removal
         (`OutputSums(..., curvature_of=removal)`)."""
         if sums.sum_squared_change is None or sums.curvature_mode != self.mode:
             raise ValueError(f"these sums did not record the curvature of {self.mode} removal")

@@ -68,7 +68,7 @@ def prune_search(
     budget: float,
     estimate: Callable[[list[Head]], dict[Head, float]],
     verify: Callable[[list[list[Head]]], list[float]],
-    shortlist: int = 16,
+    shortlist: int = 8,
     first_shortlist: int = 48,
     tries: int = 4,
     patience: int = 2,

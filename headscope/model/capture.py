@@ -214,15 +214,19 @@ class Capture:
                 hook.remove()
 
     def run_keeping_layers(
-        self, batch: Batch, editors: Sequence[OutputEditor] = (), measures: Sequence[Measure] = (), **options
-    ) -> tuple[object, list]:
+        self, batch: Batch, editors: Sequence[OutputEditor] = (), measures: Sequence[Measure] = (),
+        through: int | None = None, **options,
+    ) -> tuple[object, list]:  # fmt: skip
         """A pass (clean, or edited by `editors`; read by `measures`) that also keeps every decoder layer's output
-        (detached): (model output, outputs). options: as `run` takes them (logits_to_keep)."""
+        (detached): (model output, outputs). through: stop once the layers before it have run (a pass that only
+        hands their outputs on; the model output is then None). options: as `run` takes them (logits_to_keep)."""
         outputs: list = [None] * len(self.decoder)
 
         def keeper(index: int):
             def keep(module, args, output):
                 outputs[index] = _detach(output)
+                if through is not None and index == through - 1:
+                    raise _StopForward
 
             return keep
 
