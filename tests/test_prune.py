@@ -103,7 +103,7 @@ def test_an_estimate_that_stops_predicting_is_replaced_by_exact_costs():
 
 
 def test_a_round_whose_estimate_predicts_takes_one_gradient_pass_and_one_replicated_pass():
-    heads = [(layer, head) for layer in range(10) for head in range(10)]  # 1% of the heads: 1
+    heads = [(layer, head) for layer in range(10) for head in range(10)]  # 2% of the heads: 2
     costs = {h: 0.0001 for h in heads}
     _, verify, _, calls = cost_model(costs, {})
     estimate = lambda removed: {h: costs[h] for h in heads if h not in removed}  # noqa: E731
@@ -127,7 +127,7 @@ def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
 
 @pytest.mark.parametrize("patience", [0, 1, 2])
 def test_patience_stops_rounds_that_add_almost_nothing(patience):
-    heads = [(layer, head) for layer in range(50) for head in range(6)]  # 300 heads: 1% is 3
+    heads = [(layer, head) for layer in range(50) for head in range(6)]  # 300 heads: 2% is 6
     chain = heads[::-1]  # only the chain's prefixes fit, and one more head of it for each gradient pass
     passes = []
 

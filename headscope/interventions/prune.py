@@ -1,7 +1,8 @@
 """prune(): as many heads removed together as a loss budget allows, every step verified by a forward pass.
 
-the search     interventions/search.py: a one-shot start from the clean model's ranking, then rounds that verify a
-               shortlist alone and pack the cheapest together, every accepted step verified; with resume, every
+the search     interventions/search.py: rounds that rank the heads by a second-order estimate from a gradient pass
+               and verify the longest prefix it fits in the allowance (heads verified alone only where it took
+               none), the first step the one-shot answer, every accepted step verified; with resume, every
                answer it got is journalled (interventions/journal.py) and an interrupted search replays them
 the removal    zero, or each head's clean corpus mean (interventions/removal.py)
 the output     prune.json (heads in removal order, clean and verified pruned loss, the curve), head_mask.parquet
@@ -45,6 +46,7 @@ SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verif
 SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
 FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate
 TRIES = 4  # nested sizes verified per packing pass
+ESTIMATE = "first order + curvature"  # what ranks the heads; a journal of another estimate's search is refused
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
 
@@ -130,9 +132,10 @@ class Pruning:
             "search": {
                 "rank": "rounds: a gradient pass ranks the remaining heads by a second-order estimate on the model "
                 "pruned so far; the longest prefix whose estimates fit the allowance is verified (with nested "
-                "smaller ones); where that takes under 1% of the heads, a shortlist is verified alone and packed "
+                "smaller ones); where that takes none, a shortlist is verified alone and packed "
                 "cheapest first; the first step may spend the whole budget (the one-shot answer), later rounds "
                 "half of the budget left",
+                "estimate": ESTIMATE,
                 "shortlist": SHORTLIST,
                 "first_shortlist": FIRST_SHORTLIST,
                 "one_shot": result.one_shot,
@@ -201,7 +204,7 @@ def prune(
             journal = None
             if resume:
                 key = fingerprint(lm.loaded, corpus, settings, ONE_PROCESS) | {"budget": budget, "mode": mode,
-                      "max_rounds": max_rounds, "patience": patience}  # fmt: skip
+                      "max_rounds": max_rounds, "patience": patience, "estimate": ESTIMATE}  # fmt: skip
                 journal = SearchJournal(stages["prune"].path / PRUNE_JOURNAL, key, resume=True, writes=ranks.main)
             search = _search(lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds, patience=patience)
         result, removal = search.result, search.removal
@@ -316,7 +319,7 @@ def _search(
         f"estimate stops predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets "
         "packed; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
-        + (f", or {patience} rounds in a row adding under 1% of the heads" if patience else "")
+        + (f", or {patience} rounds in a row adding under 2% of the heads" if patience else "")
     )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
     result = prune_search(

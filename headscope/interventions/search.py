@@ -28,9 +28,9 @@ budget allows, and accepts the largest that fits; every later step adds to it, s
 answer one pass verified.
 
 It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
-rounds in a row each add fewer than 1% of the candidate heads (a round near the budget pays a gradient pass and a
-shortlist for a head or two). The loss of the accepted set is always a verified one, so the result never exceeds
-the budget.
+rounds in a row each add fewer than 2% of the candidate heads (a round near the budget pays a gradient pass and a
+replicated pass for a head or two). The loss of the accepted set is always a verified one, so the result never
+exceeds the budget.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 Head = tuple[int, int]
-MIN_GAIN_SHARE = 0.01  # a round that adds fewer than this share of the candidates counts against patience
+MIN_GAIN_SHARE = 0.02  # a round that adds fewer than this share of the candidates counts against patience
 ROUND_SHARE = 0.5  # a round may spend this share of the budget left when it began
 
 
@@ -79,7 +79,7 @@ def prune_search(
 
     shortlist, first_shortlist: heads verified alone in a round that measures (the first round), first_shortlist
     also the longest prefix a round trusts to its estimate; tries: nested sizes verified
-    per packing pass (the last is 1); patience: rounds in a row adding under 1% of the heads before it stops (0:
+    per packing pass (the last is 1); patience: rounds in a row adding under 2% of the heads before it stops (0:
     never); max_rounds: at most this many rounds (None: no limit)."""
     result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
     limit = clean_loss + budget
