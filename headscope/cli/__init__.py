@@ -42,12 +42,14 @@ for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune)
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, raise_terminated)
     if not sys.stderr.isatty():
         # No progress bars in a log: tqdm (transformers' GGUF de-quantizer uses it bare) reads this variable once,
         # when it is first imported, so it is set before anything imports it.
         os.environ.setdefault("TQDM_DISABLE", "1")
     try:
+        # Inside the try: a SIGTERM the moment the handler is in place is still caught below (it once arrived
+        # during the line above, then outside the try, and printed a traceback).
+        signal.signal(signal.SIGTERM, raise_terminated)
         app()
     # A signal before a command's own handler is in place (while Typer builds the commands, or a command imports
     # torch): still one line and the signal's exit code.
