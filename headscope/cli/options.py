@@ -190,7 +190,7 @@ Fast = Annotated[
 ]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
 MaxRounds = Annotated[
-    int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and a verified set or more each).")
+    int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")
 ]
 Patience = Annotated[
     int, typer.Option(help="Stop when this many rounds in a row each add under 2% of the heads (0: never).")
