@@ -127,10 +127,11 @@ def group_losses(
     base, depth = set(base), len(capture.decoder)
     for batch in batches():
         masks = {scoring: scored_targets(batch, scoring) for scoring in scorings}
+        shape = masks[scorings[0]].shape  # (sentences, t - 1): a batch's per-token losses
         removals = [removal] * len(groups) if isinstance(removal, Removal) else list(removal)
         first = [RemovedHeads([sorted(base)], removals[0], len(batch.sentence_ids))] if base and groups else []
         passes = replica_passes(groups, base, depth, max(1, replicas_per_forward(batch)))
-        handing_on = _handing_on(passes, depth, clean)
+        handing_on = _handing_on(passes, clean)
         if handing_on is None:
             output, outputs = capture.run_keeping_layers(batch, editors=first)
             nll = token_nll(output.logits, batch)
@@ -145,7 +146,7 @@ def group_losses(
             editor = RemovedHeads(chunk, [removals[index] for index in members], len(batch.sentence_ids))
             handed_on = replicate(outputs[start - 1], len(chunk)) if start > 0 else None
             logits = capture.run(replicated, editors=[editor], start_at=start, handed_on=handed_on).logits
-            replica_nll = token_nll(logits, replicated).view(len(chunk), *mask_shape(masks))  # (groups, sentences, t-1)
+            replica_nll = token_nll(logits, replicated).view(len(chunk), *shape)  # (groups, sentences, t - 1)
             del logits
             for scoring, mask in masks.items():
                 ablated[scoring][members] = torch.where(mask, replica_nll, 0.0).sum(-1).cpu().numpy()
@@ -159,17 +160,12 @@ def group_losses(
     return result
 
 
-def mask_shape(masks: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """(sentences, t - 1): the shape of a batch's per-token losses, which every scoring's mask has."""
-    return tuple(next(iter(masks.values())).shape)
-
-
-def _handing_on(passes: list[tuple[int, list[int]]], depth: int, clean: bool) -> int | None:
+def _handing_on(passes: list[tuple[int, list[int]]], clean: bool) -> int | None:
     """Where the first pass of a batch may stop: None when it must run whole (the clean loss is asked for, or
     there is no replica), else the last layer a replica starts from (0: no first pass at all)."""
     if clean or not passes:
         return None
-    return min(max(start for start, _ in passes), depth)
+    return max(start for start, _ in passes)
 
 
 def shared_group_losses(ranks: Ranks, capture, batches, *args, **kwargs) -> GroupLosses:
@@ -206,7 +202,7 @@ def planned_passes(
     forwards = layer_runs = token_layers = 0
     for batch in batches:
         passes = replica_passes(groups, set(base), depth, max(1, replicas_per_forward(batch)))
-        handing_on = _handing_on(passes, depth, clean)
+        handing_on = _handing_on(passes, clean)
         first = depth if handing_on is None else handing_on
         forwards, layer_runs = forwards + bool(first), layer_runs + first
         token_layers += batch.n_tokens * first

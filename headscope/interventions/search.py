@@ -15,8 +15,7 @@ cost (a head whose removal lowers the loss first), then:
    one pass, and the largest verified fit accepted. If it took any head, the round is done: one gradient pass and
    one replicated pass;
 2. else the estimate has stopped predicting, and the round measures: the `shortlist` (`first_shortlist` in the
-   first round) best-ranked heads not yet taken are each verified alone on top of the heads removed, their exact
-   marginal costs;
+   first round) best-ranked heads are each verified alone on top of the heads removed, their exact marginal costs;
 3. packing, with no further gradient pass: the shortlist, cheapest exact cost first, is predicted to add its
    costs; the longest prefix predicted to stay within the allowance is verified with nested smaller ones in one
    pass, the largest verified fit accepted, and packing goes on down the shortlist until the allowance is spent or
@@ -103,12 +102,7 @@ def prune_search(
         ranked = sorted(remaining, key=lambda head: (estimates[head], head))
         _pack_estimated(result, ranked[:first_shortlist], estimates, verify, limit, tries, on_step)
         if len(result.heads) == before:  # the estimate has stopped predicting: measure
-            taken = set(result.heads)
-            size = first_shortlist if result.rounds == 1 else shortlist
-            candidates = [head for head in ranked if head not in taken][:size]
-            if not candidates:
-                result.stopped = "every head removed"
-                break
+            candidates = ranked[: first_shortlist if result.rounds == 1 else shortlist]
             singles = _verified(verify, [[*result.heads, h] for h in candidates], result)
             alone = [loss - result.loss for loss in singles]
             if result.loss + min(alone) > limit:  # not one of the likeliest heads fits: the rest would cost more
@@ -128,9 +122,8 @@ def _pack_estimated(
     to within the allowance (the whole budget for the first step: the one-shot answer; else half of what is left) is
     verified with nested smaller ones in one pass, and the largest that fits accepted."""
     first = not result.heads
-    ceiling = limit if first else min(limit, result.loss + ROUND_SHARE * (limit - result.loss))
-    predicted = [result.loss + total for total in accumulate(estimates[head] for head in ranked)]
-    top = max([size for size, loss in enumerate(predicted, 1) if loss <= ceiling], default=0)
+    ceiling = limit if first else _allowance(result.loss, limit)
+    top = _longest_fit(result.loss, [estimates[head] for head in ranked], ceiling)
     if top == 0:
         return
     sizes = nested_sizes(top, tries)
@@ -152,11 +145,10 @@ def _pack(
     the one-shot answer)."""
     pool = sorted(costs, key=lambda head: (costs[head], head))
     known = {1: result.loss + costs[pool[0]]}  # a size of one is the cheapest head, verified alone already
-    ceiling = limit if one_shot else min(limit, result.loss + ROUND_SHARE * (limit - result.loss))
+    ceiling = limit if one_shot else _allowance(result.loss, limit)
     accepted = 0
     while pool and result.loss + costs[pool[0]] <= limit:
-        predicted = [result.loss + total for total in accumulate(costs[head] for head in pool)]
-        top = max([size for size, loss in enumerate(predicted, 1) if loss <= ceiling], default=0)
+        top = _longest_fit(result.loss, [costs[head] for head in pool], ceiling)
         if top == 0 and accepted:
             break  # the round has spent its allowance: a later round may find cheaper heads
         sizes = nested_sizes(max(top, 1), tries)
@@ -170,10 +162,22 @@ def _pack(
         size = max(fitting)
         if one_shot and not accepted:
             result.one_shot = size
-            ceiling = min(limit, losses[size] + ROUND_SHARE * (limit - losses[size]))  # the round goes on as any
+            ceiling = _allowance(losses[size], limit)  # the round goes on as any
         _accept(result, pool[:size], losses[size], on_step)
         accepted += size
         pool, known = pool[size:], {}
+
+
+def _allowance(loss: float, limit: float) -> float:
+    """The loss a round may reach from `loss`: ROUND_SHARE of the budget left on top of it."""
+    return min(limit, loss + ROUND_SHARE * (limit - loss))
+
+
+def _longest_fit(loss: float, costs: list[float], ceiling: float) -> int:
+    """How many of `costs`, in order, are predicted (added to `loss`) to stay within `ceiling`: the longest such
+    prefix (a later negative cost can bring a longer one back within it)."""
+    predicted = accumulate(costs, initial=loss)
+    return max([size for size, total in enumerate(predicted) if size and total <= ceiling], default=0)
 
 
 def nested_sizes(step: int, tries: int) -> list[int]:
