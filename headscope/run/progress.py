@@ -159,13 +159,19 @@ class _PassLog:
         if step <= self.logged:
             return None
         self.logged = step
-        elapsed = self.clock() - self.started
-        rate = f"{self.tokens / elapsed:,.0f} tokens/s" if elapsed > 0 else "- tokens/s"
-        left = elapsed * (self.total - self.done) / self.done if self.done else 0.0
+        elapsed, rate, left = self.pace()
         return (
             f"{self.what}: {100 * self.done // max(self.total, 1)}% ({self.done:,}/{self.total:,} {self.unit}), "
-            f"{rate}, {_duration(elapsed)} elapsed, about {_duration(left)} left"
+            f"{'-' if rate is None else f'{rate:,.0f}'} tokens/s, {_duration(elapsed)} elapsed, "
+            f"about {_duration(left or 0.0)} left"
         )
+
+    def pace(self) -> tuple[float, float | None, float | None]:
+        """(seconds elapsed, tokens per second, seconds left at this rate) so far; None where not known yet."""
+        elapsed = self.clock() - self.started
+        rate = self.tokens / elapsed if elapsed > 0 else None
+        left = elapsed * (self.total - self.done) / self.done if self.done else None
+        return elapsed, rate, left
 
 
 def _duration(seconds: float) -> str:
@@ -222,11 +228,11 @@ class NotebookReporter:
 
         bar, detail = None, ""
         if self._pass is not None:
-            done, total = self._pass.done, max(self._pass.total, 1)
-            elapsed = self.clock() - self._pass.started
-            rate = f"{self._pass.tokens / elapsed:,.0f} tokens/s" if elapsed > 0 and self._pass.tokens else ""
-            left = f"about {_duration(elapsed * (total - done) / done)} left" if 0 < done < total else ""
-            bar = (done, self._pass.total, f"{self._pass.what}: {done:,}/{self._pass.total:,} {self._pass.unit}")
+            done, total = self._pass.done, self._pass.total
+            _, rate, left = self._pass.pace()
+            rate = f"{rate:,.0f} tokens/s" if rate is not None and self._pass.tokens else ""
+            left = f"about {_duration(left)} left" if left is not None and done < total else ""
+            bar = (done, total, f"{self._pass.what}: {done:,}/{total:,} {self._pass.unit}")
             detail = f"{rate} {left}".strip()
         return progress(self._stage, bar, detail, self._lines)
 
