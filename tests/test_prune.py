@@ -149,6 +149,25 @@ def test_patience_stops_rounds_that_add_almost_nothing(patience):
         assert result.rounds == 5 and result.stopped == "max_rounds: 5 rounds"
 
 
+def test_a_round_adding_under_2_percent_of_the_heads_counts_against_patience():
+    """300 heads: 2% is 6. Rounds that each add 4 heads (more than 1%, fewer than 2%) stop the search by patience."""
+    heads = [(layer, head) for layer in range(50) for head in range(6)]
+    chain = heads[::-1]  # only the chain's prefixes fit, and four more heads of it for each gradient pass
+    passes = []
+
+    def estimate(removed):
+        passes.append(len(removed))
+        return {h: 1e-4 * chain.index(h) for h in heads if h not in removed}
+
+    def verify(sets):
+        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= 4 * len(passes) else 2.0
+                for s in sets]  # fmt: skip
+
+    result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
+                          max_rounds=5)  # fmt: skip
+    assert result.heads == chain[:8] and result.rounds == 2 and result.stopped.startswith("patience: 2 rounds")
+
+
 def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_path):
     from headscope.errors import OutputError
     from headscope.interventions.journal import SearchJournal
