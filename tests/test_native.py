@@ -3,6 +3,7 @@ how the fused pass chooses it (or does without it)."""
 
 from __future__ import annotations
 
+import math
 import platform
 import shutil
 import subprocess
@@ -12,11 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_fast_path import assert_same_heads
-from test_fused import HEADS, fused, hand_built, masks, reference
+from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, reference
 
 import headscope
+from headscope.measures.statistics import AttentionStatistics
 from headscope.model import native
+from headscope.model.capture import attached
 from headscope.model.fused import TileKernel
+from headscope.run.feed import collate
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
 LONG = 700
@@ -113,7 +117,7 @@ def test_a_failed_build_is_reported_by_the_compilers_first_error_line():
 
 
 def native_kernel(module) -> TileKernel:
-    return TileKernel(compile_from=0, native_loader=lambda: module)
+    return TileKernel(compile_from=0, native_loader=lambda: module, native_from=0)
 
 
 # A softcap of 10, not 2: over 700 keys, 2 tanh(s / 2) saturates into exact float32 ties the float64 reference lacks.
@@ -191,16 +195,18 @@ def test_huge_logits_stay_finite_and_exact(kernel_module):
 
 
 def test_the_kernel_is_only_offered_where_it_applies(kernel_module):
-    query, _, value = hand_built(t=8)
-    assert native_kernel(kernel_module).row_state(query, value) is None  # an output is wanted: the tile loop
+    query, _, _ = hand_built(t=8)
+    assert native_kernel(kernel_module).row_state(query, None) is not None
+    per_head = torch.ones(2, HEADS, 8, 8, dtype=torch.bool).tril()
+    assert native_kernel(kernel_module).row_state(query, per_head) is None  # a mask per head: not taken
     assert native_kernel(kernel_module).row_state(query.bfloat16(), None) is None  # float32 only
-    below = TileKernel(compile_from=10**9, native_loader=lambda: kernel_module)
+    below = TileKernel(native_loader=lambda: kernel_module, native_from=10**9)
     below.step(100)
     assert below.row_state(query, None) is None  # short work: not worth a build
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_tile_loop():
-    kernel = TileKernel(compile_from=0, native_loader=lambda: "OSError: no C++ compiler")
+    kernel = TileKernel(native_loader=lambda: "OSError: no C++ compiler", native_from=0)
     query, _, _ = hand_built(t=8)
     assert kernel.row_state(query, None) is None
     assert kernel.native_failed == "OSError: no C++ compiler"
@@ -211,12 +217,12 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped():
     query, key, value = hand_built(seed=7, t=40)
     mask, visible, seq_start = masks(t=40)["causal"]
 
-    def wrong(query, key, positions, first_key, mask, softcap):
+    def wrong(query, key, value, positions, first_key, mask, softcap):
         shape = (query.shape[0], query.shape[1], query.shape[2])
         ones, longs = torch.ones(shape), torch.ones(shape, dtype=torch.long)
-        return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones
+        return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
 
-    kernel = TileKernel(compile_from=0, native_loader=lambda: SimpleNamespace(row_state=wrong))
+    kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=wrong), native_from=0)
     _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.native_failed == "its first result disagreed with the tile loop"
     assert kernel.row_state(query, None) is None
@@ -226,8 +232,8 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped():
 
 @pytest.mark.slow
 def test_a_long_text_on_smollm2_takes_the_kernel_and_matches_the_eager_path(smollm2, corpus_lines, kernel_module):
-    """700 tokens through 30 layers pass the 2^25-logit threshold halfway: the first layers take the tile loop,
-    the rest the kernel, and every head's statistics equal the eager weights' to 1e-5."""
+    """700 tokens through 30 layers pass the 2^22-logit threshold in the second layer: the first layer takes the
+    tile loop, the rest the kernel, and every head's statistics equal the eager weights' to 1e-5."""
     text = " ".join(corpus_lines)
     eager = headscope.analyze(smollm2, [text], max_length=LONG, sentence_heads=False, charts=None, probes=False)
     fused = headscope.analyze(
@@ -248,11 +254,104 @@ def test_the_kernel_is_counted_only_when_it_ran(kernel_module):
     fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.native_runs == 2
 
-    def wrong(query, key, positions, first_key, mask, softcap):
+    def wrong(query, key, value, positions, first_key, mask, softcap):
         shape = query.shape[:3]
         ones, longs = torch.ones(shape), torch.ones(shape, dtype=torch.long)
-        return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones
+        return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
 
-    refused = TileKernel(compile_from=0, native_loader=lambda: SimpleNamespace(row_state=wrong))
+    refused = TileKernel(native_loader=lambda: SimpleNamespace(row_state=wrong), native_from=0)
     fused(query, key, None, mask, seq_start, row_state=refused.row_state(query, None))
     assert refused.native_runs == 0 and refused.native_failed is not None
+
+
+def sdpa_output(query, key, value, visible, softcap=None):
+    """The output as torch's sdpa computes it (float64 maths where sdpa cannot softcap): (batch, t, heads, head_dim)."""
+    groups = HEADS // KV_HEADS
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if softcap is None:
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible[:, None])
+        return output.transpose(1, 2)
+    scores = torch.tanh(query.double() @ key.double().transpose(-1, -2) * HEAD_DIM**-0.5 / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], -math.inf), -1)
+    return (probs @ value.double()).transpose(1, 2)
+
+
+def assert_same_output(got, want, real):
+    """Equal within 1e-5 of the output's largest magnitude, on the rows that see some key (batch, t)."""
+    got, want = got[real].double(), want[real].double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("softcap", [None, 10.0])
+@pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
+def test_kernel_output_equals_sdpa(kernel_module, mask_name, softcap):
+    """Grouped KV heads (6 on 2) on every mask the kernel takes: its output is sdpa's within 1e-5, the statistics
+    from the same pass stay the float64 reference's."""
+    query, key, value = hand_built(seed=11, t=LONG)
+    mask, visible, seq_start = masks(t=LONG, window=300)[mask_name]
+    kernel = native_kernel(kernel_module)
+    output, values = fused(query, key, value, mask, seq_start, softcap, row_state=kernel.row_state(query, mask))
+    assert kernel.native_failed is None and kernel.native_runs == 1
+    real = visible.any(-1)
+    assert_same_output(output, sdpa_output(query, key, value, visible, softcap), real)
+    expected = reference(query, key, value, visible, seq_start, softcap)
+    for name in STATISTICS:
+        got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
+
+
+def test_kernel_output_through_a_mask_with_holes_and_on_selected_rows(kernel_module):
+    query, key, value = hand_built(seed=12, t=LONG)
+    causal = torch.ones(LONG, LONG).tril().bool()
+    holes = (causal & (torch.arange(LONG) % 5 != 1)) | torch.eye(LONG, dtype=torch.bool)
+    seq_start = torch.zeros(2, dtype=torch.long)
+    positions = torch.tensor([0, 1, 2, 63, 64, 511, 512, 600, LONG - 1])
+    kernel = native_kernel(kernel_module)
+    output, _ = fused(
+        query, key, value, holes[None, None], seq_start, positions=positions, row_state=kernel.row_state(query, None)
+    )
+    assert kernel.native_runs == 1
+    want = sdpa_output(query, key, value, holes.repeat(2, 1, 1))[:, positions]
+    assert_same_output(output, want, torch.ones(2, len(positions), dtype=torch.bool))
+
+
+def test_a_kernel_whose_first_output_disagrees_is_dropped(kernel_module):
+    """Right statistics, an output 1% off: the first-call check refuses it and the tile loop's output is returned."""
+    query, key, value = hand_built(seed=13, t=LONG)
+    mask, visible, seq_start = masks(t=LONG)["left padded"]
+
+    def off(*args):
+        *states, output = kernel_module.row_state(*args)
+        return (*states, output * 1.01)
+
+    kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=off), native_from=0)
+    output, _ = fused(query, key, value, mask, seq_start, row_state=kernel.row_state(query, mask))
+    assert kernel.native_failed == "its first result disagreed with the tile loop" and kernel.native_runs == 0
+    assert_same_output(output, sdpa_output(query, key, value, visible), visible.any(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_the_kernel_outputs_carry_smollm2_to_the_sdpa_hidden_state(smollm2, corpus_lines, kernel_module, padding_side):
+    """Two texts of 700 and 420 tokens in one padded batch: every layer's output from the kernel (none from sdpa),
+    and the model's last hidden state equal to its plain sdpa forward's within 1e-5 of its scale on real tokens."""
+    text = " ".join(corpus_lines)
+    ids = [smollm2.tokenizer(text)["input_ids"][:length] for length in (LONG, 420)]
+    batch = collate([0, 1], ids, padding_side=padding_side)
+    measure = AttentionStatistics(window=2, sink_threshold=0.3, accum_dtype=torch.float64)
+    with attached(smollm2.model, block_bytes=2**20) as capture:
+        measured = capture.run(batch, measures=[measure])
+        paths = set(capture.paths.values())
+    assert paths == {"fused (output and row statistics in one pass by headscope's C++ kernel)"}
+    before = smollm2.model.config._attn_implementation
+    smollm2.model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            plain = smollm2.model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+            ).last_hidden_state
+    finally:
+        smollm2.model.set_attn_implementation(before)
+    real = batch.attention_mask.bool()
+    got, want = measured.last_hidden_state[real], plain[real]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), float((got - want).abs().max())

@@ -25,8 +25,8 @@ is any tile the mask hides entirely (a sliding window).
 
 On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, Triton kernels on CUDA), so the
 several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
-say) the same function runs op by op, with the same maths. For the statistics alone of a float32 model on the
-CPU, headscope's C++ kernel (headscope.model.native) replaces the tile loop: same state, same read-off.
+say) the same function runs op by op, with the same maths. For a float32 model on the CPU, headscope's C++
+kernel (headscope.model.native) replaces the tile loop, the output included: same state, same read-off.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ TILE_KEYS = 1024
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
 # one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
 COMPILE_FROM = 2**25
+# Logits a capture folds before it takes the C++ kernel: one layer of a 9-head, 1,000-token sentence. Loading the
+# built kernel takes 0.07 s; building it (once per machine and source) 45 s, worth it only for long work. The fused
+# path itself starts where a layer's (batch, heads, t, t) float32 weights exceed the block budget (32 MiB: 4M
+# visible pairs), so by default the kernel takes every fused layer; the tile loop before it measured 0.8 s for
+# SmolLM2's first 7 layers at 1,024 tokens where the kernel took 0.37 s for the other 23.
+NATIVE_FROM = 2**22
 # Rows on which the C++ kernel's first result is checked against the tile loop.
 NATIVE_CHECK_ROWS = 8
 # The C++ kernel's state covers every row in one call, and read_off is some sixty small tensor operations whatever
@@ -167,13 +173,16 @@ class TileKernel:
       capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
       disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
       either way (tested to 1e-6).
-    - Past the same threshold, statistics alone of float32 attention on the CPU come from headscope's C++ kernel
-      (`row_state`, headscope.model.native), once it is built and its first result agrees with the tile loop on a few
-      rows; otherwise from the tile loop.
+    - Past `native_from` logits, float32 attention on the CPU (statistics and output) comes from headscope's C++
+      kernel (`row_state`, headscope.model.native), once it is built and its first result agrees with the tile loop
+      on a few rows; otherwise from the tile loop.
     """
 
-    def __init__(self, compile_from: int = COMPILE_FROM, native_loader: Callable | None = None) -> None:
+    def __init__(
+        self, compile_from: int = COMPILE_FROM, native_loader: Callable | None = None, native_from: int = NATIVE_FROM
+    ) -> None:
         self.compile_from = compile_from
+        self.native_from = native_from
         self.native_loader = native_loader or native.row_state_module  # () -> the built module, or why not
         self.folded = 0  # logits handed to `step` so far
         self.failed: str | None = None  # why compiling failed, once it has
@@ -197,16 +206,16 @@ class TileKernel:
                 _log.warning("torch.compile of the fused statistics failed (%s); running them op by op", self.failed)
         return _tile_step(*args)
 
-    def row_state(self, query: torch.Tensor, value: torch.Tensor | None) -> Callable | None:
-        """The C++ kernel for a layer's row states (after `step` has counted the layer), or None where it does
-        not apply: an output wanted, fewer logits than `compile_from` so far, not float32 on the CPU, or a
-        kernel that could not be built or disagreed."""
+    def row_state(self, query: torch.Tensor, mask: torch.Tensor | None) -> Callable | None:
+        """The C++ kernel for a layer's row states and output (after `step` has counted the layer), or None where
+        it does not apply: fewer logits than `native_from` so far, not float32 on the CPU, a mask it does not take
+        (`mask`: what the attention function received), or a kernel that could not be built or disagreed."""
         if (
-            value is not None
-            or self.folded < self.compile_from
+            self.folded < self.native_from
             or self.native_failed is not None
             or query.device.type != "cpu"
             or query.dtype != torch.float32
+            or not native.takes_mask(TileVisibility(mask), query.shape[-2])
         ):
             return None
         module = self.native_loader()
@@ -215,8 +224,8 @@ class TileKernel:
             return None
         return functools.partial(self._native, module)
 
-    def _native(self, module, scaled, key, positions, first_key, visibility, softcap) -> tuple | None:
-        states = native.row_state(module, scaled, key, positions, first_key, visibility, softcap)
+    def _native(self, module, scaled, key, value, positions, first_key, visibility, softcap) -> tuple | None:
+        states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap)
         if states is None or self._native_checked:
             self.native_runs += states is not None
             return states
@@ -224,18 +233,18 @@ class TileKernel:
         batch, heads, t, head_dim = scaled.shape
         rows = positions[-NATIVE_CHECK_ROWS:]
         grouped = scaled.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows)
-        expected = _fold_tiles(grouped, key, None, visibility, rows, softcap, _tile_step, TILE_KEYS, first_key)
+        expected = _fold_tiles(grouped, key, value, visibility, rows, softcap, _tile_step, TILE_KEYS, first_key)
         # Rows that see some key but the first (padding sees none; a row that sees only the first has no state).
         seen = expected[5] > 0
-        got = [x[..., -len(rows) :][seen] for x in states]
-        expected = [x[seen] for x in expected[:8]]
-        close = (1, 2, 6, 7)  # A, B, mean, spread
+        got = [None if x is None else x[:, :, -len(rows) :][seen] for x in states]
+        expected = [None if x is None else x[seen] for x in expected]
+        close = (1, 2, 6, 7) if value is None else (1, 2, 6, 7, 8)  # A, B, mean, spread (and O)
         agrees = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
         agrees = agrees and torch.equal(got[3] > 1, expected[3] > 1) and torch.equal(got[5], expected[5])
         self._native_checked = True
         if not agrees:
             self.native_failed = "its first result disagreed with the tile loop"
-            _log.warning("headscope's C++ row-statistics kernel %s; using the tile loop", self.native_failed)
+            _log.warning("headscope's C++ attention kernel %s; using the tile loop", self.native_failed)
             return None
         self.native_runs += 1
         return states
@@ -270,8 +279,8 @@ def fused_attention(
     query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim), unrepeated (query head h
     reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
     seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`, or `_tile_step`
-    itself. row_state: `TileKernel.row_state(...)`: when given (statistics alone), it computes every row's
-    running state in one call instead of the tile loop. Returns the output (batch, rows, heads, head_dim) in the
+    itself. row_state: `TileKernel.row_state(...)`: when given, it computes every row's running state
+    (and output sum) in one call instead of the tile loop. Returns the output (batch, rows, heads, head_dim) in the
     query's dtype, as attention functions return it (None without `value`), and the rows' `RowValues`.
     """
     batch, heads, t, head_dim = query.shape
@@ -281,8 +290,8 @@ def fused_attention(
     scaled = query * scaling
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
     states = None
-    if row_state is not None and value is None:
-        states = row_state(scaled, key, positions, seq_start, visibility, softcap)
+    if row_state is not None:
+        states = row_state(scaled, key, value, positions, seq_start, visibility, softcap)
     outputs, values = [], []
     block_rows = block_rows if states is None else max(block_rows, block_rows * tile_keys // READ_OFF_FLOATS)
     for first in range(0, len(positions), block_rows):
@@ -291,7 +300,8 @@ def fused_attention(
         if states is None:
             state = _fold_tiles(block_query, key, value, visibility, rows, softcap, step, tile_keys, seq_start)
         else:
-            state = (*(x[..., first : first + block_rows] for x in states), None)
+            block = slice(first, first + block_rows)
+            state = tuple(None if x is None else x[:, :, block] for x in states)
         output, row_values = read_off(block_query, key, value, visibility, rows, state, softcap, seq_start, window)
         outputs.append(output)
         values.append(row_values)

@@ -1,10 +1,10 @@
-"""headscope's C++ kernel for the fused row statistics on CPU (kernels/row_state.cpp), built on first use.
+"""headscope's C++ kernel for the fused pass on CPU (kernels/row_state.cpp), built on first use.
 
-It does what the tile loop of headscope.model.fused does for the statistics alone (no output), with the q k^T products
-and the reductions in one cache-resident loop, as sdpa's CPU kernel does: about twice as fast as the tile loop
-(benchmarks/README.md). It is built with torch's extension builder (a C++ compiler and ninja; about 45 s, once
-per machine and source, kept in torch's extensions folder) and used only for float32 on CPU. When it cannot be
-built, or its first result disagrees with the tile loop, headscope keeps the tile loop.
+It does what the tile loop of headscope.model.fused does (the row statistics, and the attention output when the
+values are given), with the q k^T and p v products and the reductions in one cache-resident loop, as sdpa's CPU
+kernel does for the output alone (benchmarks/README.md). It is built with torch's extension builder (a C++ compiler
+and ninja; about 45 s, once per machine and source, kept in torch's extensions folder) and used only for float32 on
+CPU. When it cannot be built, or its first result disagrees with the tile loop, headscope keeps today's paths.
 """
 
 from __future__ import annotations
@@ -67,26 +67,32 @@ def row_state_module(isa: str | None = None) -> ModuleType | str:
         return reason
 
 
+def takes_mask(visibility, keys: int) -> bool:
+    """Does the kernel take this mask? One shared by every head (or none), over every key."""
+    mask = visibility.mask
+    return mask is None or (mask.shape[1] == 1 and mask.shape[-1] == keys)
+
+
 def row_state(
     module: ModuleType,
     scaled: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor | None,
     positions: torch.Tensor,
     first_key: torch.Tensor,
     visibility,
     softcap: float | None,
-) -> tuple[torch.Tensor, ...] | None:
-    """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each, as headscope.model.fused's tile loop leaves
-    them: every key but each sentence's first, first_key (batch,) long) of query rows `positions` of `scaled`
-    (query * scaling, (batch, heads, t, head_dim)); None for a mask the kernel does not take (one per head)."""
-    mask = None
-    if visibility.mask is not None:
-        if visibility.mask.shape[1] != 1 or visibility.mask.shape[-1] != key.shape[-2]:
-            return None
-        mask = visible_keys(visibility.mask)[:, 0].contiguous()  # (batch or 1, t, keys) bool
+) -> tuple[torch.Tensor | None, ...] | None:
+    """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch, heads, rows, head_dim), None
+    without `value`), as headscope.model.fused's tile loop leaves them (every key but each sentence's first,
+    first_key (batch,) long), of query rows `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim));
+    None for a mask the kernel does not take (`takes_mask`)."""
+    if not takes_mask(visibility, key.shape[-2]):
+        return None
+    mask = None if visibility.mask is None else visible_keys(visibility.mask)[:, 0].contiguous()
     rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
-    return tuple(
-        module.row_state(
-            rows.contiguous(), key.contiguous(), positions.contiguous(), first_key.contiguous(), mask, softcap or 0.0
-        )
+    value = None if value is None else value.contiguous()
+    *states, output = module.row_state(
+        rows.contiguous(), key.contiguous(), value, positions.contiguous(), first_key.contiguous(), mask, softcap or 0.0
     )
+    return (*states, None if value is None else output)

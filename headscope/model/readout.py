@@ -235,18 +235,17 @@ class Readout:
         if len(windows) > 1:  # one band per pass: the readers with another window read blocks
             row_readers = [reader for reader in row_readers if reader.window == window]
         rows, keys = tile_shape(batch, heads, self.block_bytes)
-        # sdpa's output where it computes the same maths (it is faster than folding the values in ourselves);
-        # a softcapped model's from the fused pass.
-        softcap = kwargs.get("softcap")
-        output = None if softcap is not None else sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
-        fused_value = value if softcap is not None else None
         step = self.kernel.step(batch * heads * t * (t + 1) // 2)
-        row_state = self.kernel.row_state(query, fused_value)
+        # One pass for the output and the statistics where headscope's C++ kernel applies, or the model softcaps
+        # its logits (sdpa cannot); elsewhere sdpa's output, faster than the tile loop folding the values in.
+        row_state = self.kernel.row_state(query, mask)
+        one_pass = row_state is not None or kwargs.get("softcap") is not None
+        output = None if one_pass else sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         native_runs = self.kernel.native_runs
         fused_output, values = _layer_fused_pass(
             query,
             key,
-            fused_value,
+            value if one_pass else None,
             mask,
             kwargs,
             seq_start=self.seq_start,
@@ -262,10 +261,10 @@ class Readout:
         if block_readers:
             self._blocks(block_readers, layer, query, key, value, mask, kwargs)
         # Recorded even if short batches took the eager weights: the fused path is the one worth naming.
-        if output is None:
+        if self.kernel.native_runs > native_runs:  # the kernel ran (not refused on its first call)
+            self.paths[name] = "fused (output and row statistics in one pass by headscope's C++ kernel)"
+        elif output is None:
             self.paths[name] = "fused (output and row statistics in one pass over tiles of keys)"
-        elif self.kernel.native_runs > native_runs:  # the kernel ran (it declines masks it does not take)
-            self.paths[name] = "fused (row statistics by headscope's C++ kernel; output from sdpa)"
         else:
             self.paths[name] = "fused (row statistics in one pass over tiles of keys; output from sdpa)"
         return fused_output if output is None else output

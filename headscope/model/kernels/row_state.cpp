@@ -1,4 +1,5 @@
-// The softmax state of every query row of causal attention, in one cache-resident pass over blocks of keys.
+// The softmax state of every query row of causal attention, and optionally its output, in one cache-resident pass
+// over blocks of keys.
 //
 // For each row, over the keys it may see (key <= its position, and the mask's when there is one) but its sentence's
 // first key, the same running values as headscope/fused.py's tile step, with the same rescaling when a block raises
@@ -6,9 +7,11 @@
 //     m  the largest logit        A  sum e^(s - m)        B  sum e^(s - m) (s - m)
 //     n  keys holding exactly m   top  the first of them
 //     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations
+//     O  sum e^(s - m) v  (when values are given: the output before the first key is put back and A divides it)
 // A block of rows is 64 queries of one head; a block of keys is 512. Their logits (128 KiB) are one sgemm into a
-// buffer that stays in the core's cache for the two passes over it (maximum, then exponentials and sums), as
-// sdpa's own CPU kernel does for the output. Threads take (sentence, head, row block) tasks.
+// buffer that stays in the core's cache for the two passes over it (maximum, then exponentials and sums); with
+// values, the exponentials are written back over the logits and one more sgemm adds them times the block's values
+// to O, as sdpa's own CPU kernel (a flash-attention forward) does. Threads take (sentence, head, row block) tasks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -86,12 +89,13 @@ void merge_masked_moments(RowState& row, const float* s, int64_t n, float lowest
   merge_moments(row, seen, mean, spread);
 }
 
-// Folds logits s[0..n) (keys key0..key0+n-1, hidden ones already at `lowest`) into a row's state. Dense (no key of s
-// hidden, the common case): the block's sum rides on the maximum's pass and its squared deviations on the
-// exponentials' pass, so the moments cost no pass of their own over the block (two extra passes cost 30% of the
-// kernel at 8,192 tokens).
-template <bool Dense>
-void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest) {
+// Folds logits s[0..n) (keys key0..key0+n-1, hidden ones already at `lowest`) into a row's state and returns alpha,
+// the factor the row's earlier sums were rescaled by. Dense (no key of s hidden, the common case): the block's sum
+// rides on the maximum's pass and its squared deviations on the exponentials' pass, so the moments cost no pass of
+// their own over the block (two extra passes cost 30% of the kernel at 8,192 tokens). Keep: the exponentials
+// e^(s - m') replace the logits in s, for the output's product.
+template <bool Dense, bool Keep>
+float fold(RowState& row, float* s, int64_t n, int64_t key0, float lowest) {
   if constexpr (!Dense) merge_masked_moments(row, s, n, lowest);
   const int64_t width = Vec::size();
   int64_t j = 0;
@@ -108,7 +112,17 @@ void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest) 
   }
   const float mean = sum / static_cast<float>(n);  // (used only when Dense)
   const float new_m = std::max(row.m, tile_max);
-  Vec total(0.f), weighted(0.f), squares(0.f), shift(new_m), centre(mean);
+  // The first key holding a maximum this block raises, by a scan that stops at it (before Keep overwrites s).
+  int64_t first = -1;
+  if (tile_max > row.m) {
+    for (first = 0; first < n && s[first] != tile_max; ++first) {
+    }
+  }
+  // The keys holding the maximum, when the block holds it, counted in the exponentials' pass: s - m' is exactly 0
+  // where s == m' (eq gives 1 or 0 per lane; a float sum of at most 512 ones is exact). A pass of its own over the
+  // block cost as much as the exponentials' pass.
+  const bool holds_max = tile_max == new_m;
+  Vec total(0.f), weighted(0.f), squares(0.f), hits(0.f), shift(new_m), centre(mean), zero(0.f);
   for (j = 0; j + width <= n; j += width) {
     const Vec x = Vec::loadu(s + j);
     const Vec shifted = x - shift;
@@ -116,53 +130,47 @@ void fold(RowState& row, const float* s, int64_t n, int64_t key0, float lowest) 
     const Vec e = shifted.exp_u20();
     total = total + e;
     weighted = at::vec::fmadd(e, shifted, weighted);
+    if (holds_max) hits = hits + shifted.eq(zero);
     if constexpr (Dense) {
       const Vec d = x - centre;
       squares = at::vec::fmadd(d, d, squares);
     }
+    if constexpr (Keep) e.store(s + j);
   }
   float tile_total = reduce_sum(total), tile_weighted = reduce_sum(weighted), spread = reduce_sum(squares);
+  int64_t holding = static_cast<int64_t>(reduce_sum(hits));
   for (; j < n; ++j) {
     const float shifted = s[j] - new_m;
     const float e = std::exp(shifted);
     tile_total += e;
     tile_weighted += e * shifted;
+    if (holds_max) holding += shifted == 0.f;
     if constexpr (Dense) spread += (s[j] - mean) * (s[j] - mean);
+    if constexpr (Keep) s[j] = e;
   }
   if constexpr (Dense) merge_moments(row, n, mean, spread);
-  // The keys holding the maximum, when the block holds it: counted a vector at a time (eq gives 1 or 0 per lane; a
-  // float sum of at most 512 ones is exact), and the first of them, needed only when the block raises the maximum,
-  // by a scan that stops at it. A scalar pass over the block here cost as much as the exponentials' pass.
-  int64_t holding = 0, first = -1;
-  if (tile_max == new_m) {
-    Vec hits(0.f), target(new_m);
-    for (j = 0; j + width <= n; j += width) hits = hits + Vec::loadu(s + j).eq(target);
-    holding = static_cast<int64_t>(reduce_sum(hits));
-    for (; j < n; ++j) holding += s[j] == new_m;
-    if (new_m > row.m) {
-      for (first = 0; s[first] != new_m; ++first) {
-      }
-    }
-  }
   // alpha * (m - new_m), not (m - new_m) * A: where alpha is 0 the product is 0 (see fused.py).
   const float alpha = std::exp(row.m - new_m);
   row.weighted = alpha * row.weighted + (alpha * (row.m - new_m)) * row.total + tile_weighted;
   row.total = alpha * row.total + tile_total;
-  if (new_m > row.m && holding > 0) row.top = key0 + first;
+  if (first >= 0) row.top = key0 + first;
   row.count = (new_m == row.m ? row.count : 0) + holding;
   row.m = new_m;
+  return alpha;
 }
 
 }  // namespace
 
-// query: (batch, heads, rows, dim) float32 contiguous, already scaled; key: (batch, kv_heads, keys, dim) float32
-// contiguous (head h reads kv head h / (heads / kv_heads)); positions: (rows,) long, increasing; first_key: (batch,)
-// long, each sentence's first key, left out of the state (fused.py's read-off adds it back); mask: (batch or 1,
-// query positions, keys) bool, True = visible, or None for plain causal attention. Returns m, A, B (float32), n, top
-// (long), seen (long), mean, spread (float32), each (batch, heads, rows); rows that see no key keep m = lowest, A = 0
-// (padding: never read).
-std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const at::Tensor& positions,
-                                  const at::Tensor& first_key, const c10::optional<at::Tensor>& mask, double softcap) {
+// query: (batch, heads, rows, dim) float32 contiguous, already scaled; key and value: (batch, kv_heads, keys, dim)
+// float32 contiguous (head h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone);
+// positions: (rows,) long, increasing; first_key: (batch,) long, each sentence's first key, left out of the state
+// (fused.py's read-off adds it back); mask: (batch or 1, query positions, keys) bool, True = visible, or None for
+// plain causal attention. Returns m, A, B (float32), n, top (long), seen (long), mean, spread (float32), each
+// (batch, heads, rows), and with values O (batch, heads, rows, dim) float32; rows that see no key keep m = lowest,
+// A = 0 (padding: never read).
+std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& value,
+                                  const at::Tensor& positions, const at::Tensor& first_key,
+                                  const c10::optional<at::Tensor>& mask, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous() && first_key.is_contiguous(),
               "contiguous inputs");
@@ -176,14 +184,22 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
     mask_batch = mask->size(0);
     mask_rows = mask->size(1);
   }
+  const float* v = nullptr;
+  if (value.has_value()) {
+    TORCH_CHECK(value->scalar_type() == at::kFloat && value->is_contiguous() && value->sizes() == key.sizes(),
+                "float32 contiguous value shaped as the key");
+    v = value->data_ptr<float>();
+  }
   auto options = query.options();
   at::Tensor m_out = at::empty({batch, heads, rows}, options);
   at::Tensor total_out = at::empty_like(m_out), weighted_out = at::empty_like(m_out);
   at::Tensor count_out = at::empty({batch, heads, rows}, options.dtype(at::kLong)), top_out = at::empty_like(count_out);
   at::Tensor seen_out = at::empty_like(count_out), mean_out = at::empty_like(m_out), spread_out = at::empty_like(m_out);
+  at::Tensor sum_out = at::empty({v ? batch : 0, heads, rows, dim}, options);
   const int64_t* sentence_first = first_key.data_ptr<int64_t>();
   int64_t* seen_data = seen_out.data_ptr<int64_t>();
   float *mean_data = mean_out.data_ptr<float>(), *spread_data = spread_out.data_ptr<float>();
+  float* sum_data = sum_out.data_ptr<float>();
   const float* q = query.data_ptr<float>();
   const float* k = key.data_ptr<float>();
   const int64_t* position = positions.data_ptr<int64_t>();
@@ -214,15 +230,19 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
 
   at::parallel_for(0, batch * heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(ROWS * KEYS);
+    std::vector<float> sums(v ? ROWS * dim : 0);  // the block's O, row-major (rows, dim)
     RowState state[ROWS];
+    float alpha[ROWS];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads, first_row = (task % row_blocks) * ROWS;
       const int64_t n_rows = std::min(ROWS, rows - first_row);
       const int64_t out = (b * heads + h) * rows + first_row;
       const float* block_query = q + out * dim;
-      const float* head_keys = k + (b * kv_heads + h / groups) * keys * dim;
+      const int64_t kv_offset = (b * kv_heads + h / groups) * keys * dim;
+      const float* head_keys = k + kv_offset;
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
       for (int64_t i = 0; i < n_rows; ++i) state[i] = {lowest, 0.f, 0.f, 0, 0, 0, 0.0, 0.0};
+      std::fill(sums.begin(), sums.end(), 0.f);
       const int64_t skip = sentence_first[b];  // the sentence's first key: not folded
       const int64_t stop = std::min(keys, position[first_row + n_rows - 1] + 1);  // causal: no key after the last row
       const int64_t sentence_rows = (mask_batch == 1 ? 0 : b) * mask_rows;
@@ -244,19 +264,24 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
                scores.data(), &n_keys);
         for (int64_t i = 0; i < n_rows; ++i) {
           const int64_t row = position[first_row + i];
+          float* row_scores = scores.data() + i * n_keys;
+          alpha[i] = 1.f;
           // Keys [key0 + lo, key0 + n_seen) of this block: none before the row's first visible key nor after the
           // row (causal); in a row that is not one run, the keys the mask hides get the lowest logit, as the eager
           // functions give them.
-          const int64_t n_seen = std::min<int64_t>(n_keys, row + 1 - key0);
+          const int64_t n_seen = std::max<int64_t>(0, std::min<int64_t>(n_keys, row + 1 - key0));
           int64_t lo = std::max<int64_t>(0, first[i] - key0);
           // The sentence's first key: dropped from the front of the row's keys (where it is in a run of them), else
           // hidden like a masked key.
           bool dense = run[i];
           if (skip - key0 == lo) ++lo;
-          if (n_seen <= lo) continue;
+          if (n_seen <= lo) {
+            if (v) std::fill(row_scores, row_scores + n_keys, 0.f);  // adds nothing to the output
+            continue;
+          }
           const bool skip_inside = skip - key0 > lo && skip - key0 < n_seen;
           dense = dense && !skip_inside;
-          float* s = scores.data() + i * n_keys + lo;
+          float* s = row_scores + lo;
           const int64_t n = n_seen - lo;
           if (cap > 0) {
             int64_t j = 0;
@@ -270,11 +295,29 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
             for (int64_t j = 0; j < n; ++j) s[j] = row_mask[j] ? s[j] : lowest;
           }
           if (skip_inside) s[skip - key0 - lo] = lowest;
-          if (dense) {
-            fold<true>(state[i], s, n, key0 + lo, lowest);
+          if (v) {
+            alpha[i] = dense ? fold<true, true>(state[i], s, n, key0 + lo, lowest)
+                             : fold<false, true>(state[i], s, n, key0 + lo, lowest);
+            // The keys the row does not see weigh nothing (hidden ones inside [lo, n_seen) got e^(lowest - m') = 0).
+            std::fill(row_scores, s, 0.f);
+            std::fill(row_scores + n_seen, row_scores + n_keys, 0.f);
+          } else if (dense) {
+            fold<true, false>(state[i], s, n, key0 + lo, lowest);
           } else {
-            fold<false>(state[i], s, n, key0 + lo, lowest);
+            fold<false, false>(state[i], s, n, key0 + lo, lowest);
           }
+        }
+        if (v) {
+          // O = alpha O + P V, P the block's exponentials (n_rows x n_keys), V its values (n_keys x dim).
+          for (int64_t i = 0; i < n_rows; ++i) {
+            if (alpha[i] == 1.f) continue;
+            float* row_sum = sums.data() + i * dim;
+            int64_t j = 0;
+            for (; j + Vec::size() <= dim; j += Vec::size()) (Vec::loadu(row_sum + j) * Vec(alpha[i])).store(row_sum + j);
+            for (; j < dim; ++j) row_sum[j] *= alpha[i];
+          }
+          sgemm_("N", "N", &depth, &block_rows, &n_keys, &one, v + kv_offset + key0 * dim, &ld, scores.data(), &n_keys,
+                 &one, sums.data(), &ld);
         }
       }
       for (int64_t i = 0; i < n_rows; ++i) {
@@ -287,11 +330,12 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         mean_data[out + i] = static_cast<float>(state[i].mean);
         spread_data[out + i] = static_cast<float>(state[i].spread);
       }
+      if (v) std::copy(sums.begin(), sums.begin() + n_rows * dim, sum_data + out * dim);
     }
   });
-  return {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out};
+  return {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out, sum_out};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("row_state", &row_state, "per-row softmax state of causal attention logits");
+  module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits");
 }
