@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from headscope.run.feed import collate, tokenize_sentences
+from headscope.run.feed import char_limit, collate, tokenize_sentences
 from headscope.run.prefetch import prefetched
 
 AWKWARD = ["", "  ", "The cat sat.", "naïve café 😀 — ok", "x" * 300, "<|endoftext|> after a special token", "\t tab"]
@@ -93,3 +93,15 @@ def test_batches_move_to_a_device_and_stay_put_when_already_there():
     batch = collate([0], [[1, 2]])
     assert batch.to("cpu") is batch
     assert batch.to(torch.device("meta")).input_ids.device.type == "meta"
+
+
+def test_the_character_limit_follows_a_tokenizer_that_gains_a_longer_token():
+    """The longest vocabulary entry is remembered per tokenizer (reading the vocabulary costs a tenth of a short
+    run), and read again once the tokenizer has grown: a limit from the old vocabulary would cut texts too soon."""
+    from planted import build_tokenizer
+
+    tokenizer = build_tokenizer(["short", "words", "only"])
+    before = char_limit(tokenizer, 10)
+    assert char_limit(tokenizer, 10) == before
+    tokenizer.add_tokens(["x" * 300])
+    assert char_limit(tokenizer, 10) == 2 * 11 * 300 > before

@@ -192,3 +192,23 @@ def test_a_script_token_shows_as_text_in_the_notebook_view(smollm2, tmp_path):
         assert console_problems(driver) == []
     finally:
         driver.quit()
+
+
+def test_a_report_in_memory_computes_its_example_views_when_first_read(copier, tmp_path):
+    """A loaded model analysed without an output folder: the example views' forward pass waits for report.examples
+    (forward passes counted at the embeddings), runs once, and gives the table a written report holds."""
+    loaded, texts = copier
+    forwards = []
+    hook = loaded.model.get_input_embeddings().register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        kept = headscope.analyze(loaded, texts, examples=3, probes=False, bootstrap=0)
+        measuring = len(forwards)
+        first = kept.examples
+        assert len(forwards) == measuring + 3  # one forward per example sentence, now
+        assert kept.examples is first and len(forwards) == measuring + 3  # read once
+        written = headscope.analyze(loaded, texts, out=tmp_path / "r", examples=3, probes=False, bootstrap=0)
+    finally:
+        hook.remove()
+    assert measuring > 0 and first["sentence_id"].nunique() == 3
+    pd.testing.assert_frame_equal(first, written.examples)
+    pd.testing.assert_frame_equal(kept.heads, written.heads)

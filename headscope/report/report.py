@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +115,17 @@ class Report:
     """
 
     def __init__(
-        self, run: dict, *, folder: Path | None = None, tables: Mapping[str, pd.DataFrame | None] | None = None
+        self,
+        run: dict,
+        *,
+        folder: Path | None = None,
+        tables: Mapping[str, pd.DataFrame | Callable[[], pd.DataFrame] | None] | None = None,
     ) -> None:
+        """tables: frames in hand by file name; a callable is a table computed when first read (analyze's example
+        views of a report kept in memory: a second forward pass nobody may ask for)."""
         self.run = run
         self.folder = Path(folder) if folder is not None else None
-        self._tables: dict[str, pd.DataFrame | None] = dict(tables or {})
+        self._tables: dict[str, pd.DataFrame | Callable | None] = dict(tables or {})
 
     def __repr__(self) -> str:
         facts = self.facts
@@ -197,6 +203,8 @@ class Report:
                 return None
             path = self.folder / name
             self._tables[name] = _read_heads(path, _grid(self.run)) if name == HEADS_FILE else _READERS[name](path)
+        if callable(self._tables[name]):
+            self._tables[name] = self._tables[name]()
         return self._tables[name]
 
     @property

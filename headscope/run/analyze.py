@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from headscope.arguments import as_path
@@ -166,13 +168,20 @@ def analyze(
                                                 ranks=ranks)  # fmt: skip
             if not ranks.main:
                 return None
-            with timings.phase("write"):  # the example views: their attention is written with the tables
-                examples = example_views(capture, feed, plan, measured.progress.lengths, device=loaded.device)
+            lengths = measured.progress.lengths
+            if out is None and isinstance(model, LoadedModel) and not ranks.parallel:
+                # A report kept in memory, of a model the caller keeps: the example views' forward pass waits until
+                # someone reads report.examples (a chart, the notebook view); on one short text it was a third of
+                # the run. A model loaded here is let go with the run, so its views are computed now.
+                examples = functools.partial(_example_views, loaded, feed, plan, lengths)
+            else:
+                with timings.phase("write"):  # the example views: their attention is written with the tables
+                    examples = example_views(capture, feed, plan, lengths, device=loaded.device)
         if settings.bootstrap and not measured.resampled:
             reporter.note(ONE_SENTENCE_NOTE)
         reporter.stage("writing tables")
         analysis = Analysis(loaded, corpus, plan, measured, probes, importance, examples, thresholds, roles, timings)
-        run, tables = write_tables(folder, analysis, parts)
+        run, tables = write_tables(folder, analysis, parts, in_memory=out is None)
         report = Report(run, folder=folder, tables=tables)
         if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
             _draw(report, folder, charts, page, work.target, reporter)
@@ -183,6 +192,18 @@ def analyze(
     if out is None:
         return Report(run, tables=tables)
     return Report(run, folder=work.target, tables=tables)
+
+
+def _example_views(loaded: LoadedModel, feed: CorpusFeed, plan: Plan, lengths: dict) -> pd.DataFrame:
+    """The example views of a finished run, through a capture of their own (measures.example.example_views), with
+    the run's --threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(plan.settings.threads or threads)
+    try:
+        with attached(loaded.lm or loaded.model, block_bytes=plan.settings.block_bytes) as capture:
+            return example_views(capture, feed, plan, lengths, device=loaded.device)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _draw(report: Report, folder: Path, charts: str | None, page: bool, target: Path, reporter: Reporter) -> None:

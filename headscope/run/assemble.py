@@ -1,4 +1,5 @@
-"""From what the passes measured to the report's tables and run.json, written into the run's work folder.
+"""From what the passes measured to the report's tables and run.json, written into the run's work folder (or, for a
+report kept in memory, only the per-sentence tables, merged there from their parts).
 
 The per-sentence tables are merged from their part files (never whole in memory) and checked against what the
 run measured; heads and layers come from the corpus-wide sums, the bootstrap, the probes and importance; the
@@ -7,6 +8,7 @@ labels from the rules; run.json records it all (headscope.run.record).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,29 +62,37 @@ class Analysis:
     measured: Measured  # the corpus pass: sums, bootstrap, progress, attention paths
     probes: ProbeResult | None
     importance: Importance | None
-    examples: pd.DataFrame  # the example views (tables.EXAMPLES_SCHEMA)
+    # the example views (tables.EXAMPLES_SCHEMA), or what computes them when first read (a report kept in memory)
+    examples: pd.DataFrame | Callable[[], pd.DataFrame]
     thresholds: Thresholds
     roles: RoleThresholds
     timings: Timings
 
 
-def write_tables(folder: Path, analysis: Analysis, parts: PartFiles) -> tuple[dict, dict[str, pd.DataFrame]]:
+def write_tables(
+    folder: Path, analysis: Analysis, parts: PartFiles, *, in_memory: bool = False
+) -> tuple[dict, dict[str, pd.DataFrame | Callable | None]]:
     """Write every table and run.json into `folder`; return run.json's content and the small tables in hand
-    (heads, layers, examples, by file name)."""
+    (heads, layers, examples, probes, by file name). in_memory: a report nobody will open from `folder` (a
+    temporary one): only the per-sentence tables are written there (merged from their parts, read back by the
+    caller); the small tables stay frames, unwritten."""
     a, plan, measured = analysis, analysis.plan, analysis.measured
     with a.timings.phase("write"):
         _merge_parts(parts, folder, measured, a.corpus, plan)
         replicates = measured.bootstrap.metrics() if measured.resampled else None
         heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None, plan.attention)
-        write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
-        write_table(a.examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
-        if a.probes is not None:
-            write_table(probes_frame(a.probes.per_seed, np.array(plan.layers)), folder / PROBES_FILE, PROBES_SCHEMA)
+        probes = None if a.probes is None else probes_frame(a.probes.per_seed, np.array(plan.layers))
+        if not in_memory:
+            write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
+            write_table(a.examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
+            if probes is not None:
+                write_table(probes, folder / PROBES_FILE, PROBES_SCHEMA)
     run = run_record(analysis, heads)
-    write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
-    write_json(run, folder / RUN_FILE)
-    return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: a.examples}
+    if not in_memory:
+        write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
+        write_json(run, folder / RUN_FILE)
+    return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes}
 
 
 def labelled_heads(plan, measured, probes, importance, rules, replicates=None) -> pd.DataFrame:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import math
 import platform
 import resource
@@ -151,6 +152,7 @@ def run_record(analysis, heads) -> dict:
     }
 
 
+@functools.cache  # what this process imported does not change while it runs
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
     for package in PACKAGES:
