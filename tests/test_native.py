@@ -199,7 +199,7 @@ def test_the_kernel_is_only_offered_where_it_applies(kernel_module):
     assert native_kernel(kernel_module).row_state(query, None) is not None
     per_head = torch.ones(2, HEADS, 8, 8, dtype=torch.bool).tril()
     assert native_kernel(kernel_module).row_state(query, per_head) is None  # a mask per head: not taken
-    assert native_kernel(kernel_module).row_state(query.bfloat16(), None) is None  # float32 only
+    assert native_kernel(kernel_module).row_state(query.double(), None) is None  # float64: the tile loop
     below = TileKernel(native_loader=lambda: kernel_module, native_from=10**9)
     below.step(100)
     assert below.row_state(query, None) is None  # short work: not worth a build
@@ -355,3 +355,26 @@ def test_the_kernel_outputs_carry_smollm2_to_the_sdpa_hidden_state(smollm2, corp
     real = batch.attention_mask.bool()
     got, want = measured.last_hidden_state[real], plain[real]
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_read_as_float32(kernel_module, dtype):
+    """A half-precision layer reaches the kernel: its numbers are exact in float32, so the statistics equal the
+    float64 reference of those very numbers to 1e-5, and the output is float32 sdpa's rounded once to the layer's
+    dtype (within half its epsilon)."""
+    query, key, value = (x.to(dtype) for x in hand_built(seed=14, t=LONG))
+    mask, visible, seq_start = masks(t=LONG)["left padded"]
+    kernel = native_kernel(kernel_module)
+    row_state = kernel.row_state(query, mask)
+    assert row_state is not None
+    output, values = fused(query, key, value, mask, seq_start, row_state=row_state)
+    assert kernel.native_failed is None and kernel.native_runs == 1 and output.dtype == dtype
+    exact = [x.float() for x in (query, key, value)]
+    real = visible.any(-1)
+    want = sdpa_output(*exact, visible)[real]
+    half_ulp = torch.finfo(dtype).eps / 2 * want.abs()
+    assert ((output[real].float() - want).abs() <= half_ulp + 1e-5 * want.abs().max()).all()
+    expected = reference(*exact, visible, seq_start)
+    for name in STATISTICS:
+        got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
+        torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)

@@ -25,8 +25,9 @@ is any tile the mask hides entirely (a sliding window).
 
 On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, Triton kernels on CUDA), so the
 several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
-say) the same function runs op by op, with the same maths. For a float32 model on the CPU, headscope's C++
-kernel (headscope.model.native) replaces the tile loop, the output included: same state, same read-off.
+say) the same function runs op by op, with the same maths. For a float32 or half-precision model on the CPU,
+headscope's C++ kernel (headscope.model.native) replaces the tile loop, the output included: same state, same
+read-off.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ COMPILE_FROM = 2**25
 # visible pairs), so by default the kernel takes every fused layer; the tile loop before it measured 0.8 s for
 # SmolLM2's first 7 layers at 1,024 tokens where the kernel took 0.37 s for the other 23.
 NATIVE_FROM = 2**22
+# What the C++ kernel reads: float32, and half precision read as float32 (float64 stays on the tile loop).
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows on which the C++ kernel's first result is checked against the tile loop.
 NATIVE_CHECK_ROWS = 8
 # The C++ kernel's state covers every row in one call, and read_off is some sixty small tensor operations whatever
@@ -173,9 +176,9 @@ class TileKernel:
       capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
       disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
       either way (tested to 1e-6).
-    - Past `native_from` logits, float32 attention on the CPU (statistics and output) comes from headscope's C++
-      kernel (`row_state`, headscope.model.native), once it is built and its first result agrees with the tile loop
-      on a few rows; otherwise from the tile loop.
+    - Past `native_from` logits, float32 and half-precision attention on the CPU (statistics and output, in
+      float32) comes from headscope's C++ kernel (`row_state`, headscope.model.native), once it is built and its
+      first result agrees with the tile loop on a few rows; otherwise from the tile loop.
     """
 
     def __init__(
@@ -208,13 +211,14 @@ class TileKernel:
 
     def row_state(self, query: torch.Tensor, mask: torch.Tensor | None) -> Callable | None:
         """The C++ kernel for a layer's row states and output (after `step` has counted the layer), or None where
-        it does not apply: fewer logits than `native_from` so far, not float32 on the CPU, a mask it does not take
-        (`mask`: what the attention function received), or a kernel that could not be built or disagreed."""
+        it does not apply: fewer logits than `native_from` so far, not float32, bfloat16 or float16 on the CPU, a
+        mask it does not take (`mask`: what the attention function received), or a kernel that could not be built
+        or disagreed."""
         if (
             self.folded < self.native_from
             or self.native_failed is not None
             or query.device.type != "cpu"
-            or query.dtype != torch.float32
+            or query.dtype not in NATIVE_DTYPES
             or not native.takes_mask(TileVisibility(mask), query.shape[-2])
         ):
             return None
@@ -287,6 +291,11 @@ def fused_attention(
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     positions = torch.arange(t, device=query.device) if positions is None else positions
+    dtype = query.dtype
+    if row_state is not None and dtype != torch.float32:
+        # A half-precision layer taken by the C++ kernel: its bfloat16/float16 numbers are exact in float32, and
+        # every product and sum from here on (the kernel's and the read-off's) is float32, as in sdpa's CPU kernel.
+        query, key, value = (None if x is None else x.float() for x in (query, key, value))
     scaled = query * scaling
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
     states = None
@@ -307,7 +316,7 @@ def fused_attention(
         values.append(row_values)
     output = None
     if value is not None:  # (batch, rows, heads, head_dim)
-        output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous().to(query.dtype)
+        output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous().to(dtype)
     columns = zip(*(vars(v).values() for v in values), strict=True)
     joined = RowValues(*(torch.cat(parts, dim=-1) for parts in columns))
     return output, joined

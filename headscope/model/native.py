@@ -4,7 +4,8 @@ It does what the tile loop of headscope.model.fused does (the row statistics, an
 values are given), with the q k^T and p v products and the reductions in one cache-resident loop, as sdpa's CPU
 kernel does for the output alone (benchmarks/README.md). It is built with torch's extension builder (a C++ compiler
 and ninja; about 45 s, once per machine and source, kept in torch's extensions folder) and used only for float32 on
-CPU. When it cannot be built, or its first result disagrees with the tile loop, headscope keeps today's paths.
+CPU (half precision read as float32). When it cannot be built, or its first result disagrees with the tile loop,
+headscope keeps today's paths.
 """
 
 from __future__ import annotations
