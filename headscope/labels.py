@@ -151,10 +151,9 @@ def assign_roles(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresho
     out = heads.copy()
     tests = [test(out, roles, thresholds) for test, _ in ROLE_RULES.values()]
     out["role"] = _first_match(tests, list(ROLE_RULES), "other")
-    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in out.itertuples()]
-    out["role_detail"] = [
-        off_sink_detail(row, roles, thresholds) if row.role == "sink" else None for row in out.itertuples()
-    ]
+    rows = list(out.itertuples())  # once: a row of some eighty columns costs more to build than to read
+    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
+    out["role_detail"] = [off_sink_detail(row, roles, thresholds) if row.role == "sink" else None for row in rows]
     return out
 
 

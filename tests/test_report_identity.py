@@ -75,3 +75,25 @@ def test_a_report_without_a_fingerprint_is_matched_by_its_source(models, tmp_pat
     assert headscope.ablate(str(models["first"]), SENTENCES, each_role=True, report=report, bootstrap=0)
     with pytest.raises(ConfigError, match="their weights cannot be compared here"):
         headscope.ablate(str(models["copy"]), SENTENCES, each_role=True, report=report, bootstrap=0)
+
+
+def test_a_weight_changed_in_place_changes_the_fingerprint(models):
+    """The fingerprint is remembered per model until a parameter changes: in place (its version counter moves, a
+    value at one of the sampled positions changed) or replaced by another tensor of other values."""
+    import torch
+
+    from headscope.model.identity import weights_fingerprint
+
+    model = headscope.load_model(str(models["first"]), device="cpu").model
+    before = weights_fingerprint(model)
+    assert weights_fingerprint(model) == before
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        parameter.view(-1)[0] += 1.0  # the first value is always sampled
+    edited = weights_fingerprint(model)
+    assert edited != before
+    with torch.no_grad():
+        parameter.view(-1)[0] -= 1.0
+    assert weights_fingerprint(model) == before  # the same values again: the same fingerprint
+    parameter.data = parameter.data + 3.0
+    assert weights_fingerprint(model) not in (before, edited)

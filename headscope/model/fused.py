@@ -57,6 +57,8 @@ COMPILE_FROM = 2**25
 # visible pairs), so by default the kernel takes every fused layer; the tile loop before it measured 0.8 s for
 # SmolLM2's first 7 layers at 1,024 tokens where the kernel took 0.37 s for the other 23.
 NATIVE_FROM = 2**22
+# The kernel of each device type, as run.json and warnings name it.
+KERNEL_NAMES = {"cpu": "C++", "cuda": "Triton"}
 # What the C++ kernel reads: float32, and half precision read as float32 (float64 stays on the tile loop).
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows on which the C++ kernel's first result is checked against the tile loop.
@@ -176,22 +178,31 @@ class TileKernel:
       capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
       disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
       either way (tested to 1e-6).
-    - Past `native_from` logits, float32 and half-precision attention on the CPU (statistics and output, in
-      float32) comes from headscope's C++ kernel (`row_state`, headscope.model.native), once it is built and its
-      first result agrees with the tile loop on a few rows; otherwise from the tile loop.
+    - Past `native_from` logits, float32 and half-precision attention (statistics and output, in float32) comes
+      from headscope's C++ kernel on the CPU (headscope.model.native) or its Triton kernel on CUDA
+      (headscope.model.triton_state), once it is loaded and its first result agrees with the tile loop on a few
+      rows; otherwise from the tile loop.
     """
 
     def __init__(
-        self, compile_from: int = COMPILE_FROM, native_loader: Callable | None = None, native_from: int = NATIVE_FROM
+        self,
+        compile_from: int = COMPILE_FROM,
+        native_loader: Callable | None = None,
+        native_from: int = NATIVE_FROM,
+        triton_loader: Callable | None = None,
     ) -> None:
         self.compile_from = compile_from
         self.native_from = native_from
-        self.native_loader = native_loader or native.row_state_module  # () -> the built module, or why not
+        # device type -> () -> the kernel's module (its `row_state`), or why there is none (one line)
+        self.loaders = {
+            "cpu": native_loader or native.row_state_module,
+            "cuda": triton_loader or native.triton_module,
+        }
         self.folded = 0  # logits handed to `step` so far
         self.failed: str | None = None  # why compiling failed, once it has
-        self.native_failed: str | None = None  # why the C++ kernel is not used, once that is known
-        self.native_runs = 0  # passes whose row states the kernel computed: run.json names the path that ran
-        self._native_checked = False
+        self.failed_kernels: dict[str, str] = {}  # device type -> why its kernel is not used, once that is known
+        self.native_runs = 0  # passes whose row states a kernel computed: run.json names the path that ran
+        self._checked: set[str] = set()  # device types whose kernel's first result was checked
 
     def step(self, logits: int) -> Callable:
         """The tile step for a layer of `logits` (batch x heads x visible pairs) logits."""
@@ -210,27 +221,32 @@ class TileKernel:
         return _tile_step(*args)
 
     def row_state(self, query: torch.Tensor, mask: torch.Tensor | None) -> Callable | None:
-        """The C++ kernel for a layer's row states and output (after `step` has counted the layer), or None where
-        it does not apply: fewer logits than `native_from` so far, not float32, bfloat16 or float16 on the CPU, a
-        mask it does not take (`mask`: what the attention function received), or a kernel that could not be built
-        or disagreed."""
+        """The kernel for a layer's row states and output on its device (the C++ kernel on the CPU, the Triton
+        kernel on CUDA), after `step` has counted the layer; None where it does not apply: fewer logits than
+        `native_from` so far, not float32, bfloat16 or float16, a mask it does not take (`mask`: what the attention
+        function received), another device, or a kernel that could not be loaded or disagreed."""
+        device = query.device.type
         if (
             self.folded < self.native_from
-            or self.native_failed is not None
-            or query.device.type != "cpu"
+            or device not in self.loaders
+            or device in self.failed_kernels
             or query.dtype not in NATIVE_DTYPES
             or not native.takes_mask(TileVisibility(mask), query.shape[-2])
         ):
             return None
-        module = self.native_loader()
+        module = self.loaders[device]()
         if isinstance(module, str):
-            self.native_failed = module
+            self.failed_kernels[device] = module
             return None
         return functools.partial(self._native, module)
 
     def _native(self, module, scaled, key, value, positions, first_key, visibility, softcap) -> tuple | None:
-        states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap)
-        if states is None or self._native_checked:
+        device = scaled.device.type
+        try:
+            states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap)
+        except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
+            return self._drop(device, f"failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        if states is None or device in self._checked:
             self.native_runs += states is not None
             return states
         # Its first result against the tile loop, on the last rows (they see the most keys).
@@ -245,13 +261,16 @@ class TileKernel:
         close = (1, 2, 6, 7) if value is None else (1, 2, 6, 7, 8)  # A, B, mean, spread (and O)
         agrees = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
         agrees = agrees and torch.equal(got[3] > 1, expected[3] > 1) and torch.equal(got[5], expected[5])
-        self._native_checked = True
+        self._checked.add(device)
         if not agrees:
-            self.native_failed = "its first result disagreed with the tile loop"
-            _log.warning("headscope's C++ attention kernel %s; using the tile loop", self.native_failed)
-            return None
+            return self._drop(device, "its first result disagreed with the tile loop")
         self.native_runs += 1
         return states
+
+    def _drop(self, device: str, why: str) -> None:
+        """Stop using `device`'s kernel, with a warning: the tile loop computes this pass and the next ones."""
+        self.failed_kernels[device] = why
+        _log.warning("headscope's %s attention kernel %s; using the tile loop", KERNEL_NAMES[device], why)
 
 
 def tile_shape(batch: int, heads: int, block_bytes: int) -> tuple[int, int]:

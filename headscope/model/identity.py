@@ -11,6 +11,7 @@ from a copy in another folder are the same model.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from pathlib import Path
 
 import torch
@@ -21,9 +22,26 @@ from headscope.model.placement import dtype_name
 FINGERPRINT_SAMPLES = 16  # values per parameter, evenly spaced over it (SmolLM2: 272 parameters, a few ms)
 
 
+# model -> (what its parameters are now, their fingerprint): hashing costs 20 ms for SmolLM2, a twentieth of analyzing
+# one short text, and a notebook analyzes one loaded model again and again. A parameter changed in place bumps its
+# version counter (every in-place torch operation does: copy_, load_state_dict, an optimizer step); one replaced
+# (`.data = `, a new Parameter) is another tensor at another address.
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str | None:
     """sha256 of the names, shapes and FINGERPRINT_SAMPLES evenly spaced values of every parameter (None when some
     are not in memory: offloaded to disk by a device map, their values are not here to compare)."""
+    now = tuple((name, id(p), p.data_ptr(), p._version) for name, p in model.named_parameters())
+    known = _FINGERPRINTS.get(model)
+    if known is not None and known[0] == now:
+        return known[1]
+    fingerprint = _hashed(model)
+    _FINGERPRINTS[model] = (now, fingerprint)
+    return fingerprint
+
+
+def _hashed(model: torch.nn.Module) -> str | None:
     digest = hashlib.sha256()
     for name, parameter in model.named_parameters():
         if parameter.device.type == "meta":

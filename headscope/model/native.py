@@ -68,6 +68,19 @@ def row_state_module(isa: str | None = None) -> ModuleType | str:
         return reason
 
 
+@functools.cache
+def triton_module() -> ModuleType | str:
+    """The Triton kernel (headscope.model.triton_state), or why it cannot be used (one line): Triton ships with
+    torch's CUDA builds; where it is missing or fails to import, the compiled tile loop stays."""
+    try:
+        from headscope.model import triton_state
+    except Exception as err:  # not installed, or a Triton too old for the kernel
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+        _log.warning("headscope's Triton attention kernel is not available (%s); using the tile loop", reason)
+        return reason
+    return triton_state
+
+
 def takes_mask(visibility, keys: int) -> bool:
     """Does the kernel take this mask? One shared by every head (or none), over every key."""
     mask = visibility.mask

@@ -31,7 +31,7 @@ from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
 from headscope.errors import ModelLoadError
-from headscope.model.fused import TileKernel, fused_attention, tile_shape
+from headscope.model.fused import KERNEL_NAMES, TileKernel, fused_attention, tile_shape
 from headscope.model.masks import TileVisibility, additive_mask, key_visibility
 from headscope.model.readoff import softcapped
 
@@ -262,7 +262,8 @@ class Readout:
             self._blocks(block_readers, layer, query, key, value, mask, kwargs)
         # Recorded even if short batches took the eager weights: the fused path is the one worth naming.
         if self.kernel.native_runs > native_runs:  # the kernel ran (not refused on its first call)
-            self.paths[name] = "fused (output and row statistics in one pass by headscope's C++ kernel)"
+            kernel = KERNEL_NAMES[query.device.type]
+            self.paths[name] = f"fused (output and row statistics in one pass by headscope's {kernel} kernel)"
         elif output is None:
             self.paths[name] = "fused (output and row statistics in one pass over tiles of keys)"
         else:
