@@ -4,10 +4,13 @@ how the fused pass chooses it (or does without it)."""
 from __future__ import annotations
 
 import math
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -212,8 +215,9 @@ def test_a_kernel_that_cannot_be_built_leaves_the_tile_loop():
     assert kernel.failed_kernels == {"cpu": "OSError: no C++ compiler"}
 
 
-def test_a_kernel_whose_first_result_disagrees_is_dropped():
-    """A kernel returning wrong sums is caught by its first-call check; the tile loop's numbers are returned."""
+def test_a_kernel_whose_first_result_disagrees_is_dropped(caplog):
+    """A kernel returning wrong sums is caught by its first-call check, with a warning; the tile loop's numbers
+    are returned."""
     query, key, value = hand_built(seed=7, t=40)
     mask, visible, seq_start = masks(t=40)["causal"]
 
@@ -223,8 +227,10 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped():
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
 
     kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=wrong), native_from=0)
-    _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
+    with caplog.at_level("WARNING", logger="headscope.model.fused"):
+        _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.failed_kernels["cpu"] == "its first result disagreed with the tile loop"
+    assert "C++ attention kernel is dropped (its first result disagreed with the tile loop)" in caplog.text
     assert kernel.row_state(query, None) is None
     expected = reference(query, key, value, visible, seq_start)
     torch.testing.assert_close(values.entropy.double(), expected["entropy"], rtol=0, atol=1e-5)
@@ -398,3 +404,31 @@ def test_a_kernel_that_raises_is_dropped_for_the_tile_loop():
     expected = reference(query, key, value, visible, seq_start)
     got, want = values.entropy.transpose(1, 2)[real], expected["entropy"].transpose(1, 2)[real]
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+CANNOT_BUILD = """
+import torch
+from test_fused import fused, hand_built, masks
+from test_native import assert_same_output, sdpa_output
+from headscope.model.fused import TileKernel
+
+query, key, value = hand_built(seed=16, t=40)
+mask, visible, seq_start = masks(t=40)["left padded"]
+kernel = TileKernel(native_from=0)  # the real loader: torch's extension builder
+output, _ = fused(query, key, value, mask, seq_start, row_state=kernel.row_state(query, mask))
+assert_same_output(output, sdpa_output(query, key, value, visible), visible.any(-1))
+print(kernel.failed_kernels["cpu"])
+"""
+
+
+@pytest.mark.slow
+def test_a_machine_that_cannot_build_the_kernel_keeps_the_tile_loop_with_a_warning(tmp_path):
+    """A compiler that fails (CXX=false) in a fresh extensions folder: the build's failure is one warning line, the
+    reason is kept, and the tile loop computes the output and the statistics."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(tests)}
+    done = subprocess.run([sys.executable, "-c", CANNOT_BUILD], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    warnings = [line for line in done.stderr.splitlines() if "could not be built" in line]
+    assert len(warnings) == 1 and "using the tile loop" in warnings[0], done.stderr[-2000:]
+    assert done.stdout.strip(), "no reason kept"

@@ -25,9 +25,9 @@ is any tile the mask hides entirely (a sliding window).
 
 On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, Triton kernels on CUDA), so the
 several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
-say) the same function runs op by op, with the same maths. For a float32 or half-precision model on the CPU,
-headscope's C++ kernel (headscope.model.native) replaces the tile loop, the output included: same state, same
-read-off.
+say) the same function runs op by op, with the same maths. For a float32 or half-precision model, headscope's
+kernels replace the tile loop, the output included (same state, same read-off): its C++ kernel on the CPU
+(headscope.model.native), its Triton kernel on CUDA (headscope.model.triton_state).
 """
 
 from __future__ import annotations
@@ -51,19 +51,19 @@ TILE_KEYS = 1024
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
 # one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
 COMPILE_FROM = 2**25
-# Logits a capture folds before it takes the C++ kernel: one layer of a 9-head, 1,000-token sentence. Loading the
-# built kernel takes 0.07 s; building it (once per machine and source) 45 s, worth it only for long work. The fused
+# Logits a capture folds before it takes a kernel (C++, Triton): one layer of a 9-head, 1,000-token sentence. Loading
+# the built kernel takes 0.07 s; building it (once per machine and source) 45 s, worth it only for long work. The fused
 # path itself starts where a layer's (batch, heads, t, t) float32 weights exceed the block budget (32 MiB: 4M
 # visible pairs), so by default the kernel takes every fused layer; the tile loop before it measured 0.8 s for
 # SmolLM2's first 7 layers at 1,024 tokens where the kernel took 0.37 s for the other 23.
 NATIVE_FROM = 2**22
 # The kernel of each device type, as run.json and warnings name it.
 KERNEL_NAMES = {"cpu": "C++", "cuda": "Triton"}
-# What the C++ kernel reads: float32, and half precision read as float32 (float64 stays on the tile loop).
+# What the kernels read: float32, and half precision read as float32 (float64 stays on the tile loop).
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Rows on which the C++ kernel's first result is checked against the tile loop.
+# Rows on which a kernel's first result is checked against the tile loop.
 NATIVE_CHECK_ROWS = 8
-# The C++ kernel's state covers every row in one call, and read_off is some sixty small tensor operations whatever
+# A kernel's state covers every row in one call, and read_off is some sixty small tensor operations whatever
 # its rows: read 128 rows at a time, they cost 64 calls a layer at 8,192 tokens (1.5 s of an analysis of SmolLM2).
 # So rows are read off in the budget a block's logits would take (block_rows x tile_keys), at this many floats a
 # row (read_off's temporaries are some sixty (batch, heads, rows) tensors): 1,024 rows by default.
@@ -245,7 +245,7 @@ class TileKernel:
         try:
             states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap)
         except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
-            return self._drop(device, f"failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+            return self._drop(device, f"failed ({native.one_line(err)})")
         if states is None or device in self._checked:
             self.native_runs += states is not None
             return states
@@ -270,7 +270,8 @@ class TileKernel:
     def _drop(self, device: str, why: str) -> None:
         """Stop using `device`'s kernel, with a warning: the tile loop computes this pass and the next ones."""
         self.failed_kernels[device] = why
-        _log.warning("headscope's %s attention kernel %s; using the tile loop", KERNEL_NAMES[device], why)
+        _log.warning("headscope's %s attention kernel is dropped (%s): the tile loop computes this layer and the "
+                     "rest", KERNEL_NAMES[device], why)  # fmt: skip
 
 
 def tile_shape(batch: int, heads: int, block_bytes: int) -> tuple[int, int]:
@@ -312,8 +313,8 @@ def fused_attention(
     positions = torch.arange(t, device=query.device) if positions is None else positions
     dtype = query.dtype
     if row_state is not None and dtype != torch.float32:
-        # A half-precision layer taken by the C++ kernel: its bfloat16/float16 numbers are exact in float32, and
-        # every product and sum from here on (the kernel's and the read-off's) is float32, as in sdpa's CPU kernel.
+        # A half-precision layer taken by a kernel: its bfloat16/float16 numbers are exact in float32, and every
+        # product and sum from here on (the kernel's and the read-off's) is float32, as in sdpa's CPU kernel.
         query, key, value = (None if x is None else x.float() for x in (query, key, value))
     scaled = query * scaling
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)

@@ -41,6 +41,12 @@ def host_isa() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def one_line(err: Exception) -> str:
+    """An exception as a warning names it: its type and its message's first line."""
+    message = str(err).splitlines()
+    return f"{type(err).__name__}: {message[0]}" if message else type(err).__name__
+
+
 def first_error_line(log: str) -> str:
     """The compiler's first error line in a build log (ninja prints the command first), else its first line."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
@@ -64,7 +70,7 @@ def row_state_module(isa: str | None = None) -> ModuleType | str:
         )
     except Exception as err:  # no compiler, no ninja, a missing BLAS symbol: the tile loop stays
         reason = f"{type(err).__name__}: {first_error_line(str(err))}"
-        _log.warning("headscope's C++ row-statistics kernel could not be built (%s); using the tile loop", reason)
+        _log.warning("headscope's C++ attention kernel could not be built (%s); using the tile loop", reason)
         return reason
 
 
@@ -75,7 +81,7 @@ def triton_module() -> ModuleType | str:
     try:
         from headscope.model import triton_state
     except Exception as err:  # not installed, or a Triton too old for the kernel
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+        reason = one_line(err)
         _log.warning("headscope's Triton attention kernel is not available (%s); using the tile loop", reason)
         return reason
     return triton_state
