@@ -25,14 +25,18 @@ FINGERPRINT_SAMPLES = 16  # values per parameter, evenly spaced over it (SmolLM2
 # model -> (what its parameters are now, their fingerprint): hashing costs 20 ms for SmolLM2, a twentieth of analyzing
 # one short text, and a notebook analyzes one loaded model again and again. A parameter changed in place bumps its
 # version counter (every in-place torch operation does: copy_, load_state_dict, an optimizer step); one replaced
-# (`.data = `, a new Parameter) is another tensor at another address.
+# (`.data = `, a new Parameter) is another tensor at another address. Inference tensors have no version counter:
+# a model holding any is hashed every time.
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str | None:
     """sha256 of the names, shapes and FINGERPRINT_SAMPLES evenly spaced values of every parameter (None when some
     are not in memory: offloaded to disk by a device map, their values are not here to compare)."""
-    now = tuple((name, id(p), p.data_ptr(), p._version) for name, p in model.named_parameters())
+    parameters = list(model.named_parameters())
+    if any(p.is_inference() for _, p in parameters):  # no version counter (loaded under inference mode): hash anew
+        return _hashed(model)
+    now = tuple((name, id(p), p.data_ptr(), p._version) for name, p in parameters)
     known = _FINGERPRINTS.get(model)
     if known is not None and known[0] == now:
         return known[1]
