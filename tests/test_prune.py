@@ -125,10 +125,11 @@ def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
     assert len(result.heads) >= cheapest - 3
 
 
-@pytest.mark.parametrize("patience", [0, 1, 2])
-def test_patience_stops_rounds_that_add_almost_nothing(patience):
-    heads = [(layer, head) for layer in range(50) for head in range(6)]  # 300 heads: 2% is 6
-    chain = heads[::-1]  # only the chain's prefixes fit, and one more head of it for each gradient pass
+def growing_chain(per_pass: int):
+    """300 heads (2% is 6) whose costs only the reversed order's prefixes fit, and only `per_pass` more heads of that
+    chain for each gradient pass so far: (heads, chain, estimate, verify) for prune_search."""
+    heads = [(layer, head) for layer in range(50) for head in range(6)]
+    chain = heads[::-1]
     passes = []
 
     def estimate(removed):
@@ -136,9 +137,15 @@ def test_patience_stops_rounds_that_add_almost_nothing(patience):
         return {h: 1e-4 * chain.index(h) for h in heads if h not in removed}
 
     def verify(sets):
-        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= len(passes) else 2.0
+        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= per_pass * len(passes) else 2.0
                 for s in sets]  # fmt: skip
 
+    return heads, chain, estimate, verify
+
+
+@pytest.mark.parametrize("patience", [0, 1, 2])
+def test_patience_stops_rounds_that_add_almost_nothing(patience):
+    heads, chain, estimate, verify = growing_chain(per_pass=1)
     result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify,
                           patience=patience, max_rounds=5)  # fmt: skip
     # each round: the next head trusted to the estimate (its longer prefixes fail): the round is done
@@ -151,18 +158,7 @@ def test_patience_stops_rounds_that_add_almost_nothing(patience):
 
 def test_a_round_adding_under_2_percent_of_the_heads_counts_against_patience():
     """300 heads: 2% is 6. Rounds that each add 4 heads (more than 1%, fewer than 2%) stop the search by patience."""
-    heads = [(layer, head) for layer in range(50) for head in range(6)]
-    chain = heads[::-1]  # only the chain's prefixes fit, and four more heads of it for each gradient pass
-    passes = []
-
-    def estimate(removed):
-        passes.append(len(removed))
-        return {h: 1e-4 * chain.index(h) for h in heads if h not in removed}
-
-    def verify(sets):
-        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= 4 * len(passes) else 2.0
-                for s in sets]  # fmt: skip
-
+    heads, chain, estimate, verify = growing_chain(per_pass=4)
     result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
                           max_rounds=5)  # fmt: skip
     assert result.heads == chain[:8] and result.rounds == 2 and result.stopped.startswith("patience: 2 rounds")
