@@ -231,7 +231,7 @@ class TileKernel:
             or device not in self.loaders
             or device in self.failed_kernels
             or query.dtype not in NATIVE_DTYPES
-            or not native.takes_mask(TileVisibility(mask), query.shape[-2])
+            or not native.takes_mask(mask, query.shape[-2])
         ):
             return None
         module = self.loaders[device]()
@@ -246,8 +246,8 @@ class TileKernel:
             states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap)
         except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
             return self._drop(device, f"failed ({native.one_line(err)})")
-        if states is None or device in self._checked:
-            self.native_runs += states is not None
+        if device in self._checked:
+            self.native_runs += 1
             return states
         # Its first result against the tile loop, on the last rows (they see the most keys).
         batch, heads, t, head_dim = scaled.shape

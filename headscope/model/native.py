@@ -87,9 +87,9 @@ def triton_module() -> ModuleType | str:
     return triton_state
 
 
-def takes_mask(visibility, keys: int) -> bool:
-    """Does the kernel take this mask? One shared by every head (or none), over every key."""
-    mask = visibility.mask
+def takes_mask(mask: torch.Tensor | None, keys: int) -> bool:
+    """Does a kernel take this mask (what the attention function received)? One shared by every head (or none),
+    over every key."""
     return mask is None or (mask.shape[1] == 1 and mask.shape[-1] == keys)
 
 
@@ -102,13 +102,11 @@ def row_state(
     first_key: torch.Tensor,
     visibility,
     softcap: float | None,
-) -> tuple[torch.Tensor | None, ...] | None:
+) -> tuple[torch.Tensor | None, ...]:
     """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch, heads, rows, head_dim), None
     without `value`), as headscope.model.fused's tile loop leaves them (every key but each sentence's first,
     first_key (batch,) long), of query rows `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim));
-    None for a mask the kernel does not take (`takes_mask`)."""
-    if not takes_mask(visibility, key.shape[-2]):
-        return None
+    The mask must be one the kernels take (`takes_mask`: TileKernel.row_state offers a kernel only then)."""
     mask = None if visibility.mask is None else visible_keys(visibility.mask)[:, 0].contiguous()
     rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
     value = None if value is None else value.contiguous()
