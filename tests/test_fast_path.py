@@ -18,6 +18,7 @@ METRICS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_unifo
 METRICS += ("logit_std", "write_norm", "write_ratio", "sink_value_ratio", "active_rows", "offsink_prev_token")
 METRICS += ("offsink_norm_entropy",)
 TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
+SMALL_BLOCKS = 65536  # bytes: the block-wise path on SmolLM2 with a few rows per block (one row per block is slow)
 
 
 def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
@@ -30,7 +31,7 @@ def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
 @pytest.mark.slow
 def test_fused_path_matches_eager_path_on_smollm2(smollm2, shipped_corpus):
     eager = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, charts=None)
-    fused = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, block_bytes=TINY_BLOCKS)
+    fused = headscope.analyze(smollm2, shipped_corpus, sentence_heads=False, block_bytes=SMALL_BLOCKS)
     assert "eager" in eager.run["attention_implementation"]["LlamaAttention"]
     assert "fused" in fused.run["attention_implementation"]["LlamaAttention"]
     assert_same_heads(fused.heads, eager.heads, names=[name for name in METRICS if name != "active_rows"])

@@ -310,12 +310,15 @@ def fused_attention(
     batch, heads, t, head_dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
+    every_row = positions is None
     positions = torch.arange(t, device=query.device) if positions is None else positions
     dtype = query.dtype
     if row_state is not None and dtype != torch.float32:
         # A half-precision layer taken by a kernel: its bfloat16/float16 numbers are exact in float32, and every
         # product and sum from here on (the kernel's and the read-off's) is float32, as in sdpa's CPU kernel.
         query, key, value = (None if x is None else x.float() for x in (query, key, value))
+    # Contiguous keys, once per layer: the kernels and the read-off's picks of single keys read them as rows.
+    key = key.contiguous()
     scaled = query * scaling
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
     states = None
@@ -328,7 +331,10 @@ def fused_attention(
     block_rows = block_rows if states is None else max(block_rows, block_rows * tile_keys // READ_OFF_FLOATS)
     for first in range(0, len(positions), block_rows):
         rows = positions[first : first + block_rows]
-        block_query = grouped_query.index_select(3, rows) if len(rows) != t else grouped_query
+        # Every row (the default): a block is a view of the queries, not a copy.
+        block_query = (
+            grouped_query[:, :, :, first : first + len(rows)] if every_row else grouped_query.index_select(3, rows)
+        )
         if states is None:
             state = _fold_tiles(block_query, key, value, visibility, rows, softcap, step, tile_keys, seq_start)
         else:
