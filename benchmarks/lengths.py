@@ -15,9 +15,10 @@ Approaches that would hold every layer's (heads, t, t) probabilities are skipped
 when that exceeds half of the machine's available memory.
 
 Reported: tokens per second (median of the repeats), its ratio to the floor, peak memory above the pre-run
-baseline (CPU: resident set size sampled every 2 ms; CUDA: torch's peak allocation). The first headscope run
-of a process loads (or, the first time on a machine, builds) headscope's C++ kernel for the statistics, or compiles
-the tile loop where the kernel does not apply: `first_run_seconds` says what that costs.
+baseline (CPU: the kernel's peak resident set size, VmHWM, reset at each start; CUDA: torch's peak allocation).
+The first headscope run of a process loads (or, the first time on a machine, builds) headscope's C++ kernel for
+the statistics, or compiles the tile loop where the kernel does not apply: `first_run_seconds` says what that
+costs.
 """
 
 from __future__ import annotations
