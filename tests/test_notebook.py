@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from test_page import CHROMIUM, DRIVER, console_problems, needs_browser
 
 import headscope
@@ -212,3 +213,26 @@ def test_a_report_in_memory_computes_its_example_views_when_first_read(copier, t
     assert measuring > 0 and first["sentence_id"].nunique() == 3
     pd.testing.assert_frame_equal(first, written.examples)
     pd.testing.assert_frame_equal(kept.heads, written.heads)
+
+
+def test_example_views_computed_when_first_read_run_with_the_runs_threads(copier):
+    """--threads reaches the example views' forward pass even when it runs after `analyze` returned (torch's
+    thread count read at the embeddings of each forward), and the caller's count is given back after it."""
+    loaded, texts = copier
+    started = torch.get_num_threads()
+    torch.set_num_threads(2)  # a count --threads 1 differs from, whatever the process started with
+    seen = []
+    hook = loaded.model.get_input_embeddings().register_forward_pre_hook(
+        lambda *_: seen.append(torch.get_num_threads())
+    )
+    try:
+        kept = headscope.analyze(loaded, texts, examples=3, probes=False, bootstrap=0, threads=1)
+        measured = len(seen)
+        assert torch.get_num_threads() == 2
+        views = kept.examples
+        assert views["sentence_id"].nunique() == 3
+        assert len(seen) == measured + 3 and set(seen[measured:]) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        hook.remove()
+        torch.set_num_threads(started)
