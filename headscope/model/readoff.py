@@ -56,7 +56,8 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
     logit = functools.partial(_point_logits, grouped_query, key, softcap)
     prev_key = (rows - 1).view(1, n_rows, 1).expand(batch, n_rows, 1)
     # The first key's and the previous key's logits, (batch, heads, rows) each, from one pick of their keys.
-    first_logit, prev_logit = logit(torch.cat([sink_key, prev_key], dim=-1)).unbind(-1)
+    first_and_prev = logit(torch.cat([sink_key, prev_key], dim=-1))
+    first_logit = first_and_prev[..., 0]
     n_visible = visibility.counts(rows)
     first_visible = visibility.points(rows, sink_key).squeeze(-1)  # (batch, 1, rows)
     # A row that sees no key but the first has no state off the sink (its fold held only hidden keys).
@@ -96,7 +97,7 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
         top_tied=count > 1,
         diagonal=diagonal,
         sink=(first_weight / total) * first_visible,
-        prev_token=torch.exp(prev_logit - m) / total * visibility.points(rows, prev_key).squeeze(-1),
+        prev_token=(_probability(first_and_prev[..., 1:], m, total) * visibility.points(rows, prev_key)).squeeze(-1),
         n_visible=n_visible,
         band_visible=band_visible,
         first_visible=first_visible,
@@ -123,9 +124,8 @@ def _point_logits(grouped_query, key, softcap, key_positions: torch.Tensor) -> t
     # Laid out (batch, rows, kv_heads, ...): the model's queries are (batch, t, heads, head_dim) in memory (a
     # transposed view), so the rows' (groups x head_dim) matrices are one batch of them with no copy.
     rows_first = grouped_query.permute(0, 3, 1, 2, 4)  # (batch, rows, kv_heads, groups, head_dim)
-    first_of_head = torch.arange(0, kv_heads * t, t, device=key.device).view(1, 1, kv_heads, 1)
-    first_of_sentence = torch.arange(0, batch * kv_heads * t, kv_heads * t, device=key.device).view(batch, 1, 1, 1)
-    index = first_of_sentence + first_of_head + key_positions.clamp(0, t - 1)[:, :, None, :]  # (b, rows, kv, j)
+    first_of_head = torch.arange(0, batch * kv_heads * t, t, device=key.device).view(batch, 1, kv_heads, 1)
+    index = first_of_head + key_positions.clamp(0, t - 1)[:, :, None, :]  # (batch, rows, kv_heads, j) flat rows
     picked = key.reshape(-1, head_dim).index_select(0, index.reshape(-1)).view(batch, n_rows, kv_heads, points, -1)
     scores = torch.matmul(rows_first, picked.transpose(-1, -2)).float()  # (batch, rows, kv_heads, groups, j)
     return softcapped(scores, softcap).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads * groups, n_rows, points)
@@ -133,7 +133,12 @@ def _point_logits(grouped_query, key, softcap, key_positions: torch.Tensor) -> t
 
 def _point_probability(logit, m, total, key_positions: torch.Tensor) -> torch.Tensor:
     """e^(s - m) / A for key `key_positions[b, r, j]` of each row r: (batch, heads, rows, j)."""
-    return torch.exp(logit(key_positions) - m[..., None]) / total[..., None]
+    return _probability(logit(key_positions), m, total)
+
+
+def _probability(logits: torch.Tensor, m: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """e^(s - m) / A of (batch, heads, rows, j) logits s of single keys, m and A (batch, heads, rows) each."""
+    return torch.exp(logits - m[..., None]) / total[..., None]
 
 
 def _band(point, visibility: TileVisibility, rows: torch.Tensor, window: int, batch: int):
