@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,15 @@ def corpus(tmp_path, corpus_lines) -> Path:
 def no_model_loading():
     """`headscope ARGS` with a loader that fails the test: the check under test must come before the weights."""
     return lambda *args: run_cli(*args, loader=refuse_to_load)
+
+
+@pytest.fixture(scope="session")
+def kernel_module():
+    """headscope's C++ kernel built for this machine (skipped only where there is no C++ compiler)."""
+    from headscope.model import native
+
+    module = native.row_state_module()
+    if isinstance(module, str) and shutil.which("c++") is None:
+        pytest.skip(f"no C++ compiler to build the kernel with: {module}")
+    assert not isinstance(module, str), module  # with a compiler it must build
+    return module

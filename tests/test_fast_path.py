@@ -167,7 +167,8 @@ def test_a_model_with_its_own_attention_maths_stays_on_its_eager_function(tmp_pa
     )
     folder = tiny_model_folder(tmp_path / "neox", config, GPTNeoXForCausalLM, corpus_lines)
     result = headscope.analyze(str(folder), corpus_lines[:10], block_bytes=TINY_BLOCKS, sentence_heads=False)
-    assert result.run["attention_implementation"] == {"GPTNeoXAttention": "eager (the model's own attention function)"}
+    path = result.run["attention_implementation"]["GPTNeoXAttention"]
+    assert path.startswith("eager (the model's own attention function")  # its own weights, whoever reduces them
 
 
 def test_the_example_attention_stays_small_when_every_sentence_is_long(planted_gpt2, corpus_lines):

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from headscope.model.fused import TileKernel, _tile_step, fused_attention, tile_shape
+from headscope.model.fused import _tile_step, fused_attention, tile_shape
+from headscope.model.kernel_choice import TileKernel
 from headscope.model.masks import TileVisibility
 
 HEADS, KV_HEADS, HEAD_DIM, T = 6, 2, 8, 23
@@ -132,7 +133,7 @@ def test_tiles_and_blocks_do_not_change_the_numbers():
     one = fused(query, key, value, mask, seq_start, block_rows=T, tile_keys=T)
     many = fused(query, key, value, mask, seq_start, block_rows=3, tile_keys=2)
     torch.testing.assert_close(many[0][real], one[0][real], rtol=0, atol=1e-6)
-    for name, got in vars(many[1]).items():
+    for name, got in many[1].columns().items():
         got, want = torch.broadcast_tensors(got, getattr(one[1], name))
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
 
@@ -167,7 +168,7 @@ def test_selected_rows_equal_the_same_rows_of_the_whole():
     positions = torch.tensor([0, 4, 5, 11, 22])
     _, some = fused(query, key, value, mask, seq_start, positions=positions)
     real = visible.any(-1)[:, positions]  # (batch, 5): sentence 1's rows 0 and 4 are padding
-    for name, got in vars(some).items():
+    for name, got in some.columns().items():
         got, want = torch.broadcast_tensors(got, getattr(whole, name)[..., positions])
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
 
@@ -182,7 +183,7 @@ def test_compiled_steps_equal_the_op_by_op_steps():
     plain = fused(query, key, value, mask, seq_start)
     assert kernel.failed is None
     torch.testing.assert_close(compiled[0][real], plain[0][real], rtol=0, atol=1e-6)
-    for name, got in vars(compiled[1]).items():
+    for name, got in compiled[1].columns().items():
         got, want = torch.broadcast_tensors(got, getattr(plain[1], name))
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
 

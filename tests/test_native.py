@@ -22,21 +22,12 @@ import headscope
 from headscope.measures.statistics import AttentionStatistics
 from headscope.model import native
 from headscope.model.capture import attached
-from headscope.model.fused import TileKernel
+from headscope.model.kernel_choice import TileKernel
 from headscope.run.feed import collate
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
 LONG = 700
 STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible")
-
-
-@pytest.fixture(scope="module")
-def kernel_module():
-    module = native.row_state_module()
-    if isinstance(module, str) and shutil.which("c++") is None:
-        pytest.skip(f"no C++ compiler to build the kernel with: {module}")
-    assert not isinstance(module, str), module  # with a compiler it must build
-    return module
 
 
 def _variants() -> tuple[str, ...]:
@@ -172,7 +163,7 @@ def test_kernel_rows_equal_the_tile_loop_on_selected_rows_and_ties(kernel_module
     kernel = native_kernel(kernel_module)
     _, got = fused(query, key, None, mask, seq_start, positions=positions, row_state=kernel.row_state(query, None))
     _, want = fused(query, key, None, mask, seq_start, positions=positions)
-    for name, value in vars(got).items():
+    for name, value in got.columns().items():
         if name in ("top_key", "rest_top_key"):  # where it means something: the tile loop meets ties in another order
             untied = ~getattr(got, name.replace("key", "tied")) & real[:, None]
             assert torch.equal(value[untied], getattr(want, name)[untied])
@@ -227,7 +218,7 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped(caplog):
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
 
     kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=wrong), native_from=0)
-    with caplog.at_level("WARNING", logger="headscope.model.fused"):
+    with caplog.at_level("WARNING", logger="headscope.model.kernel_choice"):
         _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.failed_kernels["cpu"] == "its first result disagreed with the tile loop"
     assert "C++ attention kernel is dropped (its first result disagreed with the tile loop)" in caplog.text
@@ -410,7 +401,7 @@ CANNOT_BUILD = """
 import torch
 from test_fused import fused, hand_built, masks
 from test_native import assert_same_output, sdpa_output
-from headscope.model.fused import TileKernel
+from headscope.model.kernel_choice import TileKernel
 
 query, key, value = hand_built(seed=16, t=40)
 mask, visible, seq_start = masks(t=40)["left padded"]

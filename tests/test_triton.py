@@ -47,7 +47,7 @@ def test_the_triton_kernel_on_cuda_equals_the_reference(mask_name, softcap):
     from test_fused import fused, hand_built, masks, reference
     from test_native import STATISTICS, assert_same_output, sdpa_output
 
-    from headscope.model.fused import TileKernel
+    from headscope.model.kernel_choice import TileKernel
 
     query, key, value = hand_built(seed=22, t=700)
     mask, visible, seq_start = masks(t=700, window=300)[mask_name]

@@ -11,7 +11,7 @@ import torch
 from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, reference
 
 from headscope.model import triton_state
-from headscope.model.fused import TileKernel
+from headscope.model.kernel_choice import TileKernel
 
 T = 150  # three blocks of 64 rows and of 64 keys
 STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "rest_entropy", "rest_mass", "logit_std")

@@ -97,6 +97,26 @@ def head_row_sums(
                  copy); None: find out (one look at seq_start)
     Returns (batch, heads, len(STATS)) in ``accum_dtype``, on attn's device. Sums over disjoint row
     blocks add up to the sums over all rows.
+    """
+    geometry = {"seq_start": seq_start, "row_offset": row_offset}
+    values = weight_row_values(attn, key_visible=key_visible, window=window, first_at_zero=first_at_zero, **geometry)
+    return head_row_sums_from_values(
+        values, query_valid=query_valid, accum_dtype=accum_dtype, mass_tolerance=mass_tolerance,
+        sink_threshold=sink_threshold, **geometry,
+    )  # fmt: skip
+
+
+def weight_row_values(
+    attn: torch.Tensor,
+    *,
+    key_visible: torch.Tensor,
+    seq_start: torch.Tensor,
+    window: int,
+    row_offset: int = 0,
+    first_at_zero: bool | None = None,
+) -> RowValues:
+    """Every row's values of a block of attention probabilities (arguments as `head_row_sums`'s), for
+    `head_row_sums_from_values`; headscope's C++ kernel computes the same (headscope.model.native.weight_rows).
 
     Every statistic over all keys is put together from the same statistic over the keys off the sink (every key
     but the sentence's first) and the first key's weight, so the off-sink statistics cost no extra pass and the
@@ -118,30 +138,23 @@ def head_row_sums(
     rest_mass = rest.sum(-1, dtype=torch.float64)
     rest_entropy = -(rest * rest_logs).sum(-1, dtype=torch.float64)
     largest = torch.maximum(rest_largest, on_first)
-    per_row = {
-        "entropy": (rest_entropy + torch.special.entr(on_first)).float(),
-        "max_weight": largest,
-        "mass": (rest_mass + on_first).float(),
-        "top_key": torch.where(on_first > rest_largest, first[..., 0], rest_top),
+    n_visible, band_visible = _visible_counts(key_visible, window, row_offset)
+    return RowValues(
+        entropy=(rest_entropy + torch.special.entr(on_first)).float(),
+        max_weight=largest,
+        top_key=torch.where(on_first > rest_largest, first[..., 0], rest_top),
         # no single key holds the largest weight
-        "top_tied": (on_first == largest).long() + torch.where(rest_largest == largest, rest_holding, 0) > 1,
-        "rest_mass": rest_mass,
-        "rest_entropy": rest_entropy / rest_mass + torch.log(rest_mass),
-        "rest_top_key": rest_top,
-        "rest_top_tied": rest_holding > 1,
-        "logit_std": masked_std(logs, key_visible),  # ln A = logit - ln(sum e^logit): the same spread
+        top_tied=(on_first == largest).long() + torch.where(rest_largest == largest, rest_holding, 0) > 1,
         **_positional_mass(probs, seq_start, window, row_offset),
-    }
-    return _sum_rows(
-        per_row,
-        *_visible_counts(key_visible, window, row_offset),
-        first_visible(key_visible, first),
-        query_valid,
-        seq_start,
-        row_offset,
-        accum_dtype,
-        mass_tolerance,
-        sink_threshold,
+        n_visible=n_visible,
+        band_visible=band_visible,
+        first_visible=first_visible(key_visible, first),
+        rest_mass=rest_mass,
+        rest_entropy=rest_entropy / rest_mass + torch.log(rest_mass),
+        rest_top_key=rest_top,
+        rest_top_tied=rest_holding > 1,
+        logit_std=masked_std(logs, key_visible),  # ln A = logit - ln(sum e^logit): the same spread
+        mass=(rest_mass + on_first).float(),
     )
 
 
@@ -209,15 +222,20 @@ def head_row_sums_from_values(
     *,
     query_valid: torch.Tensor,
     seq_start: torch.Tensor,
+    row_offset: int = 0,
     accum_dtype: torch.dtype = torch.float64,
+    mass_tolerance: float = 1.0,
     sink_threshold: float = SINK_THRESHOLD,
 ) -> torch.Tensor:
-    """``head_row_sums`` of every row of a layer, from the per-row values the fused pass computed
-    (headscope.model.fused): (batch, heads, len(STATS)). query_valid: (batch, t) bool."""
+    """``head_row_sums`` of a block of rows (query positions row_offset, row_offset + 1, ...) from their per-row
+    values: the fused pass's (headscope.model.fused; every row of a layer), or those of probabilities
+    (`weight_row_values`, or headscope's C++ kernel): (batch, heads, len(STATS)). query_valid: (batch, rows) bool.
+    mass_tolerance: rows whose `mass` is off 1 by more count as unnormalised (values without a mass have none)."""
     per_row = {
         "entropy": values.entropy,
         "max_weight": values.max_weight,
-        "mass": torch.ones_like(values.entropy),  # normalised by construction, as on the logits path
+        # the fused pass's rows are normalised by construction, as on the logits path
+        "mass": torch.ones_like(values.entropy) if values.mass is None else values.mass,
         "top_key": values.top_key,
         "top_tied": values.top_tied,
         "diagonal": values.diagonal,
@@ -236,9 +254,9 @@ def head_row_sums_from_values(
         values.first_visible,
         query_valid,
         seq_start,
-        0,
+        row_offset,
         accum_dtype,
-        1.0,
+        mass_tolerance,
         sink_threshold,
     )
 

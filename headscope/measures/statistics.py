@@ -5,19 +5,25 @@ reduces every layer's attention rows (headscope.measures.row_sums) and what its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from headscope.columns import STATS
 from headscope.errors import ModelLoadError
-from headscope.measures.row_sums import head_row_sums, head_row_sums_from_logits, head_row_sums_from_values
+from headscope.measures.row_sums import head_row_sums_from_logits, head_row_sums_from_values, weight_row_values
 from headscope.measures.writes import OUTPUT_INDEX, head_write_sums, sink_value_ratios, write_norms
 from headscope.model.capture import LayerOutput
 from headscope.model.masks import key_visibility
 from headscope.model.projection import head_grams
 from headscope.model.readoff import RowValues
 from headscope.run.feed import Batch
+
+# Rows (batch x heads x rows) whose values wait to be summed together: summing them is some hundred small tensor
+# operations whatever their number (1.6 ms a layer of a 128-token text, more than the C++ kernel takes to compute
+# them), so a batch's layers are summed in one go, or a few where they hold many rows (some 20 MiB of values).
+WAITING_ROWS = 2**18
 
 
 class AttentionStatistics:
@@ -37,6 +43,10 @@ class AttentionStatistics:
         self._batch: Batch | None = None
         self._first_at_zero = True  # every sentence of the batch starts at position 0 (right padding)
         self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, stats), summed over its blocks
+        # (row_offset, rows, mass_tolerance, device, has a mass) -> [(layer, values, query_valid, seq_start)]: rows'
+        # values waiting to be summed together (WAITING_ROWS)
+        self._waiting: dict[tuple, list] = {}
+        self._waiting_rows = 0
         self._grams: dict[int, torch.Tensor] = {}  # layer -> W_h^T W_h of its output projection, per head
 
     @classmethod
@@ -54,6 +64,7 @@ class AttentionStatistics:
         self._batch = batch
         self._first_at_zero = bool((batch.seq_start == 0).all())  # once a batch, not once a block
         self._sums = {}
+        self._waiting, self._waiting_rows = {}, 0
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -62,34 +73,64 @@ class AttentionStatistics:
         return None if self.layers is None else self.layers[-1]
 
     def attention(self, layer, block) -> None:
-        common = {
-            "key_visible": block.visible,
-            "query_valid": block.query_valid,
-            "seq_start": block.seq_start,
-            "window": self.window,
-            "row_offset": block.first_row,
-            "accum_dtype": self.accum_dtype,
-            "sink_threshold": self.sink_threshold,
-            "first_at_zero": self._first_at_zero,
-        }
-        if block.weights is not None:
-            # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
-            tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
-            sums = head_row_sums(block.weights, mass_tolerance=tolerance, **common)
-        else:
-            sums = head_row_sums_from_logits(block.logits, **common)
-        self._add(layer, sums)
+        if block.logits is not None:
+            sums = head_row_sums_from_logits(
+                block.logits,
+                key_visible=block.visible,
+                query_valid=block.query_valid,
+                seq_start=block.seq_start,
+                window=self.window,
+                row_offset=block.first_row,
+                accum_dtype=self.accum_dtype,
+                sink_threshold=self.sink_threshold,
+                first_at_zero=self._first_at_zero,
+            )
+            self._add(layer, sums)
+            return
+        by_torch = functools.partial(
+            weight_row_values,
+            block.weights,
+            key_visible=block.visible,
+            seq_start=block.seq_start,
+            window=self.window,
+            row_offset=block.first_row,
+            first_at_zero=self._first_at_zero,
+        )
+        # headscope's C++ kernel where the capture offers it (checked against torch on its first call), else torch.
+        values = by_torch() if block.native_rows is None else block.native_rows(self.window, block.first_row, by_torch)
+        # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
+        tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
+        self._wait(layer, values, block.query_valid, block.seq_start, block.first_row, tolerance)
 
     def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
         """A whole layer's per-row values from the fused pass (headscope.model.fused), computed with our `window`."""
-        sums = head_row_sums_from_values(
-            values,
-            query_valid=query_valid,
-            seq_start=seq_start,
-            accum_dtype=self.accum_dtype,
-            sink_threshold=self.sink_threshold,
-        )
-        self._add(layer, sums)
+        self._wait(layer, values, query_valid, seq_start, 0, 1.0)
+
+    def _wait(self, layer, values: RowValues, query_valid, seq_start, row_offset: int, tolerance: float) -> None:
+        """Keep a block's rows' values to be summed with other layers' (`_sum_waiting`)."""
+        key = (row_offset, values.entropy.shape[-1], tolerance, values.entropy.device, values.mass is None)
+        self._waiting.setdefault(key, []).append((layer, values, query_valid, seq_start))
+        self._waiting_rows += values.entropy.numel()
+        if self._waiting_rows >= WAITING_ROWS:
+            self._sum_waiting()
+
+    def _sum_waiting(self) -> None:
+        """Sum the waiting rows' values, the layers of each kind at once, their heads side by side."""
+        for (row_offset, _, tolerance, _, _), waiting in self._waiting.items():
+            layers, values, query_valid, seq_start = zip(*waiting, strict=True)
+            sums = head_row_sums_from_values(
+                heads_side_by_side(values),
+                query_valid=query_valid[0],  # the same rows of the same batch, every layer
+                seq_start=seq_start[0],
+                row_offset=row_offset,
+                accum_dtype=self.accum_dtype,
+                mass_tolerance=tolerance,
+                sink_threshold=self.sink_threshold,
+            )
+            heads = [layer_values.entropy.shape[1] for layer_values in values]
+            for layer, layer_sums in zip(layers, sums.split(heads, dim=1), strict=True):
+                self._add(layer, layer_sums)
+        self._waiting, self._waiting_rows = {}, 0
 
     def head_output(self, layer: int, written: LayerOutput) -> None:
         """What the layer's heads wrote (headscope.measures.writes): the OUTPUT_SLOTS of its sums."""
@@ -115,6 +156,7 @@ class AttentionStatistics:
     def finish(self) -> torch.Tensor:
         """The batch's sums, (wanted layers, batch, heads, stats), in layer order, on the batch's device (with a
         device map, each layer's small sums move there from the device its attention ran on)."""
+        self._sum_waiting()
         if not self._sums:
             raise ModelLoadError(
                 "the model never called an attention function headscope can read (no attention layers?)"
@@ -125,3 +167,13 @@ class AttentionStatistics:
         sums = torch.stack([self._sums[layer].to(device, non_blocking=asynchronous) for layer in sorted(self._sums)])
         self._sums = {}
         return sums
+
+
+def heads_side_by_side(parts: Sequence[RowValues]) -> RowValues:
+    """Several layers' values of the same rows as one RowValues, (batch, their heads together, rows) each."""
+    batch, _, rows = parts[0].entropy.shape
+    shapes = [(batch, part.entropy.shape[1], rows) for part in parts]
+    return RowValues(**{
+        name: torch.cat([part.columns()[name].expand(shape) for part, shape in zip(parts, shapes, strict=True)], dim=1)
+        for name in parts[0].columns()
+    })  # fmt: skip

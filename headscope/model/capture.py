@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from headscope.config import BLOCK_BYTES
 from headscope.errors import ModelLoadError, ResourceError
+from headscope.model.kernel_choice import TileKernel
 from headscope.model.masks import boolean_mask
 from headscope.model.readout import Readout, RowBlock
 from headscope.run.feed import Batch
@@ -120,10 +121,10 @@ class Capture:
     """The state of one `attached` block: the model's decoder layers, the pass in flight, and the readout
     (which checks each eager function on its first call, for this block alone)."""
 
-    def __init__(self, model: torch.nn.Module, block_bytes: int) -> None:
+    def __init__(self, model: torch.nn.Module, block_bytes: int, kernel: TileKernel | None = None) -> None:
         self.model = model
         self.decoder = decoder_layers(model)
-        self.readout = Readout(block_bytes)
+        self.readout = Readout(block_bytes, kernel)
         parameters = inspect.signature(model.forward).parameters
         self._positions = "position_ids" in parameters
         # Can the LM head score some positions alone? `logits_to_keep`: the last k of every row; where the model slices
@@ -297,14 +298,18 @@ AttentionMaskInterface.register(ATTENTION_NAME, boolean_mask)
 
 
 @contextlib.contextmanager
-def attached(model: torch.nn.Module, *, block_bytes: int = BLOCK_BYTES) -> Iterator[Capture]:
-    """Make `model` readable and editable (`Capture.run`) for the length of the block; put it back after."""
+def attached(
+    model: torch.nn.Module, *, block_bytes: int = BLOCK_BYTES, kernel: TileKernel | None = None
+) -> Iterator[Capture]:
+    """Make `model` readable and editable (`Capture.run`) for the length of the block; put it back after.
+    kernel: which kernels compute and reduce the attention (headscope.model.kernel_choice.TileKernel; default: a
+    fresh one)."""
     if not type(model)._can_set_attn_implementation():
         raise ModelLoadError(
             f"{type(model).__name__} does not route attention through transformers' attention interface; "
             "headscope cannot capture its attention"
         )
-    capture = Capture(model, block_bytes)
+    capture = Capture(model, block_bytes, kernel)
     routes = {}
     for index, layer in enumerate(capture.decoder):
         for module in layer.modules():

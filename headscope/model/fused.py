@@ -32,13 +32,10 @@ kernels replace the tile loop, the output included (same state, same read-off): 
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 
 import torch
 
-from headscope.model import native
 from headscope.model.masks import TileVisibility
 from headscope.model.readoff import RowValues, read_off, softcapped
 
@@ -48,28 +45,11 @@ from headscope.model.readoff import RowValues, read_off, softcapped
 # 64 x 512 and 128 x 256 slower (more tiles, more dispatch).
 BLOCK_ROWS = 128
 TILE_KEYS = 1024
-# Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
-# one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
-COMPILE_FROM = 2**25
-# Logits a capture folds before it takes a kernel (C++, Triton): one layer of a 9-head, 1,000-token sentence. Loading
-# the built kernel takes 0.07 s; building it (once per machine and source) 45 s, worth it only for long work. The fused
-# path itself starts where a layer's (batch, heads, t, t) float32 weights exceed the block budget (32 MiB: 4M
-# visible pairs), so by default the kernel takes every fused layer; the tile loop before it measured 0.8 s for
-# SmolLM2's first 7 layers at 1,024 tokens where the kernel took 0.37 s for the other 23.
-NATIVE_FROM = 2**22
-# The kernel of each device type, as run.json and warnings name it.
-KERNEL_NAMES = {"cpu": "C++", "cuda": "Triton"}
-# What the kernels read: float32, and half precision read as float32 (float64 stays on the tile loop).
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Rows on which a kernel's first result is checked against the tile loop.
-NATIVE_CHECK_ROWS = 8
 # A kernel's state covers every row in one call, and read_off is some sixty small tensor operations whatever
 # its rows: read 128 rows at a time, they cost 64 calls a layer at 8,192 tokens (1.5 s of an analysis of SmolLM2).
 # So rows are read off in the budget a block's logits would take (block_rows x tile_keys), at this many floats a
 # row (read_off's temporaries are some sixty (batch, heads, rows) tensors): 1,024 rows by default.
 READ_OFF_FLOATS = 128
-
-_log = logging.getLogger(__name__)
 
 
 def _tile_step(
@@ -151,129 +131,6 @@ def _fold(scores, hidden, limit, skip, m, total, weighted, count, seen, mean, sp
     return (weights if keep else None), alpha, new_m, total, weighted, count, new_seen, mean, spread, found
 
 
-@functools.cache
-def _compiled_fold() -> Callable:
-    # Static shapes but for the rows (marked dynamic at each call): the loop over a tile's keys is then fixed
-    # and fully vectorised, which measured faster than dynamic=True's masked tails. No Python number may vary
-    # between calls (each value would be compiled anew): the tile's first key is added outside.
-    return torch.compile(_fold, dynamic=False)
-
-
-def _compiled(scores, hidden, limit, *rest):
-    # Rows vary with the batch; keys with the tile (full tiles are TILE_KEYS wide, the rest are few per block).
-    for tensor in (scores, hidden, limit, *rest[:8]):
-        if tensor is not None:
-            torch._dynamo.mark_dynamic(tensor, 0)
-    if scores.shape[-1] != TILE_KEYS:
-        torch._dynamo.mark_dynamic(scores, 1)
-        if hidden is not None:
-            torch._dynamo.mark_dynamic(hidden, 1)
-    return _compiled_fold()(scores, hidden, limit, *rest)
-
-
-class TileKernel:
-    """Chooses how a capture's fused passes run.
-
-    - Tile steps (`step`) run op by op until `compile_from` logits have gone through this kernel (one per
-      capture), compiled from then on (compiling costs about 20 s once per process, a few seconds from torch's
-      disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
-      either way (tested to 1e-6).
-    - Past `native_from` logits, float32 and half-precision attention (statistics and output, in float32) comes
-      from headscope's C++ kernel on the CPU (headscope.model.native) or its Triton kernel on CUDA
-      (headscope.model.triton_state), once it is loaded and its first result agrees with the tile loop on a few
-      rows; otherwise from the tile loop.
-    """
-
-    def __init__(
-        self,
-        compile_from: int = COMPILE_FROM,
-        native_loader: Callable | None = None,
-        native_from: int = NATIVE_FROM,
-        triton_loader: Callable | None = None,
-    ) -> None:
-        self.compile_from = compile_from
-        self.native_from = native_from
-        # device type -> () -> the kernel's module (its `row_state`), or why there is none (one line)
-        self.loaders = {
-            "cpu": native_loader or native.row_state_module,
-            "cuda": triton_loader or native.triton_module,
-        }
-        self.folded = 0  # logits handed to `step` so far
-        self.failed: str | None = None  # why compiling failed, once it has
-        self.failed_kernels: dict[str, str] = {}  # device type -> why its kernel is not used, once that is known
-        self.native_runs = 0  # passes whose row states a kernel computed: run.json names the path that ran
-        self._checked: set[str] = set()  # device types whose kernel's first result was checked
-
-    def step(self, logits: int) -> Callable:
-        """The tile step for a layer of `logits` (batch x heads x visible pairs) logits."""
-        self.folded += logits
-        if self.folded < self.compile_from or self.failed is not None:
-            return _tile_step
-        return self._compiled
-
-    def _compiled(self, *args) -> tuple[torch.Tensor, ...]:
-        if self.failed is None:
-            try:
-                return _tile_step(*args, fold=_compiled)
-            except Exception as err:  # any compiler failure: the same maths, uncompiled
-                self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
-                _log.warning("torch.compile of the fused statistics failed (%s); running them op by op", self.failed)
-        return _tile_step(*args)
-
-    def row_state(self, query: torch.Tensor, mask: torch.Tensor | None) -> Callable | None:
-        """The kernel for a layer's row states and output on its device (the C++ kernel on the CPU, the Triton
-        kernel on CUDA), after `step` has counted the layer; None where it does not apply: fewer logits than
-        `native_from` so far, not float32, bfloat16 or float16, a mask it does not take (`mask`: what the attention
-        function received), another device, or a kernel that could not be loaded or disagreed."""
-        device = query.device.type
-        if (
-            self.folded < self.native_from
-            or device not in self.loaders
-            or device in self.failed_kernels
-            or query.dtype not in NATIVE_DTYPES
-            or not native.takes_mask(mask, query.shape[-2])
-        ):
-            return None
-        module = self.loaders[device]()
-        if isinstance(module, str):
-            self.failed_kernels[device] = module
-            return None
-        return functools.partial(self._native, module)
-
-    def _native(self, module, scaled, key, value, positions, first_key, visibility, softcap) -> tuple | None:
-        device = scaled.device.type
-        try:
-            states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap)
-        except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
-            return self._drop(device, f"failed ({native.one_line(err)})")
-        if device in self._checked:
-            self.native_runs += 1
-            return states
-        # Its first result against the tile loop, on the last rows (they see the most keys).
-        batch, heads, t, head_dim = scaled.shape
-        rows = positions[-NATIVE_CHECK_ROWS:]
-        grouped = scaled.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows)
-        expected = _fold_tiles(grouped, key, value, visibility, rows, softcap, _tile_step, TILE_KEYS, first_key)
-        # Rows that see some key but the first (padding sees none; a row that sees only the first has no state).
-        seen = expected[5] > 0
-        got = [None if x is None else x[:, :, -len(rows) :][seen] for x in states]
-        expected = [None if x is None else x[seen] for x in expected]
-        close = (1, 2, 6, 7) if value is None else (1, 2, 6, 7, 8)  # A, B, mean, spread (and O)
-        agrees = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
-        agrees = agrees and torch.equal(got[3] > 1, expected[3] > 1) and torch.equal(got[5], expected[5])
-        self._checked.add(device)
-        if not agrees:
-            return self._drop(device, "its first result disagreed with the tile loop")
-        self.native_runs += 1
-        return states
-
-    def _drop(self, device: str, why: str) -> None:
-        """Stop using `device`'s kernel, with a warning: the tile loop computes this pass and the next ones."""
-        self.failed_kernels[device] = why
-        _log.warning("headscope's %s attention kernel is dropped (%s): the tile loop computes this layer and the "
-                     "rest", KERNEL_NAMES[device], why)  # fmt: skip
-
-
 def tile_shape(batch: int, heads: int, block_bytes: int) -> tuple[int, int]:
     """(query rows per block, keys per tile) whose float32 logits, batch x heads x rows x keys, fit
     `block_bytes`: BLOCK_ROWS x TILE_KEYS when they do, fewer keys then fewer rows when they do not."""
@@ -302,10 +159,11 @@ def fused_attention(
 
     query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim), unrepeated (query head h
     reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
-    seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`, or `_tile_step`
-    itself. row_state: `TileKernel.row_state(...)`: when given, it computes every row's running state
-    (and output sum) in one call instead of the tile loop. Returns the output (batch, rows, heads, head_dim) in the
-    query's dtype, as attention functions return it (None without `value`), and the rows' `RowValues`.
+    seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`
+    (headscope.model.kernel_choice), or `_tile_step` itself. row_state: `TileKernel.row_state(...)`: when given, it
+    computes every row's running state (and output sum) in one call instead of the tile loop. Returns the output
+    (batch, rows, heads, head_dim) in the query's dtype, as attention functions return it (None without `value`),
+    and the rows' `RowValues`.
     """
     batch, heads, t, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -346,8 +204,7 @@ def fused_attention(
         if output is not None:
             output[:, first : first + len(rows)] = block_output.transpose(1, 2)
         values.append(row_values)
-    columns = zip(*(vars(v).values() for v in values), strict=True)
-    joined = RowValues(*(torch.cat(parts, dim=-1) for parts in columns))
+    joined = RowValues(**{name: torch.cat([v.columns()[name] for v in values], -1) for name in values[0].columns()})
     return output, joined
 
 

@@ -1,11 +1,12 @@
-"""headscope's C++ kernel for the fused pass on CPU (kernels/row_state.cpp), built on first use.
+"""headscope's C++ kernel on CPU (kernels/row_state.cpp), built on first use.
 
-It does what the tile loop of headscope.model.fused does (the row statistics, and the attention output when the
-values are given), with the q k^T and p v products and the reductions in one cache-resident loop, as sdpa's CPU
-kernel does for the output alone (benchmarks/README.md). It is built with torch's extension builder (a C++ compiler
-and ninja; about 45 s, once per machine and source, kept in torch's extensions folder) and used only for float32 on
-CPU (half precision read as float32). When it cannot be built, or its first result disagrees with the tile loop,
-headscope keeps today's paths.
+`row_state` does what the tile loop of headscope.model.fused does (the row statistics, and the attention output when
+the values are given), with the q k^T and p v products and the reductions in one cache-resident loop, as sdpa's CPU
+kernel does for the output alone (benchmarks/README.md); `weight_rows` what headscope.measures.row_sums's
+weight_row_values does with the probabilities of the eager path, in one pass over each row. It is built with torch's
+extension builder (a C++ compiler and ninja; about 45 s, once per machine and source, kept in torch's extensions
+folder) and reads float32 (half precision read as float32). When it cannot be built, or its first result disagrees
+with the plain computation, headscope keeps today's paths (headscope.model.kernel_choice).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from types import ModuleType
 import torch
 
 from headscope.model.masks import visible_keys
+from headscope.model.readoff import RowValues
 
 _log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "kernels" / "row_state.cpp"
@@ -114,3 +116,52 @@ def row_state(
         rows.contiguous(), key.contiguous(), value, positions.contiguous(), first_key.contiguous(), mask, softcap or 0.0
     )
     return (*states, None if value is None else output)
+
+
+def weight_rows(
+    module: ModuleType,
+    weights: torch.Tensor,
+    visible: torch.Tensor,
+    seq_start: torch.Tensor,
+    window: int,
+    row_offset: int,
+) -> RowValues:
+    """headscope.measures.row_sums.weight_row_values by the kernel: every row's values of (batch, heads, rows, keys)
+    probabilities (any float dtype, read as float32), visible: (batch or 1, 1 or heads, rows, keys) bool."""
+    tiny = torch.finfo(weights.dtype).tiny  # as there: ln of the model dtype's smallest normal number at least
+    (entropy, max_weight, mass, diagonal, sink, prev_token, band_visible, logit_std, top_key, rest_top_key, n_visible,
+     top_tied, rest_top_tied, first_visible, rest_mass, rest_entropy) = module.weight_rows(
+        weights.float().contiguous(), visible.contiguous(), seq_start.contiguous(), window, row_offset, tiny
+    )  # fmt: skip
+    return RowValues(
+        entropy=entropy,
+        max_weight=max_weight,
+        top_key=top_key,
+        top_tied=top_tied,
+        diagonal=diagonal,
+        sink=sink,
+        prev_token=prev_token,
+        n_visible=n_visible,
+        band_visible=band_visible,
+        first_visible=first_visible,
+        rest_mass=rest_mass,
+        rest_entropy=rest_entropy,
+        rest_top_key=rest_top_key,
+        rest_top_tied=rest_top_tied,
+        logit_std=logit_std,
+        mass=mass,
+    )
+
+
+def is_built(isa: str | None = None) -> bool:
+    """Is the kernel for `isa` (default: this machine's) already built in torch's extensions folder, from today's
+    source? Then loading it costs a fraction of a second, not a build. Judged by the built library's time against
+    the source's; False wherever that cannot be told (a torch whose extension builder keeps its folders elsewhere)."""
+    name = f"headscope_row_state_{(isa or host_isa()).lower()}"
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        return library.exists() and library.stat().st_mtime >= SOURCE.stat().st_mtime
+    except Exception:  # a private helper of torch's: if it moved, the kernel is built when it pays for itself
+        return False

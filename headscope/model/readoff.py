@@ -32,14 +32,20 @@ class RowValues:
     diagonal: torch.Tensor
     sink: torch.Tensor
     prev_token: torch.Tensor
-    n_visible: torch.Tensor  # (batch, 1, rows): keys the row may see
-    band_visible: torch.Tensor  # (batch, 1, rows): of them, within the diagonal band
-    first_visible: torch.Tensor  # (batch, 1, rows) bool: the row may see its sentence's first key
+    n_visible: torch.Tensor  # (batch or 1, 1 or heads, rows): keys the row may see
+    band_visible: torch.Tensor  # (batch or 1, 1 or heads, rows): of them, within the diagonal band
+    first_visible: torch.Tensor  # (batch, 1 or heads, rows) bool: the row may see its sentence's first key
     rest_mass: torch.Tensor  # mass off the sink (on every key but the sentence's first)
     rest_entropy: torch.Tensor  # entropy of that mass renormalised
     rest_top_key: torch.Tensor  # long: the first key off the sink holding its largest logit
     rest_top_tied: torch.Tensor  # bool: several keys off the sink hold it
     logit_std: torch.Tensor  # standard deviation of the logits over the keys the row may see
+    # the row's total probability, where it was summed (probabilities the model computed); None: 1 by construction
+    mass: torch.Tensor | None = None
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        """The values present, by name (`mass` only where it was summed)."""
+        return {name: value for name, value in vars(self).items() if value is not None}
 
 
 def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:

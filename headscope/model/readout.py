@@ -31,7 +31,8 @@ from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
 from headscope.errors import ModelLoadError
-from headscope.model.fused import KERNEL_NAMES, TileKernel, fused_attention, tile_shape
+from headscope.model.fused import fused_attention, tile_shape
+from headscope.model.kernel_choice import KERNEL_NAMES, TileKernel
 from headscope.model.masks import TileVisibility, additive_mask, key_visibility
 from headscope.model.readoff import softcapped
 
@@ -61,6 +62,9 @@ class RowBlock:
     logits: torch.Tensor | None = None  # (batch, heads, rows, keys)
     # (batch, kv_heads, t, head_dim): the values the layer's probabilities weigh (the whole layer's, every block)
     value: torch.Tensor | None = None
+    # On the eager path, where headscope's C++ kernel reduces probabilities: (window, row_offset, reference) ->
+    # RowValues of `weights` (TileKernel.weight_rows); None: no kernel, the readers reduce them with torch.
+    native_rows: Callable | None = None
 
     def probabilities(self, heads: Sequence[int] | None = None) -> torch.Tensor:
         """(batch, heads, rows, keys) attention probabilities, whichever path produced the block; with `heads`,
@@ -219,10 +223,16 @@ class Readout:
         if eager not in self._causal:  # a model with its own attention maths: judged on the weights it computed
             rows = torch.arange(weights.shape[-2], device=weights.device)
             self._check_causal(eager, name, weights, rows, real=self.query_valid)
-        block = RowBlock(0, visible, self.query_valid, self.seq_start, weights=weights, value=value)
+        native_rows = self.kernel.weight_rows(weights, visible, self.seq_start)
+        block = RowBlock(0, visible, self.query_valid, self.seq_start, weights=weights, value=value,
+                         native_rows=native_rows)  # fmt: skip
+        weight_runs = self.kernel.weight_runs
         for reader in readers:
             reader.attention(layer, block)
-        self.paths.setdefault(name, "eager (the model's own attention function)")
+        if not self.paths.get(name, "eager").startswith("fused"):  # the fused path, where it ran, is worth naming
+            native = self.kernel.weight_runs > weight_runs
+            reduced = " and its row statistics from headscope's C++ kernel" if native else ""
+            self.paths[name] = f"eager (the model's own attention function{reduced})"
         return output
 
     def _fused(self, readers, layer, module, query, key, value, mask, kwargs) -> torch.Tensor:

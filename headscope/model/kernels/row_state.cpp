@@ -1,9 +1,10 @@
-// The softmax state of every query row of causal attention, and optionally its output, in one cache-resident pass
-// over blocks of keys.
+// headscope's C++ kernels: `row_state`, the softmax state of every query row of causal attention, and optionally its
+// output, in one cache-resident pass over blocks of keys; `weight_rows` (at the end), the per-row statistics of
+// probabilities the model's eager function computed.
 //
-// For each row, over the keys it may see (key <= its position, and the mask's when there is one) but its sentence's
-// first key, the same running values as headscope/fused.py's tile step, with the same rescaling when a block raises
-// the maximum:
+// row_state: for each row, over the keys it may see (key <= its position, and the mask's when there is one) but its
+// sentence's first key, the same running values as headscope/fused.py's tile step, with the same rescaling when a
+// block raises the maximum:
 //     m  the largest logit        A  sum e^(s - m)        B  sum e^(s - m) (s - m)
 //     n  keys holding exactly m   top  the first of them
 //     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations
@@ -336,6 +337,123 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   return {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out, sum_out};
 }
 
+// Per-row statistics of attention rows the model's eager function has already turned into probabilities (short
+// texts, where the whole (batch, heads, t, t) matrix is cheaper than a second product): what
+// headscope/measures/row_sums.py's weight_row_values computes with some forty tensor passes, in one pass over each row
+// (its logarithms vectorised first). Definitions there; in short, for row r (query position row_offset + r) of head h
+// and the sentence's first key f:
+//     sink = p_f; over the keys off the sink (every key but f, hidden ones at weight 0 included): their mass and
+//     -sum p ln p (products in float32, sums in double, as there), their largest weight, the first key holding it
+//     and how many do; entropy, max_weight, mass, top_key, top_tied over every key from those and p_f; ln p with p
+//     clamped to `tiny` (the model dtype's smallest normal number); the logits' spread as that of ln p over the
+//     visible keys (mean first, then squares about it, in double); the diagonal band's mass |key - position| <=
+//     window (summed in key order in float32, as there) and how many visible keys it holds; prev_token p_{position-1}.
+// weights: (batch, heads, rows, keys) float32 contiguous; visible: (batch or 1, heads or 1, rows, keys) bool
+// contiguous; seq_start: (batch,) long. Returns, each (batch, heads, rows): entropy, max_weight, mass, diagonal, sink,
+// prev_token, band_visible, logit_std (float32), top_key, rest_top_key, n_visible (long), top_tied, rest_top_tied,
+// first_visible (bool), rest_mass, rest_entropy (float64).
+std::vector<at::Tensor> weight_rows(const at::Tensor& weights, const at::Tensor& visible, const at::Tensor& seq_start,
+                                    int64_t window, int64_t row_offset, double tiny) {
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 4,
+              "float32 contiguous (batch, heads, rows, keys) weights");
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.is_contiguous() && visible.dim() == 4, "visible");
+  TORCH_CHECK(seq_start.scalar_type() == at::kLong && seq_start.is_contiguous(), "seq_start");
+  const int64_t batch = weights.size(0), heads = weights.size(1), rows = weights.size(2), keys = weights.size(3);
+  const int64_t visible_batch = visible.size(0), visible_heads = visible.size(1);
+  TORCH_CHECK(visible.size(2) == rows && visible.size(3) == keys && (visible_batch == 1 || visible_batch == batch) &&
+                  (visible_heads == 1 || visible_heads == heads),
+              "visible must broadcast to the weights");
+  auto floats = weights.options();
+  const std::vector<int64_t> shape = {batch, heads, rows};
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 8; ++i) out.push_back(at::empty(shape, floats));
+  for (int i = 0; i < 3; ++i) out.push_back(at::empty(shape, floats.dtype(at::kLong)));
+  for (int i = 0; i < 3; ++i) out.push_back(at::empty(shape, floats.dtype(at::kBool)));
+  for (int i = 0; i < 2; ++i) out.push_back(at::empty(shape, floats.dtype(at::kDouble)));
+  float *entropy = out[0].data_ptr<float>(), *max_weight = out[1].data_ptr<float>(), *mass = out[2].data_ptr<float>();
+  float *diagonal = out[3].data_ptr<float>(), *sink = out[4].data_ptr<float>(), *prev = out[5].data_ptr<float>();
+  float *band_visible = out[6].data_ptr<float>(), *logit_std = out[7].data_ptr<float>();
+  int64_t *top_key = out[8].data_ptr<int64_t>(), *rest_top_key = out[9].data_ptr<int64_t>();
+  int64_t* n_visible = out[10].data_ptr<int64_t>();
+  bool *top_tied = out[11].data_ptr<bool>(), *rest_top_tied = out[12].data_ptr<bool>();
+  bool* first_visible = out[13].data_ptr<bool>();
+  double *rest_mass = out[14].data_ptr<double>(), *rest_entropy = out[15].data_ptr<double>();
+  const float* p = weights.data_ptr<float>();
+  const bool* shown = visible.data_ptr<bool>();
+  const int64_t* start = seq_start.data_ptr<int64_t>();
+  const float floor_value = static_cast<float>(tiny);
+
+  at::parallel_for(0, batch * heads * rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> logs(keys);
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / (heads * rows), h = (index / rows) % heads, r = index % rows;
+      const float* row = p + index * keys;
+      const bool* row_shown = shown + (((visible_batch == 1 ? 0 : b) * visible_heads + (visible_heads == 1 ? 0 : h)) *
+                                       rows + r) * keys;
+      const int64_t first = std::min(start[b], keys - 1), position = row_offset + r;
+      int64_t j = 0;
+      for (; j + Vec::size() <= keys; j += Vec::size()) {
+        at::vec::maximum(Vec::loadu(row + j), Vec(floor_value)).log().store(logs.data() + j);
+      }
+      for (; j < keys; ++j) logs[j] = std::log(std::max(row[j], floor_value));
+      // Off the sink, and the visible keys' ln p for the spread.
+      double off_mass = 0.0, off_plogp = 0.0, log_sum = 0.0;
+      float largest = -std::numeric_limits<float>::infinity();
+      int64_t top = first, holding = 0, seen = 0;
+      for (j = 0; j < keys; ++j) {
+        if (row_shown[j]) {
+          ++seen;
+          log_sum += logs[j];
+        }
+        if (j == first) continue;
+        const float x = row[j];
+        off_mass += x;
+        off_plogp += x * logs[j];
+        if (x > largest) {
+          largest = x;
+          top = j;
+          holding = 1;
+        } else if (x == largest) {
+          ++holding;
+        }
+      }
+      const double mean = log_sum / static_cast<double>(std::max<int64_t>(seen, 1));
+      double squares = 0.0;
+      for (j = 0; j < keys; ++j) {
+        if (row_shown[j]) squares += (logs[j] - mean) * (logs[j] - mean);
+      }
+      float band = 0.f, band_seen = 0.f;
+      for (j = std::max<int64_t>(0, position - window); j <= std::min(keys - 1, position + window); ++j) {
+        band += row[j];
+        band_seen += row_shown[j] ? 1.f : 0.f;
+      }
+      const float on_first = row[first];
+      // torch.special.entr: -x ln x, 0 at 0, -inf below.
+      const float on_first_entropy =
+          on_first > 0.f ? -on_first * std::log(on_first) : (on_first == 0.f ? 0.f : -INFINITY);
+      const float overall = std::max(largest, on_first);
+      entropy[index] = static_cast<float>(-off_plogp + static_cast<double>(on_first_entropy));
+      max_weight[index] = overall;
+      mass[index] = static_cast<float>(off_mass + static_cast<double>(on_first));
+      top_key[index] = on_first > largest ? first : top;
+      top_tied[index] = static_cast<int64_t>(on_first == overall) + (largest == overall ? holding : 0) > 1;
+      rest_mass[index] = off_mass;
+      rest_entropy[index] = -off_plogp / off_mass + std::log(off_mass);
+      rest_top_key[index] = top;
+      rest_top_tied[index] = holding > 1;
+      logit_std[index] = static_cast<float>(std::sqrt(squares / static_cast<double>(std::max<int64_t>(seen, 1))));
+      diagonal[index] = band;
+      sink[index] = on_first;
+      prev[index] = position >= 1 && position - 1 < keys ? row[position - 1] : 0.f;
+      band_visible[index] = band_seen;
+      n_visible[index] = seen;
+      first_visible[index] = row_shown[first];
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits");
+  module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
 }
