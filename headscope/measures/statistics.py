@@ -22,8 +22,9 @@ from headscope.run.feed import Batch
 
 # Rows (batch x heads x rows) whose values wait to be summed together: summing them is some hundred small tensor
 # operations whatever their number (1.6 ms a layer of a 128-token text, more than the C++ kernel takes to compute
-# them), so a batch's layers are summed in one go, or a few where they hold many rows (some 20 MiB of values).
-WAITING_ROWS = 2**18
+# them), so a batch's layers are summed a few at a time: at most this many rows' values (some 70 bytes a row, 2 MiB
+# in all) wait, so that memory does not grow with depth (29 layers of a 9-head 128-token text at once, 4 at 1,024).
+WAITING_ROWS = 2**15
 
 
 class AttentionStatistics:
