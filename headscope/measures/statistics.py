@@ -74,29 +74,24 @@ class AttentionStatistics:
         return None if self.layers is None else self.layers[-1]
 
     def attention(self, layer, block) -> None:
+        rows = {
+            "key_visible": block.visible,
+            "seq_start": block.seq_start,
+            "window": self.window,
+            "row_offset": block.first_row,
+            "first_at_zero": self._first_at_zero,
+        }
         if block.logits is not None:
             sums = head_row_sums_from_logits(
                 block.logits,
-                key_visible=block.visible,
                 query_valid=block.query_valid,
-                seq_start=block.seq_start,
-                window=self.window,
-                row_offset=block.first_row,
                 accum_dtype=self.accum_dtype,
                 sink_threshold=self.sink_threshold,
-                first_at_zero=self._first_at_zero,
+                **rows,
             )
             self._add(layer, sums)
             return
-        by_torch = functools.partial(
-            weight_row_values,
-            block.weights,
-            key_visible=block.visible,
-            seq_start=block.seq_start,
-            window=self.window,
-            row_offset=block.first_row,
-            first_at_zero=self._first_at_zero,
-        )
+        by_torch = functools.partial(weight_row_values, block.weights, **rows)
         # headscope's C++ kernel where the capture offers it (checked against torch on its first call), else torch.
         values = by_torch() if block.native_rows is None else block.native_rows(self.window, block.first_row, by_torch)
         # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
@@ -173,8 +168,10 @@ class AttentionStatistics:
 def heads_side_by_side(parts: Sequence[RowValues]) -> RowValues:
     """Several layers' values of the same rows as one RowValues, (batch, their heads together, rows) each."""
     batch, _, rows = parts[0].entropy.shape
-    shapes = [(batch, part.entropy.shape[1], rows) for part in parts]
-    return RowValues(**{
-        name: torch.cat([part.columns()[name].expand(shape) for part, shape in zip(parts, shapes, strict=True)], dim=1)
-        for name in parts[0].columns()
-    })  # fmt: skip
+    columns = [(part.columns(), (batch, part.entropy.shape[1], rows)) for part in parts]
+    return RowValues(
+        **{
+            name: torch.cat([present[name].expand(shape) for present, shape in columns], dim=1)
+            for name in columns[0][0]
+        }
+    )

@@ -204,7 +204,8 @@ def fused_attention(
         if output is not None:
             output[:, first : first + len(rows)] = block_output.transpose(1, 2)
         values.append(row_values)
-    joined = RowValues(**{name: torch.cat([v.columns()[name] for v in values], -1) for name in values[0].columns()})
+    columns = [v.columns() for v in values]
+    joined = RowValues(**{name: torch.cat([present[name] for present in columns], -1) for name in columns[0]})
     return output, joined
 
 

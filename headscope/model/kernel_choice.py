@@ -134,11 +134,16 @@ class TileKernel:
             or not native.takes_mask(mask, query.shape[-2])
         ):
             return None
+        module = self._loaded(device)
+        return None if module is None else functools.partial(self._native, module)
+
+    def _loaded(self, device: str):
+        """`device`'s kernel module, or None when it cannot be loaded (why is kept in `failed_kernels`)."""
         module = self.loaders[device]()
         if isinstance(module, str):
             self.failed_kernels[device] = module
             return None
-        return functools.partial(self._native, module)
+        return module
 
     def _native(self, module, scaled, key, value, positions, first_key, visibility, softcap) -> tuple | None:
         device = scaled.device.type
@@ -188,11 +193,8 @@ class TileKernel:
                 self._built = self._native_built()
             if not self._built:
                 return None
-        module = self.loaders["cpu"]()
-        if isinstance(module, str):
-            self.failed_kernels["cpu"] = module
-            return None
-        return functools.partial(self._weight_rows, module, weights, visible, seq_start)
+        module = self._loaded("cpu")
+        return None if module is None else functools.partial(self._weight_rows, module, weights, visible, seq_start)
 
     def _weight_rows(self, module, weights, visible, seq_start, window, row_offset, reference) -> RowValues:
         try:
