@@ -119,21 +119,23 @@ ROLE_RULES: dict[Role, RoleRule] = {
 
 def _first_match(tests: list[pd.Series], names: list[str], default: str) -> pd.Series:
     """Per row, the name of the first test it passes (NaN evidence passes nothing), else `default`."""
-    label = pd.Series(default, index=tests[0].index if tests else None, dtype=object)
-    undecided = pd.Series(True, index=label.index)
-    for name, test in zip(names, tests, strict=True):
-        hit = undecided & test.fillna(False).astype(bool)
-        label[hit] = name
-        undecided &= ~hit
-    return label
+    index = tests[0].index if tests else None
+    passed = [test.to_numpy(dtype=bool, na_value=False) for test in tests]
+    return pd.Series(np.select(passed, names, default) if tests else default, index=index, dtype=object)
 
 
 def classify_heads(heads: pd.DataFrame, thresholds: Thresholds) -> pd.DataFrame:
     """A copy of `heads` with `locality`, `head_type` and `type_reason` (the evidence) set."""
+    out = _typed(heads, thresholds)
+    out["type_reason"] = [_reason(row, thresholds) for row in out.itertuples()]
+    return out
+
+
+def _typed(heads: pd.DataFrame, thresholds: Thresholds) -> pd.DataFrame:
+    """A copy of `heads` with `locality` and `head_type` set (no reasons yet)."""
     out = heads.copy()
     out["locality"] = locality(out["diagonal"], out["diagonal_uniform"])
     out["head_type"] = _first_match([test(out, thresholds) for test, _ in RULES.values()], list(RULES), "mixed")
-    out["type_reason"] = [_reason(row, thresholds) for row in out.itertuples()]
     return out
 
 
@@ -149,12 +151,19 @@ def _reason(row, thresholds: Thresholds) -> str:
 def assign_roles(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresholds) -> pd.DataFrame:
     """A copy of `heads` with `role` and `role_reason` set."""
     out = heads.copy()
-    tests = [test(out, roles, thresholds) for test, _ in ROLE_RULES.values()]
-    out["role"] = _first_match(tests, list(ROLE_RULES), "other")
+    out["role"] = _role(out, roles, thresholds)
     rows = list(out.itertuples())  # once: a row of some eighty columns costs more to build than to read
     out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
-    out["role_detail"] = [off_sink_detail(row, roles, thresholds) if row.role == "sink" else None for row in rows]
+    out["role_detail"] = [_role_detail(row, roles, thresholds) for row in rows]
     return out
+
+
+def _role(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresholds) -> pd.Series:
+    return _first_match([test(heads, roles, thresholds) for test, _ in ROLE_RULES.values()], list(ROLE_RULES), "other")
+
+
+def _role_detail(row, roles: RoleThresholds, thresholds: Thresholds) -> str | None:
+    return off_sink_detail(row, roles, thresholds) if row.role == "sink" else None
 
 
 def off_sink_behaviour(row, roles: RoleThresholds, thresholds: Thresholds) -> tuple[str, str]:
@@ -203,8 +212,17 @@ def full_label(labelled: pd.DataFrame) -> pd.Series:
 
 
 def label_heads(heads: pd.DataFrame, thresholds: Thresholds, roles: RoleThresholds) -> pd.DataFrame:
-    """Both labels: the head type (with locality) and the role, each with its reason."""
-    return assign_roles(classify_heads(heads, thresholds), roles, thresholds)
+    """Both labels: the head type (with locality) and the role, each with its reason. The same columns as
+    assign_roles(classify_heads(...)), with the table's rows read once for both reasons (each reading of some
+    eighty columns costs about 10 ms for 270 heads)."""
+    out = _typed(heads, thresholds)
+    role = _role(out, roles, thresholds)
+    rows = list(out.assign(role=role).itertuples())
+    out["type_reason"] = [_reason(row, thresholds) for row in rows]
+    out["role"] = role
+    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
+    out["role_detail"] = [_role_detail(row, roles, thresholds) for row in rows]
+    return out
 
 
 def _role_reason(row, roles: RoleThresholds, thresholds: Thresholds) -> str:

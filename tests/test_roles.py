@@ -12,7 +12,7 @@ import torch
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import RoleThresholds, Thresholds
 from headscope.estimates import metric_means
-from headscope.labels import ROLES, assign_roles
+from headscope.labels import HEAD_TYPES, ROLES, assign_roles, classify_heads, label_heads
 from headscope.measures.probes import (
     ProbeSpec,
     ordinary_token_ids,
@@ -271,3 +271,28 @@ def test_classify_reapplies_the_roles_with_other_thresholds(induction_report, tm
         heads.loc[(1, 0), "probe_induction"],
         pd.read_parquet(induction_report / "heads.parquet").set_index(["layer", "head"]).loc[(1, 0), "probe_induction"],
     )
+
+
+def test_both_labels_at_once_equal_each_in_turn():
+    """label_heads reads the table once for both reasons: the same frame as assign_roles(classify_heads(...)),
+    on 400 heads drawn so that every type and role occurs, NaN evidence included."""
+    rng = np.random.default_rng(7)
+    n = 400
+    frame = pd.concat([evidence()] * n, ignore_index=True)
+    for column in ("probe_induction", "probe_duplicate", "probe_previous", "prev_token", "sink_rate",
+                   "top_offset_share", "norm_entropy", "active_rows", "offsink_prev_token",
+                   "offsink_top_offset_share", "offsink_norm_entropy"):  # fmt: skip
+        values = rng.uniform(0, 1, n) ** 3
+        values[rng.uniform(0, 1, n) < 0.05] = np.nan
+        frame[column] = values
+    frame["write_ratio"] = rng.uniform(0, 0.2, n)
+    frame["top_offset"] = rng.choice(["first", "0", "1", "2", "other"], n)
+    frame["offsink_top_offset"] = rng.choice(["0", "1", "2", "other"], n)
+    frame["layer"], frame["head"] = np.arange(n) // 20, np.arange(n) % 20
+    frame["diagonal"], frame["diagonal_uniform"] = rng.uniform(0.3, 1, n), 0.4
+    thresholds, roles = Thresholds(), RoleThresholds()
+
+    together = label_heads(frame, thresholds, roles)
+
+    pd.testing.assert_frame_equal(together, assign_roles(classify_heads(frame, thresholds), roles, thresholds))
+    assert set(together["head_type"]) == set(HEAD_TYPES) and set(together["role"]) == set(ROLES)
