@@ -82,6 +82,7 @@ def test_missing_model_folder(tmp_path):
     assert result.stderr.strip() == f"Error: model folder not found: {tmp_path / 'absent'}"
 
 
+@pytest.mark.slow  # analyze through the CLI, three times
 def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path, corpus_lines):
     out = tmp_path / "report"
     assert runner.invoke(app, ["analyze", str(planted_gpt2), "--out", str(out), "--no-charts"]).exit_code == 0
@@ -145,6 +146,7 @@ def test_help_and_import_never_load_torch(args):
     assert not heavy, f"{' '.join(args)} imported {sorted(heavy)}"
 
 
+@pytest.mark.slow  # a child process
 @pytest.mark.parametrize("command", [["classify"], ["plot", "--format", "svg"]])
 def test_commands_on_a_finished_report_never_load_torch(small_report, tmp_path, command):
     import shutil

@@ -128,6 +128,7 @@ def test_the_offload_folder_may_not_be_an_input_or_the_output(where, planted_gpt
     assert snapshot(planted_gpt2) == before
 
 
+@pytest.mark.slow  # converts a checkpoint for accelerate
 def test_what_loading_offloads_is_removed_when_the_run_ends(planted_gpt2, tmp_path):
     """A checkpoint accelerate must convert (GGUF, .bin) leaves copies of the offloaded weights in the offload
     folder: they go when the run ends; what was there before stays."""

@@ -36,6 +36,7 @@ from planted import build_tokenizer
 # ---------------------------------------------------------------- corpus
 
 
+@pytest.mark.slow  # analyze through the CLI, twice
 def test_invalid_utf8_can_be_replaced_or_skipped(planted_gpt2, tmp_path):
     corpus = tmp_path / "mixed.txt"
     corpus.write_bytes(b"The cat sat.\nBroken \xff line here.\nThe dog ran.\n")
@@ -55,6 +56,7 @@ def test_invalid_utf8_can_be_replaced_or_skipped(planted_gpt2, tmp_path):
         assert read_run(out)["corpus"]["invalid_utf8_lines"] == 1
 
 
+@pytest.mark.slow  # analyze through the CLI
 def test_a_long_line_is_truncated_not_dropped(planted_gpt2, tmp_path):
     corpus = tmp_path / "long.txt"
     corpus.write_text("Short one.\n" + " ".join(["word"] * 500) + "\n")
@@ -166,6 +168,7 @@ def test_nonfinite_and_unnormalised_rows_are_counted_and_kept_out():
 # ---------------------------------------------------------------- outputs
 
 
+@pytest.mark.slow  # analyze through the CLI, twice
 def test_full_disk_fails_cleanly_and_keeps_the_previous_report(planted_gpt2, tmp_path, monkeypatch):
     out = tmp_path / "report"
     assert run_cli("analyze", planted_gpt2, "--out", out).exit_code == 0
@@ -335,6 +338,7 @@ def test_bad_corpora_through_the_cli(planted_gpt2, tmp_path, name, content, mess
     assert not out.exists() and hidden_leftovers(tmp_path) == []
 
 
+@pytest.mark.slow  # analyze through the CLI
 def test_messy_but_valid_text_goes_through_the_cli(planted_gpt2, tmp_path):
     corpus = tmp_path / "messy.txt"
     corpus.write_bytes(b"\xef\xbb\xbfThe cat sat.\r\n\r\n  The dog ran.  \rA bird sang.\n\n")

@@ -173,6 +173,7 @@ def test_selected_rows_equal_the_same_rows_of_the_whole():
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_steps_equal_the_op_by_op_steps():
     """What long sequences run (torch.compile of the tile step) is the same maths as the op-by-op step."""
     query, key, value = hand_built(seed=3)

@@ -90,6 +90,7 @@ def test_batching_and_padding_do_not_change_importance(copier):
         np.testing.assert_allclose(other[IMPORTANCE], base[IMPORTANCE], atol=1e-6, err_msg=str(variant))
 
 
+@pytest.mark.slow  # two runs through the CLI
 def test_importance_through_the_cli(copier, tmp_path):
     folder, sentences = copier
     corpus = tmp_path / "corpus.txt"

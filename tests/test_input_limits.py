@@ -135,6 +135,7 @@ def test_a_one_line_corpus_of_many_megabytes_is_cut_before_it_is_tokenized(plant
     assert run["corpus"]["cut_before_tokenizing"] == 1
 
 
+@pytest.mark.slow  # analyze through the CLI for each of three modes
 @pytest.mark.parametrize(("mode", "outcome"), [("strict", "error"), ("replace", "\ufffd"), ("skip", "skipped")])
 def test_a_lone_surrogate_in_jsonl_is_invalid_text(mode, outcome, planted_gpt2, tmp_path):
     corpus = tmp_path / "c.jsonl"

@@ -178,6 +178,7 @@ def test_4096_tokens_stay_within_the_chosen_heads_memory(tmp_path, corpus_lines,
     assert len(rows) == 2 * 4096 * 4097 // 2
 
 
+@pytest.mark.slow  # builds a 4,096-position model
 def test_a_request_beyond_the_budget_is_refused_before_any_forward(tmp_path, corpus_lines):
     """All 16 heads of a 4,096-token text would keep 1.1 GB: refused, naming the length that fits."""
     folder = tiny_llama(tmp_path / "llama", corpus_lines)

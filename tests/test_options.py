@@ -464,6 +464,11 @@ def test_command_options_are_settings_by_name():
     assert shared >= set(SETTINGS) - {"padding_side", "block_bytes"}  # the two left to the Python API
 
 
-@pytest.mark.parametrize("name", sorted(set(EFFECTS)))
+DRAWING = {"charts", "chart_format"}  # these two draw every chart: slow (over 2 s each), the rest stay in the fast loop
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in DRAWING else name for name in sorted(set(EFFECTS))]
+)
 def test_what_each_option_does(name, planted_gpt2, texts, baseline, tmp_path):
     EFFECTS[name](planted_gpt2, texts, baseline, tmp_path)

@@ -69,6 +69,7 @@ def command(name: str, folders: dict[str, Path], planted: Path, out: Path, overw
 WRITES = {"analyze": "report", "compare": "comparison", "plot --out": "charts", "classify --out": "report"}
 
 
+@pytest.mark.slow  # every command into six kinds of folder, 72 CLI runs
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("state", ["missing", "empty", "users", "report", "comparison", "charts"])
 @pytest.mark.parametrize("name", list(WRITES))
@@ -115,6 +116,7 @@ def test_a_users_look_alike_folders_beside_the_output_survive(planted_gpt2, fold
     assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith(".")} == before
 
 
+@pytest.mark.slow  # analyze through the CLI
 def test_a_killed_runs_marked_work_folder_is_removed(planted_gpt2, folders, tmp_path):
     """A staging folder with headscope's marker, whose process is gone, is removed by the next run into the same
     output (and only that one)."""
@@ -175,6 +177,7 @@ def checkpointed(planted_gpt2, tmp_path, corpus_lines):
     return args, out, checkpoint
 
 
+@pytest.mark.slow  # an interrupted run, then every command
 def test_no_other_command_removes_a_checkpoint(checkpointed, folders, planted_gpt2):
     """Every other command (and analyze without --resume) that wants the checkpoint's folder name says what is
     there and stops; the checkpoint is byte for byte as it was, and --resume then finishes from it."""
@@ -221,6 +224,7 @@ def interrupt_when_writing(monkeypatch, wanted) -> None:
 DRAWN = (".png", ".svg", ".pdf", ".html")
 
 
+@pytest.mark.slow  # nine commands run to their charts or page
 @pytest.mark.parametrize(
     "name", ["analyze", "compare", "plot --out", "plot", "classify", "classify --out", "inspect", "prune", "patch"]
 )
@@ -376,6 +380,7 @@ def test_a_killed_runs_staging_folder_is_cleaned_by_the_next_run(planted_gpt2, t
     assert hidden_leftovers(tmp_path) == []
 
 
+@pytest.mark.slow  # analyze with every chart
 def test_a_chart_that_fails_leaves_the_report_and_says_what_was_not_drawn(planted_gpt2, tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

@@ -50,6 +50,7 @@ def report(planted_gpt2, tmp_path):
     return out
 
 
+@pytest.mark.slow  # analyze with every chart
 def test_analyze_writes_charts_and_records_thresholds(report):
     for name in CHARTS:
         assert (report / f"{name}.png").stat().st_size > 10_000, name
@@ -61,6 +62,7 @@ def test_analyze_writes_charts_and_records_thresholds(report):
     assert heads["type_reason"].str.len().gt(0).all()
 
 
+@pytest.mark.slow  # analyze with every chart
 def test_classify_in_place_changes_labels_and_keeps_the_file_readable(report):
     before = pd.read_parquet(report / "heads.parquet")
     result = runner.invoke(
@@ -79,6 +81,7 @@ def test_classify_in_place_changes_labels_and_keeps_the_file_readable(report):
     assert not [p for p in report.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow  # analyze with every chart, then plot
 def test_classify_into_another_folder_then_plot_it(report, tmp_path):
     other = tmp_path / "relabelled"
     result = runner.invoke(app, ["classify", str(report), "--out", str(other), "--broad-min-norm-entropy", "0.95"])
@@ -91,6 +94,7 @@ def test_classify_into_another_folder_then_plot_it(report, tmp_path):
         assert (other / f"{name}.svg").read_text().lstrip().startswith("<?xml"), name
 
 
+@pytest.mark.slow  # analyze with every chart
 def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
     result = runner.invoke(app, ["classify", str(report), "--copy-max-norm-entropy", "0.9"])
     assert result.exit_code == 2  # a usage error
@@ -100,6 +104,7 @@ def test_classify_refuses_bad_thresholds_and_missing_reports(report, tmp_path):
     assert "run.json not found" in result.stderr
 
 
+@pytest.mark.slow  # every chart of a 64 x 64 grid
 @pytest.mark.parametrize(("layers", "heads"), [(12, 12), (30, 9), (1, 4), (64, 64)])
 def test_charts_for_every_model_shape(tmp_path, layers, heads):
     folder = tmp_path / f"m{layers}x{heads}"

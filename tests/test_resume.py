@@ -35,6 +35,7 @@ def interrupted(planted_gpt2, tmp_path, corpus_lines):
     return corpus, out, checkpoint
 
 
+@pytest.mark.slow  # an interrupted 8,200-sentence run
 def test_a_checkpoint_with_a_part_missing_is_refused(planted_gpt2, interrupted):
     corpus, out, checkpoint = interrupted
     (checkpoint / "sentences.part-000001.parquet").unlink()
@@ -45,6 +46,7 @@ def test_a_checkpoint_with_a_part_missing_is_refused(planted_gpt2, interrupted):
     assert not out.exists()
 
 
+@pytest.mark.slow  # an interrupted 8,200-sentence run
 def test_a_checkpoint_planned_for_another_model_is_refused(planted_gpt2, interrupted):
     """The checkpoint keeps the resolved plan; a resume that resolves another one (here: the checkpoint says the
     model was 24 layers deep) is refused, not continued with sums of another shape or meaning."""
@@ -59,6 +61,7 @@ def test_a_checkpoint_planned_for_another_model_is_refused(planted_gpt2, interru
     assert not out.exists()
 
 
+@pytest.mark.slow  # an interrupted 8,200-sentence run
 def test_a_resumed_run_records_the_batching_it_used(planted_gpt2, interrupted):
     corpus, out, _ = interrupted
     result = run_cli(
@@ -71,6 +74,7 @@ def test_a_resumed_run_records_the_batching_it_used(planted_gpt2, interrupted):
     assert len(pd.read_parquet(out / "sentences.parquet")) == 8200
 
 
+@pytest.mark.slow  # an interrupted 8,200-sentence run
 def test_a_checkpoint_belongs_to_the_run_that_wrote_it(planted_gpt2, interrupted):
     """Only the same command with --resume continues (and then consumes) a checkpoint: a run without --resume is
     refused, saying what is there, and the checkpoint is left for --resume."""

@@ -11,6 +11,7 @@ import pytest
 from helpers import QUICK, assert_one_line_error, gpt2_folder, run_cli
 
 
+@pytest.mark.slow  # draws the charts
 def test_latex_in_the_corpus_and_its_name_is_drawn_as_text(tmp_path):
     """matplotlib's mathtext: "$$ a + b $$" tokens on the example chart and a corpus named "cost $a_$ list.txt" in
     every title used to end in a ParseException after the whole run, with nothing written."""
