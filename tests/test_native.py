@@ -279,14 +279,22 @@ def assert_same_output(got, want, real):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), float((got - want).abs().max())
 
 
+def with_block_rows(module, rows: int) -> SimpleNamespace:
+    """The kernel module with its query rows per task forced to `rows` (native.row_state leaves them to its rule)."""
+    return SimpleNamespace(row_state=lambda *args: module.row_state(*args, rows))
+
+
+@pytest.mark.parametrize("block_rows", [None, 256, 100], ids=["rows by shape", "256 rows", "100 rows"])
 @pytest.mark.parametrize("softcap", [None, 10.0])
 @pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
-def test_kernel_output_equals_sdpa(kernel_module, mask_name, softcap):
+def test_kernel_output_equals_sdpa(kernel_module, mask_name, softcap, block_rows):
     """Grouped KV heads (6 on 2) on every mask the kernel takes: its output is sdpa's within 1e-5, the statistics
-    from the same pass stay the float64 reference's."""
+    from the same pass stay the float64 reference's; with blocks of the 64 rows these 700 take, of the 256 long
+    contexts take (two and a partial one), and of 100 (blocks that do not divide the key blocks)."""
     query, key, value = hand_built(seed=11, t=LONG)
     mask, visible, seq_start = masks(t=LONG, window=300)[mask_name]
-    kernel = native_kernel(kernel_module)
+    module = kernel_module if block_rows is None else with_block_rows(kernel_module, block_rows)
+    kernel = native_kernel(module)
     output, values = fused(query, key, value, mask, seq_start, softcap, row_state=kernel.row_state(query, mask))
     assert not kernel.failed_kernels and kernel.native_runs == 1
     real = visible.any(-1)
@@ -295,6 +303,21 @@ def test_kernel_output_equals_sdpa(kernel_module, mask_name, softcap):
     for name in STATISTICS:
         got, want = torch.broadcast_tensors(getattr(values, name).double(), expected[name].double())
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
+
+
+def test_long_contexts_take_blocks_of_256_rows(kernel_module):
+    """The kernel's own rule for its query rows per task: 64 until a KV head's keys and values pass 2 MiB (4,096 keys
+    of 64 float32 numbers), 256 from there; 0 (what headscope passes) means that rule, and a count it cannot hold
+    is refused."""
+    assert kernel_module.block_rows(4096, 64) == 64 and kernel_module.block_rows(4097, 64) == 256
+    assert kernel_module.block_rows(2048, 128) == 64 and kernel_module.block_rows(2049, 128) == 256
+    query, key, value = hand_built(seed=14, t=40)
+    first_key = torch.zeros(2, dtype=torch.long)
+    args = (query.contiguous(), key.contiguous(), value.contiguous(), torch.arange(40), first_key)
+    by_rule, by_name = kernel_module.row_state(*args, None, 0.0), kernel_module.row_state(*args, None, 0.0, 64)
+    assert all(torch.equal(a, b) for a, b in zip(by_rule, by_name, strict=True))
+    with pytest.raises(RuntimeError, match="block_rows"):
+        kernel_module.row_state(*args, None, 0.0, 257)
 
 
 def test_kernel_output_through_a_mask_with_holes_and_on_selected_rows(kernel_module):

@@ -9,8 +9,8 @@
 //     n  keys holding exactly m   top  the first of them
 //     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations
 //     O  sum e^(s - m) v  (when values are given: the output before the first key is put back and A divides it)
-// A block of rows is 64 queries of one head; a block of keys is 512. Their logits (128 KiB) are one sgemm into a
-// buffer that stays in the core's cache for the two passes over it (maximum, then exponentials and sums); with
+// A block of rows is 64 queries of one head (256 at long context: block_rows_for); a block of keys is 512. Their logits (128 or 512 KiB) are one sgemm into a buffer
+// that stays in the core's cache for the two passes over it (maximum, then exponentials and sums); with
 // values, the exponentials are written back over the logits and one more sgemm adds them times the block's values
 // to O, as sdpa's own CPU kernel (a flash-attention forward) does. Threads take (sentence, head, row block) tasks.
 #include <torch/extension.h>
@@ -30,7 +30,16 @@ extern "C" void sgemm_(const char*, const char*, const int*, const int*, const i
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t ROWS = 64;
+constexpr int64_t MAX_ROWS = 256;  // query rows per task at most
+
+// Query rows per task when the caller leaves it to the kernel: 64 keep a block's logits (64 x 512 floats, 128 KiB) in
+// a core's L2; past 2 MiB of keys and values per KV head (4,096 keys of 64 dimensions), 256, as sdpa's CPU kernel
+// takes from 768 rows, read each block of keys four times less often. On SmolLM2's shape (benchmarks/kernel_layer.py,
+// benchmarks/README.md) 256 rows took 9-10% less time at 8,192 tokens and 0-7% more at 2,048 and 4,096 (the logits of
+// the diagonal block's hidden keys, computed in vain, grow with the block).
+int64_t block_rows_for(int64_t keys, int64_t dim) {
+  return 2 * keys * dim * static_cast<int64_t>(sizeof(float)) > 2 * (int64_t{1} << 20) ? MAX_ROWS : 64;
+}
 constexpr int64_t KEYS = 512;
 
 // Horizontal reductions written out: at::vec::vec_reduce_all has no overload taking a lambda on AVX-512 in
@@ -166,17 +175,20 @@ float fold(RowState& row, float* s, int64_t n, int64_t key0, float lowest) {
 // float32 contiguous (head h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone);
 // positions: (rows,) long, increasing; first_key: (batch,) long, each sentence's first key, left out of the state
 // (fused.py's read-off adds it back); mask: (batch or 1, query positions, keys) bool, True = visible, or None for
-// plain causal attention. Returns m, A, B (float32), n, top (long), seen (long), mean, spread (float32), each
+// plain causal attention; block_rows: query rows per task, 1 to 256 (0: block_rows_for the shape). Returns m, A, B (float32), n, top (long), seen (long), mean, spread (float32), each
 // (batch, heads, rows), and with values O (batch, heads, rows, dim) float32; rows that see no key keep m = lowest,
 // A = 0 (padding: never read).
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& value,
                                   const at::Tensor& positions, const at::Tensor& first_key,
-                                  const c10::optional<at::Tensor>& mask, double softcap) {
+                                  const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
+
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous() && first_key.is_contiguous(),
               "contiguous inputs");
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2), groups = heads / kv_heads;
+  if (block_rows == 0) block_rows = block_rows_for(keys, dim);
+  TORCH_CHECK(block_rows >= 1 && block_rows <= MAX_ROWS, "block_rows in 1..", MAX_ROWS, " (0: by the shape)");
   const bool* visible = nullptr;
   int64_t mask_batch = 1, mask_rows = 0;
   if (mask.has_value()) {
@@ -209,7 +221,7 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   int64_t *count_data = count_out.data_ptr<int64_t>(), *top_data = top_out.data_ptr<int64_t>();
   const float lowest = std::numeric_limits<float>::lowest();  // hidden keys, as the eager functions mask them
   const float cap = static_cast<float>(softcap);
-  const int64_t row_blocks = (rows + ROWS - 1) / ROWS;
+  const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
 
   // Each masked row's first visible key, and whether it sees every key from there to itself (padding and sliding
   // windows leave such runs; their rows never read the mask again), found once per sentence for all heads.
@@ -230,13 +242,13 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   }
 
   at::parallel_for(0, batch * heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(ROWS * KEYS);
-    std::vector<float> sums(v ? ROWS * dim : 0);  // the block's O, row-major (rows, dim)
-    RowState state[ROWS];
-    float alpha[ROWS];
+    std::vector<float> scores(block_rows * KEYS);
+    std::vector<float> sums(v ? block_rows * dim : 0);  // the block's O, row-major (rows, dim)
+    RowState state[MAX_ROWS];
+    float alpha[MAX_ROWS];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads, first_row = (task % row_blocks) * ROWS;
-      const int64_t n_rows = std::min(ROWS, rows - first_row);
+      const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads, first_row = (task % row_blocks) * block_rows;
+      const int64_t n_rows = std::min(block_rows, rows - first_row);
       const int64_t out = (b * heads + h) * rows + first_row;
       const float* block_query = q + out * dim;
       const int64_t kv_offset = (b * kv_heads + h / groups) * keys * dim;
@@ -247,8 +259,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const int64_t skip = sentence_first[b];  // the sentence's first key: not folded
       const int64_t stop = std::min(keys, position[first_row + n_rows - 1] + 1);  // causal: no key after the last row
       const int64_t sentence_rows = (mask_batch == 1 ? 0 : b) * mask_rows;
-      int64_t first[ROWS];
-      bool run[ROWS];
+      int64_t first[MAX_ROWS];
+      bool run[MAX_ROWS];
       int64_t start = stop;  // no key before the first one any row of the block sees
       for (int64_t i = 0; i < n_rows; ++i) {
         const int64_t row = position[first_row + i];
@@ -454,6 +466,9 @@ std::vector<at::Tensor> weight_rows(const at::Tensor& weights, const at::Tensor&
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits");
+  module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits",
+             pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
+             pybind11::arg("first_key"), pybind11::arg("mask"), pybind11::arg("softcap"), pybind11::arg("block_rows") = 0);
+  module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
 }
