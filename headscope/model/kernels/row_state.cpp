@@ -9,8 +9,9 @@
 //     n  keys holding exactly m   top  the first of them
 //     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations
 //     O  sum e^(s - m) v  (when values are given: the output before the first key is put back and A divides it)
-// A block of rows is 64 queries of one head (256 at long context: block_rows_for); a block of keys is 512. Their logits (128 or 512 KiB) are one sgemm into a buffer
-// that stays in the core's cache for the two passes over it (maximum, then exponentials and sums); with
+// A block of rows is 64 queries of one head (256 at long context: block_rows_for); a block of keys is 512. Their
+// logits (128 or 512 KiB) are one sgemm into a buffer that stays in the core's cache for the two passes over it
+// (maximum, then exponentials and sums); with
 // values, the exponentials are written back over the logits and one more sgemm adds them times the block's values
 // to O, as sdpa's own CPU kernel (a flash-attention forward) does. Threads take (sentence, head, row block) tasks.
 #include <torch/extension.h>
@@ -175,14 +176,13 @@ float fold(RowState& row, float* s, int64_t n, int64_t key0, float lowest) {
 // float32 contiguous (head h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone);
 // positions: (rows,) long, increasing; first_key: (batch,) long, each sentence's first key, left out of the state
 // (fused.py's read-off adds it back); mask: (batch or 1, query positions, keys) bool, True = visible, or None for
-// plain causal attention; block_rows: query rows per task, 1 to 256 (0: block_rows_for the shape). Returns m, A, B (float32), n, top (long), seen (long), mean, spread (float32), each
-// (batch, heads, rows), and with values O (batch, heads, rows, dim) float32; rows that see no key keep m = lowest,
-// A = 0 (padding: never read).
+// plain causal attention; block_rows: query rows per task, 1 to 256 (0: block_rows_for the shape). Returns m, A, B
+// (float32), n, top (long), seen (long), mean, spread (float32), each (batch, heads, rows), and with values O
+// (batch, heads, rows, dim) float32; rows that see no key keep m = lowest, A = 0 (padding: never read).
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& value,
                                   const at::Tensor& positions, const at::Tensor& first_key,
                                   const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
-
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous() && first_key.is_contiguous(),
               "contiguous inputs");
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
@@ -247,7 +247,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
     RowState state[MAX_ROWS];
     float alpha[MAX_ROWS];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads, first_row = (task % row_blocks) * block_rows;
+      const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads;
+      const int64_t first_row = (task % row_blocks) * block_rows;
       const int64_t n_rows = std::min(block_rows, rows - first_row);
       const int64_t out = (b * heads + h) * rows + first_row;
       const float* block_query = q + out * dim;
@@ -468,7 +469,8 @@ std::vector<at::Tensor> weight_rows(const at::Tensor& weights, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits",
              pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
-             pybind11::arg("first_key"), pybind11::arg("mask"), pybind11::arg("softcap"), pybind11::arg("block_rows") = 0);
+             pybind11::arg("first_key"), pybind11::arg("mask"), pybind11::arg("softcap"),
+             pybind11::arg("block_rows") = 0);
   module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
 }
