@@ -282,6 +282,24 @@ def transformerlens_runner(loaded, tokenize, batch_size: int) -> tuple[Callable[
 # ---------------------------------------------------------------- driver
 
 
+def timed_interleaved(
+    runners: dict[str, Callable[[], object]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each runner once unmeasured, then all interleaved `repeats` times: every run's wall-clock seconds and the
+    process's CPU seconds (all threads), per runner. No memory sampler: timings of short runs alone."""
+    for run in runners.values():
+        run()
+    wall: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            started, cpu_started = time.perf_counter(), time.process_time()
+            run()
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - cpu_started)
+    return wall, cpu
+
+
 def measure(
     runners: dict[str, Callable[[], int]], device: torch.device, repeats: int, *, warm_up: bool = False
 ) -> dict[str, dict]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
+from bench import timed_interleaved
 from lengths import floor_runner, headscope_runner, sentence_of
 
 from headscope.model import native
@@ -43,14 +43,7 @@ def main() -> None:
             native.is_built = built
 
     runners = {"floor": floor_runner(loaded.model, ids), "kernel": with_kernel, "torch": with_torch}
-    for run in runners.values():  # warm-up
-        run()
-    seconds: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(args.repeats):
-        for name, run in runners.items():
-            started = time.perf_counter()
-            run()
-            seconds[name].append(time.perf_counter() - started)
+    seconds, _ = timed_interleaved(runners, args.repeats)
     floor = statistics.median(seconds["floor"])
     print(f"`python benchmarks/eager_rows.py --tokens {args.tokens} --repeats {args.repeats}`\n")
     print("| approach | median seconds | × floor |\n|---|---:|---:|")

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench import timed_interleaved
 
 from headscope.model import native
 
@@ -47,16 +47,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {native.host_isa()}")
     for length in map(int, args.lengths.split(",")):
         runs = approaches(module, length)
-        wall = {name: [] for name in runs}
-        cpu = {name: [] for name in runs}
-        for run in runs.values():
-            run()
-        for _ in range(args.repeats):
-            for name, run in runs.items():
-                started, cpu_started = time.perf_counter(), time.process_time()
-                run()
-                wall[name].append(time.perf_counter() - started)
-                cpu[name].append(time.process_time() - cpu_started)
+        wall, cpu = timed_interleaved(runs, args.repeats)
         print(f"\n{length:,} tokens, {args.repeats} repeats (seconds: median / minimum)")
         floor = wall["sdpa"]
         for name in runs:

@@ -151,10 +151,8 @@ def _reason(row, thresholds: Thresholds) -> str:
 def assign_roles(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresholds) -> pd.DataFrame:
     """A copy of `heads` with `role` and `role_reason` set."""
     out = heads.copy()
-    out["role"] = _role(out, roles, thresholds)
-    rows = list(out.itertuples())  # once: a row of some eighty columns costs more to build than to read
-    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
-    out["role_detail"] = [_role_detail(row, roles, thresholds) for row in rows]
+    role = _role(out, roles, thresholds)
+    _set_roles(out, role, list(out.assign(role=role).itertuples()), roles, thresholds)
     return out
 
 
@@ -162,8 +160,12 @@ def _role(heads: pd.DataFrame, roles: RoleThresholds, thresholds: Thresholds) ->
     return _first_match([test(heads, roles, thresholds) for test, _ in ROLE_RULES.values()], list(ROLE_RULES), "other")
 
 
-def _role_detail(row, roles: RoleThresholds, thresholds: Thresholds) -> str | None:
-    return off_sink_detail(row, roles, thresholds) if row.role == "sink" else None
+def _set_roles(out: pd.DataFrame, role: pd.Series, rows: list, roles: RoleThresholds, thresholds: Thresholds) -> None:
+    """`role`, `role_reason` and `role_detail` into `out`, the reasons from its rows read once (a row of some eighty
+    columns costs more to build than to read) with `role` among them."""
+    out["role"] = role
+    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
+    out["role_detail"] = [off_sink_detail(row, roles, thresholds) if row.role == "sink" else None for row in rows]
 
 
 def off_sink_behaviour(row, roles: RoleThresholds, thresholds: Thresholds) -> tuple[str, str]:
@@ -219,9 +221,7 @@ def label_heads(heads: pd.DataFrame, thresholds: Thresholds, roles: RoleThreshol
     role = _role(out, roles, thresholds)
     rows = list(out.assign(role=role).itertuples())
     out["type_reason"] = [_reason(row, thresholds) for row in rows]
-    out["role"] = role
-    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
-    out["role_detail"] = [_role_detail(row, roles, thresholds) for row in rows]
+    _set_roles(out, role, rows, roles, thresholds)
     return out
 
 
