@@ -22,7 +22,9 @@ import headscope
 from headscope.measures.statistics import AttentionStatistics
 from headscope.model import native
 from headscope.model.capture import attached
+from headscope.model.fused import _tile_step, fused_attention
 from headscope.model.kernel_choice import TileKernel
+from headscope.model.masks import TileVisibility
 from headscope.run.feed import collate
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
@@ -212,7 +214,7 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped(caplog):
     query, key, value = hand_built(seed=7, t=40)
     mask, visible, seq_start = masks(t=40)["causal"]
 
-    def wrong(query, key, value, positions, first_key, mask, softcap):
+    def wrong(query, key, value, positions, first_key, mask, softcap, window=-1):
         shape = (query.shape[0], query.shape[1], query.shape[2])
         ones, longs = torch.ones(shape), torch.ones(shape, dtype=torch.long)
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
@@ -225,6 +227,59 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped(caplog):
     assert kernel.row_state(query, None) is None
     expected = reference(query, key, value, visible, seq_start)
     torch.testing.assert_close(values.entropy.double(), expected["entropy"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
+def test_the_kernels_band_spans_key_blocks(kernel_module, mask_name):
+    """The diagonal band's mass and count folded by the kernel (not picked key by key) equal the float64
+    probabilities' with a band of 600 keys: it spans both blocks of 512 keys, so the mass folded from the first is
+    rescaled when the second raises the maximum; rows in blocks of 100 and the default 64, with the output (the
+    band summed from the exponentials the output keeps) and without."""
+    query, key, value = hand_built(seed=21, t=LONG)
+    mask, visible, seq_start = masks(t=LONG)[mask_name]
+    window = 600
+    scores = (query.double() @ key.double().repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1, -2)) * HEAD_DIM**-0.5
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], -math.inf), -1).nan_to_num()
+    positions = torch.arange(LONG)
+    band = (positions[None, :] - positions[:, None]).abs() <= window
+    for module, values_in in ((kernel_module, None), (with_block_rows(kernel_module, 100), value)):
+        kernel = native_kernel(module)
+        _, values = fused_attention(
+            query,
+            key,
+            values_in,
+            TileVisibility(mask),
+            scaling=HEAD_DIM**-0.5,
+            softcap=None,
+            seq_start=seq_start,
+            window=window,
+            step=_tile_step,
+            row_state=kernel.row_state(query, mask),
+        )
+        assert kernel.native_runs == 1 and not kernel.failed_kernels
+        real = visible.any(-1)[:, None].expand(-1, HEADS, -1)
+        diagonal = values.diagonal.double()
+        torch.testing.assert_close(diagonal[real], (probs * band).sum(-1)[real], rtol=0, atol=1e-5)
+        counts = torch.broadcast_tensors(values.band_visible, diagonal)[0]
+        assert torch.equal(counts[real], (visible & band).sum(-1)[:, None].expand(-1, HEADS, -1)[real])
+
+
+def test_a_kernel_whose_key_points_disagree_is_dropped(kernel_module):
+    """The kernel's key points (first and previous key's logits, the band's mass and count) are checked on its first
+    call against the read-off's picks: a band mass 1% off drops the kernel, and the numbers are the tile loop's."""
+    query, key, value = hand_built(seed=23, t=40)
+    mask, visible, seq_start = masks(t=40)["left padded"]
+
+    def off(*args, **kwargs):
+        *states, band, band_seen = kernel_module.row_state(*args, **kwargs)
+        return (*states, band * 1.01, band_seen)
+
+    kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=off), native_from=0)
+    _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, mask))
+    assert kernel.failed_kernels["cpu"] == "its first result disagreed with the tile loop" and kernel.native_runs == 0
+    expected = reference(query, key, value, visible, seq_start)
+    real = visible.any(-1)[:, None].expand(-1, HEADS, -1)
+    torch.testing.assert_close(values.diagonal.double()[real], expected["diagonal"][real], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -251,7 +306,7 @@ def test_the_kernel_is_counted_only_when_it_ran(kernel_module):
     fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.native_runs == 2
 
-    def wrong(query, key, value, positions, first_key, mask, softcap):
+    def wrong(query, key, value, positions, first_key, mask, softcap, window=-1):
         shape = query.shape[:3]
         ones, longs = torch.ones(shape), torch.ones(shape, dtype=torch.long)
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
@@ -281,7 +336,7 @@ def assert_same_output(got, want, real):
 
 def with_block_rows(module, rows: int) -> SimpleNamespace:
     """The kernel module with its query rows per task forced to `rows` (native.row_state leaves them to its rule)."""
-    return SimpleNamespace(row_state=lambda *args: module.row_state(*args, rows))
+    return SimpleNamespace(row_state=lambda *args, **kwargs: module.row_state(*args, rows, **kwargs))
 
 
 @pytest.mark.parametrize("block_rows", [None, 256, 100], ids=["rows by shape", "256 rows", "100 rows"])
@@ -340,8 +395,8 @@ def test_a_kernel_whose_first_output_disagrees_is_dropped(kernel_module):
     query, key, value = hand_built(seed=13, t=LONG)
     mask, visible, seq_start = masks(t=LONG)["left padded"]
 
-    def off(*args):
-        *states, output = kernel_module.row_state(*args)
+    def off(*args, **kwargs):
+        *states, output = kernel_module.row_state(*args)[:9]
         return (*states, output * 1.01)
 
     kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=off), native_from=0)
@@ -406,7 +461,7 @@ def test_a_kernel_that_raises_is_dropped_for_the_tile_loop():
     query, key, value = hand_built(seed=15, t=40)
     mask, visible, seq_start = masks(t=40)["left padded"]
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("PTX assembly failed\nwith a long log")
 
     kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=broken), native_from=0)
@@ -424,7 +479,9 @@ CANNOT_BUILD = """
 import torch
 from test_fused import fused, hand_built, masks
 from test_native import assert_same_output, sdpa_output
+from headscope.model.fused import _tile_step, fused_attention
 from headscope.model.kernel_choice import TileKernel
+from headscope.model.masks import TileVisibility
 
 query, key, value = hand_built(seed=16, t=40)
 mask, visible, seq_start = masks(t=40)["left padded"]

@@ -181,7 +181,7 @@ def fused_attention(
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
     states = None
     if row_state is not None:
-        states = row_state(scaled, key, value, positions, seq_start, visibility, softcap)
+        states = row_state(scaled, key, value, positions, seq_start, visibility, softcap, window)
     # (batch, rows, heads, head_dim), as attention functions return it: each block's rows written in place (a list
     # of blocks joined at the end held the output three times over at its peak, 57 MiB more at 8,192 tokens)
     output = None if value is None else query.new_empty((batch, len(positions), heads, head_dim), dtype=dtype)

@@ -104,18 +104,28 @@ def row_state(
     first_key: torch.Tensor,
     visibility,
     softcap: float | None,
+    window: int,
 ) -> tuple[torch.Tensor | None, ...]:
     """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch, heads, rows, head_dim), None
     without `value`), as headscope.model.fused's tile loop leaves them (every key but each sentence's first,
-    first_key (batch,) long), of query rows `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim));
-    The mask must be one the kernels take (`takes_mask`: TileKernel.row_state offers a kernel only then)."""
+    first_key (batch,) long), of query rows `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim)),
+    then the key points a kernel folds for the read-off (the C++ kernel's four, for the diagonal band of
+    half-width `window`; none from the Triton kernel). The mask must be one the kernels take (`takes_mask`:
+    TileKernel.row_state offers a kernel only then)."""
     mask = None if visibility.mask is None else visible_keys(visibility.mask)[:, 0].contiguous()
     rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
     value = None if value is None else value.contiguous()
-    *states, output = module.row_state(
-        rows.contiguous(), key.contiguous(), value, positions.contiguous(), first_key.contiguous(), mask, softcap or 0.0
+    m, total, weighted, count, top, seen, mean, spread, output, *points = module.row_state(
+        rows.contiguous(),
+        key.contiguous(),
+        value,
+        positions.contiguous(),
+        first_key.contiguous(),
+        mask,
+        softcap or 0.0,
+        window=window,
     )
-    return (*states, None if value is None else output)
+    return (m, total, weighted, count, top, seen, mean, spread, None if value is None else output, *points)
 
 
 def weight_rows(

@@ -4,7 +4,9 @@ The fold leaves each sentence's first key out; here it is put back, which gives 
 from the same state, those off the sink (every key but the first) with nothing subtracted:
     m = max(m', s_f)    A = A' e^(m' - m) + e^(s_f - m)    B = e^(m' - m) (B' + (m' - m) A') + e^(s_f - m) (s_f - m)
 (primes: the fold's state; s_f the first key's logit, recomputed by one dot product). Sink, previous-token and
-diagonal-band mass are probabilities of single keys, e^(s - m) / A, likewise recomputed.
+diagonal-band mass are probabilities of single keys, e^(s - m) / A, likewise recomputed, unless the state brings
+them (the C++ kernel's key points: s_f, the previous key's logit, and the band's e^(s - m') and count off the sink,
+folded as it went).
 """
 
 from __future__ import annotations
@@ -55,15 +57,18 @@ def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_start, window):
     """A block of rows' output and statistics from its folded state (every key but the sentence's first) and the
-    first key's logit, put together here: m = max(m', s_f), A = A' e^(m' - m) + e^(s_f - m), and so on."""
+    first key's logit, put together here: m = max(m', s_f), A = A' e^(m' - m) + e^(s_f - m), and so on. The state
+    is the fold's nine tensors, or those and the four key points the C++ kernel folds (kernels/row_state.cpp)."""
     batch, _, _, n_rows, _ = grouped_query.shape
-    rest_m, rest_total, rest_weighted, rest_count, rest_top, seen, mean, spread, output = state
+    rest_m, rest_total, rest_weighted, rest_count, rest_top, seen, mean, spread, output, *points = state
     sink_key = seq_start.view(batch, 1).expand(batch, n_rows)[..., None]  # (batch, rows, 1)
     logit = functools.partial(_point_logits, grouped_query, key, softcap)
     prev_key = (rows - 1).view(1, n_rows, 1).expand(batch, n_rows, 1)
-    # The first key's and the previous key's logits, (batch, heads, rows) each, from one pick of their keys.
-    first_and_prev = logit(torch.cat([sink_key, prev_key], dim=-1))
-    first_logit = first_and_prev[..., 0]
+    if points:
+        first_logit, prev_logit, rest_band, rest_band_seen = points
+    else:  # the first key's and the previous key's logits, (batch, heads, rows) each, from one pick of their keys
+        first_and_prev = logit(torch.cat([sink_key, prev_key], dim=-1))
+        first_logit, prev_logit = first_and_prev[..., 0], first_and_prev[..., 1]
     n_visible = visibility.counts(rows)
     first_visible = visibility.points(rows, sink_key).squeeze(-1)  # (batch, 1, rows)
     # A row that sees no key but the first has no state off the sink (its fold held only hidden keys).
@@ -94,8 +99,13 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
         first = seq_start.view(batch, 1, 1, 1).expand(batch, value.shape[1], 1, value.shape[-1])
         first_value = value.gather(2, first).float().repeat_interleave(groups, dim=1)  # (batch, heads, 1, head_dim)
         output = (output * rest_scale[..., None] + first_weight[..., None] * first_value) / total[..., None]
-    point = functools.partial(_point_probability, logit, m, total)
-    diagonal, band_visible = _band(point, visibility, rows, window, batch)
+    if points:  # the band off the sink, rescaled to m, and the first key where it lies in the band
+        first_in_band = first_visible & (sink_key[:, None, :, 0] >= rows - window) & (sink_key[:, None, :, 0] <= rows)
+        diagonal = (rest_band * rest_scale + torch.where(first_in_band, first_weight, 0.0)) / total
+        band_visible = rest_band_seen + first_in_band.long()
+    else:
+        point = functools.partial(_point_probability, logit, m, total)
+        diagonal, band_visible = _band(point, visibility, rows, window, batch)
     values = RowValues(
         entropy=torch.log(total) - weighted / total,
         max_weight=1.0 / total,
@@ -103,7 +113,7 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
         top_tied=count > 1,
         diagonal=diagonal,
         sink=(first_weight / total) * first_visible,
-        prev_token=(_probability(first_and_prev[..., 1:], m, total) * visibility.points(rows, prev_key)).squeeze(-1),
+        prev_token=(_probability(prev_logit[..., None], m, total) * visibility.points(rows, prev_key)).squeeze(-1),
         n_visible=n_visible,
         band_visible=band_visible,
         first_visible=first_visible,

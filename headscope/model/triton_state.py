@@ -131,12 +131,13 @@ def row_state(
     first_key: torch.Tensor,
     mask: torch.Tensor | None,
     softcap: float,
+    window: int = -1,
 ) -> list[torch.Tensor]:
     """The C++ kernel's `row_state`, the same arguments and results (kernels/row_state.cpp): query (batch, heads,
     rows, dim) already scaled, key and value (batch, kv_heads, keys, dim), float32 and contiguous; positions (rows,)
     long; first_key (batch,) long; mask (batch or 1, query positions, keys) bool or None; softcap 0 for none.
     Returns m, A, B, n, top, seen, mean, spread ((batch, heads, rows)) and O ((batch, heads, rows, dim); empty
-    without values)."""
+    without values). `window` is taken and left: this kernel folds no key points (the read-off picks them)."""
     batch, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     device = query.device

@@ -170,18 +170,27 @@ float fold(RowState& row, float* s, int64_t n, int64_t key0, float lowest) {
   return alpha;
 }
 
+// Gemma 2's logit softcapping, c tanh(x / c), on one logit (cap 0: none).
+float capped(float x, float cap) { return cap > 0 ? std::tanh(x / cap) * cap : x; }
+
 }  // namespace
 
 // query: (batch, heads, rows, dim) float32 contiguous, already scaled; key and value: (batch, kv_heads, keys, dim)
 // float32 contiguous (head h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone);
 // positions: (rows,) long, increasing; first_key: (batch,) long, each sentence's first key, left out of the state
 // (fused.py's read-off adds it back); mask: (batch or 1, query positions, keys) bool, True = visible, or None for
-// plain causal attention; block_rows: query rows per task, 1 to 256 (0: block_rows_for the shape). Returns m, A, B
-// (float32), n, top (long), seen (long), mean, spread (float32), each (batch, heads, rows), and with values O
-// (batch, heads, rows, dim) float32; rows that see no key keep m = lowest, A = 0 (padding: never read).
+// plain causal attention; block_rows: query rows per task, 1 to 256 (0: block_rows_for the shape); window: the
+// diagonal band's half-width, or -1 for none of the key points below. Returns m, A, B (float32), n, top (long),
+// seen (long), mean, spread (float32), each (batch, heads, rows), and with values O (batch, heads, rows, dim)
+// float32; rows that see no key keep m = lowest, A = 0 (padding: never read). With a window, four more (batch,
+// heads, rows), the key points headscope/model/readoff.py would otherwise recompute by picking single keys: the
+// logits of the sentence's first key and of the previous key (softcapped, whether or not the row may see them),
+// and over the band's keys the row folded (keys row - window .. row it may see, the first key left out) their
+// sum of e^(s - m) (m as above) and how many they are.
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& value,
                                   const at::Tensor& positions, const at::Tensor& first_key,
-                                  const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows) {
+                                  const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows,
+                                  int64_t window) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous() && first_key.is_contiguous(),
               "contiguous inputs");
@@ -209,6 +218,13 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   at::Tensor count_out = at::empty({batch, heads, rows}, options.dtype(at::kLong)), top_out = at::empty_like(count_out);
   at::Tensor seen_out = at::empty_like(count_out), mean_out = at::empty_like(m_out), spread_out = at::empty_like(m_out);
   at::Tensor sum_out = at::empty({v ? batch : 0, heads, rows, dim}, options);
+  const bool points = window >= 0;
+  const int64_t point_rows = points ? rows : 0;
+  at::Tensor first_out = at::empty({batch, heads, point_rows}, options), prev_out = at::empty_like(first_out);
+  at::Tensor band_out = at::empty_like(first_out), band_seen_out = at::empty_like(first_out, options.dtype(at::kLong));
+  float *first_data = first_out.data_ptr<float>(), *prev_data = prev_out.data_ptr<float>();
+  float* band_data = band_out.data_ptr<float>();
+  int64_t* band_seen_data = band_seen_out.data_ptr<int64_t>();
   const int64_t* sentence_first = first_key.data_ptr<int64_t>();
   int64_t* seen_data = seen_out.data_ptr<int64_t>();
   float *mean_data = mean_out.data_ptr<float>(), *spread_data = spread_out.data_ptr<float>();
@@ -246,6 +262,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
     std::vector<float> sums(v ? block_rows * dim : 0);  // the block's O, row-major (rows, dim)
     RowState state[MAX_ROWS];
     float alpha[MAX_ROWS];
+    float first_logit[MAX_ROWS], prev_logit[MAX_ROWS], band[MAX_ROWS];
+    int64_t band_seen[MAX_ROWS];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads;
       const int64_t first_row = (task % row_blocks) * block_rows;
@@ -255,7 +273,12 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const int64_t kv_offset = (b * kv_heads + h / groups) * keys * dim;
       const float* head_keys = k + kv_offset;
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
-      for (int64_t i = 0; i < n_rows; ++i) state[i] = {lowest, 0.f, 0.f, 0, 0, 0, 0.0, 0.0};
+      for (int64_t i = 0; i < n_rows; ++i) {
+        state[i] = {lowest, 0.f, 0.f, 0, 0, 0, 0.0, 0.0};
+        first_logit[i] = prev_logit[i] = lowest;
+        band[i] = 0.f;
+        band_seen[i] = 0;
+      }
       std::fill(sums.begin(), sums.end(), 0.f);
       const int64_t skip = sentence_first[b];  // the sentence's first key: not folded
       const int64_t stop = std::min(keys, position[first_row + n_rows - 1] + 1);  // causal: no key after the last row
@@ -280,6 +303,10 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
           const int64_t row = position[first_row + i];
           float* row_scores = scores.data() + i * n_keys;
           alpha[i] = 1.f;
+          if (points) {  // read before the mask and the exponentials overwrite them
+            if (skip >= key0 && skip < key0 + n_keys) first_logit[i] = capped(row_scores[skip - key0], cap);
+            if (row - 1 >= key0 && row - 1 < key0 + n_keys) prev_logit[i] = capped(row_scores[row - 1 - key0], cap);
+          }
           // Keys [key0 + lo, key0 + n_seen) of this block: none before the row's first visible key nor after the
           // row (causal); in a row that is not one run, the keys the mask hides get the lowest logit, as the eager
           // functions give them.
@@ -309,6 +336,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
             for (int64_t j = 0; j < n; ++j) s[j] = row_mask[j] ? s[j] : lowest;
           }
           if (skip_inside) s[skip - key0 - lo] = lowest;
+          // The band's keys in this block, as offsets into s (the row's own key is the last one it folds).
+          const int64_t band_from = points ? std::max<int64_t>(0, row - window - key0 - lo) : n;
           if (v) {
             alpha[i] = dense ? fold<true, true>(state[i], s, n, key0 + lo, lowest)
                              : fold<false, true>(state[i], s, n, key0 + lo, lowest);
@@ -316,9 +345,20 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
             std::fill(row_scores, s, 0.f);
             std::fill(row_scores + n_seen, row_scores + n_keys, 0.f);
           } else if (dense) {
-            fold<true, false>(state[i], s, n, key0 + lo, lowest);
+            alpha[i] = fold<true, false>(state[i], s, n, key0 + lo, lowest);
           } else {
-            fold<false, false>(state[i], s, n, key0 + lo, lowest);
+            alpha[i] = fold<false, false>(state[i], s, n, key0 + lo, lowest);
+          }
+          if (band_from < n) {
+            // e^(s - m) of the band's keys: s holds them already when the output kept the exponentials; hidden keys
+            // (and the first key inside the block) weigh 0 either way, and are not counted.
+            float sum = 0.f;
+            for (int64_t j = band_from; j < n; ++j) {
+              sum += v ? s[j] : std::exp(s[j] - state[i].m);
+              const int64_t at = key0 + lo + j;
+              band_seen[i] += at != skip && (run[i] || sentence_mask[row * keys + at]);
+            }
+            band[i] = alpha[i] * band[i] + sum;
           }
         }
         if (v) {
@@ -345,9 +385,18 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         spread_data[out + i] = static_cast<float>(state[i].spread);
       }
       if (v) std::copy(sums.begin(), sums.begin() + n_rows * dim, sum_data + out * dim);
+      if (points) {
+        std::copy(first_logit, first_logit + n_rows, first_data + out);
+        std::copy(prev_logit, prev_logit + n_rows, prev_data + out);
+        std::copy(band, band + n_rows, band_data + out);
+        std::copy(band_seen, band_seen + n_rows, band_seen_data + out);
+      }
     }
   });
-  return {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out, sum_out};
+  std::vector<at::Tensor> result = {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out,
+                                    sum_out};
+  if (points) result.insert(result.end(), {first_out, prev_out, band_out, band_seen_out});
+  return result;
 }
 
 // Per-row statistics of attention rows the model's eager function has already turned into probabilities (short
@@ -470,7 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits",
              pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
              pybind11::arg("first_key"), pybind11::arg("mask"), pybind11::arg("softcap"),
-             pybind11::arg("block_rows") = 0);
+             pybind11::arg("block_rows") = 0, pybind11::arg("window") = -1);
   module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
 }
