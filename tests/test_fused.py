@@ -132,7 +132,8 @@ def test_tiles_and_blocks_do_not_change_the_numbers():
     real = visible.any(-1)  # padding rows may hold anything
     one = fused(query, key, value, mask, seq_start, block_rows=T, tile_keys=T)
     many = fused(query, key, value, mask, seq_start, block_rows=3, tile_keys=2)
-    torch.testing.assert_close(many[0][real], one[0][real], rtol=0, atol=1e-6)
+    # The output within a few float32 steps (1.6 at most here: 8 steps of 1.2e-7 are 1e-6) of the other tiling's.
+    torch.testing.assert_close(many[0][real], one[0][real], rtol=1e-6, atol=1e-6)
     for name, got in many[1].columns().items():
         got, want = torch.broadcast_tensors(got, getattr(one[1], name))
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-6, msg=name)

@@ -264,6 +264,26 @@ def test_the_kernels_band_spans_key_blocks(kernel_module, mask_name):
         assert torch.equal(counts[real], (visible & band).sum(-1)[:, None].expand(-1, HEADS, -1)[real])
 
 
+def test_the_kernel_reads_strided_projections_in_place(kernel_module):
+    """Queries, keys and values laid out as the model's projections are ((batch, t, heads, head_dim) viewed per
+    head, each row's numbers adjacent) give the kernel's results of contiguous copies, bit for bit."""
+    query, key, value = hand_built(seed=25, t=LONG)
+    mask, _, seq_start = masks(t=LONG)["left padded"]
+
+    def as_projected(x):  # the same numbers, stored (batch, t, heads, head_dim)
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    strided = [as_projected(x) for x in (query, key, value)]
+    assert not any(x.is_contiguous() for x in strided)
+    positions, mask_rows = torch.arange(LONG), mask[:, 0].contiguous()
+    for window in (-1, 2):
+        want = kernel_module.row_state(query, key, value, positions, seq_start, mask_rows, 0.0, window=window)
+        got = kernel_module.row_state(*strided, positions, seq_start, mask_rows, 0.0, window=window)
+        assert len(got) == len(want) == (9 if window < 0 else 13)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_a_kernel_whose_key_points_disagree_is_dropped(kernel_module):
     """The kernel's key points (first and previous key's logits, the band's mass and count) are checked on its first
     call against the read-off's picks: a band mass 1% off drops the kernel, and the numbers are the tile loop's."""

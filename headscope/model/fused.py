@@ -50,6 +50,8 @@ TILE_KEYS = 1024
 # So rows are read off in the budget a block's logits would take (block_rows x tile_keys), at this many floats a
 # row (read_off's temporaries are some sixty (batch, heads, rows) tensors): 1,024 rows by default.
 READ_OFF_FLOATS = 128
+# What every fold leaves: m, A, B, n, top, seen, mean, spread, O (a kernel may add its key points after them).
+FOLD_STATE = 9
 
 
 def _tile_step(
@@ -175,13 +177,15 @@ def fused_attention(
         # A half-precision layer taken by a kernel: its bfloat16/float16 numbers are exact in float32, and every
         # product and sum from here on (the kernel's and the read-off's) is float32, as in sdpa's CPU kernel.
         query, key, value = (None if x is None else x.float() for x in (query, key, value))
-    # Contiguous keys, once per layer: the kernels and the read-off's picks of single keys read them as rows.
-    key = key.contiguous()
     scaled = query * scaling
     grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
     states = None
-    if row_state is not None:
+    if row_state is not None:  # the C++ kernel reads the model's keys and values where they are
         states = row_state(scaled, key, value, positions, seq_start, visibility, softcap, window)
+    if states is None or len(states) == FOLD_STATE:
+        # Contiguous keys, once per layer, where the read-off picks single keys (no kernel, or one that folds no
+        # key points) and the tile loop reads them tile by tile.
+        key = key.contiguous()
     # (batch, rows, heads, head_dim), as attention functions return it: each block's rows written in place (a list
     # of blocks joined at the end held the output three times over at its peak, 57 MiB more at 8,192 tokens)
     output = None if value is None else query.new_empty((batch, len(positions), heads, head_dim), dtype=dtype)

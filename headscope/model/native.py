@@ -114,11 +114,10 @@ def row_state(
     TileKernel.row_state offers a kernel only then)."""
     mask = None if visibility.mask is None else visible_keys(visibility.mask)[:, 0].contiguous()
     rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
-    value = None if value is None else value.contiguous()
     m, total, weighted, count, top, seen, mean, spread, output, *points = module.row_state(
-        rows.contiguous(),
-        key.contiguous(),
-        value,
+        rows_adjacent(rows),
+        rows_adjacent(key),
+        None if value is None else rows_adjacent(value),
         positions.contiguous(),
         first_key.contiguous(),
         mask,
@@ -126,6 +125,12 @@ def row_state(
         window=window,
     )
     return (m, total, weighted, count, top, seen, mean, spread, None if value is None else output, *points)
+
+
+def rows_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself when each of its rows (last dimension) is adjacent numbers, as the C++ kernel reads them
+    whatever the other strides (the model's projections viewed per head); else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def weight_rows(

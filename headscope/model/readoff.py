@@ -98,7 +98,10 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
         groups = grouped_query.shape[2]
         first = seq_start.view(batch, 1, 1, 1).expand(batch, value.shape[1], 1, value.shape[-1])
         first_value = value.gather(2, first).float().repeat_interleave(groups, dim=1)  # (batch, heads, 1, head_dim)
-        output = (output * rest_scale[..., None] + first_weight[..., None] * first_value) / total[..., None]
+        # In place: the fold's sums are this block's alone, and four (rows x head_dim) temporaries a layer were most
+        # of what a long text's read-off allocated.
+        output = output.mul_(rest_scale[..., None]).addcmul_(first_weight[..., None], first_value)
+        output = output.div_(total[..., None])
     if points:  # the band off the sink, rescaled to m, and the first key where it lies in the band
         first_in_band = first_visible & (sink_key[:, None, :, 0] >= rows - window) & (sink_key[:, None, :, 0] <= rows)
         diagonal = (rest_band * rest_scale + torch.where(first_in_band, first_weight, 0.0)) / total

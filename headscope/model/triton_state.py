@@ -138,6 +138,8 @@ def row_state(
     long; first_key (batch,) long; mask (batch or 1, query positions, keys) bool or None; softcap 0 for none.
     Returns m, A, B, n, top, seen, mean, spread ((batch, heads, rows)) and O ((batch, heads, rows, dim); empty
     without values). `window` is taken and left: this kernel folds no key points (the read-off picks them)."""
+    query, key = query.contiguous(), key.contiguous()  # the kernel's pointer arithmetic takes contiguous rows
+    value = None if value is None else value.contiguous()
     batch, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     device = query.device

@@ -175,8 +175,10 @@ float capped(float x, float cap) { return cap > 0 ? std::tanh(x / cap) * cap : x
 
 }  // namespace
 
-// query: (batch, heads, rows, dim) float32 contiguous, already scaled; key and value: (batch, kv_heads, keys, dim)
-// float32 contiguous (head h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone);
+// query: (batch, heads, rows, dim) float32, already scaled; key and value: (batch, kv_heads, keys, dim) float32 (head
+// h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone). Any strides with each row's dim
+// numbers adjacent: the model's (batch, t, heads, dim) projections, viewed (batch, heads, t, dim), are read in place
+// (BLAS takes the distance between rows), not copied;
 // positions: (rows,) long, increasing; first_key: (batch,) long, each sentence's first key, left out of the state
 // (fused.py's read-off adds it back); mask: (batch or 1, query positions, keys) bool, True = visible, or None for
 // plain causal attention; block_rows: query rows per task, 1 to 256 (0: block_rows_for the shape); window: the
@@ -192,8 +194,10 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
                                   const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows,
                                   int64_t window) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
-  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && positions.is_contiguous() && first_key.is_contiguous(),
-              "contiguous inputs");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1, "query and key rows of adjacent numbers");
+  TORCH_CHECK(positions.is_contiguous() && first_key.is_contiguous(), "contiguous positions and first keys");
+  TORCH_CHECK(query.stride(2) <= std::numeric_limits<int>::max() && key.stride(2) <= std::numeric_limits<int>::max(),
+              "rows within BLAS's int strides");
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2), groups = heads / kv_heads;
   if (block_rows == 0) block_rows = block_rows_for(keys, dim);
@@ -208,8 +212,9 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   }
   const float* v = nullptr;
   if (value.has_value()) {
-    TORCH_CHECK(value->scalar_type() == at::kFloat && value->is_contiguous() && value->sizes() == key.sizes(),
-                "float32 contiguous value shaped as the key");
+    TORCH_CHECK(value->scalar_type() == at::kFloat && value->stride(3) == 1 && value->sizes() == key.sizes() &&
+                    value->stride(2) <= std::numeric_limits<int>::max(),
+                "float32 value shaped as the key, rows of adjacent numbers");
     v = value->data_ptr<float>();
   }
   auto options = query.options();
@@ -238,6 +243,8 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   const float lowest = std::numeric_limits<float>::lowest();  // hidden keys, as the eager functions mask them
   const float cap = static_cast<float>(softcap);
   const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
+  const at::IntArrayRef query_stride = query.strides(), key_stride = key.strides();
+  const at::IntArrayRef value_stride = v ? value->strides() : key.strides();
 
   // Each masked row's first visible key, and whether it sees every key from there to itself (padding and sliding
   // windows leave such runs; their rows never read the mask again), found once per sentence for all heads.
@@ -269,9 +276,9 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const int64_t first_row = (task % row_blocks) * block_rows;
       const int64_t n_rows = std::min(block_rows, rows - first_row);
       const int64_t out = (b * heads + h) * rows + first_row;
-      const float* block_query = q + out * dim;
-      const int64_t kv_offset = (b * kv_heads + h / groups) * keys * dim;
-      const float* head_keys = k + kv_offset;
+      const float* block_query = q + b * query_stride[0] + h * query_stride[1] + first_row * query_stride[2];
+      const float* head_keys = k + b * key_stride[0] + (h / groups) * key_stride[1];
+      const float* head_values = v + b * value_stride[0] + (h / groups) * value_stride[1];  // (unused without v)
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
       for (int64_t i = 0; i < n_rows; ++i) {
         state[i] = {lowest, 0.f, 0.f, 0, 0, 0, 0.0, 0.0};
@@ -295,9 +302,11 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       for (int64_t key0 = start; key0 < stop; key0 += KEYS) {
         const int n_keys = static_cast<int>(std::min(KEYS, stop - key0)), block_rows = static_cast<int>(n_rows);
         const int depth = static_cast<int>(dim), ld = static_cast<int>(dim);
+        const int ld_query = static_cast<int>(query_stride[2]), ld_key = static_cast<int>(key_stride[2]);
         const float one = 1.f, zero = 0.f;
         // scores (n_rows x n_keys, row-major) = block_query . keys^T, in BLAS's column-major terms.
-        sgemm_("T", "N", &n_keys, &block_rows, &depth, &one, head_keys + key0 * dim, &ld, block_query, &ld, &zero,
+        sgemm_("T", "N", &n_keys, &block_rows, &depth, &one, head_keys + key0 * ld_key, &ld_key, block_query, &ld_query,
+               &zero,
                scores.data(), &n_keys);
         for (int64_t i = 0; i < n_rows; ++i) {
           const int64_t row = position[first_row + i];
@@ -370,8 +379,9 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
             for (; j + Vec::size() <= dim; j += Vec::size()) (Vec::loadu(row_sum + j) * Vec(alpha[i])).store(row_sum + j);
             for (; j < dim; ++j) row_sum[j] *= alpha[i];
           }
-          sgemm_("N", "N", &depth, &block_rows, &n_keys, &one, v + kv_offset + key0 * dim, &ld, scores.data(), &n_keys,
-                 &one, sums.data(), &ld);
+          const int ld_value = static_cast<int>(value_stride[2]);
+          sgemm_("N", "N", &depth, &block_rows, &n_keys, &one, head_values + key0 * ld_value, &ld_value, scores.data(),
+                 &n_keys, &one, sums.data(), &ld);
         }
       }
       for (int64_t i = 0; i < n_rows; ++i) {
