@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from headscope.model import native
-from headscope.model.fused import TILE_KEYS, _fold, _fold_tiles, _tile_step
+from headscope.model.fused import FOLD_STATE, TILE_KEYS, _fold, _fold_tiles, _tile_step
 from headscope.model.readoff import RowValues, read_off
 
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
@@ -166,11 +166,12 @@ class TileKernel:
         close = (1, 2, 6, 7) if value is None else (1, 2, 6, 7, 8)  # A, B, mean, spread (and O)
         agrees = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
         agrees = agrees and torch.equal(got[3] > 1, expected[3] > 1) and torch.equal(got[5], expected[5])
-        if len(states) > len(expected):  # key points folded by the kernel: the read-off's values against its picks
+        if len(states) > FOLD_STATE:  # key points folded by the kernel: the read-off's values against its picks
             state = [None if x is None else x[:, :, -len(rows) :] for x in states]
             state[8] = None  # the output is checked above
             read = functools.partial(read_off, grouped, key, None, visibility, rows, softcap=softcap, window=window)
-            folded, picked = read(state=state, seq_start=first_key)[1], read(state=state[:9], seq_start=first_key)[1]
+            folded = read(state=state, seq_start=first_key)[1]
+            picked = read(state=state[:FOLD_STATE], seq_start=first_key)[1]
             agrees = agrees and torch.equal(*torch.broadcast_tensors(folded.band_visible, picked.band_visible))
             agrees = agrees and all(
                 torch.allclose(getattr(folded, name), getattr(picked, name), rtol=1e-5, atol=1e-6)

@@ -278,7 +278,7 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       const int64_t out = (b * heads + h) * rows + first_row;
       const float* block_query = q + b * query_stride[0] + h * query_stride[1] + first_row * query_stride[2];
       const float* head_keys = k + b * key_stride[0] + (h / groups) * key_stride[1];
-      const float* head_values = v + b * value_stride[0] + (h / groups) * value_stride[1];  // (unused without v)
+      const float* head_values = v ? v + b * value_stride[0] + (h / groups) * value_stride[1] : nullptr;
       const bool* sentence_mask = visible ? visible + (mask_batch == 1 ? 0 : b) * mask_rows * keys : nullptr;
       for (int64_t i = 0; i < n_rows; ++i) {
         state[i] = {lowest, 0.f, 0.f, 0, 0, 0, 0.0, 0.0};
@@ -306,8 +306,7 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         const float one = 1.f, zero = 0.f;
         // scores (n_rows x n_keys, row-major) = block_query . keys^T, in BLAS's column-major terms.
         sgemm_("T", "N", &n_keys, &block_rows, &depth, &one, head_keys + key0 * ld_key, &ld_key, block_query, &ld_query,
-               &zero,
-               scores.data(), &n_keys);
+               &zero, scores.data(), &n_keys);
         for (int64_t i = 0; i < n_rows; ++i) {
           const int64_t row = position[first_row + i];
           float* row_scores = scores.data() + i * n_keys;
