@@ -36,7 +36,7 @@ def masks(batch: int = 2, t: int = T, window: int = 3) -> dict[str, tuple[torch.
     }
 
 
-def reference(query, key, value, visible, seq_start, softcap=None):
+def reference(query, key, value, visible, seq_start, softcap=None, window=WINDOW):
     """Per-row statistics from the full float64 probabilities, as the eager functions compute them."""
     groups = HEADS // KV_HEADS
     q, k, v = query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
@@ -64,11 +64,11 @@ def reference(query, key, value, visible, seq_start, softcap=None):
         "entropy": torch.special.entr(probs).sum(-1),
         "max_weight": probs.amax(-1),
         "top_key": probs.argmax(-1),
-        "diagonal": (probs * (offset.abs() <= WINDOW)).sum(-1),
+        "diagonal": (probs * (offset.abs() <= window)).sum(-1),
         "sink": probs.gather(-1, seq_start.view(-1, 1, 1, 1).expand(-1, HEADS, t, 1)).squeeze(-1),
         "prev_token": (probs * (offset == -1)).sum(-1),
         "n_visible": visible.sum(-1)[:, None],
-        "band_visible": (visible & (offset.abs() <= WINDOW)).sum(-1)[:, None],
+        "band_visible": (visible & (offset.abs() <= window)).sum(-1)[:, None],
     }
 
 
@@ -84,6 +84,7 @@ def fused(
     tile_keys=7,
     positions=None,
     row_state=None,
+    window=WINDOW,
 ):
     return fused_attention(
         query,
@@ -93,7 +94,7 @@ def fused(
         scaling=HEAD_DIM**-0.5,
         softcap=softcap,
         seq_start=seq_start,
-        window=WINDOW,
+        window=window,
         step=step,
         positions=positions,
         block_rows=block_rows,

@@ -22,9 +22,7 @@ import headscope
 from headscope.measures.statistics import AttentionStatistics
 from headscope.model import native
 from headscope.model.capture import attached
-from headscope.model.fused import _tile_step, fused_attention
 from headscope.model.kernel_choice import TileKernel
-from headscope.model.masks import TileVisibility
 from headscope.run.feed import collate
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
@@ -238,30 +236,17 @@ def test_the_kernels_band_spans_key_blocks(kernel_module, mask_name):
     query, key, value = hand_built(seed=21, t=LONG)
     mask, visible, seq_start = masks(t=LONG)[mask_name]
     window = 600
-    scores = (query.double() @ key.double().repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1, -2)) * HEAD_DIM**-0.5
-    probs = torch.softmax(scores.masked_fill(~visible[:, None], -math.inf), -1).nan_to_num()
-    positions = torch.arange(LONG)
-    band = (positions[None, :] - positions[:, None]).abs() <= window
+    expected = reference(query, key, value, visible, seq_start, window=window)
+    real = visible.any(-1)[:, None].expand(-1, HEADS, -1)
     for module, values_in in ((kernel_module, None), (with_block_rows(kernel_module, 100), value)):
         kernel = native_kernel(module)
-        _, values = fused_attention(
-            query,
-            key,
-            values_in,
-            TileVisibility(mask),
-            scaling=HEAD_DIM**-0.5,
-            softcap=None,
-            seq_start=seq_start,
-            window=window,
-            step=_tile_step,
-            row_state=kernel.row_state(query, mask),
-        )
+        row_state = kernel.row_state(query, mask)
+        _, values = fused(query, key, values_in, mask, seq_start, row_state=row_state, window=window)
         assert kernel.native_runs == 1 and not kernel.failed_kernels
-        real = visible.any(-1)[:, None].expand(-1, HEADS, -1)
         diagonal = values.diagonal.double()
-        torch.testing.assert_close(diagonal[real], (probs * band).sum(-1)[real], rtol=0, atol=1e-5)
-        counts = torch.broadcast_tensors(values.band_visible, diagonal)[0]
-        assert torch.equal(counts[real], (visible & band).sum(-1)[:, None].expand(-1, HEADS, -1)[real])
+        torch.testing.assert_close(diagonal[real], expected["diagonal"][real], rtol=0, atol=1e-5)
+        counts, want = torch.broadcast_tensors(values.band_visible, expected["band_visible"], diagonal)[:2]
+        assert torch.equal(counts[real], want[real])
 
 
 def test_the_kernel_reads_strided_projections_in_place(kernel_module):
@@ -499,9 +484,7 @@ CANNOT_BUILD = """
 import torch
 from test_fused import fused, hand_built, masks
 from test_native import assert_same_output, sdpa_output
-from headscope.model.fused import _tile_step, fused_attention
 from headscope.model.kernel_choice import TileKernel
-from headscope.model.masks import TileVisibility
 
 query, key, value = hand_built(seed=16, t=40)
 mask, visible, seq_start = masks(t=40)["left padded"]

@@ -62,6 +62,7 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
     batch, _, _, n_rows, _ = grouped_query.shape
     rest_m, rest_total, rest_weighted, rest_count, rest_top, seen, mean, spread, output, *points = state
     sink_key = seq_start.view(batch, 1).expand(batch, n_rows)[..., None]  # (batch, rows, 1)
+    sink = sink_key[:, None, :, 0]  # (batch, 1, rows)
     logit = functools.partial(_point_logits, grouped_query, key, softcap)
     prev_key = (rows - 1).view(1, n_rows, 1).expand(batch, n_rows, 1)
     if points:
@@ -88,7 +89,7 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
     weighted = weighted + torch.where(first_visible, first_weight * (first_logit - m), 0.0)
     first_holds = first_logit == m
     count = torch.where(rest_m == m, rest_count, 0) + first_holds.long()
-    top = torch.where(first_logit > rest_m, sink_key[:, None, :, 0], rest_top)
+    top = torch.where(first_logit > rest_m, sink, rest_top)
     # The logits' spread over every visible key: the fold's, and the first key's as one more sample.
     with_first = seen + first_visible.long()
     delta = first_logit - mean
@@ -103,7 +104,7 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
         output = output.mul_(rest_scale[..., None]).addcmul_(first_weight[..., None], first_value)
         output = output.div_(total[..., None])
     if points:  # the band off the sink, rescaled to m, and the first key where it lies in the band
-        first_in_band = first_visible & (sink_key[:, None, :, 0] >= rows - window) & (sink_key[:, None, :, 0] <= rows)
+        first_in_band = first_visible & (sink >= rows - window) & (sink <= rows)
         diagonal = (rest_band * rest_scale + torch.where(first_in_band, first_weight, 0.0)) / total
         band_visible = rest_band_seen + first_in_band.long()
     else:
