@@ -212,7 +212,7 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped(caplog):
     query, key, value = hand_built(seed=7, t=40)
     mask, visible, seq_start = masks(t=40)["causal"]
 
-    def wrong(query, key, value, positions, first_key, mask, softcap, window=-1):
+    def wrong(query, key, value, positions, first_key, mask, softcap, **kwargs):
         shape = (query.shape[0], query.shape[1], query.shape[2])
         ones, longs = torch.ones(shape), torch.ones(shape, dtype=torch.long)
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
@@ -311,7 +311,7 @@ def test_the_kernel_is_counted_only_when_it_ran(kernel_module):
     fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.native_runs == 2
 
-    def wrong(query, key, value, positions, first_key, mask, softcap, window=-1):
+    def wrong(query, key, value, positions, first_key, mask, softcap, **kwargs):
         shape = query.shape[:3]
         ones, longs = torch.ones(shape), torch.ones(shape, dtype=torch.long)
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
@@ -395,19 +395,46 @@ def test_kernel_output_through_a_mask_with_holes_and_on_selected_rows(kernel_mod
     assert_same_output(output, want, torch.ones(2, len(positions), dtype=torch.bool))
 
 
-def test_a_kernel_whose_first_output_disagrees_is_dropped(kernel_module):
-    """Right statistics, an output 1% off: the first-call check refuses it and the tile loop's output is returned."""
+@pytest.mark.parametrize("factor", [1.0, 1.01], ids=["as written", "1% off"])
+def test_a_kernel_whose_first_output_disagrees_is_dropped(kernel_module, factor):
+    """Right statistics, the finished output it writes 1% off: the first-call check refuses it and the tile loop's
+    output is returned (the same kernel with its output as written is taken)."""
     query, key, value = hand_built(seed=13, t=LONG)
     mask, visible, seq_start = masks(t=LONG)["left padded"]
 
     def off(*args, **kwargs):
-        *states, output = kernel_module.row_state(*args)[:9]
-        return (*states, output * 1.01)
+        states = kernel_module.row_state(*args, **kwargs)
+        kwargs["out"].mul_(factor)
+        return states
 
     kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=off), native_from=0)
     output, _ = fused(query, key, value, mask, seq_start, row_state=kernel.row_state(query, mask))
-    assert kernel.failed_kernels["cpu"] == "its first result disagreed with the tile loop" and kernel.native_runs == 0
+    assert kernel.native_runs == (factor == 1.0)
+    if factor != 1.0:
+        assert kernel.failed_kernels["cpu"] == "its first result disagreed with the tile loop"
     assert_same_output(output, sdpa_output(query, key, value, visible), visible.any(-1))
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
+def test_the_kernel_writes_the_finished_output_where_it_is_told(kernel_module, mask_name):
+    """Given `out` (here a (batch, t, heads, head_dim) view of a (batch, heads, t, head_dim) buffer), the kernel
+    writes every row's finished output there and returns no sums: sdpa's output within 1e-5 on rows that see a key,
+    exactly 0 on rows that see none (padding); and the logits it scales itself (`scaling`) give the state of the
+    scaled copy of the queries within float32 rounding."""
+    query, key, value = hand_built(seed=15, t=LONG)
+    mask, visible, seq_start = masks(t=LONG, window=300)[mask_name]
+    mask_rows = None if mask is None else mask[:, 0].contiguous()
+    arguments = (key, value, torch.arange(LONG), seq_start, mask_rows, 0.0)
+    scaling = HEAD_DIM**-0.5
+    out = torch.full((2, HEADS, LONG, HEAD_DIM), math.nan).transpose(1, 2)
+    states = kernel_module.row_state(query, *arguments, scaling=scaling, out=out)
+    assert states[8].numel() == 0
+    real = visible.any(-1)
+    assert_same_output(out, sdpa_output(query, key, value, visible), real)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))
+    copied = kernel_module.row_state(query * scaling, *arguments)
+    for got, want in zip(states[:8], copied[:8], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

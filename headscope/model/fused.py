@@ -163,7 +163,8 @@ def fused_attention(
     reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
     seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`
     (headscope.model.kernel_choice), or `_tile_step` itself. row_state: `TileKernel.row_state(...)`: when given, it
-    computes every row's running state (and output sum) in one call instead of the tile loop. Returns the output
+    computes every row's running state (and output sum, or the finished output in place) in one call instead of the
+    tile loop. Returns the output
     (batch, rows, heads, head_dim) in the query's dtype, as attention functions return it (None without `value`),
     and the rows' `RowValues`.
     """
@@ -177,18 +178,21 @@ def fused_attention(
         # A half-precision layer taken by a kernel: its bfloat16/float16 numbers are exact in float32, and every
         # product and sum from here on (the kernel's and the read-off's) is float32, as in sdpa's CPU kernel.
         query, key, value = (None if x is None else x.float() for x in (query, key, value))
-    scaled = query * scaling
-    grouped_query = scaled.view(batch, kv_heads, groups, t, head_dim)
+    # (batch, rows, heads, head_dim), as attention functions return it: the C++ kernel writes its rows' finished
+    # output there, the tile loop each block's (a list of blocks joined at the end held the output three times over
+    # at its peak, 57 MiB more at 8,192 tokens). In float32 where a kernel computes it, in `dtype` at the end.
+    output = None if value is None else query.new_empty((batch, len(positions), heads, head_dim))
     states = None
-    if row_state is not None:  # the C++ kernel reads the model's keys and values where they are
-        states = row_state(scaled, key, value, positions, seq_start, visibility, softcap, window)
-    if states is None or len(states) == FOLD_STATE:
-        # Contiguous keys, once per layer, where the read-off picks single keys (no kernel, or one that folds no
-        # key points) and the tile loop reads them tile by tile.
+    if row_state is not None:  # the C++ kernel reads the model's queries, keys and values where they are
+        arguments = (query, key, value, positions, seq_start, visibility, softcap, window)
+        states = row_state(*arguments, scaling=scaling, out=output)
+    # The read-off picks single keys (no kernel, or one that folds no key points) and the tile loop reads keys tile by
+    # tile: contiguous keys, once per layer, and the scaled queries. With the kernel's key points the read-off reads
+    # no query (the unscaled view stands in for its shape): no scaled copy of the queries.
+    picks = states is None or len(states) == FOLD_STATE
+    if picks:
         key = key.contiguous()
-    # (batch, rows, heads, head_dim), as attention functions return it: each block's rows written in place (a list
-    # of blocks joined at the end held the output three times over at its peak, 57 MiB more at 8,192 tokens)
-    output = None if value is None else query.new_empty((batch, len(positions), heads, head_dim), dtype=dtype)
+    grouped_query = (query * scaling if picks else query).view(batch, kv_heads, groups, t, head_dim)
     values = []
     block_rows = block_rows if states is None else max(block_rows, block_rows * tile_keys // READ_OFF_FLOATS)
     for first in range(0, len(positions), block_rows):
@@ -205,12 +209,12 @@ def fused_attention(
         block_output, row_values = read_off(
             block_query, key, value, visibility, rows, state, softcap, seq_start, window
         )
-        if output is not None:
+        if block_output is not None:  # (None where the kernel wrote the finished output: states[8] is None)
             output[:, first : first + len(rows)] = block_output.transpose(1, 2)
         values.append(row_values)
     columns = [v.columns() for v in values]
     joined = RowValues(**{name: torch.cat([present[name] for present in columns], -1) for name in columns[0]})
-    return output, joined
+    return None if output is None else output.to(dtype), joined
 
 
 def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile_keys, first_key) -> tuple:

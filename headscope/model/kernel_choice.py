@@ -145,26 +145,41 @@ class TileKernel:
             return None
         return module
 
-    def _native(self, module, scaled, key, value, positions, first_key, visibility, softcap, window) -> tuple | None:
-        device = scaled.device.type
+    def _native(
+        self, module, query, key, value, positions, first_key, visibility, softcap, window, *, scaling, out=None
+    ) -> tuple | None:
+        """The kernel's `native.row_state(...)` (the same arguments), its first result checked against the tile
+        loop's; None where it fails or disagrees (then dropped)."""
+        device = query.device.type
+        arguments = (query, key, value, positions, first_key, visibility, softcap, window)
         try:
-            states = native.row_state(module, scaled, key, value, positions, first_key, visibility, softcap, window)
+            states = native.row_state(module, *arguments, scaling=scaling, out=out)
         except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
             return self._drop(device, f"failed ({native.one_line(err)})")
         if device in self._checked:
             self.native_runs += 1
             return states
         # Its first result against the tile loop, on the last rows (they see the most keys).
-        batch, heads, t, head_dim = scaled.shape
+        batch, heads, t, head_dim = query.shape
         rows = positions[-NATIVE_CHECK_ROWS:]
-        grouped = scaled.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows)
+        grouped = query.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows) * scaling
         expected = _fold_tiles(grouped, key, value, visibility, rows, softcap, _tile_step, TILE_KEYS, first_key)
+        # The rows' finished output where the kernel wrote it in `out` (states[8] None): against the tile loop's
+        # state read off as fused_attention finishes it (in place: that O is not compared after); else its O
+        # against the tile loop's.
+        finished = value is not None and states[8] is None
+        output_agrees = not finished or torch.allclose(
+            out[:, -len(rows) :].transpose(1, 2),
+            read_off(grouped, key, value, visibility, rows, expected, softcap, first_key, window)[0],
+            rtol=1e-5,
+            atol=1e-5,
+        )
         # Rows that see some key but the first (padding sees none; a row that sees only the first has no state).
         seen = expected[5] > 0
         got = [None if x is None else x[:, :, -len(rows) :][seen] for x in states]
         expected = [None if x is None else x[seen] for x in expected]
-        close = (1, 2, 6, 7) if value is None else (1, 2, 6, 7, 8)  # A, B, mean, spread (and O)
-        agrees = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
+        close = (1, 2, 6, 7) if got[8] is None else (1, 2, 6, 7, 8)  # A, B, mean, spread (and O)
+        agrees = output_agrees and all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-5) for i in close)
         agrees = agrees and torch.equal(got[3] > 1, expected[3] > 1) and torch.equal(got[5], expected[5])
         if len(states) > FOLD_STATE:  # key points folded by the kernel: the read-off's values against its picks
             state = [None if x is None else x[:, :, -len(rows) :] for x in states]

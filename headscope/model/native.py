@@ -97,7 +97,7 @@ def takes_mask(mask: torch.Tensor | None, keys: int) -> bool:
 
 def row_state(
     module: ModuleType,
-    scaled: torch.Tensor,
+    query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor | None,
     positions: torch.Tensor,
@@ -105,15 +105,19 @@ def row_state(
     visibility,
     softcap: float | None,
     window: int,
+    *,
+    scaling: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch, heads, rows, head_dim), None
     without `value`), as headscope.model.fused's tile loop leaves them (every key but each sentence's first,
-    first_key (batch,) long), of query rows `positions` of `scaled` (query * scaling, (batch, heads, t, head_dim)),
+    first_key (batch,) long), of query rows `positions` of query * `scaling` (query: (batch, heads, t, head_dim)),
     then the key points a kernel folds for the read-off (the C++ kernel's four, for the diagonal band of
-    half-width `window`; none from the Triton kernel). The mask must be one the kernels take (`takes_mask`:
-    TileKernel.row_state offers a kernel only then)."""
+    half-width `window`; none from the Triton kernel). out ((batch, rows, heads, head_dim) float32, with `value`):
+    where the C++ kernel writes the rows' finished output, O then None (the Triton kernel leaves it and returns O).
+    The mask must be one the kernels take (`takes_mask`: TileKernel.row_state offers a kernel only then)."""
     mask = None if visibility.mask is None else visible_keys(visibility.mask)[:, 0].contiguous()
-    rows = scaled if len(positions) == scaled.shape[2] else scaled.index_select(2, positions)
+    rows = query if len(positions) == query.shape[2] else query.index_select(2, positions)
     m, total, weighted, count, top, seen, mean, spread, output, *points = module.row_state(
         rows_adjacent(rows),
         rows_adjacent(key),
@@ -123,8 +127,11 @@ def row_state(
         mask,
         softcap or 0.0,
         window=window,
+        scaling=scaling,
+        out=None if value is None else out,
     )
-    return (m, total, weighted, count, top, seen, mean, spread, None if value is None else output, *points)
+    summed = value is not None and output.numel() > 0  # O, not the finished output in `out`
+    return (m, total, weighted, count, top, seen, mean, spread, output if summed else None, *points)
 
 
 def rows_adjacent(x: torch.Tensor) -> torch.Tensor:

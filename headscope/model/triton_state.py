@@ -132,13 +132,18 @@ def row_state(
     mask: torch.Tensor | None,
     softcap: float,
     window: int = -1,
+    scaling: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The C++ kernel's `row_state`, the same arguments and results (kernels/row_state.cpp): query (batch, heads,
-    rows, dim) already scaled, key and value (batch, kv_heads, keys, dim), float32 and contiguous; positions (rows,)
+    rows, dim) times `scaling`, key and value (batch, kv_heads, keys, dim), float32 and contiguous; positions (rows,)
     long; first_key (batch,) long; mask (batch or 1, query positions, keys) bool or None; softcap 0 for none.
     Returns m, A, B, n, top, seen, mean, spread ((batch, heads, rows)) and O ((batch, heads, rows, dim); empty
-    without values). `window` is taken and left: this kernel folds no key points (the read-off picks them)."""
-    query, key = query.contiguous(), key.contiguous()  # the kernel's pointer arithmetic takes contiguous rows
+    without values). `window` and `out` are taken and left: this kernel folds no key points (the read-off picks
+    them) and returns O for the read-off to finish."""
+    # The kernel's pointer arithmetic takes contiguous rows (a product keeps its operand's strides: copied as well).
+    query = (query * scaling if scaling != 1.0 else query).contiguous()
+    key = key.contiguous()
     value = None if value is None else value.contiguous()
     batch, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]

@@ -9,6 +9,7 @@
 //     n  keys holding exactly m   top  the first of them
 //     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations
 //     O  sum e^(s - m) v  (when values are given: the output before the first key is put back and A divides it)
+// or, given where to write it, the finished output: the first key put back and A dividing, as readoff.py does.
 // A block of rows is 64 queries of one head (256 at long context: block_rows_for); a block of keys is 512. Their
 // logits (128 or 512 KiB) are one sgemm into a buffer that stays in the core's cache for the two passes over it
 // (maximum, then exponentials and sums); with
@@ -173,9 +174,37 @@ float fold(RowState& row, float* s, int64_t n, int64_t key0, float lowest) {
 // Gemma 2's logit softcapping, c tanh(x / c), on one logit (cap 0: none).
 float capped(float x, float cap) { return cap > 0 ? std::tanh(x / cap) * cap : x; }
 
+// A row's finished output from its fold (every visible key but the sentence's first: O in `sums`) and that first key
+// (logit s_f, -inf when the row does not see it; its value row `first_value`), as readoff.py's read_off finishes it:
+//     m = max(m', s_f)    A = A' e^(m' - m) + e^(s_f - m)    output = (O e^(m' - m) + e^(s_f - m) v_f) / A
+// A row that sees no key at all (padding) gets 0s, never NaN: the next layer reads its output.
+void finish_row(const RowState& row, float first_logit, const float* first_value, const float* sums, int64_t dim,
+                float* output) {
+  const bool rest_seen = row.seen > 0;
+  const float rest_m = rest_seen ? row.m : -std::numeric_limits<float>::infinity();
+  float m = std::max(rest_m, first_logit);
+  if (!std::isfinite(m)) m = 0.f;
+  const float rest_scale = rest_seen ? std::exp(rest_m - m) : 0.f;
+  const float first_weight = std::exp(first_logit - m);  // 0 when the first key is hidden
+  float total = (rest_seen ? row.total : 0.f) * rest_scale + first_weight;
+  if (!(total > 0.f)) total = 1.f;
+  const Vec scale(rest_scale), weight(first_weight), divisor(total);
+  int64_t j = 0;
+  if (first_weight > 0.f) {
+    for (; j + Vec::size() <= dim; j += Vec::size()) {
+      ((Vec::loadu(sums + j) * scale + weight * Vec::loadu(first_value + j)) / divisor).store(output + j);
+    }
+    for (; j < dim; ++j) output[j] = (sums[j] * rest_scale + first_weight * first_value[j]) / total;
+  } else {  // the first key's value row is not read (its logit may be any number the row does not see)
+    for (; j + Vec::size() <= dim; j += Vec::size()) ((Vec::loadu(sums + j) * scale) / divisor).store(output + j);
+    for (; j < dim; ++j) output[j] = sums[j] * rest_scale / total;
+  }
+}
+
 }  // namespace
 
-// query: (batch, heads, rows, dim) float32, already scaled; key and value: (batch, kv_heads, keys, dim) float32 (head
+// query: (batch, heads, rows, dim) float32, times `scaling` here (the first product's factor: no scaled copy of the
+// model's queries); key and value: (batch, kv_heads, keys, dim) float32 (head
 // h reads kv head h / (heads / kv_heads)); value may be None (the statistics alone). Any strides with each row's dim
 // numbers adjacent: the model's (batch, t, heads, dim) projections, viewed (batch, heads, t, dim), are read in place
 // (BLAS takes the distance between rows), not copied;
@@ -188,11 +217,14 @@ float capped(float x, float cap) { return cap > 0 ? std::tanh(x / cap) * cap : x
 // heads, rows), the key points headscope/model/readoff.py would otherwise recompute by picking single keys: the
 // logits of the sentence's first key and of the previous key (softcapped, whether or not the row may see them),
 // and over the band's keys the row folded (keys row - window .. row it may see, the first key left out) their
-// sum of e^(s - m) (m as above) and how many they are.
+// sum of e^(s - m) (m as above) and how many they are. out (with values): (batch, rows, heads, dim) float32, each
+// row's dim numbers adjacent (the layout attention functions return): the rows' finished output is written there
+// (the first key's value weighed in, divided by the total over every visible key; rows seeing no key get 0s) and O
+// is returned empty (0 rows): no (batch, heads, rows, dim) sums for the caller to finish and copy.
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& value,
                                   const at::Tensor& positions, const at::Tensor& first_key,
                                   const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows,
-                                  int64_t window) {
+                                  int64_t window, double scaling, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1, "query and key rows of adjacent numbers");
   TORCH_CHECK(positions.is_contiguous() && first_key.is_contiguous(), "contiguous positions and first keys");
@@ -217,12 +249,21 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
                 "float32 value shaped as the key, rows of adjacent numbers");
     v = value->data_ptr<float>();
   }
+  float* finished = nullptr;  // where the finished output goes, when the caller gives a place
+  at::IntArrayRef out_stride;
+  if (out.has_value()) {
+    TORCH_CHECK(v && out->scalar_type() == at::kFloat && out->stride(3) == 1 &&
+                    out->sizes() == at::IntArrayRef({batch, rows, heads, dim}),
+                "out: float32 (batch, rows, heads, dim), rows of adjacent numbers, with values");
+    finished = out->data_ptr<float>();
+    out_stride = out->strides();
+  }
   auto options = query.options();
   at::Tensor m_out = at::empty({batch, heads, rows}, options);
   at::Tensor total_out = at::empty_like(m_out), weighted_out = at::empty_like(m_out);
   at::Tensor count_out = at::empty({batch, heads, rows}, options.dtype(at::kLong)), top_out = at::empty_like(count_out);
   at::Tensor seen_out = at::empty_like(count_out), mean_out = at::empty_like(m_out), spread_out = at::empty_like(m_out);
-  at::Tensor sum_out = at::empty({v ? batch : 0, heads, rows, dim}, options);
+  at::Tensor sum_out = at::empty({v && !finished ? batch : 0, heads, rows, dim}, options);
   const bool points = window >= 0;
   const int64_t point_rows = points ? rows : 0;
   at::Tensor first_out = at::empty({batch, heads, point_rows}, options), prev_out = at::empty_like(first_out);
@@ -241,7 +282,7 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   float* weighted_data = weighted_out.data_ptr<float>();
   int64_t *count_data = count_out.data_ptr<int64_t>(), *top_data = top_out.data_ptr<int64_t>();
   const float lowest = std::numeric_limits<float>::lowest();  // hidden keys, as the eager functions mask them
-  const float cap = static_cast<float>(softcap);
+  const float cap = static_cast<float>(softcap), scale = static_cast<float>(scaling);
   const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
   const at::IntArrayRef query_stride = query.strides(), key_stride = key.strides();
   const at::IntArrayRef value_stride = v ? value->strides() : key.strides();
@@ -305,15 +346,18 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         const int ld_query = static_cast<int>(query_stride[2]), ld_key = static_cast<int>(key_stride[2]);
         const float one = 1.f, zero = 0.f;
         // scores (n_rows x n_keys, row-major) = block_query . keys^T, in BLAS's column-major terms.
-        sgemm_("T", "N", &n_keys, &block_rows, &depth, &one, head_keys + key0 * ld_key, &ld_key, block_query, &ld_query,
-               &zero, scores.data(), &n_keys);
+        sgemm_("T", "N", &n_keys, &block_rows, &depth, &scale, head_keys + key0 * ld_key, &ld_key, block_query,
+               &ld_query, &zero, scores.data(), &n_keys);
         for (int64_t i = 0; i < n_rows; ++i) {
           const int64_t row = position[first_row + i];
           float* row_scores = scores.data() + i * n_keys;
           alpha[i] = 1.f;
-          if (points) {  // read before the mask and the exponentials overwrite them
-            if (skip >= key0 && skip < key0 + n_keys) first_logit[i] = capped(row_scores[skip - key0], cap);
-            if (row - 1 >= key0 && row - 1 < key0 + n_keys) prev_logit[i] = capped(row_scores[row - 1 - key0], cap);
+          // read before the mask and the exponentials overwrite them
+          if ((points || finished) && skip >= key0 && skip < key0 + n_keys) {
+            first_logit[i] = capped(row_scores[skip - key0], cap);
+          }
+          if (points && row - 1 >= key0 && row - 1 < key0 + n_keys) {
+            prev_logit[i] = capped(row_scores[row - 1 - key0], cap);
           }
           // Keys [key0 + lo, key0 + n_seen) of this block: none before the row's first visible key nor after the
           // row (causal); in a row that is not one run, the keys the mask hides get the lowest logit, as the eager
@@ -393,7 +437,17 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         mean_data[out + i] = static_cast<float>(state[i].mean);
         spread_data[out + i] = static_cast<float>(state[i].spread);
       }
-      if (v) std::copy(sums.begin(), sums.begin() + n_rows * dim, sum_data + out * dim);
+      if (finished) {
+        for (int64_t i = 0; i < n_rows; ++i) {
+          const int64_t row = position[first_row + i];
+          const bool first_seen_here = skip <= row && (run[i] ? skip >= first[i] : sentence_mask[row * keys + skip]);
+          finish_row(state[i], first_seen_here ? first_logit[i] : -std::numeric_limits<float>::infinity(),
+                     head_values + skip * value_stride[2], sums.data() + i * dim, dim,
+                     finished + b * out_stride[0] + (first_row + i) * out_stride[1] + h * out_stride[2]);
+        }
+      } else if (v) {
+        std::copy(sums.begin(), sums.begin() + n_rows * dim, sum_data + out * dim);
+      }
       if (points) {
         std::copy(first_logit, first_logit + n_rows, first_data + out);
         std::copy(prev_logit, prev_logit + n_rows, prev_data + out);
@@ -528,7 +582,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits",
              pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
              pybind11::arg("first_key"), pybind11::arg("mask"), pybind11::arg("softcap"),
-             pybind11::arg("block_rows") = 0, pybind11::arg("window") = -1);
+             pybind11::arg("block_rows") = 0, pybind11::arg("window") = -1, pybind11::arg("scaling") = 1.0,
+             pybind11::arg("out") = pybind11::none());
   module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
 }
