@@ -27,7 +27,8 @@ On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, 
 several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
 say) the same function runs op by op, with the same maths. For a float32 or half-precision model, headscope's
 kernels replace the tile loop, the output included (same state, same read-off): its C++ kernel on the CPU
-(headscope.model.native), its Triton kernel on CUDA (headscope.model.triton_state).
+(headscope.model.native), which also finishes each row's output itself, straight into the layer's output, and its
+Triton kernel on CUDA (headscope.model.triton_state).
 """
 
 from __future__ import annotations
