@@ -165,9 +165,8 @@ def fused_attention(
     seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`
     (headscope.model.kernel_choice), or `_tile_step` itself. row_state: `TileKernel.row_state(...)`: when given, it
     computes every row's running state (and output sum, or the finished output in place) in one call instead of the
-    tile loop. Returns the output
-    (batch, rows, heads, head_dim) in the query's dtype, as attention functions return it (None without `value`),
-    and the rows' `RowValues`.
+    tile loop. Returns the output (batch, rows, heads, head_dim) in the query's dtype, as attention functions return
+    it (None without `value`), and the rows' `RowValues`.
     """
     batch, heads, t, head_dim = query.shape
     kv_heads = key.shape[1]
