@@ -95,7 +95,7 @@ def test_existing_report_is_not_overwritten_without_flag(planted_gpt2, tmp_path,
     assert (out / "heads.parquet").read_bytes() == before
 
     result = runner.invoke(
-        app, ["analyze", str(planted_gpt2), "--corpus", str(corpus), "--out", str(out), "--overwrite"]
+        app, ["analyze", str(planted_gpt2), "--corpus", str(corpus), "--out", str(out), "--overwrite", "--no-charts"]
     )
     assert result.exit_code == 0, result.output
     assert (out / "heads.parquet").read_bytes() != before
