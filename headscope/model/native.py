@@ -128,7 +128,7 @@ def row_state(
         softcap or 0.0,
         window=window,
         scaling=scaling,
-        out=None if value is None else out,
+        out=out,
     )
     summed = value is not None and output.numel() > 0  # O, not the finished output in `out`
     return (m, total, weighted, count, top, seen, mean, spread, output if summed else None, *points)

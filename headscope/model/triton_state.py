@@ -141,8 +141,9 @@ def row_state(
     Returns m, A, B, n, top, seen, mean, spread ((batch, heads, rows)) and O ((batch, heads, rows, dim); empty
     without values). `window` and `out` are taken and left: this kernel folds no key points (the read-off picks
     them) and returns O for the read-off to finish."""
-    # The kernel's pointer arithmetic takes contiguous rows (a product keeps its operand's strides: copied as well).
-    query = (query * scaling if scaling != 1.0 else query).contiguous()
+    # The kernel's pointer arithmetic takes contiguous rows: the queries scaled into a contiguous copy, one pass (a
+    # plain product keeps a transposed view's strides and would need a second copy).
+    query = torch.mul(query, scaling, out=torch.empty_like(query, memory_format=torch.contiguous_format))
     key = key.contiguous()
     value = None if value is None else value.contiguous()
     batch, heads, rows, dim = query.shape
