@@ -327,3 +327,46 @@ def write_reader_pairs(path: Path, rows=READER_PAIRS) -> Path:
     names = ("clean", "corrupt", "answer", "distractor")
     path.write_text("".join(json.dumps(dict(zip(names, row, strict=True))) + "\n" for row in rows))
     return path
+
+
+# ---------------------------------------------------------------- a post-attention norm (Gemma 2)
+
+POST_HIDDEN, POST_HEADS, POST_HEAD_DIM = 64, 4, 16
+POST_GAIN = 2.0  # layer 0's post-attention norm gain, (1 + w) in Gemma's norm
+QUIET = 1e-3  # head 0's output-projection columns, scaled: before the norm it writes next to nothing
+LOUD = 0  # that head; layer 0's other heads have zero value weights and write nothing at all
+
+
+def build_planted_post_norm(folder: Path, corpus_lines: list[str], *, causal_lm: bool = False) -> Path:
+    """A 2-layer Gemma 2 whose layer 0 has one head that writes (LOUD) and three that write nothing (zero value
+    weights). LOUD's output-projection columns are scaled by QUIET, so before the post-attention norm it writes
+    1e-3 of what a head usually does; after the norm (gain POST_GAIN, eps 1e-30) the layer adds
+    POST_GAIN * o / rms(o), whose norm is POST_GAIN * sqrt(POST_HIDDEN) = 16 on every row: all of it LOUD's.
+    causal_lm: save the LM (tied embeddings) for the loss, else the base model."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma2Model
+
+    tokenizer = build_tokenizer([w for line in corpus_lines for w in line.split()])
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=POST_HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=POST_HEADS,
+        num_key_value_heads=POST_HEADS,
+        head_dim=POST_HEAD_DIM,
+        rms_norm_eps=1e-30,  # o is some 1e-5 here: any usual eps would be a share of its rms
+        sliding_window=64,
+        max_position_embeddings=128,
+        pad_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = (Gemma2ForCausalLM if causal_lm else Gemma2Model)(config)
+    layer = (model.model if causal_lm else model).layers[0]
+    with torch.no_grad():
+        value = layer.self_attn.v_proj.weight  # (heads * head_dim, hidden)
+        value[(LOUD + 1) * POST_HEAD_DIM :] = 0.0
+        layer.self_attn.o_proj.weight[:, LOUD * POST_HEAD_DIM : (LOUD + 1) * POST_HEAD_DIM] *= QUIET
+        layer.post_attention_layernorm.weight.fill_(POST_GAIN - 1.0)  # Gemma's norm multiplies by (1 + w)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -3,6 +3,11 @@
 One unpadded sentence at a time, float64, straight from the model: output_attentions=True for the probabilities,
 forward hooks for each head's output (the input of the output projection), the residual stream entering each
 decoder layer and the value vectors. Row by row, in numpy; nothing shared with headscope.measures.
+
+What a head writes is what reaches the residual stream, written out per architecture from its modelling code:
+Gemma 2/3 pass the attention output o through post_attention_layernorm, (1 + w) * o / sqrt(mean(o^2) + eps); OLMo 2
+the same with gain w; Granite multiplies it by config.residual_multiplier. Head h's share freezes the norm's rms at
+the row's value: g * (W_h z_h) / rms(o).
 """
 
 from __future__ import annotations
@@ -33,6 +38,19 @@ def _values_of(attention, output, heads: int, kv_heads: int, head_dim: int) -> n
     if hasattr(attention, "v_proj"):
         return x.view(-1, kv_heads, head_dim).transpose(0, 1).numpy()
     return x[:, 2 * heads * head_dim :].reshape(-1, heads, head_dim).transpose(0, 1).numpy()
+
+
+def write_path_of(model, layer):
+    """(gain (hidden,) or None, eps, scale): how this architecture's attention output reaches the residual stream."""
+    name = type(layer).__name__
+    scale = float(getattr(model.config, "residual_multiplier", 1.0))
+    if name.startswith(("Gemma2", "Gemma3")):
+        norm = layer.post_attention_layernorm
+        return 1.0 + norm.weight.detach().double().numpy(), norm.eps, scale
+    if name.startswith(("Olmo2", "Olmo3")):
+        norm = layer.post_attention_layernorm
+        return norm.weight.detach().double().numpy(), norm.variance_epsilon, scale
+    return None, 0.0, scale
 
 
 def sentence_rows(model, layers, ids: list[int], heads: int, kv_heads: int, head_dim: int, only=None, threshold=0.3):
@@ -74,13 +92,14 @@ def sentence_rows(model, layers, ids: list[int], heads: int, kv_heads: int, head
         groups = heads // kv_heads
         out = {name: [] for name in ROW_METRICS}
         cats = []
-        written = np.stack(  # (n, heads): each head's columns of the projection times its output, row by row
-            [
-                np.linalg.norm(z[:, h] @ projection[:, h * head_dim : (h + 1) * head_dim].T, axis=-1)
-                for h in range(heads)
-            ],
-            axis=-1,
-        )
+        columns = [z[:, h] @ projection[:, h * head_dim : (h + 1) * head_dim].T for h in range(heads)]  # (n, hidden)
+        gain, eps, scale = write_path_of(model, layer)
+        if gain is not None:  # the post-attention norm, its rms frozen at each row's o = sum of the columns (+ bias)
+            bias = output_projection_of(layer).bias
+            o = sum(columns) + (0.0 if bias is None else bias.detach().double().numpy())
+            rms = np.sqrt(np.mean(o**2, axis=-1) + eps)  # (n,)
+            columns = [gain * c / rms[:, None] for c in columns]
+        written = abs(scale) * np.stack([np.linalg.norm(c, axis=-1) for c in columns], axis=-1)  # (n, heads)
         for t in range(n):
             writes = written[t]
             out["write_norm"].append(writes)

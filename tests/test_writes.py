@@ -22,7 +22,19 @@ from headscope.measures.writes import sink_value_ratios, write_norms
 from headscope.model.masks import causal_visible_keys
 from headscope.model.projection import head_grams
 
-from planted import FIRST, HEAD_DIM, N_HEAD, PREVIOUS, UNIFORM, build_planted_gpt2
+from helpers import tiny_model_folder
+from planted import (
+    FIRST,
+    HEAD_DIM,
+    LOUD,
+    N_HEAD,
+    POST_GAIN,
+    POST_HIDDEN,
+    PREVIOUS,
+    UNIFORM,
+    build_planted_gpt2,
+    build_planted_post_norm,
+)
 from reference_writes import ROW_METRICS, corpus_means
 
 
@@ -206,3 +218,56 @@ def test_smollm2_columns_equal_the_plain_computation(smollm2, corpus_lines):
     sentences = [tokenizer(line)["input_ids"] for line in corpus_lines]
     expected = corpus_means(model, model.layers, sentences, 9, 3, 64, only={0, 7, 17, 26, 29})
     assert_columns_equal(report.heads, expected, rows_apart=1)
+
+
+@pytest.fixture(scope="module")
+def post_norm_report(tmp_path_factory, corpus_lines):
+    folder = build_planted_post_norm(tmp_path_factory.mktemp("post-norm"), corpus_lines)
+    return headscope.analyze(str(folder), corpus_lines[:30], probe_seeds=2, bootstrap=0, charts=None)
+
+
+def test_a_head_behind_a_post_attention_norm_writes_what_the_norm_adds(post_norm_report):
+    """Before the norm head LOUD writes 1e-3 of a usual head; what the layer adds is POST_GAIN * o / rms(o), norm
+    POST_GAIN * sqrt(hidden) = 16 on every row, all of it LOUD's. Measured before the norm it would be dormant."""
+    heads = post_norm_report.heads.set_index(["layer", "head"])
+    loud = heads.loc[(0, LOUD)]
+    assert loud["write_norm"] == pytest.approx(POST_GAIN * math.sqrt(POST_HIDDEN), rel=1e-5)
+    assert loud["write_ratio"] > 0.5 and loud["role"] != "dormant"
+    quiet = heads.loc[0].drop(index=LOUD)
+    assert (quiet["write_norm"] == 0).all() and (quiet["role"] == "dormant").all()
+    path = post_norm_report.run["write_path"]
+    assert list(path) == ["post-norm Gemma2RMSNorm, x 1 (seen in the residual stream)"] and path[next(iter(path))] == [
+        0,
+        1,
+    ]
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "olmo2", "granite", "llama"])
+def test_what_reaches_the_residual_stream_equals_the_plain_computation(architecture, tmp_path, corpus_lines):
+    """Post-attention norms (Gemma 2 and 3, OLMo 2), a scaled residual add (Granite's residual_multiplier) and the
+    plain add (Llama): every column against tests/reference_writes.py, which writes each path out by hand."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_class, config = tiny_architectures()[architecture]
+    folder = tiny_model_folder(tmp_path, config, model_class, corpus_lines)
+    report = headscope.analyze(str(folder), corpus_lines[:24], probes=False, bootstrap=0, charts=None)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sentences = [tokenizer(line)["input_ids"] for line in corpus_lines[:24]]
+    expected = corpus_means(model, model.model.layers, sentences, 4, 2, 16)
+    assert_columns_equal(report.heads, expected)
+
+
+def tiny_architectures() -> dict:
+    """name -> (model class, config): 2 layers of 4 heads on 2 KV heads, head_dim 16."""
+    import transformers as t
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
+    return {
+        "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(**shape, head_dim=16, sliding_window=64)),
+        "gemma3": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(**shape, head_dim=16, sliding_window=64)),
+        "olmo2": (t.Olmo2ForCausalLM, t.Olmo2Config(**shape)),
+        "granite": (t.GraniteForCausalLM, t.GraniteConfig(**shape, residual_multiplier=0.22)),
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**shape)),
+    }

@@ -18,6 +18,7 @@ from headscope.model.capture import LayerOutput
 from headscope.model.masks import key_visibility
 from headscope.model.projection import head_grams
 from headscope.model.readoff import RowValues
+from headscope.model.write_path import share_scale
 from headscope.run.feed import Batch
 
 # Rows (batch x heads x rows) whose values wait to be summed together: summing them is some hundred small tensor
@@ -131,9 +132,12 @@ class AttentionStatistics:
     def head_output(self, layer: int, written: LayerOutput) -> None:
         """What the layer's heads wrote (headscope.measures.writes): the OUTPUT_SLOTS of its sums."""
         _, t, heads, head_dim = written.output.shape
+        path = written.path
         if layer not in self._grams:  # the weights do not change within a run
-            self._grams[layer] = head_grams(written.attention, heads, head_dim)
-        norms = write_norms(written.output, self._grams[layer])
+            self._grams[layer] = head_grams(written.attention, heads, head_dim, path.gain)
+        # what reaches the residual stream: ||g * (W_h z)|| (g = 1 without a post-attention norm), times the row's
+        # |scale| / rms(o) (headscope.model.write_path)
+        norms = write_norms(written.output, self._grams[layer]) * share_scale(path, written.output, layer)[:, None]
 
         def visible_rows(rows: slice) -> torch.Tensor:
             return key_visibility(written.mask, written.query_valid, rows, t)

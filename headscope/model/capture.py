@@ -32,6 +32,7 @@ from headscope.errors import ModelLoadError, ResourceError
 from headscope.model.kernel_choice import TileKernel
 from headscope.model.masks import boolean_mask
 from headscope.model.readout import Readout, RowBlock
+from headscope.model.write_path import WritePath, learn_write_paths
 from headscope.run.feed import Batch
 from headscope.run.plan import architecture_of
 
@@ -67,6 +68,7 @@ class LayerOutput:
     residual_norm: torch.Tensor  # (batch, t) float32: the norm of the residual stream entering the layer
     query_valid: torch.Tensor  # (batch, t) bool
     seq_start: torch.Tensor  # (batch,) long
+    path: WritePath  # how the attention's output reaches the residual stream (post-attention norm, scale)
 
 
 @runtime_checkable
@@ -136,6 +138,7 @@ class Capture:
         self._stop_after: int | None = None
         self._placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._residual_norms: dict[int, torch.Tensor] = {}  # layer -> (batch, t), for the OutputMeasures
+        self.write_paths: list[WritePath] = []  # layer -> its WritePath, learned by the first pass that reads writes
 
     @property
     def paths(self) -> dict[str, str]:
@@ -165,6 +168,9 @@ class Capture:
         """
         lasts = [measure.last_layer() for measure in measures]
         whole = grad or editors or not lasts or None in lasts
+        reads_writes = any(isinstance(measure, OutputMeasure) for measure in measures)
+        if reads_writes:
+            self._learn_write_paths(len(self.decoder) if None in lasts else max(lasts) + 1, batch.input_ids.device)
         self._measures, self._editors, self._stop_after = measures, editors, None if whole else max(lasts)
         self._start(batch)
         kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
@@ -181,7 +187,7 @@ class Capture:
                     stack.callback(hook.remove)
                 if start_at > 0:
                     stack.enter_context(self._skipping(start_at, handed_on))
-                if any(isinstance(measure, OutputMeasure) for measure in measures):
+                if reads_writes:
                     stack.enter_context(self._reading_residual())
                 return self.model(**kwargs)
         except _StopForward:
@@ -195,6 +201,15 @@ class Capture:
         finally:
             self._measures, self._editors = (), ()
             self._residual_norms = {}
+
+    def _learn_write_paths(self, through: int, device: torch.device) -> None:
+        """Learn how layers 0 .. through - 1 write into the residual stream (headscope.model.write_path), once: a
+        pass over a few fixed tokens, stopped after layer through - 1."""
+        def run(ids: torch.Tensor) -> None:
+            self.run(Batch.unpadded(ids.to(device)))
+
+        if len(self.write_paths) < through:
+            self.write_paths = learn_write_paths(self.model, self.decoder, run, through=through)
 
     @contextlib.contextmanager
     def _reading_residual(self) -> Iterator[None]:
@@ -275,7 +290,8 @@ class Capture:
         for reader in readers:
             if isinstance(reader, OutputMeasure):
                 valid, start = self._placed[query.device]
-                written = LayerOutput(module, output, value, mask, self._residual_norms[layer], valid, start)
+                residual, path = self._residual_norms[layer], self.write_paths[layer]
+                written = LayerOutput(module, output, value, mask, residual, valid, start, path)
                 reader.head_output(layer, written)
         for editor in self._editors:
             output = editor.output(layer, output)

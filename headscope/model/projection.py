@@ -44,9 +44,10 @@ def _in_features(module: torch.nn.Module) -> int | None:
 _GRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def head_grams(attention: torch.nn.Module, heads: int, head_dim: int) -> torch.Tensor:
+def head_grams(attention: torch.nn.Module, heads: int, head_dim: int, gain: torch.Tensor | None = None) -> torch.Tensor:
     """(heads, head_dim, head_dim) float32: W_h^T W_h for each head's columns W_h of the output projection, so that
-    ||W_h z||^2 = z^T (W_h^T W_h) z costs head_dim^2, not head_dim x hidden, per row. Formed in float64.
+    ||W_h z||^2 = z^T (W_h^T W_h) z costs head_dim^2, not head_dim x hidden, per row. Formed in float64. With
+    `gain` (hidden,), a post-attention norm's: W_h^T diag(g^2) W_h, so that the product is ||g * (W_h z)||^2.
 
     Weights a device map keeps off the device (on the disk, or on the CPU for a GPU layer) are brought in for the
     product, as accelerate brings them in for the forward pass."""
@@ -55,18 +56,31 @@ def head_grams(attention: torch.nn.Module, heads: int, head_dim: int) -> torch.T
     # Weights a device map brings in for each pass (disk offload: inference tensors, with no version counter, new
     # each time) may differ next time: formed afresh, never cached.
     cacheable = weight.device.type != "meta" and not weight.is_inference()
-    version = (weight._version, weight.data_ptr(), weight.device) if cacheable else None
+    version = (weight._version, weight.data_ptr(), weight.device, gain is not None) if cacheable else None
     cached = _GRAMS.get(projection)
     if cacheable and cached is not None and cached[0] == version:
         return cached[1]
     with _weights_present(projection):
         weight = projection.weight.detach()
         columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
+        if gain is not None:
+            columns = columns.double() * gain.to(columns.device, torch.float64)[:, None]
         per_head = columns.double().reshape(columns.shape[0], heads, head_dim)
         grams = torch.einsum("mhd,mhe->hde", per_head, per_head).float()
     if cacheable:
         _GRAMS[projection] = (version, grams)
     return grams
+
+
+def projected(projection: torch.nn.Module, flat: torch.Tensor) -> torch.Tensor:
+    """(batch, t, hidden) float32: the output projection of (batch, t, heads * head_dim) head outputs, its bias
+    included, computed in float32 whatever the model's dtype."""
+    with _weights_present(projection), torch.inference_mode():
+        weight = projection.weight.detach()
+        columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
+        o = flat.float() @ columns.to(flat.device, torch.float32).T
+        bias = getattr(projection, "bias", None)
+        return o if bias is None else o + bias.detach().to(flat.device, torch.float32)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ chunk (tokenizing, planning, collating, pinning) runs a few batches ahead in a t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,9 @@ class Measured:
     bootstrap: Bootstrap | None  # the replicate sums behind the intervals (None: --bootstrap 0)
     progress: Progress  # counts: sentences measured, empty, tokens, truncated, batches; the example sentence
     attention_paths: dict  # attention class -> how its probabilities were read
+    # how each measured layer's attention output reaches the residual stream (WritePath.describe(), by layer); empty
+    # when no pass ran here (a resumed run whose checkpoint held every chunk)
+    write_paths: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def resampled(self) -> bool:
@@ -98,7 +102,8 @@ def measure_corpus(
             parts.save_progress(progress, running, plan.record())
             rounds.meet(len(chunk.sentences), sum(len(ids) for ids in tokenized.values()))
     reporter.finish()
-    measured = Measured(sums.totals, bootstrap, progress, dict(capture.paths))
+    write_paths = [path.describe() for path in capture.write_paths]
+    measured = Measured(sums.totals, bootstrap, progress, dict(capture.paths), write_paths)
     if ranks.parallel:  # every rank's share added up
         measured = combined(ranks, measured, device, len(feed))
     if measured.progress.tokens == 0:

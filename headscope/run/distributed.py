@@ -208,6 +208,7 @@ def combined(ranks: Ranks, measured, device: torch.device, chunks: int):
         bootstrap=bootstrap,
         progress=progress,
         attention_paths=paths,
+        write_paths=max(gather(ranks, measured.write_paths), key=len),  # a rank that ran no batch learned none
     )
 
 

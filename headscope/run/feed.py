@@ -150,6 +150,14 @@ class Batch:
     seq_start: torch.Tensor  # (batch,) long, index of the first real token (0 with right padding)
     n_tokens: int  # real tokens, counted on the host (reading it never waits for the device)
 
+    @classmethod
+    def unpadded(cls, input_ids: torch.Tensor) -> Batch:
+        """(batch, t) ids with no padding, as a Batch (sentence ids 0 ...)."""
+        batch, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(batch, t)
+        zeros = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        return cls(list(range(batch)), input_ids, torch.ones_like(input_ids), positions, zeros, batch * t)
+
     def replicated(self, times: int) -> Batch:
         """The batch `times` times over along the batch axis (replica r holds rows r * batch ...)."""
         return Batch(

@@ -85,6 +85,9 @@ def run_record(analysis, heads) -> dict:
         "device": str(loaded.device),
         "dtype": dtype_name(loaded.dtype),
         "attention_implementation": measured.attention_paths,
+        # how each layer's attention output reaches the residual stream: description -> layers (headscope.model.
+        # write_path); write_norm and write_ratio measure what arrives there
+        "write_path": _grouped(measured.write_paths, plan.layers),
         "batching": {**plan.batching(), "batches": progress.batches},
         "corpus": {
             "path": str(corpus.path),
@@ -170,3 +173,14 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         peaks["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
     return peaks
+
+
+def _grouped(descriptions: list[str], layers) -> dict[str, list[int]] | None:
+    """{description: the measured layers it holds for}, or None when no pass learned them."""
+    if not descriptions:
+        return None
+    grouped: dict[str, list[int]] = {}
+    for layer in layers:
+        if layer < len(descriptions):
+            grouped.setdefault(descriptions[layer], []).append(int(layer))
+    return grouped
