@@ -237,6 +237,14 @@ MEASURED: tuple[Column, ...] = (
     Column("offsink_top_offset_share", "float64", "share of rows that offsink_top_offset holds", shown=True),
 )
 
+# analyze's removal check of the dormant label (interventions.dormant): kept by classify, which re-applies the rule
+DORMANT_CHECK = Column(
+    "dormant_check",
+    "string",
+    "the dormant label's removal check: verified (removed with the other dormant heads within --dormant-tolerance), "
+    "demoted (removing it with them cost more: the role rule went on to its next test), or empty",
+)
+
 LABELS: tuple[Column, ...] = (
     Column(
         "locality", "float64", "(diagonal - diagonal_uniform) / (1 - diagonal_uniform)", shown=True, scale="diverging"
@@ -276,6 +284,7 @@ HEADS_COLUMNS: tuple[Column, ...] = (
     *_interval_columns(),
     *(column for pattern in PROBE_PATTERNS for column in _probe_columns(pattern)),
     *(Column(name, "float64", about, shown=True, scale="diverging") for name, about in _IMPORTANCE.items()),
+    DORMANT_CHECK,
     *LABELS,
 )
 COLUMNS: dict[str, Column] = {column.name: column for column in HEADS_COLUMNS}

@@ -107,6 +107,14 @@ class RunConfig:
     importance: str = setting(
         "none", "Head importance on the model's loss: fast (attribution) or exact (also ablation)."
     )
+    check_dormant: bool = setting(
+        True,
+        "Check the dormant label by removal: its heads zeroed together on the corpus (needs the LM head: loaded "
+        "where the checkpoint has one); heads are demoted while they cost more than --dormant-tolerance.",
+    )
+    dormant_tolerance: float = setting(
+        0.02, "Nats per predicted token the dormant heads may cost, removed together, and keep the label."
+    )
     threads: int | None = setting(
         None, "CPU threads torch may use during the run (changes no number). Default: torch's."
     )
@@ -136,6 +144,8 @@ class RunConfig:
                 f"--device-map must be one of {', '.join(DEVICE_MAPS)} or a .json file of module -> device; "
                 f"got {self.device_map!r}"
             )
+        if not 0.0 < self.dormant_tolerance < float("inf"):
+            raise ConfigError(f"--dormant-tolerance must be a positive number of nats; got {self.dormant_tolerance}")
         if self.window < 0:
             raise ConfigError(f"--window must be 0 or more; got {self.window}")
         if self.batch_size is not None and self.batch_size < 1:

@@ -13,7 +13,9 @@ entropy first would call it a copy head.
 
 Roles, the finer answer the literature names (RoleThresholds; the order and why is in the README):
     induction, duplicate-token, previous-token   from the probe battery's scores
-    dormant                                      write_ratio on the corpus: it writes next to nothing
+    dormant                                      write_ratio on the corpus: it writes next to nothing, and
+                                                 (dormant_check) removing the dormant heads together was not
+                                                 found to cost more than the tolerance
     sink                                         sink_rate on the corpus (role_detail: what it does off the sink)
     positional                                   a fixed top_offset holding most rows' largest weight
     broad                                        norm_entropy, as for the type
@@ -75,6 +77,24 @@ def _previous_evidence(heads: pd.DataFrame) -> pd.Series:
     return heads["probe_previous"].fillna(heads["prev_token"])
 
 
+def _demoted(heads: pd.DataFrame) -> pd.Series:
+    """Heads that analyze's removal check took the dormant label from (interventions.dormant)."""
+    if "dormant_check" not in heads:
+        return pd.Series(False, index=heads.index)
+    return heads["dormant_check"].eq("demoted").fillna(False).astype(bool)
+
+
+def dormant_status(labelled: pd.DataFrame) -> str:
+    """Is the dormant label checked? "verified": its heads are exactly those analyze removed together within the
+    tolerance; "unverified": no check, or the heads differ (other thresholds since); "none": no head is dormant."""
+    dormant = labelled["role"].eq("dormant")
+    if not dormant.any():
+        return "none"
+    if "dormant_check" not in labelled:
+        return "unverified"
+    return "verified" if dormant.equals(labelled["dormant_check"].eq("verified")) else "unverified"
+
+
 def _probe_reason(column: str):
     def reason(row, r: RoleThresholds, t: Thresholds) -> str:
         score, chance = getattr(row, column), getattr(row, f"{column}_chance")
@@ -99,7 +119,7 @@ ROLE_RULES: dict[Role, RoleRule] = {
     "duplicate-token": (lambda h, r, t: h["probe_duplicate"] >= r.probe_min, _probe_reason("probe_duplicate")),
     "previous-token": (lambda h, r, t: _previous_evidence(h) >= r.probe_min, _previous_reason),
     "dormant": (
-        lambda h, r, t: h["write_ratio"] < r.dormant_max_write_ratio,
+        lambda h, r, t: (h["write_ratio"] < r.dormant_max_write_ratio) & ~_demoted(h),
         lambda row, r, t: f"write_ratio {row.write_ratio:.4f} < {r.dormant_max_write_ratio}",
     ),
     "sink": (
@@ -164,7 +184,19 @@ def _set_roles(out: pd.DataFrame, role: pd.Series, rows: list, roles: RoleThresh
     """`role`, `role_reason` and `role_detail` into `out`, the reasons from its rows read once (a row of some eighty
     columns costs more to build than to read) with `role` among them."""
     out["role"] = role
-    out["role_reason"] = [_role_reason(row, roles, thresholds) for row in rows]
+    reasons = [_role_reason(row, roles, thresholds) for row in rows]
+    # the dormant label says whether removal backed it; a demoted head says why it is not dormant
+    checked = {"verified": "removal verified", "unverified": "removal not verified"}.get(dormant_status(out))
+    demoted = _demoted(out).to_numpy()
+    for index, row in enumerate(rows):
+        if row.role == "dormant":
+            reasons[index] += f"; {checked}"
+        elif demoted[index]:
+            reasons[index] += (
+                f"; not dormant: write_ratio {row.write_ratio:.4f}, but removing it with the quieter heads cost more "
+                "than the tolerance"
+            )
+    out["role_reason"] = reasons
     out["role_detail"] = [off_sink_detail(row, roles, thresholds) if row.role == "sink" else None for row in rows]
 
 
@@ -275,4 +307,5 @@ def classification_record(labelled: pd.DataFrame, thresholds: Thresholds, roles:
         "counts": {name: int(n) for name, n in types.items()},
         "role_thresholds": roles.to_dict(),
         "role_counts": {name: int(n) for name, n in role_counts.items()},
+        "dormant": dormant_status(labelled),  # is the dormant label backed by analyze's removal check?
     }

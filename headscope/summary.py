@@ -141,3 +141,33 @@ def strongest_positions(effects: pd.DataFrame) -> pd.DataFrame:
     each head at its position of largest |effect|; a head whose effects are all empty (NaN) last."""
     order = effects.assign(size=effects["effect"].abs().fillna(-1)).sort_values("size", ascending=False, kind="stable")
     return order.drop_duplicates(["layer", "head"]).drop(columns="size")
+
+
+def dormant_line(heads: pd.DataFrame, check: dict | None) -> str | None:
+    """What backs the dormant label, in one line: the removal check analyze ran (run.json `dormant_check`), or why
+    there is none; None when no head is dormant and nothing was demoted."""
+    from headscope.labels import dormant_status
+
+    status = dormant_status(heads)
+    demoted = [] if check is None else check.get("demoted", [])
+    if status == "none" and not demoted:
+        return None
+    dormant = int(heads["role"].eq("dormant").sum())
+    if status == "verified":
+        effect = check.get("effect") or {}
+        interval = ""
+        if effect.get("delta_ci_low") is not None:
+            interval = f" [{effect['delta_ci_low']:+.4f}, {effect['delta_ci_high']:+.4f}]"
+        line = (
+            f"dormant, checked by removal: its {dormant} heads zeroed together cost {effect['delta']:+.4f} nats"
+            f"{interval} on {effect['tokens']:,} tokens (tolerance {check['tolerance']:g})"
+        )
+    elif check is not None and check.get("status") == "verified":
+        line = f"dormant: unverified, its {dormant} heads are not the ones analyze removed together (other thresholds)"
+    else:
+        why = "" if check is None else f" ({check.get('why', 'not checked')})"
+        line = f"dormant: unverified{why}; `headscope ablate --role dormant --mode zero` checks its {dormant} heads"
+    if demoted:
+        shown = ", ".join(demoted[:8]) + (", ..." if len(demoted) > 8 else "")
+        line += f"; {len(demoted)} demoted, removing them too cost more: {shown}"
+    return line

@@ -101,11 +101,13 @@ def heads_frame(
     intervals: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
     probes: ProbeResult | None = None,
     importance: dict[str, np.ndarray] | None = None,
+    dormant_check: dict[tuple[int, int], str] | None = None,
 ) -> pd.DataFrame:
     """The measured columns of the heads table, from corpus-wide stat sums (layers, heads, stats).
 
     layer_ids: the model layers the sums are of; intervals: metric -> (low, high) per head, (layers, heads);
-    probes: the probe battery's scores; importance: column -> (layers, heads) for the importance columns.
+    probes: the probe battery's scores; importance: column -> (layers, heads) for the importance columns;
+    dormant_check: (layer, head) -> "verified" or "demoted", the dormant label's removal check.
     Columns without a value (no intervals, no probes, no importance) are NaN.
     """
     layers, heads = sums.shape[:2]
@@ -132,6 +134,9 @@ def heads_frame(
     for name in IMPORTANCE_COLUMNS:
         values = (importance or {}).get(name)
         columns[name] = values.reshape(-1) if values is not None else missing
+    checked = dormant_check or {}
+    heads_of = zip(columns["layer"], columns["head"], strict=True)
+    columns["dormant_check"] = [checked.get((int(layer), int(head))) for layer, head in heads_of]
     return pd.DataFrame(columns)[list(MEASURED_COLUMNS)]
 
 
@@ -264,7 +269,7 @@ def write_json(data: dict, path: Path) -> None:
 
 
 # Columns a later schema version added: a table written before them reads with them empty (null).
-ADDED_COLUMNS = {"attention": 5, "window": 5} | {name: 6 for name in WRITTEN_AND_OFF_SINK}
+ADDED_COLUMNS = {"attention": 5, "window": 5} | {name: 6 for name in WRITTEN_AND_OFF_SINK} | {"dormant_check": 7}
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:

@@ -215,16 +215,21 @@ def copy_words() -> list[str]:
     return [f"w{i}" for i in range(2, COPY_VOCAB)]
 
 
-def copy_scales() -> tuple[float, float, int]:
-    """(c0, alpha, dim): LayerNorm's scale of the token + position codes, the LM head's gain, the width."""
+def copy_scales(quiet: float = 1.0) -> tuple[float, float, int]:
+    """(c0, alpha, dim): LayerNorm's scale of the token + position codes, the LM head's gain, the width; the copy
+    code written `quiet` times as loud (the LM head's gain makes up for it)."""
     dim = 4 * COPY_VOCAB + 2 * COPY_POSITIONS
     c0 = 1.0 / math.sqrt(4.0 / dim + 1e-5)
-    c_final = 1.0 / math.sqrt((4.0 + 2.0 * c0**2) / dim + 1e-5)  # with the copied code in the stream
-    return c0, COPY_LOGIT / (2.0 * c_final * c0), dim
+    c_final = 1.0 / math.sqrt((4.0 + 2.0 * (quiet * c0) ** 2) / dim + 1e-5)  # with the copied code in the stream
+    return c0, COPY_LOGIT / (2.0 * c_final * quiet * c0), dim
 
 
 def build_planted_copier(
-    folder: Path, copiers: tuple[int, ...] = (0,), logit: float = COPY_LOGIT, reads_from: int | None = None
+    folder: Path,
+    copiers: tuple[int, ...] = (0,),
+    logit: float = COPY_LOGIT,
+    reads_from: int | None = None,
+    quiet: float = 1.0,
 ) -> Path:
     """A 2-layer GPT-2 LM in which only head 0 of layer 0 carries what the next token needs.
 
@@ -234,6 +239,9 @@ def build_planted_copier(
 
     reads_from: the copying heads attend to this position from every later query (the first queries, which cannot
     see it yet, spread over what they see) instead of to their own position: the logits favour the token there.
+
+    quiet: the copiers write the copy code this many times as loud (the LM head's gain makes up for it, so the
+    logits stay): a quiet copier writes a small share of the residual stream and still carries the loss.
 
     Codes in the residual stream (each a +1/-1 pair, zero-mean): token T = [0, 2V), copy C = [2V, 4V),
     position P = [4V, 4V + 2N). Head (0, 0) attends to its own position (score COPY_BETA) and its output
@@ -246,7 +254,7 @@ def build_planted_copier(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     vocab, positions = COPY_VOCAB, COPY_POSITIONS
-    c0, alpha, dim = copy_scales()
+    c0, alpha, dim = copy_scales(quiet)
     alpha *= logit / COPY_LOGIT
     head_dim = dim // COPY_HEADS
     assert head_dim >= max(vocab, positions)
@@ -300,8 +308,8 @@ def build_planted_copier(
                 attn.c_attn.weight[position + p, k + offset + p] = 1.0
             for t in range(vocab):
                 attn.c_attn.weight[t, v + offset + t] = 1.0  # value: the token
-                attn.c_proj.weight[offset + t, copy + t] = 1.0  # written into C
-                attn.c_proj.weight[offset + t, copy + vocab + t] = -1.0
+                attn.c_proj.weight[offset + t, copy + t] = quiet  # written into C
+                attn.c_proj.weight[offset + t, copy + vocab + t] = -quiet
         model.lm_head.weight.zero_()
         for t in range(vocab):
             model.lm_head.weight[t, copy + t] = alpha

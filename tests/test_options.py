@@ -25,7 +25,16 @@ from headscope.model.loading import load_for_run
 from headscope.run.progress import NullReporter
 
 from helpers import Interrupting, run_cli, tiny_model_folder
-from planted import FIRST, PREVIOUS, UNIFORM, expected_attention
+from planted import (
+    COPY_LOGIT,
+    COPY_VOCAB,
+    FIRST,
+    PREVIOUS,
+    UNIFORM,
+    build_planted_copier,
+    copy_words,
+    expected_attention,
+)
 
 # Options of the command that are not settings: where the run reads and writes, and the label rules.
 ANALYZE_OPTIONS = {p.name for p in typer.main.get_command(app).commands["analyze"].params} - {"model", "ctx"}
@@ -179,6 +188,41 @@ def check_importance(planted, texts, baseline, tmp_path):
     assert report.heads["attribution_mean"].notna().all() and report.heads["ablation_mean"].isna().all()
     assert baseline.heads["attribution_mean"].isna().all() and report.run["importance"]["mode"] == "fast"
     assert_same_numbers(report, baseline, without=IMPORTANCE_COLUMNS)
+
+
+ALL_CANDIDATES = RoleThresholds(dormant_max_write_ratio=1.0)  # every head without a probe role is a dormant candidate
+
+
+def check_check_dormant(planted, texts, baseline, tmp_path):
+    """On: the candidates removed together (verified or demoted, each one); off: no check pass, the label
+    unverified, and every measured number as with it."""
+    checked = headscope.analyze(str(planted), texts, roles=ALL_CANDIDATES, **FAST)
+    unchecked = headscope.analyze(str(planted), texts, roles=ALL_CANDIDATES, check_dormant=False, **FAST)
+    candidates = checked.heads["role"].eq("dormant") | checked.heads["dormant_check"].eq("demoted")
+    assert candidates.sum() >= 2 and checked.heads.loc[candidates, "dormant_check"].notna().all()
+    assert checked.run["dormant_check"]["status"] == "verified" and checked.run["timings"]["dormant_check_seconds"] > 0
+    assert unchecked.run["dormant_check"] == {**unchecked.run["dormant_check"], "status": "unverified",
+                                              "why": "--no-check-dormant"}  # fmt: skip
+    assert unchecked.heads["dormant_check"].isna().all() and unchecked.run["timings"]["dormant_check_seconds"] == 0
+    assert unchecked.run["classification"]["dormant"] == "unverified"
+    measured = [c for c in numbers(checked.heads).columns]
+    pd.testing.assert_frame_equal(checked.heads[measured], unchecked.heads[measured])
+
+
+def check_dormant_tolerance(planted, texts, baseline, tmp_path):
+    """On the quiet copier (its one head writes 0.35 of the residual stream and carries the whole loss; the rest
+    write nothing): a tolerance under what zeroing it costs (ln V - the clean loss) demotes it, one above keeps it."""
+    model = str(build_planted_copier(tmp_path / "model", quiet=0.1))
+    repeated = [" ".join([word] * 8) for word in copy_words()]
+    tight, loose = (
+        headscope.analyze(model, repeated, roles=ALL_CANDIDATES, dormant_tolerance=tolerance, probes=False, bootstrap=0)
+        for tolerance in (0.02, 100.0)
+    )
+    cost = math.log(COPY_VOCAB) - math.log1p((COPY_VOCAB - 1) * math.exp(-COPY_LOGIT))
+    assert tight.run["dormant_check"]["demoted"] == ["0.0"] and loose.run["dormant_check"]["demoted"] == []
+    assert loose.run["dormant_check"]["effect"]["delta"] == pytest.approx(cost, rel=1e-5)
+    assert tight.run["dormant_check"]["effect"]["delta"] == 0.0  # the heads that write nothing
+    assert tight.heads.set_index(["layer", "head"]).loc[(0, 0), "role"] == "positional"
 
 
 def check_dtype(planted, texts, baseline, tmp_path):
@@ -414,6 +458,8 @@ EFFECTS = {
     "bootstrap": check_bootstrap,
     "bootstrap_seed": check_bootstrap_seed,
     "importance": check_importance,
+    "check_dormant": check_check_dormant,
+    "dormant_tolerance": check_dormant_tolerance,
     "dtype": check_dtype,
     "text_column": check_text_column,
     "encoding_errors": check_encoding_errors,

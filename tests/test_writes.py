@@ -140,7 +140,7 @@ def test_dormant_comes_after_the_probe_roles_and_before_sink():
     )
     labelled = assign_roles(heads, RoleThresholds(), Thresholds())
     assert labelled["role"].tolist() == ["induction", "dormant", "sink", "sink"]
-    assert labelled["role_reason"][1] == "write_ratio 0.0010 < 0.025"
+    assert labelled["role_reason"][1] == "write_ratio 0.0010 < 0.025; removal not verified"  # no removal check
     assert labelled["role_detail"][2] == "sink; off the sink: previous-token (0.80); active in 0.20 of rows"
     assert labelled["role_detail"][:2].isna().all()
     assert full_label(labelled).tolist() == ["induction", "dormant", "sink: previous-token", "sink: previous-token"]
@@ -162,7 +162,7 @@ def test_a_head_that_writes_nothing_is_dormant(writer_report):
     heads = writer_report.heads.set_index(["layer", "head"])
     silent = heads.loc[(0, UNIFORM)]
     assert silent["write_norm"] == 0.0 and silent["write_ratio"] == 0.0
-    assert silent["role"] == "dormant" and silent["role_reason"] == "write_ratio 0.0000 < 0.025"
+    assert silent["role"] == "dormant" and silent["role_reason"] == "write_ratio 0.0000 < 0.025; removal verified"
     assert heads.loc[(0, PREVIOUS), "write_ratio"] > 0.1  # the others write
 
 

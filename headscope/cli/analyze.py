@@ -37,6 +37,8 @@ def analyze(
     probe_seeds: o.ProbeSeeds = o.DEFAULTS.probe_seeds,
     probe_length: o.ProbeLength = o.DEFAULTS.probe_length,
     importance: o.Importance = o.DEFAULT_IMPORTANCE,
+    check_dormant: o.CheckDormant = o.DEFAULTS.check_dormant,
+    dormant_tolerance: o.DormantTolerance = o.DEFAULTS.dormant_tolerance,
     bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
     bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
     sink_threshold: o.SinkThreshold = o.DEFAULTS.sink_threshold,

@@ -92,6 +92,8 @@ ProbeLength = _setting(int, "probe_length")
 Bootstrap = _setting(int, "bootstrap")
 BootstrapSeed = _setting(int, "bootstrap_seed")
 Importance = _setting(ImportanceChoice, "importance")
+CheckDormant = _setting(bool, "check_dormant")
+DormantTolerance = _setting(float, "dormant_tolerance")
 Threads = _setting(int | None, "threads")
 Examples = _setting(int, "examples")
 

@@ -17,6 +17,7 @@ from headscope.layout import ABLATION_RECORD, HEAD_MASK_FILE, INSPECT_RECORD, PA
 from headscope.report.report import Report
 from headscope.run.progress import printable
 from headscope.summary import (
+    dormant_line,
     early_late_entropy,
     importance_column,
     layer_bands,
@@ -108,6 +109,9 @@ def print_role_heads(report: Report, count: int = 3) -> None:
         role = f"{entry['role']} ({entry['heads']})"
         table.add_row(role, entry["evidence"], *top, *[""] * (count - len(top)))
     _console().print(table)
+    checked = dormant_line(report.heads, report.run.get("dormant_check"))
+    if checked:
+        _console().print(checked)
     behaviours = off_sink_counts(report.heads)
     if behaviours:
         counts = ", ".join(f"{name} {n}" for name, n in behaviours.items())

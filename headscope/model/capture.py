@@ -205,6 +205,7 @@ class Capture:
     def _learn_write_paths(self, through: int, device: torch.device) -> None:
         """Learn how layers 0 .. through - 1 write into the residual stream (headscope.model.write_path), once: a
         pass over a few fixed tokens, stopped after layer through - 1."""
+
         def run(ids: torch.Tensor) -> None:
             self.run(Batch.unpadded(ids.to(device)))
 

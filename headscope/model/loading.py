@@ -150,7 +150,7 @@ def load_model(
     device_map: str | dict | None = None,
     offload_folder: str | Path | None = None,
     config=None,
-    lm_head: bool = False,
+    lm_head: bool | str = False,
 ) -> LoadedModel:
     """Load the base model and tokenizer, ready for attention capture.
 
@@ -159,7 +159,8 @@ def load_model(
         each module's device. The attention of each layer is measured where that layer runs.
     offload_folder: where the layers a device map sends to "disk" are kept.
     config: the model's config from `load_config`, when the caller has read it already.
-    lm_head: load the causal LM (`.lm`) around the base model, for its own loss (head importance).
+    lm_head: load the causal LM (`.lm`) around the base model, for its own loss (head importance); "if-present":
+        only where the checkpoint holds LM-head weights (else `.lm` is None), and where the architecture has one.
     """
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -172,6 +173,8 @@ def load_model(
         check_fits(config, source.display, torch_dtype, torch_device, lm_head=lm_head)
     else:
         device_map = read_device_map(device_map)
+        if lm_head == "if-present" and not _maps_lm(config, source.display, torch_dtype, device_map, offload_folder):
+            lm_head = False  # a map of the base model's modules: the LM head is not wanted that much
         check_device_map(config, source.display, torch_dtype, device_map, offload_folder, lm_head=lm_head)
     common = _source_kwargs(source, revision, trust_remote_code)
     placement = {"device_map": device_map} if device_map else {}
@@ -179,6 +182,8 @@ def load_model(
         placement["offload_folder"] = str(offload_folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
+        if lm_head == "if-present" and type(config) not in AutoModelForCausalLM._model_mapping:
+            lm_head = False  # no causal-LM class for this architecture
         loader = AutoModelForCausalLM if lm_head else AutoModel
         network, loading_info = loader.from_pretrained(
             source.location,
@@ -196,7 +201,9 @@ def load_model(
         ) from None
     except Exception as err:
         raise ModelLoadError(_load_failure(source, err)) from None
-    if lm_head:
+    if lm_head == "if-present" and _lm_head_missing(network, loading_info):
+        network, lm_head = network.base_model, False  # a base-model checkpoint: no loss to score
+    elif lm_head:
         _check_lm_head(network, loading_info, source.display)
     network.eval()
     if device_map is None:
@@ -218,11 +225,11 @@ def load_model(
 
 # What turns a model's source, the settings, its config and whether the command needs the LM head into a loaded
 # model (tests inject their own).
-Loader = Callable[[ModelSource, RunConfig, object, bool], LoadedModel]
+Loader = Callable[[ModelSource, RunConfig, object, bool | str], LoadedModel]
 
 
 def load_checked(
-    model, source: ModelSource, settings: RunConfig, loader: Loader, reporter, *, lm_head: bool, what: str
+    model, source: ModelSource, settings: RunConfig, loader: Loader, reporter, *, lm_head: bool | str, what: str
 ) -> LoadedModel:
     """The model a run uses: the caller's (its config checked against the settings), or read (config first, the
     settings checked against it, so that a bad option costs no weights) and loaded by `loader`. lm_head: the
@@ -238,7 +245,7 @@ def load_checked(
         model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
         check_settings(settings, model_config)
         loaded = loader(source, settings, model_config, lm_head)
-    if lm_head and loaded.lm is None:
+    if lm_head is True and loaded.lm is None:
         raise ConfigError(f"{what} needs the model's LM head; load it with headscope.load_model(..., lm_head=True)")
     return loaded
 
@@ -251,7 +258,7 @@ def open_model(
     loader: Loader,
     reporter,
     *,
-    lm_head: bool = False,
+    lm_head: bool | str = False,
     what: str = "this command",
     together=None,
 ) -> LoadedModel:
@@ -274,7 +281,7 @@ def open_model(
     return loaded
 
 
-def load_for_run(source: ModelSource, settings: RunConfig, model_config, lm_head: bool) -> LoadedModel:
+def load_for_run(source: ModelSource, settings: RunConfig, model_config, lm_head: bool | str) -> LoadedModel:
     """The model and tokenizer as a run's settings ask for them (the default loader of every command), with its LM
     head when the command scores the loss; its config was read, and the settings checked against it, already."""
     return load_model(
@@ -290,12 +297,27 @@ def load_for_run(source: ModelSource, settings: RunConfig, model_config, lm_head
     )
 
 
+def _maps_lm(config, display: str, dtype, device_map, offload_folder) -> bool:
+    """Does `device_map` place the causal LM's modules (rather than the base model's)?"""
+    try:
+        check_device_map(config, display, dtype, device_map, offload_folder, lm_head=True)
+    except ConfigError:
+        return False
+    return True
+
+
+def _lm_head_missing(network, loading_info: dict) -> bool:
+    head = network.get_output_embeddings()
+    names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
+    return any(name in loading_info.get("missing_keys", ()) for name in names)
+
+
 def _check_lm_head(network, loading_info: dict, display: str) -> None:
     """Refuse a causal LM whose checkpoint holds no weights for its LM head: transformers initialises a random one,
     and a loss (head importance) through it would be noise, different on every run."""
-    head = network.get_output_embeddings()
-    names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
-    if any(name in loading_info.get("missing_keys", ()) for name in names):
+    if _lm_head_missing(network, loading_info):
+        head = network.get_output_embeddings()
+        names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
         raise ModelLoadError(
             f"{display} holds no weights for its LM head ({names[0]}: a base-model checkpoint?); head importance "
             "needs the model's own next-token predictions: use the causal LM's checkpoint, or drop --importance"

@@ -26,6 +26,7 @@ from headscope.arguments import as_path
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules
 from headscope.errors import ConfigError, OutputError
 from headscope.estimates import ONE_SENTENCE_NOTE
+from headscope.interventions.dormant import DormantCheck, check_dormant
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.measures.example import example_views
@@ -130,17 +131,19 @@ def analyze(
         progress, running = Progress(), {}
         if resume:
             progress, running, plan = together(ranks, lambda: _resumed(parts, plan, loaded, reporter))
+        checks_dormant = settings.check_dormant and loaded.lm is not None
+        scores_loss = plan.measures_importance or checks_dormant  # another pass over the corpus, through the LM
         feed = CorpusFeed(
             corpus,
             loaded.tokenizer,
             max_length=plan.max_length,
             chunk_sentences=settings.chunk_sentences,
-            keep=plan.measures_importance,
+            keep=scores_loss,
         )
         if settings.probes:  # what can be refused is refused before hours of measuring
             battery = check_probes(loaded.tokenizer, plan)
-        if plan.measures_importance:
-            check_importance_fits(feed, plan)
+        if scores_loss:
+            check_importance_fits(feed, plan, "--importance" if plan.measures_importance else "--check-dormant")
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
@@ -148,24 +151,32 @@ def analyze(
                 measured = measure_corpus(
                     capture, feed, plan, parts, progress, running, reporter, device=loaded.device, ranks=ranks
                 )
-            # Rank 0 writes the report from everyone's sums and parts; importance is split between the ranks, so
-            # with it every rank stays, and waits (or stops with rank 0) while rank 0 runs the probes.
-            if not ranks.main and not plan.measures_importance:
+            # Rank 0 writes the report from everyone's sums and parts; importance and the dormant check are split
+            # between the ranks, so with them every rank stays, and waits (or stops with rank 0) while rank 0 runs
+            # the probes.
+            if not ranks.main and not scores_loss:
                 return None
-            stay = ranks if plan.measures_importance else ONE_PROCESS
+            stay = ranks if scores_loss else ONE_PROCESS
             with timings.phase("probes"):
                 probes = together(stay, lambda: run_probes(capture, battery, loaded.device, plan, reporter)
                                   if settings.probes and ranks.main else None)  # fmt: skip
+
+            def label():  # on rank 0, which has the probes' scores; handed to every rank
+                return labelled_heads(plan, measured, probes, None, (thresholds, roles)) if ranks.main else None
+
+            labelled = broadcast(ranks, together(ranks, label)) if scores_loss else None
             with timings.phase("importance"):
                 importance = None
                 if plan.measures_importance:  # each role's heads are ablated together too
-
-                    def label():  # on rank 0, which has the probes' scores; handed to every rank
-                        return labelled_heads(plan, measured, probes, None, (thresholds, roles)) if ranks.main else None
-
-                    labelled = broadcast(ranks, together(ranks, label))
                     importance = run_importance(capture, feed, plan, reporter, device=loaded.device, roles=labelled,
                                                 ranks=ranks)  # fmt: skip
+            with timings.phase("dormant_check"):
+                if checks_dormant:
+                    dormant = check_dormant(capture, lambda: plan.batches(feed, "importance", loaded.device), plan,
+                                            labelled, reporter, sentences=len(feed.corpus.sentences),
+                                            tolerance=settings.dormant_tolerance, ranks=ranks)  # fmt: skip
+                else:
+                    dormant = DormantCheck.unverified(_unchecked_why(settings, loaded))
             if not ranks.main:
                 return None
             lengths = measured.progress.lengths
@@ -180,7 +191,8 @@ def analyze(
         if settings.bootstrap and not measured.resampled:
             reporter.note(ONE_SENTENCE_NOTE)
         reporter.stage("writing tables")
-        analysis = Analysis(loaded, corpus, plan, measured, probes, importance, examples, thresholds, roles, timings)
+        analysis = Analysis(loaded, corpus, plan, measured, probes, importance, examples, thresholds, roles, timings,
+                            dormant)  # fmt: skip
         run, tables = write_tables(folder, analysis, parts, in_memory=out is None)
         report = Report(run, folder=folder, tables=tables)
         if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
@@ -192,6 +204,13 @@ def analyze(
     if out is None:
         return Report(run, tables=tables)
     return Report(run, folder=work.target, tables=tables)
+
+
+def _unchecked_why(settings, loaded: LoadedModel) -> str:
+    """Why the run did not check the dormant label by removal."""
+    if not settings.check_dormant:
+        return "--no-check-dormant"
+    return "no LM head: the checkpoint has none, or the model was handed in without it (load_model(lm_head=True))"
 
 
 def _example_views(loaded: LoadedModel, feed: CorpusFeed, plan: Plan, lengths: dict) -> pd.DataFrame:

@@ -18,6 +18,7 @@ import pandas as pd
 from headscope.config import RoleThresholds, Thresholds
 from headscope.errors import OutputError
 from headscope.estimates import ProbeResult, head_intervals, layer_intervals
+from headscope.interventions.dormant import DormantCheck
 from headscope.interventions.importance import Importance
 from headscope.labels import label_heads
 from headscope.layout import (
@@ -67,6 +68,7 @@ class Analysis:
     thresholds: Thresholds
     roles: RoleThresholds
     timings: Timings
+    dormant: DormantCheck | None = None  # the dormant label's removal check (interventions.dormant)
 
 
 def write_tables(
@@ -80,7 +82,7 @@ def write_tables(
     with a.timings.phase("write"):
         _merge_parts(parts, folder, measured, a.corpus, plan)
         replicates = measured.bootstrap.metrics() if measured.resampled else None
-        heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates)
+        heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates, a.dormant)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None, plan.attention)
         probes = None if a.probes is None else probes_frame(a.probes.per_seed, np.array(plan.layers))
         if not in_memory:
@@ -95,8 +97,9 @@ def write_tables(
     return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes}
 
 
-def labelled_heads(plan, measured, probes, importance, rules, replicates=None) -> pd.DataFrame:
-    """The heads table with both labels, from what the passes measured (intervals when `replicates` are given)."""
+def labelled_heads(plan, measured, probes, importance, rules, replicates=None, dormant=None) -> pd.DataFrame:
+    """The heads table with both labels, from what the passes measured (intervals when `replicates` are given; the
+    dormant label as its removal check, `dormant`, left it)."""
     frame = heads_frame(
         measured.sums,
         plan.architecture["kv_heads"],
@@ -104,6 +107,7 @@ def labelled_heads(plan, measured, probes, importance, rules, replicates=None) -
         intervals=head_intervals(replicates) if replicates else None,
         probes=probes,
         importance=None if importance is None else importance.columns(),
+        dormant_check=None if dormant is None else dormant.statuses(),
     )
     return label_heads(frame, *rules)
 

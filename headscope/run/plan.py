@@ -60,7 +60,7 @@ class Plan:
     @property
     def measures_importance(self) -> bool:
         """Does the run measure head importance (and so need the LM head and the corpus kept for another pass)?"""
-        return needs_lm_head(self.settings)
+        return self.settings.importance != "none"
 
     def limits(self, kind: str) -> Batching:
         """How much one forward pass of `kind` may hold: "corpus" (the corpus and probe passes) or "importance"
@@ -200,10 +200,16 @@ def model_max_length(model_config) -> int | None:
     return None
 
 
-def needs_lm_head(settings: RunConfig) -> bool:
-    """Does analyze load the LM head (decided before the model, and so the plan, exists)? For head importance only;
-    ablate and prune (and every intervention) always score the loss."""
-    return settings.importance != "none"
+def needs_lm_head(settings: RunConfig) -> bool | str:
+    """Does analyze load the LM head (decided before the model, and so the plan, exists)? True for head importance,
+    which cannot do without; "if-present" for the dormant label's check, which says it could not check on a
+    checkpoint without one; ablate and prune (and every intervention) always score the loss."""
+    if settings.importance != "none":
+        return True
+    return IF_PRESENT if settings.check_dormant else False
+
+
+IF_PRESENT = "if-present"  # load the LM head where the checkpoint has one
 
 
 def check_settings(settings: RunConfig, model_config) -> None:

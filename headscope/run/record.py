@@ -108,10 +108,13 @@ def run_record(analysis, heads) -> dict:
             "measure_seconds": round(measure_seconds, 3),
             "probe_seconds": round(timings.seconds.get("probes", 0.0), 3),
             "importance_seconds": round(timings.seconds.get("importance", 0.0), 3),
+            "dormant_check_seconds": round(timings.seconds.get("dormant_check", 0.0), 3),
             "write_seconds": round(timings.seconds.get("write", 0.0), 3),
             "tokens_per_second": round(progress.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
             **peak_memory(loaded.device),
         },
+        # the dormant label checked by removal (interventions.dormant): its heads, what removing them together cost
+        "dormant_check": analysis.dormant.record() if analysis.dormant is not None else None,
         "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
         "numerics": {
             "nonfinite_rows": int(heads["nonfinite_rows"].sum()),

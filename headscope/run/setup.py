@@ -113,7 +113,7 @@ class CommandRun:
         model,
         loader: Loader,
         *,
-        lm_head: bool = False,
+        lm_head: bool | str = False,
         what: str = "this command",
         ranks: Ranks = ONE_PROCESS,
     ) -> tuple[LoadedModel, Plan]:
