@@ -124,10 +124,15 @@ def run_measuring_script(script: str, *args) -> dict:
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         check=False,
-        timeout=300,
+        timeout=HANG,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# How long a test waits for a child process before calling it hung: a guard against hangs, never a speed limit. A child
+# that imports torch and loads a model took 120 s on a loaded two-core machine where it takes 10 alone.
+HANG = 600  # seconds
 
 
 QUICK = ("--no-probes", "--bootstrap", "0")  # analyze's cheapest complete run, for tests about something else

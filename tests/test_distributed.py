@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from helpers import LOG_LINE
+from helpers import HANG, LOG_LINE
 
 TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples", "probes")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
@@ -53,7 +53,7 @@ def analyze(model: Path, out: Path, *extra: str, ranks: int = 1, env: dict | Non
         command = [sys.executable, "-m", "headscope", "analyze", str(model), *options]
     else:
         command = [TORCHRUN, f"--nproc-per-node={ranks}", "-m", "headscope", "analyze", str(model), *options]
-    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=HANG)
 
 
 def assert_same_tables(a: Path, b: Path) -> None:
@@ -143,7 +143,7 @@ def command(*args: str, ranks: int = 1, env: dict | None = None):
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     launcher = [sys.executable, "-m"] if ranks == 1 else [TORCHRUN, f"--nproc-per-node={ranks}", "-m"]
     return subprocess.run([*launcher, "headscope", *map(str, args)], capture_output=True, text=True,
-                          env=environment, timeout=300)  # fmt: skip
+                          env=environment, timeout=HANG)  # fmt: skip
 
 
 def published(folder: Path, record: str) -> dict:

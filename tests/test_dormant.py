@@ -40,17 +40,19 @@ def counting(cost):
 
 
 def test_the_search_finds_the_longest_prefix_within_the_tolerance():
-    """Prefixes up to 37 heads cost nothing, longer ones 1 nat: 37 in three passes of four sets."""
+    """Prefixes up to 37 heads cost nothing, longer ones 1 nat: the whole group, its halves, then two rounds closing
+    in, 37 in four passes of at most four sets."""
     verify, calls = counting(lambda size: 0.0 if size <= 37 else 1.0)
     found = verified_prefix(100, tolerance=0.02, verify=verify)
     assert found.kept == 37 and found.costs[37] == 0.0 and found.costs[38] == 1.0
-    assert len(calls) == found.rounds == 3 and all(len(sizes) <= 4 for sizes in calls)
+    assert calls[:2] == [[100], [50, 25, 12, 6]] and len(calls) == found.rounds == 4
+    assert all(len(sizes) <= 4 for sizes in calls)
 
 
 def test_a_group_that_fits_is_verified_in_one_pass():
     verify, calls = counting(lambda size: -0.01)
     found = verified_prefix(29, tolerance=0.02, verify=verify)
-    assert found.kept == 29 and calls == [[29, 14, 7, 3]]
+    assert found.kept == 29 and calls == [[29]]
 
 
 def test_a_costly_first_head_leaves_nothing_dormant():

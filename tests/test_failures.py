@@ -24,6 +24,7 @@ from headscope.model.masks import causal_visible_keys
 from headscope.report.report import read_run
 
 from helpers import (
+    HANG,
     Interrupting,
     assert_one_line_error,
     hidden_leftovers,
@@ -223,12 +224,12 @@ def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_pa
         # KeyboardInterrupt: give the child the default disposition, as a terminal's foreground job has.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG
     while not hidden_leftovers(tmp_path) and time.monotonic() < deadline:  # the staging folder appears
         time.sleep(0.1)
     time.sleep(1.0)
     process.send_signal(sig)
-    _, stderr = process.communicate(timeout=60)
+    _, stderr = process.communicate(timeout=HANG)
     assert process.returncode == code, stderr
     assert (out / "heads.parquet").read_bytes() == b"the previous run"
     assert sorted(p.name for p in out.iterdir()) == ["heads.parquet", "run.json"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from helpers import HANG
 from planted import build_planted_gpt2
 
 pytestmark = pytest.mark.slow  # child processes that import torch
@@ -28,7 +29,7 @@ def headscope_child(tmp_path: Path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"),
            "HF_MODULES_CACHE": str(tmp_path / "modules")}  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "headscope", *map(str, args)], capture_output=True, text=True,
-                          env=env, check=False, timeout=300)  # fmt: skip
+                          env=env, check=False, timeout=HANG)  # fmt: skip
     return done
 
 

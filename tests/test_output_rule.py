@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from helpers import (
+    HANG,
     Interrupting,
     assert_one_line_error,
     hidden_leftovers,
@@ -348,7 +349,7 @@ def test_two_runs_into_one_folder_cannot_both_win(planted_gpt2, tmp_path, corpus
         corpora.append(path)
     out = tmp_path / "report"
     runs = [headscope_process("analyze", planted_gpt2, "--corpus", c, "--out", out, "--no-charts") for c in corpora]
-    finished = [(run.wait(timeout=300), run.stderr.read()) for run in runs]
+    finished = [(run.wait(timeout=HANG), run.stderr.read()) for run in runs]
     codes = sorted(code for code, _ in finished)
     assert codes == [0, 1], finished
     loser = next(err for code, err in finished if code == 1).strip()
@@ -366,11 +367,11 @@ def test_a_killed_runs_staging_folder_is_cleaned_by_the_next_run(planted_gpt2, t
     corpus.write_text("\n".join(corpus_lines * 200) + "\n")
     out = tmp_path / "report"
     process = headscope_process("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--no-charts")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG
     while not hidden_leftovers(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
-    process.wait(timeout=30)
+    process.wait(timeout=HANG)
     assert hidden_leftovers(tmp_path) == [f".report.staging-{process.pid}"]
     small = tmp_path / "small.txt"
     small.write_text("\n".join(corpus_lines[:10]) + "\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import previous_report, snapshot
+from helpers import HANG, previous_report, snapshot
 
 pytestmark = pytest.mark.slow  # child processes that import torch
 
@@ -55,12 +55,12 @@ def test_sigterm_while_the_command_imports_torch_is_one_line_and_143(planted_gpt
     previous_report(out)
     before = snapshot(tmp_path)
     child = headscope_child("analyze", planted_gpt2, "--out", out, "--overwrite")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG
     while not catches(child.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.002)
     assert "torch" not in Path(f"/proc/{child.pid}/maps").read_text()  # torch's libraries are not loaded yet
     child.send_signal(signal.SIGTERM)
-    _, stderr = child.communicate(timeout=60)
+    _, stderr = child.communicate(timeout=HANG)
     assert child.returncode == 143, stderr
     assert stderr.strip().splitlines() == ["Terminated; existing outputs were left as they were."], stderr
     assert snapshot(tmp_path) == before
@@ -75,11 +75,11 @@ def test_a_full_disk_while_inspect_writes_is_one_line(planted_gpt2, tmp_path):
     out = tmp_path / "inspection"
     text = " ".join(["the cat sat on the mat"] * 10)
     first = headscope_child("inspect", planted_gpt2, "--text", "the cat", "--out", out)
-    assert first.wait(timeout=120) == 0, first.stderr.read()
+    assert first.wait(timeout=HANG) == 0, first.stderr.read()
     before = snapshot(tmp_path)
     child = headscope_child("inspect", planted_gpt2, "--text", text, "--out", out, "--overwrite",
                             file_size_limit=20_000)  # fmt: skip
-    _, stderr = child.communicate(timeout=120)
+    _, stderr = child.communicate(timeout=HANG)
     assert child.returncode == 1, stderr
     assert stderr.strip().splitlines()[-1].startswith(f"Error: cannot write {out}"), stderr
     assert "File too large" in stderr and "Traceback" not in stderr
@@ -102,7 +102,7 @@ def test_a_full_disk_while_prune_saves_the_model_keeps_the_search(tmp_path):
     out, saved = tmp_path / "prune", tmp_path / "pruned-model"
     child = headscope_child("prune", model, "--corpus", corpus, "--budget", "0.05", "--mode", "zero", "--out", out,
                             "--save-model", saved, "--no-charts", file_size_limit=LIMIT)  # fmt: skip
-    _, stderr = child.communicate(timeout=300)
+    _, stderr = child.communicate(timeout=HANG)
     assert child.returncode == 1, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("Error: the pruned model was not saved") and "File too large" in last, stderr

@@ -86,13 +86,24 @@ def test_per_sentence_metrics_match_output_attentions(batched, reference_attenti
 
 
 def test_batch_size_and_padding_side_do_not_change_results(smollm2, shipped_corpus, batched):
+    """Every number within float32 rounding of the model's own: its hidden states differ between batch shapes (MKL
+    picks its sgemm by shape) by up to 5e-6 of a row's norm at layer 29, so write_norm (up to ~750) is compared
+    relatively. A share of rows past a threshold (sink_rate, active_rows) or holding a largest key (the top-offset
+    shares) may move by a row whose value sits within that rounding of the edge: at most two rows here, of the
+    fewest rows a head's share counts (rows t >= 4); the threshold rule itself is tested on rows away from the edge
+    (test_roles.py)."""
     one_at_a_time = headscope.analyze(smollm2, shipped_corpus, batch_size=1, sentence_heads=False)
     left = headscope.analyze(smollm2, shipped_corpus, batch_size=7, padding_side="left", sentence_heads=False)
-    categories = ("top_offset", "offsink_top_offset")
-    numbers = [c for c in MEASURED_COLUMNS if c not in ("layer", "head", "kv_head", *categories)]
+    categories = ("top_offset", "offsink_top_offset", "dormant_check")
+    counted = ("sink_rate", "active_rows", "top_offset_share", "offsink_top_offset_share")
+    numbers = [c for c in MEASURED_COLUMNS if c not in ("layer", "head", "kv_head", *categories, *counted)]
+    lengths = batched.sentences["n_tokens"].to_numpy()
+    two_rows = 2 / np.clip(lengths - 4, 0, None).sum()
     for other in (one_at_a_time, left):
         for name in numbers:
-            np.testing.assert_allclose(other.heads[name], batched.heads[name], atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(other.heads[name], batched.heads[name], rtol=1e-6, atol=1e-6, err_msg=name)
+        for name in counted:
+            np.testing.assert_allclose(other.heads[name], batched.heads[name], rtol=0, atol=two_rows, err_msg=name)
         for name in categories:
             assert other.heads[name].tolist() == batched.heads[name].tolist(), name
         assert other.heads["role"].tolist() == batched.heads["role"].tolist()

@@ -8,7 +8,8 @@ largest prefix whose cost stays within the tolerance keeps the label; the heads 
 rule goes on to its next test for them. The verified cost, with its paired bootstrap interval, goes into run.json.
 
 The search (`verified_prefix`) is a pure function over a `verify` callable, tested on known cost functions:
-    round 1: the whole group and its halves (n, n/2, n/4, n/8), one pass;
+    round 1: the whole group (one replica on top of the clean pass: where the label holds, all it costs);
+    round 2, if it costs too much: its halves (n/2, n/4, n/8, n/16), one pass;
     later rounds: sizes spread evenly between the largest size that fits and the smallest above it that does not,
     until they are adjacent or `max_rounds` rounds have run. The answer is always a verified set (or none).
 """
@@ -27,7 +28,7 @@ from headscope.run.distributed import ONE_PROCESS, Ranks, share_of
 from headscope.run.progress import Reporter
 
 TRIES = 4  # sets verified in one pass
-MAX_ROUNDS = 4
+MAX_ROUNDS = 5
 MODE = "zero"  # the label's claim: what the head writes can be left out
 
 
@@ -49,7 +50,7 @@ def verified_prefix(
     result = PrefixSearch()
     if count == 0:
         return result
-    sizes = sorted({max(1, count >> shift) for shift in range(tries)}, reverse=True)
+    sizes = [count]  # the common answer, alone: one replica on top of the clean pass
     while sizes and result.rounds < max_rounds:
         result.rounds += 1
         result.costs.update(zip(sizes, verify(sizes), strict=True))
@@ -58,6 +59,9 @@ def verified_prefix(
         above = [size for size in result.costs if size > result.kept]
         if not above:
             break
+        if result.rounds == 1:  # the whole group costs too much: its halves next
+            sizes = sorted({max(1, count >> shift) for shift in range(1, tries + 1)} - {count}, reverse=True)
+            continue
         low, high = result.kept, min(above)
         step = (high - low) / (tries + 1)
         sizes = sorted({round(low + step * i) for i in range(1, tries + 1)} - {low, high, *result.costs}, reverse=True)
