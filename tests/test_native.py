@@ -92,6 +92,35 @@ def test_every_instruction_set_variant_builds_and_the_runnable_ones_agree(isa, t
         torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5, msg=name)
 
 
+def test_the_kernel_is_built_once_per_source_whichever_checkout_asks(tmp_path, monkeypatch):
+    """Two checkouts of one source share one build: its name keys the source's content, torch's version and the
+    instruction set, and the source is copied into the build's own folder, so torch's builder (which rebuilds when
+    its build file names another source path) always sees the same one. An edited source builds under a new name."""
+    checkouts = [tmp_path / name / "row_state.cpp" for name in ("a", "b")]
+    for path in checkouts:
+        path.parent.mkdir()
+        path.write_bytes(native.SOURCE.read_bytes())
+    built = []
+    for path in checkouts:
+        monkeypatch.setattr(native, "SOURCE", path)
+        name = native.module_name("AVX2")
+        built.append((name, native._staged_source(name)))
+    assert built[0] == built[1] and built[0][1].read_bytes() == checkouts[0].read_bytes()
+    assert native.module_name("DEFAULT") != built[0][0]  # the instruction set is part of the key
+    checkouts[1].write_text(checkouts[1].read_text() + "\n// edited\n")
+    assert native.module_name("AVX2") != built[0][0]
+    assert not native.is_built("AVX2")  # nothing was built from the edited source
+
+
+def test_is_built_answers_from_the_built_library(kernel_module):
+    """The kernel this machine built (conftest) is found as built, whatever the file times of the checkout."""
+    if isinstance(kernel_module, str):
+        pytest.skip(kernel_module)
+    assert native.is_built()
+    os.utime(native.SOURCE)  # a fresh clone's source is newer than any build
+    assert native.is_built()
+
+
 def test_a_failed_build_is_reported_by_the_compilers_first_error_line():
     """ninja prints the command before the compiler's output: the reason a user sees is the error itself."""
     log = (

@@ -12,7 +12,10 @@ with the plain computation, headscope keeps today's paths (headscope.model.kerne
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -56,17 +59,61 @@ def first_error_line(log: str) -> str:
     return (errors or lines or ["(no output)"])[0]
 
 
+def module_name(isa: str | None = None) -> str:
+    """The kernel's module name for `isa` (default: this machine's), keyed by what the build depends on: the
+    source's content, torch's version, the instruction set and the flags. Every checkout of one source shares one
+    build; a new source or torch builds anew, under its own name."""
+    isa = isa or host_isa()
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), isa.encode(), " ".join(build_flags(isa)).encode()):
+        key.update(part + b"\0")
+    return f"headscope_row_state_{isa.lower()}_{key.hexdigest()[:12]}"
+
+
+def build_flags(isa: str) -> list[str]:
+    return [*CFLAGS, *ISA_FLAGS.get(isa, [])]
+
+
+def _build_folder(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _staged_source(name: str) -> Path:
+    """The source copied into the module's own build folder: torch's builder rebuilds whenever its build file
+    names another source path, so the path every checkout builds from is this one."""
+    folder = _build_folder(name)
+    staged = folder / SOURCE.name
+    if not staged.is_file() or staged.read_bytes() != SOURCE.read_bytes():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".{SOURCE.name}.{os.getpid()}.tmp"
+        partial.write_bytes(SOURCE.read_bytes())
+        partial.replace(staged)  # atomic: a concurrent build reads the whole file or the old one
+    return staged
+
+
+BUILD_SECONDS = {"total": 0.0}  # seconds this process spent building the kernel (run.json keeps it apart)
+
+
 @functools.cache
 def row_state_module(isa: str | None = None) -> ModuleType | str:
-    """The kernel built for `isa` (default: this machine's), or why it could not be built (one line)."""
+    """The kernel built for `isa` (default: this machine's), or why it could not be built (one line). A build
+    (once per machine, source and torch) is announced, and its time kept in BUILD_SECONDS."""
     isa = isa or host_isa()
+    started = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=f"headscope_row_state_{isa.lower()}",
-            sources=[str(SOURCE)],
-            extra_cflags=[*CFLAGS, *ISA_FLAGS.get(isa, [])],
+        name = module_name(isa)
+        building = not is_built(isa)
+        if building:
+            _log.warning("building headscope's C++ attention kernel for %s (once per machine, source and torch: "
+                         "about a minute)", isa)  # fmt: skip
+        module = load(
+            name=name,
+            sources=[str(_staged_source(name))],
+            extra_cflags=build_flags(isa),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -74,6 +121,11 @@ def row_state_module(isa: str | None = None) -> ModuleType | str:
         reason = f"{type(err).__name__}: {first_error_line(str(err))}"
         _log.warning("headscope's C++ attention kernel could not be built (%s); using the tile loop", reason)
         return reason
+    finally:
+        BUILD_SECONDS["total"] += time.perf_counter() - started
+    if building:
+        _log.warning("built headscope's C++ attention kernel in %.0f s", time.perf_counter() - started)
+    return module
 
 
 @functools.cache
@@ -176,14 +228,11 @@ def weight_rows(
 
 
 def is_built(isa: str | None = None) -> bool:
-    """Is the kernel for `isa` (default: this machine's) already built in torch's extensions folder, from today's
-    source? Then loading it costs a fraction of a second, not a build. Judged by the built library's time against
-    the source's; False wherever that cannot be told (a torch whose extension builder keeps its folders elsewhere)."""
-    name = f"headscope_row_state_{(isa or host_isa()).lower()}"
+    """Is the kernel for `isa` (default: this machine's) built already, from today's source and torch? Then loading
+    it costs a fraction of a second, not a build. False wherever that cannot be told (a torch whose extension
+    builder keeps its folders elsewhere)."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        return library.exists() and library.stat().st_mtime >= SOURCE.stat().st_mtime
+        name = module_name(isa)
+        return (_build_folder(name) / f"{name}.so").is_file()
     except Exception:  # a private helper of torch's: if it moved, the kernel is built when it pays for itself
         return False

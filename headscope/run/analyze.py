@@ -31,6 +31,7 @@ from headscope.interventions.importance import check_importance_fits, run_import
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.measures.example import example_views
 from headscope.measures.probes import check_probes, run_probes
+from headscope.model import native
 from headscope.model.capture import attached
 from headscope.model.loading import (
     LoadedModel,
@@ -147,7 +148,7 @@ def analyze(
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
-            with timings.phase("measure"):
+            with timings.phase("measure"), timings.set_apart("kernel_build", native.BUILD_SECONDS):
                 measured = measure_corpus(
                     capture, feed, plan, parts, progress, running, reporter, device=loaded.device, ranks=ranks
                 )
