@@ -77,9 +77,40 @@ def test_a_report_without_a_fingerprint_is_matched_by_its_source(models, tmp_pat
         headscope.ablate(str(models["copy"]), SENTENCES, each_role=True, report=report, bootstrap=0)
 
 
+def test_a_report_from_before_whole_weight_fingerprints_says_why_it_is_matched_by_source(models, tmp_path):
+    report = tmp_path / "report"
+    shutil.copytree(models["report"], report)
+    run = json.loads((report / "run.json").read_text())
+    del run["model"]["weights_fingerprint"]  # an older headscope sampled 16 values of each parameter
+    (report / "run.json").write_text(json.dumps(run))
+    with pytest.raises(ConfigError, match="the report's fingerprint samples the weights"):
+        headscope.ablate(str(models["copy"]), SENTENCES, each_role=True, report=report, bootstrap=0)
+
+
+def test_every_head_of_every_projection_is_in_the_fingerprint(models):
+    """Zeroing one head's columns of one output projection, or scaling another's, changes the fingerprint (16
+    values sampled per parameter missed whole heads of SmolLM2's output projections)."""
+    import torch
+
+    from headscope.model.identity import weights_fingerprint
+
+    model = headscope.load_model(str(models["first"]), device="cpu").model
+    before = weights_fingerprint(model)
+    projection = model.h[0].attn.c_proj.weight  # Conv1D (heads * head_dim in, hidden out); head 1 copies
+    head_dim = projection.shape[0] // model.config.n_head
+    for edit in (lambda rows: rows.zero_(), lambda rows: rows.mul_(1.5)):
+        with torch.no_grad():
+            original = projection[head_dim : 2 * head_dim].clone()
+            edit(projection[head_dim : 2 * head_dim])
+        assert weights_fingerprint(model) != before
+        with torch.no_grad():
+            projection[head_dim : 2 * head_dim] = original
+        assert weights_fingerprint(model) == before
+
+
 def test_a_weight_changed_in_place_changes_the_fingerprint(models):
-    """The fingerprint is remembered per model until a parameter changes: in place (its version counter moves, a
-    value at one of the sampled positions changed) or replaced by another tensor of other values."""
+    """The fingerprint is remembered per model until a parameter changes: in place (its version counter moves) or
+    replaced by another tensor of other values."""
     import torch
 
     from headscope.model.identity import weights_fingerprint
