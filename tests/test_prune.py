@@ -203,6 +203,77 @@ def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_p
         SearchJournal(path, {"budget": 0.09}, resume=True)
 
 
+def journal_of_a_search(tmp_path):
+    """A journal of the toy search, its path and fingerprint, and what replaying it asks."""
+    from headscope.interventions.journal import SearchJournal
+
+    costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
+    _, verify, estimate, _ = cost_model(costs, {})
+    options = {"clean_loss": 1.0, "budget": 0.08, "shortlist": 6, "first_shortlist": 8, "tries": 3}
+    path, key = tmp_path / "journal.json", {"budget": 0.08}
+    journal = SearchJournal(path, key, resume=True, candidates=HEADS)
+    whole = prune_search(HEADS, estimate=journal.estimate(estimate), verify=journal.verify(verify), **options)
+
+    def replay():
+        again = SearchJournal(path, key, resume=True, candidates=HEADS)
+        return prune_search(HEADS, estimate=again.estimate(estimate), verify=again.verify(verify), **options)
+
+    return path, whole, replay
+
+
+def edited(path, change) -> None:
+    """Apply `change` to the journal's record, keeping its checksum as it was (a hand edit)."""
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+def resealed(path, change) -> None:
+    """Apply `change` and recompute the checksum: the answers' form is checked on its own."""
+    from headscope.interventions.journal import _checksum
+
+    record = json.loads(path.read_text())
+    change(record)
+    record["checksum"] = _checksum(record["fingerprint"], record["calls"])
+    path.write_text(json.dumps(record))
+
+
+def test_a_journal_edited_by_hand_is_refused_in_one_line(tmp_path):
+    """A verified loss changed by hand is not replayed as what the model said: the checksum refuses it."""
+    from headscope.errors import OutputError
+
+    path, whole, replay = journal_of_a_search(tmp_path)
+    assert replay().loss == whole.loss  # untouched: replayed to the same result
+
+    def lower_a_loss(record):
+        call = next(c for c in record["calls"] if c["call"] == "verify")
+        call["answer"][0] -= 0.5
+
+    edited(path, lower_a_loss)
+    with pytest.raises(OutputError, match="was changed after the search wrote it"):
+        replay()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda call: call.__setitem__("answer", "0.5") if call["call"] == "verify" else None,  # a string
+        lambda call: call["answer"].pop() if call["call"] == "verify" else None,  # one loss short
+        lambda call: call["answer"].pop() if call["call"] == "estimate" else None,  # a head missing
+        lambda call: call["answer"].append([99, 0, 0.1]) if call["call"] == "estimate" else None,  # an unknown head
+        lambda call: call["answer"].__setitem__(0, [0, 0, "x"]) if call["call"] == "estimate" else None,
+    ],
+    ids=["string", "short", "missing-head", "unknown-head", "not-a-number"],
+)
+def test_a_malformed_journal_answer_is_refused_in_one_line(tmp_path, damage):
+    from headscope.errors import OutputError
+
+    path, _, replay = journal_of_a_search(tmp_path)
+    resealed(path, lambda record: [damage(call) for call in record["calls"]])
+    with pytest.raises(OutputError, match="is not one the search gives"):
+        replay()
+
+
 def test_the_curvature_term_is_half_the_squared_change_along_the_gradient_on_real_positions():
     """OutputSums with curvature_of sums ((r - o) . dL/do)^2 over the unpadded positions; Removal.curvature halves it
     per token. A loss linear in the outputs, L = sum c . o, has dL/do = c: a known gradient."""
@@ -516,9 +587,16 @@ def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, t
     assert planned and "8 heads verified alone (8 in the first round)" in planned[0]
     search = record["search"]
     assert search["forward_passes"] >= search["verify_calls"] * 2 and search["gradient_passes"] >= 1
-    result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at="pruning within"))
-    assert result.exit_code == 130 and "--resume" in result.output  # prune can continue: it says so
-    assert not any(p.name.startswith(".b") for p in tmp_path.iterdir())  # without --resume nothing is kept
+    result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at_step=1))
+    kept = tmp_path / ".b.partial"
+    assert result.exit_code == 130 and (kept / "prune-journal.json").is_file()  # every search keeps its journal
+    assert f"kept in {kept}: the same command with --resume continues it" in " ".join(result.output.split())
+    from headscope.run.output import kept_checkpoints
+
+    before = kept_checkpoints()
+    with pytest.raises(KeyboardInterrupt):  # no output folder: no journal, and nothing for --resume to continue
+        headscope.prune(loaded, sentences, budget=0.01, mode="zero", reporter=Notes(interrupt_at_step=1))
+    assert kept_checkpoints() == before
 
 
 def test_an_interrupted_prune_resumes_to_the_result_an_uninterrupted_one_gives(redundant, tmp_path):
@@ -534,7 +612,7 @@ def test_an_interrupted_prune_resumes_to_the_result_an_uninterrupted_one_gives(r
     journal = tmp_path / ".r.partial" / "prune-journal.json"
     assert json.loads(journal.read_text())["state"]["heads"] == whole["heads"][: whole["curve"][1]["heads_removed"]]
     refused = run_cli(*args, "--out", tmp_path / "r")  # without --resume the checkpoint is not someone else's
-    assert_one_line_error(refused, "interrupted `headscope prune --resume` run", code=1)
+    assert_one_line_error(refused, "interrupted `headscope prune` run", code=1)
     notes = Notes()
     resumed = run_cli(*args, "--out", tmp_path / "r", "--resume", reporter=notes)
     assert resumed.exit_code == 0, resumed.output
@@ -542,6 +620,9 @@ def test_an_interrupted_prune_resumes_to_the_result_an_uninterrupted_one_gives(r
     for key in ("heads", "curve", "clean_loss", "pruned_loss", "set_aside"):
         assert record[key] == whole[key], key
     assert record["search"]["resumed_calls"] >= 2 and record["search"]["rounds"] == whole["search"]["rounds"]
+    for count in ("forward_passes", "token_forwards", "verified_sets", "verify_calls", "gradient_passes"):
+        assert record["search"][count] == whole["search"][count], count  # the whole search's, replayed part included
+    assert any(n.startswith("resuming the interrupted search: ") for n in notes.notes)
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["head_mask.parquet", "prune.json"]
     assert not (tmp_path / ".r.partial").exists()
 

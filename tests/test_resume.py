@@ -81,7 +81,7 @@ def test_a_checkpoint_belongs_to_the_run_that_wrote_it(planted_gpt2, interrupted
     corpus, out, checkpoint = interrupted
     before = snapshot(checkpoint)
     result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--no-charts")
-    assert_one_line_error(result, str(checkpoint), "interrupted `headscope analyze --resume` run", "delete that folder")
+    assert_one_line_error(result, str(checkpoint), "interrupted `headscope analyze` run", "delete that folder")
     assert snapshot(checkpoint) == before and not out.exists()
     result = run_cli("analyze", planted_gpt2, "--corpus", corpus, "--out", out, "--no-charts", "--resume")
     assert result.exit_code == 0, result.output

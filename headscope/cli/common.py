@@ -81,8 +81,14 @@ def _usage_error(ctx: typer.Context, err: ConfigError):
 def user_errors(ctx: typer.Context):
     """Turn the library's own errors into a one-line message and exit code 1 (2 for an option's value the
     library refuses once it knows the model or the corpus: a usage error too); signals into 130 / 143."""
-    # Only a command that checkpoints can be continued; the others say nothing of --resume.
-    hint = " (--resume continues a checkpointed run)" if "resume" in ctx.params else ""
+    from headscope.run.output import kept_checkpoints
+
+    kept_before = len(kept_checkpoints())
+
+    def hint() -> str:  # only a run that kept a checkpoint can be continued: the others say nothing of --resume
+        kept = kept_checkpoints()[kept_before:]
+        return f" (what it did is kept in {kept[-1]}: the same command with --resume continues it)" if kept else ""
+
     try:
         yield
     except ConfigError as err:
@@ -91,10 +97,10 @@ def user_errors(ctx: typer.Context):
         say(f"Error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        say(f"{INTERRUPTED[130]}{hint}.", err=True)
+        say(f"{INTERRUPTED[130]}{hint()}.", err=True)
         raise typer.Exit(130) from None
     except Terminated:
-        say(f"{INTERRUPTED[143]}{hint}.", err=True)
+        say(f"{INTERRUPTED[143]}{hint()}.", err=True)
         raise typer.Exit(143) from None
     except Exception as err:  # a full disk reported by a library outside any staged folder: still one line
         from headscope.run.files import disk_refusal

@@ -8,12 +8,17 @@ decisions the interrupted one took and ends where an uninterrupted one would: fl
 (Python writes the shortest text that reads back as the same double).
 
 The journal opens with a fingerprint of everything the answers depend on (model, corpus, settings, budget,
-mode): a journal from another search is refused in one line, not replayed.
+mode): a journal from another search is refused in one line, not replayed. Its calls carry a checksum (sha256 of
+the fingerprint and every call), and each replayed answer is checked for its form (an estimate: every head not
+removed, with a finite number; a verification: one finite loss per set asked): a journal edited by hand or
+damaged is refused in one line, never replayed as what the model said.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,8 +33,10 @@ class SearchJournal:
     with `resume`, the answers saved there by an interrupted search are replayed first. writes: False for the
     ranks of a data-parallel run other than rank 0 (they replay the same journal, and rank 0 keeps it)."""
 
-    def __init__(self, path: Path, fingerprint: dict, *, resume: bool, writes: bool = True) -> None:
+    def __init__(self, path: Path, fingerprint: dict, *, resume: bool, writes: bool = True, candidates=None) -> None:
+        """candidates: the heads the search may remove (an estimate answers for every one not removed)."""
         self.path, self.fingerprint, self.writes = path, fingerprint, writes
+        self.candidates = None if candidates is None else {tuple(head) for head in candidates}
         self.calls: list[dict] = []
         self.replayed = 0  # calls answered from the journal
         self._state: dict = {}
@@ -41,6 +48,11 @@ class SearchJournal:
                 raise OutputError(
                     f"{path} was saved by a prune with other inputs ({', '.join(changed)} differ); run the same "
                     f"command as the interrupted one, or delete {path.parent} to start over"
+                )
+            if saved.get("checksum") != _checksum(fingerprint, saved["calls"]):
+                raise OutputError(
+                    f"{path} was changed after the search wrote it (its checksum does not match): its answers are "
+                    f"not the model's; delete {path.parent} to start over"
                 )
             self.calls = saved["calls"]
         self._saved = list(self.calls)  # what a resumed search must be asked again, in order
@@ -74,7 +86,7 @@ class SearchJournal:
                     f"delete {self.path.parent} to start over"
                 )
             self.replayed += 1
-            return saved["answer"]
+            return _checked(self.path, kind, question, saved.get("answer"), self.replayed, self.candidates)
         self.calls.append({"call": kind, "question": question, "answer": live()})
         self._write()
         return self.calls[-1]["answer"]
@@ -82,7 +94,8 @@ class SearchJournal:
     def _write(self) -> None:
         if not self.writes:
             return
-        record = {"fingerprint": self.fingerprint, "state": self._state, "calls": self.calls}
+        record = {"fingerprint": self.fingerprint, "state": self._state, "calls": self.calls,
+                  "checksum": _checksum(self.fingerprint, self.calls)}  # fmt: skip
         with atomic_path(self.path) as tmp:
             tmp.write_text(json.dumps(record), encoding="utf-8")
 
@@ -97,3 +110,35 @@ def _read(path: Path) -> dict:
         raise OutputError(
             f"{path}: cannot read the interrupted search's journal ({err}); delete it to start over"
         ) from None
+
+
+def _checksum(fingerprint: dict, calls: list) -> str:
+    text = json.dumps({"fingerprint": fingerprint, "calls": calls}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _checked(path: Path, kind: str, question: list, answer, call: int, candidates: set | None) -> list:
+    """A replayed answer of the form the live call gives, else one line refusing the journal."""
+
+    def finite(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    if kind == "verify":
+        good = isinstance(answer, list) and len(answer) == len(question) and all(map(finite, answer))
+    else:  # estimate: [layer, head, cost] for heads, none of them among the removed, each once
+        removed = {tuple(head) for head in question}
+        heads = [tuple(entry[:2]) for entry in answer] if isinstance(answer, list) else []
+        good = (
+            isinstance(answer, list)
+            and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) for x in e[:2]) for e in answer)
+            and all(finite(entry[2]) for entry in answer)
+            and len(set(heads)) == len(heads)
+            and not removed & set(heads)
+            and (candidates is None or set(heads) == candidates - removed)
+        )
+    if not good:
+        raise OutputError(
+            f"{path}: answer {call} ({kind}) is not one the search gives (damaged or edited); delete {path.parent} "
+            "to start over"
+        )
+    return answer

@@ -190,7 +190,7 @@ def prune(
     ranks = run.data_parallel(model, "prune")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).
-    stages = {"prune": run.stage(out, "pruning", overwrite=overwrite, resumable=resume),
+    stages = {"prune": run.stage(out, "pruning", overwrite=overwrite, resumable=True, continuing=resume),
               "model": run.stage(save_model, "model", overwrite=overwrite)}  # fmt: skip
     run.check_offload_folder(model, {"--out": out, "--save-model": save_model})
     started = time.perf_counter()
@@ -202,10 +202,14 @@ def prune(
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
             candidates = [head for head in lm.all_heads if head[0] in lm.plan.layers]
             journal = None
-            if resume:
+            if out is not None:  # every search keeps its journal: an interrupted one can be resumed
                 key = fingerprint(lm.loaded, corpus, settings, ONE_PROCESS) | {"budget": budget, "mode": mode,
                       "max_rounds": max_rounds, "patience": patience, "estimate": ESTIMATE}  # fmt: skip
-                journal = SearchJournal(stages["prune"].path / PRUNE_JOURNAL, key, resume=True, writes=ranks.main)
+                journal = SearchJournal(stages["prune"].path / PRUNE_JOURNAL, key, resume=resume, writes=ranks.main,
+                                        candidates=candidates)  # fmt: skip
+                if journal.calls:
+                    reporter.note(f"resuming the interrupted search: {len(journal.calls)} answers saved in "
+                                  f"{journal.path} are replayed, then it goes on")  # fmt: skip
             search = _search(lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds, patience=patience)
         result, removal = search.result, search.removal
         found = Pruning(
@@ -226,8 +230,9 @@ def prune(
                 failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
                 found.saved_model = SavedModel(path=None, error=failure)
         if prune_stage is not None:
-            (prune_stage.path / PRUNE_JOURNAL).unlink(missing_ok=True)  # a finished search has nothing to resume
             _write(prune_stage.path, found.record, found.head_mask, charts, reporter)
+            # only now: a run interrupted while writing keeps the journal, which --resume replays to the end
+            (prune_stage.path / PRUNE_JOURNAL).unlink(missing_ok=True)
     if failure is not None:
         kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
         raise OutputError(f"the pruned model was not saved: {failure}{kept}")
@@ -289,11 +294,11 @@ def _search(
     clean_loss = float(clean.sum() / tokens.sum())
     passes = PassPlan()
 
+    def shared(sets):  # the heads removed so far: their pass is shared
+        return sorted(set.intersection(*map(set, sets)))
+
     def verify(sets):
-        nonlocal passes
-        shared = sorted(set.intersection(*map(set, sets)))  # the heads removed so far: their pass is shared
-        passes = passes + lm.planned(sets, mode, base=shared, clean=False)
-        counts, _, ablated = lm.losses(sets, removal, base=shared, clean=False).arrays("all")  # only the sets' losses
+        counts, _, ablated = lm.losses(sets, removal, base=shared(sets), clean=False).arrays("all")  # sets' losses
         return list(ablated.sum(1) / counts.sum())
 
     def estimate(removed):
@@ -302,6 +307,19 @@ def _search(
 
     if journal is not None:
         verify, estimate = journal.verify(verify), journal.estimate(estimate)
+
+    def counted(verify):
+        """The passes each verification takes, replayed ones included: the counts are the whole search's, an
+        interrupted run's share too, as an uninterrupted run's are."""
+
+        def counting(sets):
+            nonlocal passes
+            passes = passes + lm.planned(sets, mode, base=shared(sets), clean=False)
+            return verify(sets)
+
+        return counting
+
+    verify = counted(verify)
     removed_before = 0
 
     def step(found: PruneResult) -> None:

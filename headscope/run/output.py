@@ -122,6 +122,12 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
 
 
 RESUMABLE_KINDS = {"report": "analyze", "pruning": "prune"}  # the kinds a run checkpoints, and the command
+_KEPT: list[Path] = []  # checkpoints this process's failed or interrupted runs left for --resume
+
+
+def kept_checkpoints() -> list[Path]:
+    """The checkpoints this process's failed or interrupted runs kept (for the message that says so)."""
+    return list(_KEPT)
 
 
 def checkpoint_of(target: Path) -> Path:
@@ -137,11 +143,11 @@ def _check_checkpoint(target: Path, option: str, kind: str, *, continuing: bool)
     if not (checkpoint.is_dir() and ours(checkpoint, target) and holds_work(checkpoint)):
         return
     # prune's checkpoint is its search's journal (its record, once it publishes); analyze's are part files and sums
-    owner = "prune" if any((checkpoint / name).is_file() for name in (PRUNE_JOURNAL, PRUNE_RECORD)) else "analyze"
+    owner = "prune" if any((checkpoint / name).exists() for name in (PRUNE_JOURNAL, PRUNE_RECORD)) else "analyze"
     if continuing and owner == RESUMABLE_KINDS[kind]:
         return
     raise OutputError(
-        f"{checkpoint} holds the checkpoint of an interrupted `headscope {owner} --resume` run into {target}; "
+        f"{checkpoint} holds the checkpoint of an interrupted `headscope {owner}` run into {target}; "
         f"continue it (the same command with --resume), delete that folder, or choose another {option}"
     )
 
@@ -160,13 +166,16 @@ class StagedDirectory:
         kind: str,
         overwrite: bool = False,
         resumable: bool = False,
+        continuing: bool | None = None,
         protected: Mapping[str, Path] | None = None,
     ) -> None:
         """kind: what the folder will be (layout.KINDS); resumable: the work folder has a fixed name and survives
-        a failed or interrupted run, so that a later run can continue from the checkpoint inside it."""
+        a failed or interrupted run, so that a later run can continue from the checkpoint inside it; continuing:
+        this run may take such a checkpoint (default: `resumable`; otherwise one left there is refused)."""
         self.target = resolved(target)
         self.kind, self.overwrite, self.resumable = kind, overwrite, resumable
-        check_target(self.target, kind=kind, overwrite=overwrite, protected=protected, resumable=resumable)
+        self.continuing = resumable if continuing is None else continuing
+        check_target(self.target, kind=kind, overwrite=overwrite, protected=protected, resumable=self.continuing)
         self.path = checkpoint_of(self.target) if resumable else self._work(f"staging-{os.getpid()}")
         self.cleaned: list[str] = []
         self._lock: int | None = None
@@ -230,6 +239,8 @@ class StagedDirectory:
                 self._publish()
             elif not self.resumable or not holds_work(self.path):
                 shutil.rmtree(self.path, ignore_errors=True)
+            else:
+                _KEPT.append(self.path)
         finally:
             self._release_lock()
         refused = disk_refusal(exc) if exc is not None else None
@@ -242,6 +253,7 @@ class StagedDirectory:
         with folder_lock(parent), signals_held():
             # What held when the run started may not hold now (another run published meanwhile): check again.
             try:
+                # (the checkpoint beside the target is now this run's own work folder)
                 check_target(self.target, kind=self.kind, overwrite=self.overwrite, resumable=self.resumable)
             except OutputError as err:
                 shutil.rmtree(self.path, ignore_errors=True)

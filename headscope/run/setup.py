@@ -89,12 +89,17 @@ class CommandRun:
         protected = protected_inputs(source, corpus, Path(report) if report is not None else None)
         return cls(settings, reporter or default_reporter(), source, corpus, protected)
 
-    def stage(self, out, kind: str, *, overwrite: bool, resumable: bool = False) -> StagedDirectory | None:
-        """The staged output folder of `kind` (layout.KINDS), every rule checked now; None without `out`."""
+    def stage(
+        self, out, kind: str, *, overwrite: bool, resumable: bool = False, continuing: bool | None = None
+    ) -> StagedDirectory | None:
+        """The staged output folder of `kind` (layout.KINDS), every rule checked now; None without `out`. resumable:
+        its work folder keeps a checkpoint when the run fails; continuing: this run may take one an interrupted run
+        kept (default: `resumable`)."""
         out = as_path(out, "out")
         if out is None:
             return None
-        return StagedDirectory(Path(out), kind=kind, overwrite=overwrite, resumable=resumable, protected=self.protected)
+        return StagedDirectory(Path(out), kind=kind, overwrite=overwrite, resumable=resumable, continuing=continuing,
+                               protected=self.protected)  # fmt: skip
 
     def check_offload_folder(self, model, outputs: dict[str, str | Path | None]) -> None:
         """--offload-folder may not be an output (`outputs`: option -> folder, e.g. {"--out": out}) or inside one,
