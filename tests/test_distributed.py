@@ -215,3 +215,59 @@ def test_a_failure_on_one_rank_stops_prune_on_both_with_one_message(copier, tmp_
     ours = [line for line in failed.stderr.splitlines() if line.startswith("Error:")]
     assert ours == ["Error: rank 1 of 2 failed: RuntimeError: injected device failure"]
     assert not (tmp_path / "p").exists()
+
+
+# Loaded at start-up (sitecustomize) on rank 1: its command line is edited as a launcher script gone wrong would give
+# it (HEADSCOPE_TEST_RANK1 holds "OLD=NEW" replacements of its arguments). Test-only.
+SKEW = """
+import os
+import sys
+if os.environ.get("RANK") == "1" and os.environ.get("HEADSCOPE_TEST_RANK1"):
+    for change in os.environ["HEADSCOPE_TEST_RANK1"].split(";"):
+        old, new = change.split("=", 1)
+        sys.argv = [new if argument == old else argument for argument in sys.argv]
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "skew", "named"),
+    [
+        (["ablate", "{model}", "--corpus", "{corpus}", "--heads", "0.0", "--mode", "zero"], "0.0=0.1", "groups"),
+        (["ablate", "{model}", "--corpus", "{corpus}", "--heads", "0.0", "--mode", "zero"], "zero=mean", "mode"),
+        (["prune", "{model}", "--corpus", "{corpus}", "--budget", "0.05"], "0.05=0.5", "budget"),
+        (["prune", "{model}", "--corpus", "{corpus}", "--budget", "0.05"], "{corpus}={other}", "corpus"),
+    ],
+    ids=["heads", "mode", "budget", "corpus"],
+)
+def test_ranks_started_with_different_requests_stop_in_one_line(copier, tmp_path, args, skew, named):
+    """Every rank agrees on the command, its settings and request, and its inputs' fingerprints before any work:
+    a rank asked something else stops every rank with one line naming what differs (it used to give wrong numbers
+    with exit 0, hang, or a numpy traceback)."""
+    model, corpus = copier
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text().replace("w2", "w3"))  # as many sentences, other words
+    site = tmp_path / "skew"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SKEW)
+    names = {"model": model, "corpus": corpus, "other": other}
+    filled = [a.format(**names) for a in args]
+    env = {"PYTHONPATH": str(site), "HEADSCOPE_TEST_RANK1": skew.format(**names)}
+    result = command(*filled, "--out", tmp_path / "out", ranks=2, env=env)
+    ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert result.returncode != 0 and len(ours) == 1, result.stderr  # every rank stops; rank 0 speaks for them
+    assert "the ranks were not started alike: rank 1 has " in ours[0] and named in ours[0], ours
+    assert not (tmp_path / "out").exists()
+
+
+def test_patch_under_torchrun_is_refused_before_any_work(copier, tmp_path):
+    from planted import write_reader_pairs
+
+    model, _ = copier
+    pairs = write_reader_pairs(tmp_path / "pairs.jsonl")
+    result = command("patch", model, "--pairs", pairs, "--out", tmp_path / "out", ranks=2)
+    ours = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert result.returncode != 0 and ours == [
+        "Error: patch runs in one process (it does not split its work between ranks): run it without torchrun "
+        "(see headscope patch --help)"
+    ], result.stderr
+    assert not (tmp_path / "out").exists()

@@ -137,6 +137,7 @@ def ablate(
     if report is not None:
         groups += role_groups(report, roles, each_role)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
+    run.request = {"groups": [(group.name, group.heads) for group in groups], "mode": mode, "loss_on": loss_on}
     ranks = run.data_parallel(model, "ablate")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     stage = run.stage(out, "ablation", overwrite=overwrite)

@@ -46,6 +46,7 @@ from headscope.model.capture import attached
 from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.report.report import Report, read_run
+from headscope.run.distributed import one_process_only
 from headscope.run.feed import token_texts
 from headscope.run.progress import Reporter
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
@@ -124,6 +125,7 @@ def patch(
     check_request(what, direction, positions, metric, fast, charts)
     pairs = as_pairs(pairs)
     report = as_path(report, "report")
+    one_process_only("patch")
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=False)  # fmt: skip
     if heads and run.settings.layers is not None:

@@ -187,6 +187,8 @@ def prune(
         raise ConfigError("--resume needs an output folder (--out): the search's journal is kept beside it")
     _check_folders(out, save_model)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
+    run.request = {"budget": budget, "mode": mode, "max_rounds": max_rounds, "patience": patience, "resume": resume,
+                   "save_model": save_model is not None}  # fmt: skip
     ranks = run.data_parallel(model, "prune")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).

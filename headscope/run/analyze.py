@@ -105,6 +105,7 @@ def analyze(
     # Everything that can be refused without the model is refused before it loads (which can take minutes), on
     # every rank: a refusal stops them all at once, before any of them waits.
     command = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
+    command.request = {"thresholds": thresholds, "roles": roles, "resume": resume, "page": page, "charts": charts}
     ranks = ranks_from_env()
     if ranks.parallel:
         check_parallel(command.settings, out, isinstance(model, LoadedModel))

@@ -81,6 +81,15 @@ def leave(ranks: Ranks) -> None:
         dist.destroy_process_group()
 
 
+def collective(call: Callable[[], object]):
+    """A collective whose peer may die in the middle (killed, out of memory): gloo and NCCL then raise a
+    RuntimeError with a page of C++ context on every surviving rank; here it is one line."""
+    try:
+        return call()
+    except RuntimeError as err:
+        raise PeerError(f"another rank stopped in the middle of the run ({_one_line(err)})") from None
+
+
 def broadcast(ranks: Ranks, value):
     """Rank 0's `value` on every rank."""
     if not ranks.parallel:
@@ -88,7 +97,7 @@ def broadcast(ranks: Ranks, value):
     import torch.distributed as dist
 
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    collective(lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
 
 
@@ -99,7 +108,7 @@ def gather(ranks: Ranks, value) -> list:
     import torch.distributed as dist
 
     values = [None] * ranks.world
-    dist.all_gather_object(values, value)
+    collective(lambda: dist.all_gather_object(values, value))
     return values
 
 
@@ -110,8 +119,32 @@ def all_sum(ranks: Ranks, array: np.ndarray, device: torch.device) -> np.ndarray
     import torch.distributed as dist
 
     tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
     return tensor.cpu().numpy()
+
+
+def agree(ranks: Ranks, facts: dict) -> None:
+    """Every rank runs the same thing: `facts` (the command, its settings and request, fingerprints of its
+    inputs; values that compare with ==) are rank 0's on every rank, else every rank stops with one line naming
+    what differs. Ranks that disagree would add up sums of different things, or wait for each other forever."""
+    if not ranks.parallel:
+        return
+    every = gather(ranks, facts)
+    for rank, theirs in enumerate(every[1:], start=1):
+        differ = sorted(key for key in every[0].keys() | theirs.keys() if theirs.get(key) != every[0].get(key))
+        if differ:
+            shown = "; ".join(
+                f"{key} {_shown(theirs.get(key))} (rank 0: {_shown(every[0].get(key))})" for key in differ
+            )
+            raise ConfigError(
+                f"the ranks were not started alike: rank {rank} has {shown}; start every rank with the same "
+                "command, options and inputs"
+            )
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def meet(ranks: Ranks, counts: tuple[int, int], error: BaseException | None = None) -> tuple[int, int]:
@@ -210,6 +243,15 @@ def combined(ranks: Ranks, measured, device: torch.device, chunks: int):
         attention_paths=paths,
         write_paths=max(gather(ranks, measured.write_paths), key=len),  # a rank that ran no batch learned none
     )
+
+
+def one_process_only(what: str) -> None:
+    """Refuse a command that does not split its work between ranks, under torchrun: every rank would run all of it
+    and write the same folder."""
+    if ranks_from_env().parallel:
+        raise ConfigError(
+            f"{what} runs in one process (it does not split its work between ranks): run it without torchrun"
+        )
 
 
 def check_parallel(settings, out, model_is_loaded: bool) -> None:

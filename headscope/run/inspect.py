@@ -45,6 +45,7 @@ from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.report.report import Report, read_run
 from headscope.run.corpus import Corpus
+from headscope.run.distributed import one_process_only
 from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
 from headscope.run.plan import Plan
 from headscope.run.progress import Reporter
@@ -138,6 +139,7 @@ def inspect(
     sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
     report = as_path(report, "report")
     check_request(texts, sentences, probes, heads, roles, report)
+    one_process_only("inspect")
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=bool(sentences))  # fmt: skip
     settings, reporter, corpus = run.settings, run.reporter, run.corpus

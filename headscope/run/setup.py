@@ -20,6 +20,7 @@ from pathlib import Path
 from headscope.arguments import as_path
 from headscope.config import RunConfig, run_settings
 from headscope.layout import SCHEMA_VERSION
+from headscope.model.identity import weights_fingerprint
 from headscope.model.loading import (
     LoadedModel,
     Loader,
@@ -34,6 +35,7 @@ from headscope.run.corpus import Corpus, as_corpus
 from headscope.run.distributed import (
     ONE_PROCESS,
     Ranks,
+    agree,
     broadcast,
     check_parallel_model,
     join,
@@ -67,6 +69,8 @@ class CommandRun:
     corpus: Corpus | None
     protected: dict[str, Path]  # description -> path: what its outputs may never replace
     ranks: Ranks = ONE_PROCESS  # set by `data_parallel`
+    # what the command was asked beyond its settings (heads, mode, budget, ...): every rank must be asked the same
+    request: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def prepare(
@@ -128,13 +132,25 @@ class CommandRun:
         if ranks.parallel:
             join(ranks, pick_device(self.settings.device))
             stack.callback(leave, ranks)
+            agree(ranks, self.facts(what))  # before any rank loads or reads anything
         loaded = open_model(stack, model, self.source, self.settings, loader, self.reporter, lm_head=lm_head,
                             what=what, together=functools.partial(together, ranks))  # fmt: skip
+        if ranks.parallel:  # the same source can hold other weights on another machine
+            agree(ranks, {"the model's weights (sha256)": weights_fingerprint(loaded.model)})
         plan = plan_for_model(self.settings, loaded)
         if ranks.parallel:
             plan = resized(plan, broadcast(ranks, plan.sizing), loaded.model.config, dtype=loaded.dtype,
                            device_type=loaded.device.type)  # fmt: skip
         return loaded, plan
+
+    def facts(self, what: str) -> dict:
+        """What every rank of a data-parallel run must share: the command, its settings (but the device, each
+        rank's own) and request, and what identifies its model and corpus."""
+        settings = {key: value for key, value in self.settings.to_dict().items() if key != "device"}
+        corpus = None if self.corpus is None else (self.corpus.sha256, len(self.corpus.sentences))
+        model = (self.source.kind, self.source.location, self.source.gguf_file)
+        return {"command": what, "model": model, "corpus (sha256, sentences)": corpus, "settings": settings,
+                **{key: _comparable(value) for key, value in self.request.items()}}  # fmt: skip
 
     def data_parallel(self, model, what: str) -> Ranks:
         """Under torchrun, this process's rank (one process otherwise; kept as `ranks`): each rank on its own
@@ -165,3 +181,17 @@ def record_header(loaded: LoadedModel, settings: RunConfig, used: tuple[str, ...
         "settings": {key: value for key, value in settings.to_dict().items() if key in used},
         "versions": versions(),
     }
+
+
+def _comparable(value):
+    """A request's value as every rank can compare it: paths as text, sequences as lists, dataclasses as dicts."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _comparable(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(key): _comparable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_comparable(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
