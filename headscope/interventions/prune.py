@@ -310,18 +310,12 @@ def _search(
     if journal is not None:
         verify, estimate = journal.verify(verify), journal.estimate(estimate)
 
-    def counted(verify):
-        """The passes each verification takes, replayed ones included: the counts are the whole search's, an
-        interrupted run's share too, as an uninterrupted run's are."""
+    def counted(sets, answered=verify):  # the passes of every verification, replayed ones included: the search's
+        nonlocal passes
+        passes = passes + lm.planned(sets, mode, base=shared(sets), clean=False)
+        return answered(sets)
 
-        def counting(sets):
-            nonlocal passes
-            passes = passes + lm.planned(sets, mode, base=shared(sets), clean=False)
-            return verify(sets)
-
-        return counting
-
-    verify = counted(verify)
+    verify = counted
     removed_before = 0
 
     def step(found: PruneResult) -> None:
