@@ -74,6 +74,31 @@ def whole_number(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def as_number(value, option: str, *, whole: bool = False) -> int | float:
+    """A number given to the Python API, as the code uses it: any real number (numpy's, Decimal, Fraction) or text
+    that writes one, as the CLI reads it. A float32 is taken at the decimal it shows (np.float32(0.3) is 0.3, not
+    0.30000001192...). `whole`: an int is wanted (a whole float such as 3.0 is not one: a count or index is never
+    written so). Bools are refused: True is not 1."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        text = value.strip()
+        value = int(text) if re.fullmatch(r"[+-]?[0-9]{1,18}", text) else float(text)
+    if isinstance(value, bool) or not isinstance(value, numbers.Number) or isinstance(value, complex):
+        wanted = "a whole number" if whole else "a number"
+        raise ConfigError(f"{option} takes {wanted}; got {value!r} ({type(value).__name__})")
+    if whole:
+        if not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{option} takes a whole number; got {value!r}")
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if type(value).__module__ == "numpy" and getattr(value, "itemsize", 8) < 8:
+        return float(str(value))  # numpy prints the shortest decimal that reads back as this float32 / float16
+    return float(value)
+
+
 def _checked_head(pair, option: str) -> tuple[int, int]:
     layer, head = pair
     if layer > MAX_LAYER or head > MAX_HEAD:
@@ -86,6 +111,11 @@ def as_heads(value, option: str = "heads") -> tuple[tuple[int, int], ...]:
     without repeats. Negative numbers (which Python would wrap to the last head), bools and floats are refused."""
     if isinstance(value, str):
         return parse_heads(value, option)
+    columns = getattr(value, "columns", None)
+    if columns is not None and {"layer", "head"} <= set(columns):  # a table of heads (heads.parquet's rows)
+        value = list(zip(value["layer"], value["head"], strict=True))
+    elif hasattr(value, "tolist"):  # a numpy array of (layer, head) rows
+        value = value.tolist()
     try:
         pairs = list(value)
     except TypeError:
@@ -107,6 +137,8 @@ def as_heads(value, option: str = "heads") -> tuple[tuple[int, int], ...]:
 def as_head_groups(value, option: str = "heads") -> list[tuple[tuple[int, int], ...]]:
     """Groups of heads (each removed together) given to the Python API: a list of lists of (layer, head) pairs.
     A flat list of pairs is refused: it could mean one group or one group per head."""
+    if hasattr(value, "tolist") and not isinstance(value, str):  # a numpy array of groups
+        value = value.tolist()
     if isinstance(value, str) or not isinstance(value, list | tuple):
         raise ConfigError(f"{option} takes a list of groups of (layer, head) pairs, like [[(18, 6), (17, 4)]]; "
                           f"got {value!r}")  # fmt: skip

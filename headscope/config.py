@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from headscope.arguments import parse_batch_size, parse_bytes, parse_layers, whole_number
+from headscope.arguments import as_number, parse_batch_size, parse_bytes, parse_layers, whole_number
 from headscope.errors import ConfigError
 
 Device = Literal["auto", "cuda", "cpu", "mps"]
@@ -196,6 +197,9 @@ class RunConfig:
                 if not all(whole_number(layer) for layer in value):
                     raise ConfigError(f"{option} takes whole numbers (layer indices); got {value!r}")
                 value = tuple(int(layer) for layer in value)
+            elif value is not None and re.search(r"\b(int|float)\b", annotation) and not annotation.startswith("bool"):
+                # numbers as numbers: numpy's, Decimal, text that writes one (as the CLI reads it)
+                value = as_number(value, option, whole=not re.search(r"\bfloat\b", annotation))
             if not _of_kind(value, annotation):
                 raise ConfigError(f"{option} takes {_described(annotation)}; got {value!r}")
             object.__setattr__(self, name, value)
@@ -229,6 +233,12 @@ def _of_kind(value, annotation: str) -> bool:
 
 
 SETTINGS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RunConfig))
+
+
+def _numbers(rules, option: Callable[[str], str]) -> None:
+    """Every field of a frozen rule table (all numbers) as a plain float, whatever number type it was given as."""
+    for field in dataclasses.fields(rules):
+        object.__setattr__(rules, field.name, float(as_number(getattr(rules, field.name), option(field.name))))
 
 
 def check_replicates(option: str, value: int, *, zero: str = "") -> None:
@@ -300,6 +310,7 @@ class Thresholds:
     broad_min_norm_entropy: float = 0.7
 
     def __post_init__(self) -> None:
+        _numbers(self, lambda name: f"--{name.replace('_', '-')}")
         if not -1.0 <= self.local_min_locality <= 1.0:
             raise ConfigError(f"--local-min-locality must be between -1 and 1; got {self.local_min_locality}")
         for name in ("copy_max_norm_entropy", "broad_min_norm_entropy"):
@@ -338,6 +349,7 @@ class RoleThresholds:
     dormant_max_write_ratio: float = 0.025
 
     def __post_init__(self) -> None:
+        _numbers(self, lambda name: f"--role-{name.replace('_', '-')}")
         for name in ("probe_min", "sink_rate_min", "offset_share_min", "dormant_max_write_ratio"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

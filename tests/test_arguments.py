@@ -4,13 +4,19 @@ before anything wraps or silently names another head."""
 
 from __future__ import annotations
 
+import re
 import time
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 
 import headscope
 from headscope.arguments import as_head_groups, as_heads, as_ids, as_texts, parse_heads, parse_ids, parse_layers
+from headscope.config import RoleThresholds, RunConfig
 from headscope.errors import ConfigError
+from headscope.interventions.prune import check_request as check_prune_request
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
 from planted import build_planted_copier, copy_words
@@ -144,7 +150,7 @@ def test_inspect_takes_one_text_as_one_text_and_refuses_wrapped_heads(copier):
         (lambda m, s: headscope.analyze(m, s, layers=[True]), "--layers takes whole numbers"),
         (lambda m, s: headscope.analyze(m, s, bootstrap=True), "--bootstrap takes a whole number"),
         (lambda m, s: headscope.analyze(m, s, window=2.5), "--window takes a whole number"),
-        (lambda m, s: headscope.prune(m, s, budget=True), "--budget must be a positive number"),
+        (lambda m, s: headscope.prune(m, s, budget=True), "--budget takes a number; got True"),
         (lambda m, s: headscope.ablate(m, s, each_role=1), "each_role takes True or False"),
         (lambda m, s: headscope.Report.open(None), "a report is opened from its folder"),
         (lambda m, s: headscope.analyze(5, s), "model takes a hub id"),
@@ -168,3 +174,43 @@ def test_layers_as_text_from_python_are_parsed_as_the_cli_parses_them(copier):
     loaded, sentences = copier
     report = headscope.analyze(loaded, sentences, layers="1", probes=False, bootstrap=0, sentence_heads=False)
     assert sorted(report.heads["layer"].unique()) == [1]
+
+
+NUMBER_TYPES = {
+    "numpy float32": lambda x: np.float32(x),
+    "numpy float64": lambda x: np.float64(x),
+    "Decimal": lambda x: Decimal(str(x)),
+    "Fraction": lambda x: Fraction(str(x)),
+    "text": lambda x: str(x),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NUMBER_TYPES))
+def test_numbers_of_any_type_are_numbers(kind):
+    """A number is a number whatever its type: numpy's (a float32 at the decimal it shows), Decimal, Fraction, or text
+    writing one as the CLI reads it; the settings and rules hold plain floats and ints."""
+    made = NUMBER_TYPES[kind]
+    whole = made(3) if kind == "text" else 3  # a float, Decimal or Fraction is no whole number, even 3.0
+    settings = RunConfig(sink_threshold=made(0.3), dormant_tolerance=made(0.02), window=whole)
+    assert settings.sink_threshold == 0.3 and type(settings.sink_threshold) is float
+    assert settings.dormant_tolerance == 0.02 and settings.window == 3 and type(settings.window) is int
+    roles = RoleThresholds(probe_min=made(0.3))
+    assert roles.probe_min == 0.3 and type(roles.probe_min) is float
+    assert check_prune_request(made(0.05), "zero", None) == (0.05, None, 2)
+
+
+def test_whole_numbers_of_any_integer_type_and_refusals_that_name_the_value():
+    assert RunConfig(bootstrap=np.int64(10), window=np.int32(1)).bootstrap == 10
+    for value, fragment in [(True, "got True (bool)"), (3.0, "got 3.0"), ("three", "got 'three' (str)")]:
+        with pytest.raises(ConfigError, match=re.escape(f"--window takes a whole number; {fragment}")):
+            RunConfig(window=value)
+    with pytest.raises(ConfigError, match=re.escape("--budget must be a positive number of nats; got -0.5")):
+        check_prune_request(np.float32(-0.5), "zero", None)
+
+
+def test_heads_as_a_numpy_array_or_a_heads_table():
+    import pandas as pd
+
+    assert as_heads(np.array([[2, 1], [1, 0]])) == ((1, 0), (2, 1))
+    assert as_heads(pd.DataFrame({"layer": [2, 1], "head": [1, 0], "role": ["x", "y"]})) == ((1, 0), (2, 1))
+    assert as_head_groups(np.array([[[1, 0], [2, 1]]])) == [((1, 0), (2, 1))]

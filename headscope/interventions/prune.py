@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headscope.arguments import as_path, head_name
+from headscope.arguments import as_number, as_path, head_name
 from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, PRUNE_PATIENCE, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.interventions.groups import PassPlan
@@ -181,7 +181,7 @@ def prune(
     format, or None; resume: journal the search beside `out` and continue an interrupted one from its journal;
     max_rounds, patience: when the search stops (interventions/search.py); options / config: the RunConfig fields
     it reads (as `ablate`, and `layers`: the only layers whose heads it may remove)."""
-    check_request(budget, mode, charts, max_rounds=max_rounds, patience=patience)
+    budget, max_rounds, patience = check_request(budget, mode, charts, max_rounds=max_rounds, patience=patience)
     out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out): the search's journal is kept beside it")
@@ -256,18 +256,23 @@ def _check_folders(out, save_model) -> None:
 
 def check_request(
     budget, mode: str, charts: str | None, *, max_rounds: int | None = None, patience: int = PRUNE_PATIENCE
-) -> None:
-    """Refuse a budget, mode, chart format or stopping rule that cannot be, before anything loads."""
-    if isinstance(budget, bool) or not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
+) -> tuple[float, int | None, int]:
+    """Refuse a budget, mode, chart format or stopping rule that cannot be, before anything loads; return the
+    budget, max_rounds and patience as plain numbers (whatever number type they were given as)."""
+    budget = as_number(budget, "--budget")
+    if not (math.isfinite(budget) and budget > 0):
         raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
-    if max_rounds is not None and (isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0):
+    max_rounds = None if max_rounds is None else as_number(max_rounds, "--max-rounds", whole=True)
+    if max_rounds is not None and max_rounds < 0:
         raise ConfigError(f"--max-rounds must be a whole number, 0 or more; got {max_rounds}")
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+    patience = as_number(patience, "--patience", whole=True)
+    if patience < 0:
         raise ConfigError(f"--patience must be a whole number, 0 or more (0: never stop early); got {patience}")
     if mode not in REMOVAL_MODES:
         raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {mode!r}")
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
+    return budget, max_rounds, patience
 
 
 @dataclass
@@ -336,19 +341,9 @@ def _search(
         + (f", or {patience} rounds in a row adding under 2% of the heads" if patience else "")
     )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
-    result = prune_search(
-        candidates,
-        clean_loss=clean_loss,
-        budget=budget,
-        estimate=estimate,
-        verify=verify,
-        shortlist=SHORTLIST,
-        first_shortlist=FIRST_SHORTLIST,
-        tries=TRIES,
-        patience=patience,
-        max_rounds=max_rounds,
-        on_step=step,
-    )
+    result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=estimate, verify=verify,
+                          shortlist=SHORTLIST, first_shortlist=FIRST_SHORTLIST, tries=TRIES, patience=patience,
+                          max_rounds=max_rounds, on_step=step)  # fmt: skip
     return _Searched(result, removal, passes)
 
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from headscope.arguments import as_number
 from headscope.columns import DELTAS, INTERVAL_METRICS, MODEL_ONLY, RATIOS, ROWS_LEFT_OUT
-from headscope.config import COMPARE_REPLICATES
+from headscope.config import COMPARE_REPLICATES, check_replicates, check_seed
 from headscope.errors import OutputError, ResourceError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE, percentile_interval, poisson_weights
 from headscope.labels import HEAD_TYPES, ROLES
@@ -100,6 +101,9 @@ def read_side(folder: Path, name: str) -> Report:
 
 def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, seed: int = 0) -> Comparison:
     """Compare report B against report A (deltas are B - A)."""
+    replicates, seed = as_number(replicates, "--replicates", whole=True), as_number(seed, "--seed", whole=True)
+    check_replicates("--replicates", replicates)
+    check_seed("--seed", seed)
     ra, rb = read_side(a, "A"), read_side(b, "B")
     bands = band_shares(ra, rb)
     same_grid = (ra.depth, ra.head_count) == (rb.depth, rb.head_count) and set(

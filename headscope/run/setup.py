@@ -194,4 +194,3 @@ def _comparable(value):
     if isinstance(value, Path):
         return str(value)
     return value
-
