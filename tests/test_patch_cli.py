@@ -221,3 +221,25 @@ def test_a_half_precision_model_patches_the_same_head(reader, pairs):
     assert found.record["dtype"] == "bfloat16"
     effects = found.effects.set_index(["layer", "head"])["effect"]
     assert abs(effects[0, 0] - 1.0) < 0.02 and effects.drop((0, 0)).abs().max() < 0.02
+
+
+class CharacterTokenizer:
+    """One token per character, as a tokenizer that gives a trailing space a token of its own."""
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[ord(c) for c in text] for text in texts]}
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_pair_text_is_kept_as_written(tmp_path):
+    """A prompt ending in a space keeps that space's token (it used to be stripped: measured one token short), and an
+    answer of one space is that one token, not "empty"."""
+    from headscope.interventions.pairs import read_pairs, tokenize_pairs
+
+    path = write_reader_pairs(tmp_path / "pairs.jsonl", [("the cat ", "the dog ", " ", "x")])
+    pair = read_pairs(path).pairs[0]
+    assert (pair.clean, pair.corrupt, pair.answer) == ("the cat ", "the dog ", " ")
+    tokenized = tokenize_pairs(read_pairs(path), CharacterTokenizer(), max_length=None)[0]
+    assert tokenized.length == len("the cat ") and tokenized.answer_id == ord(" ")

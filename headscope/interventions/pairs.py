@@ -5,8 +5,9 @@ A pairs file is JSONL (one object per line) or CSV / TSV with a header, with fou
     corrupt     the same prompt with the information changed (same number of tokens: positions patch one for one)
     answer      the token the clean prompt should be completed with (one token, encoded without special tokens)
     distractor  the token the corrupt prompt points to instead (one token)
-Blank lines are skipped; `line` is the 1-based line in the file. Every problem is a one-line error naming the
-file and line.
+Every text is kept as written: a prompt ending in a space is tokenized with that space (most tokenizers give it a
+token of its own), and an answer of one space is the space's token. Blank lines (every column empty) are skipped;
+`line` is the 1-based line in the file. Every problem is a one-line error naming the file and line.
 """
 
 from __future__ import annotations
@@ -99,11 +100,10 @@ def as_pairs(pairs) -> PairsFile:
 def _kept(path: Path, rows) -> list[PromptPair]:
     pairs = []
     for line, values in rows:
-        values = tuple(value.strip() if name in ("clean", "corrupt") else value for name, value in
-                       zip(PAIR_COLUMNS, values, strict=True))  # fmt: skip
-        if not any(value.strip() for value in values):
+        values = tuple(values)  # as written: a trailing space is a token the model reads
+        if not any(values):
             continue  # a blank line
-        empty = [name for name, value in zip(PAIR_COLUMNS, values, strict=True) if not value.strip()]
+        empty = [name for name, value in zip(PAIR_COLUMNS, values, strict=True) if not value]
         if empty:
             raise CorpusError(f"{path}:{line}: {empty[0]!r} is empty")
         problems = [problem for value in values if (problem := surrogate_problem(path, line, value))]
