@@ -180,6 +180,11 @@ def test_effects_formula_and_interval():
     assert np.isnan(noised["effect_ci_low"]).all()
     same = patch_effects(patched, clean, clean, "denoise", np.arange(3), replicates=10, seed=0)
     assert np.isnan(same["effect"]).all()
+    # A zero mean gap whose pairs differ (+1, -1, 0): a replicate's gap is not 0, yet there is no effect to bracket.
+    zero_gap = patch_effects(patched, clean, clean - np.array([1.0, -1.0, 0.0]), "denoise", np.arange(3),
+                             replicates=200, seed=0)  # fmt: skip
+    assert np.isnan(zero_gap["effect"]).all() and np.isnan(zero_gap["effect_ci_low"]).all()
+    assert np.isnan(zero_gap["effect_ci_high"]).all()
 
 
 @pytest.fixture(scope="module")

@@ -281,13 +281,15 @@ def patch_effects(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, d
 
     patched: (units, pairs) metric with the unit patched; clean, corrupt: (pairs,) the metric on each prompt.
     denoise: (mean patched - mean corrupt) / (mean clean - mean corrupt); noise: (mean clean - mean patched) / the
-    same. NaN where clean and corrupt give the same mean (there is no behaviour to explain)."""
+    same. NaN where clean and corrupt give the same mean (there is no behaviour to explain), and then the interval
+    too: a replicate's gap is not 0 by chance, but an effect on no gap has nothing to be an interval of."""
     gap = clean - corrupt  # (pairs,)
     moved = patched - corrupt if direction == "denoise" else clean - patched  # (units, pairs)
+    no_gap = gap.mean() == 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        effect = moved.mean(1) / gap.mean() if gap.mean() != 0 else np.full(len(patched), np.nan)
+        effect = np.full(len(patched), np.nan) if no_gap else moved.mean(1) / gap.mean()
     low = high = np.full(len(patched), np.nan)
-    if replicates and len(gap) >= MIN_BOOTSTRAP_SENTENCES:
+    if replicates and len(gap) >= MIN_BOOTSTRAP_SENTENCES and not no_gap:
         weights = poisson_weights(pair_ids, replicates, seed)  # (pairs, replicates); the weights' sum cancels
         with np.errstate(invalid="ignore", divide="ignore"):
             draws = (moved @ weights) / (gap @ weights)  # (units, replicates)
