@@ -200,7 +200,10 @@ def test_every_model_command_takes_a_device_map_and_checks_its_offload_folder(co
     (it may not be --out): refused before the model loads."""
     out = tmp_path / "out"
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text('{"clean": "a b", "corrupt": "a c", "answer": "b", "distractor": "c"}\n')
+    from transformers import AutoTokenizer
+
+    a, b, c = sorted(w for w in AutoTokenizer.from_pretrained(planted_gpt2).get_vocab() if w.isalpha())[:3]
+    pairs.write_text(json.dumps({"clean": f"{a} {b}", "corrupt": f"{a} {c}", "answer": b, "distractor": c}) + "\n")
     arguments = {
         "inspect": ["--text", "the cat sat", "--heads", "0.0"],
         "ablate": ["--heads", "0.0", "--bootstrap", "0"],

@@ -137,7 +137,13 @@ def patch(
     run.check_offload_folder(model, {"--out": out})
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(stage).path if stage is not None else None
-        loaded, plan = run.open(stack, model, loader, lm_head=True, what="patch")
+
+        def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
+            found = tokenize_pairs(pairs, tokenizer, settings.max_length)
+            if positions == "each":
+                _common_length(found, pairs)
+
+        loaded, plan = run.open(stack, model, loader, lm_head=True, what="patch", before_weights=pairs_fit)
         roles = _roles(report, loaded)
         plan.check_heads(heads)
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)

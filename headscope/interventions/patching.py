@@ -23,7 +23,7 @@ from headscope.errors import ModelLoadError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
 from headscope.interventions.groups import replica_passes
 from headscope.interventions.pairs import TokenizedPair
-from headscope.model.capture import replicate, rows_of
+from headscope.model.layer_outputs import replicate, rows_of
 from headscope.model.readout import RowBlock, repeat_kv
 from headscope.run.feed import Batch, plan_batches
 

@@ -28,10 +28,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from headscope.config import BLOCK_BYTES
-from headscope.errors import ModelLoadError, ResourceError
+from headscope.errors import ConfigError, ModelLoadError, ResourceError
 from headscope.model.kernel_choice import TileKernel
+from headscope.model.layer_outputs import detached
 from headscope.model.masks import boolean_mask
 from headscope.model.readout import Readout, RowBlock
+from headscope.model.turns import one_call_at_a_time
 from headscope.model.write_path import WritePath, learn_write_paths
 from headscope.run.feed import Batch
 from headscope.run.plan import architecture_of
@@ -241,7 +243,7 @@ class Capture:
 
         def keeper(index: int):
             def keep(module, args, output):
-                outputs[index] = _detach(output)
+                outputs[index] = detached(output)
                 if through is not None and index == through - 1:
                     raise _StopForward
 
@@ -326,6 +328,13 @@ def attached(
             f"{type(model).__name__} does not route attention through transformers' attention interface; "
             "headscope cannot capture its attention"
         )
+    # the LM and its base model share their decoder layers: one lock for both
+    with one_call_at_a_time(decoder_layers(model)), _attached(model, block_bytes, kernel) as capture:
+        yield capture
+
+
+@contextlib.contextmanager
+def _attached(model: torch.nn.Module, block_bytes: int, kernel: TileKernel | None) -> Iterator[Capture]:
     capture = Capture(model, block_bytes, kernel)
     routes = {}
     for index, layer in enumerate(capture.decoder):
@@ -334,7 +343,7 @@ def attached(
                 raise ModelLoadError(f"{type(model).__name__} shares a module between decoder layers")
             routes[module] = (capture, index)
     if any(module in _ROUTES for module in routes):
-        raise RuntimeError("this model is already attached (attached() does not nest)")
+        raise ConfigError("this model is already in use by a headscope call (attached() does not nest)")
     previous = model.config._attn_implementation
     training = [(module, module.training) for module in model.modules()]
     requires_grad = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
@@ -355,37 +364,11 @@ def attached(
             parameter.requires_grad_(wanted)
 
 
-def _detach(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, tuple):
-        return tuple(_detach(v) for v in value)
-    return value
-
-
-def replicate(value, times: int):
-    """A layer output (tensor, or tuple of them) repeated `times` along the batch axis, like Batch.replicated."""
-    if isinstance(value, torch.Tensor):
-        return value.repeat(times, *[1] * (value.dim() - 1))
-    if isinstance(value, tuple):
-        return tuple(replicate(v, times) for v in value)
-    return value
-
-
 def _source(function) -> str:
     try:
         return inspect.getsource(function)
     except (OSError, TypeError):  # no source (a compiled or dynamically made model): assume the plain slice
         return ""
-
-
-def rows_of(value, rows: slice):
-    """The rows `rows` (along the batch axis) of a layer output (tensor, or tuple of them)."""
-    if isinstance(value, torch.Tensor):
-        return value[rows]
-    if isinstance(value, tuple):
-        return tuple(rows_of(v, rows) for v in value)
-    return value
 
 
 def _out_of_memory(batch: Batch) -> ResourceError:

@@ -18,6 +18,8 @@ import torch
 
 from headscope.config import DEVICES, DTYPES, RunConfig
 from headscope.errors import ConfigError, ModelLoadError
+from headscope.model.lm_head import check_lm_head, lm_head_missing, maps_lm
+from headscope.model.once import one_load, read_once
 from headscope.model.placement import applied_map, check_device_map, check_fits, dtype_name, read_device_map
 from headscope.run.plan import architecture_of
 
@@ -121,14 +123,28 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def load_tokenizer(source: ModelSource, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The model's tokenizer, read once per load (`one_load`)."""
+    from transformers import AutoTokenizer
+
+    def read():
+        try:
+            return AutoTokenizer.from_pretrained(source.location, **_source_kwargs(source, revision, trust_remote_code))
+        except Exception as err:  # hub, network, parsing and missing-file errors come in many types
+            raise ModelLoadError(_load_failure(source, err)) from None
+
+    return read_once(("tokenizer", source.location, source.gguf_file, revision, trust_remote_code), read)
+
+
 def load_config(source: ModelSource, *, revision: str | None = None, trust_remote_code: bool = False):
     """The model's transformers config (small and fast: no weights), refused if it is not a causal LM."""
     from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(source.location, **_source_kwargs(source, revision, trust_remote_code))
-    except Exception as err:  # hub, network, parsing and missing-file errors come in many types
-        raise ModelLoadError(_load_failure(source, err)) from None
+    with one_load():
+        try:
+            config = AutoConfig.from_pretrained(source.location, **_source_kwargs(source, revision, trust_remote_code))
+        except Exception as err:  # hub, network, parsing and missing-file errors come in many types
+            raise ModelLoadError(_load_failure(source, err)) from None
     check_causal_lm(config, source.display)
     return config
 
@@ -162,9 +178,15 @@ def load_model(
     lm_head: load the causal LM (`.lm`) around the base model, for its own loss (head importance); "if-present":
         only where the checkpoint holds LM-head weights (else `.lm` is None), and where the architecture has one.
     """
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
     source = model if isinstance(model, ModelSource) else resolve_source(model)
+    with one_load():
+        return _load_model(source, device, dtype, revision, trust_remote_code, device_map, offload_folder, config,
+                           lm_head)  # fmt: skip
+
+
+def _load_model(source, device, dtype, revision, trust_remote_code, device_map, offload_folder, config, lm_head):
+    from transformers import AutoModel, AutoModelForCausalLM
+
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     if config is None:
@@ -173,7 +195,7 @@ def load_model(
         check_fits(config, source.display, torch_dtype, torch_device, lm_head=lm_head)
     else:
         device_map = read_device_map(device_map)
-        if lm_head == "if-present" and not _maps_lm(config, source.display, torch_dtype, device_map, offload_folder):
+        if lm_head == "if-present" and not maps_lm(config, source.display, torch_dtype, device_map, offload_folder):
             lm_head = False  # a map of the base model's modules: the LM head is not wanted that much
         check_device_map(config, source.display, torch_dtype, device_map, offload_folder, lm_head=lm_head)
     common = _source_kwargs(source, revision, trust_remote_code)
@@ -181,7 +203,7 @@ def load_model(
     if device_map and offload_folder is not None:
         placement["offload_folder"] = str(offload_folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
+        tokenizer = load_tokenizer(source, revision=revision, trust_remote_code=trust_remote_code)
         if lm_head == "if-present" and type(config) not in AutoModelForCausalLM._model_mapping:
             lm_head = False  # no causal-LM class for this architecture
         loader = AutoModelForCausalLM if lm_head else AutoModel
@@ -201,10 +223,10 @@ def load_model(
         ) from None
     except Exception as err:
         raise ModelLoadError(_load_failure(source, err)) from None
-    if lm_head == "if-present" and _lm_head_missing(network, loading_info):
+    if lm_head == "if-present" and lm_head_missing(network, loading_info):
         network, lm_head = network.base_model, False  # a base-model checkpoint: no loss to score
     elif lm_head:
-        _check_lm_head(network, loading_info, source.display)
+        check_lm_head(network, loading_info, source.display)
     network.eval()
     if device_map is None:
         network.to(torch_device)
@@ -229,22 +251,29 @@ Loader = Callable[[ModelSource, RunConfig, object, bool | str], LoadedModel]
 
 
 def load_checked(
-    model, source: ModelSource, settings: RunConfig, loader: Loader, reporter, *, lm_head: bool | str, what: str
-) -> LoadedModel:
+    model, source: ModelSource, settings: RunConfig, loader: Loader, reporter, *, lm_head: bool | str, what: str,
+    before_weights: Callable[[object], None] | None = None,
+) -> LoadedModel:  # fmt: skip
     """The model a run uses: the caller's (its config checked against the settings), or read (config first, the
-    settings checked against it, so that a bad option costs no weights) and loaded by `loader`. lm_head: the
-    command scores the model's loss (run.plan.needs_lm_head); what: the command or option that does, as messages
-    name it."""
+    settings checked against it, then the tokenizer and `before_weights(tokenizer)`, so that a bad option or input
+    costs no weights) and loaded by `loader`. lm_head: the command scores the model's loss (run.plan.needs_lm_head);
+    what: the command or option that does, as messages name it."""
     from headscope.run.plan import check_settings
 
     if isinstance(model, LoadedModel):
         check_settings(settings, model.model.config)
+        if before_weights is not None:
+            before_weights(model.tokenizer)
         loaded = model
     else:
         reporter.stage(f"loading {source.display}")
-        model_config = load_config(source, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
-        check_settings(settings, model_config)
-        loaded = loader(source, settings, model_config, lm_head)
+        with one_load():  # the GGUF file parsed once for the config, the tokenizer and the weights
+            options = {"revision": settings.revision, "trust_remote_code": settings.trust_remote_code}
+            model_config = load_config(source, **options)
+            check_settings(settings, model_config)
+            if before_weights is not None:
+                before_weights(load_tokenizer(source, **options))
+            loaded = loader(source, settings, model_config, lm_head)
     if lm_head is True and loaded.lm is None:
         raise ConfigError(f"{what} needs the model's LM head; load it with headscope.load_model(..., lm_head=True)")
     return loaded
@@ -261,17 +290,20 @@ def open_model(
     lm_head: bool | str = False,
     what: str = "this command",
     together=None,
+    before_weights: Callable[[object], None] | None = None,
 ) -> LoadedModel:
     """`load_checked`, for a run whose clean-up `stack` holds: what loading writes into --offload-folder is removed
     when the stack closes, and torch uses --threads threads until then. together(step): how `step` runs (every
-    rank of a data-parallel run at once); default: just run it."""
+    rank of a data-parallel run at once); default: just run it. before_weights(tokenizer): what the command checks
+    with the tokenizer alone, before the weights load."""
     from headscope.model.placement import OffloadScratch
 
     scratch = OffloadScratch(settings.offload_folder if not isinstance(model, LoadedModel) else None)
     stack.callback(scratch.remove)
 
     def checked() -> LoadedModel:
-        return load_checked(model, source, settings, loader, reporter, lm_head=lm_head, what=what)
+        return load_checked(model, source, settings, loader, reporter, lm_head=lm_head, what=what,
+                            before_weights=before_weights)  # fmt: skip
 
     loaded = (together or (lambda step: step()))(checked)
     scratch.loaded()
@@ -295,33 +327,6 @@ def load_for_run(source: ModelSource, settings: RunConfig, model_config, lm_head
         device_map=settings.device_map,
         offload_folder=settings.offload_folder,
     )
-
-
-def _maps_lm(config, display: str, dtype, device_map, offload_folder) -> bool:
-    """Does `device_map` place the causal LM's modules (rather than the base model's)?"""
-    try:
-        check_device_map(config, display, dtype, device_map, offload_folder, lm_head=True)
-    except ConfigError:
-        return False
-    return True
-
-
-def _lm_head_missing(network, loading_info: dict) -> bool:
-    head = network.get_output_embeddings()
-    names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
-    return any(name in loading_info.get("missing_keys", ()) for name in names)
-
-
-def _check_lm_head(network, loading_info: dict, display: str) -> None:
-    """Refuse a causal LM whose checkpoint holds no weights for its LM head: transformers initialises a random one,
-    and a loss (head importance) through it would be noise, different on every run."""
-    if _lm_head_missing(network, loading_info):
-        head = network.get_output_embeddings()
-        names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
-        raise ModelLoadError(
-            f"{display} holds no weights for its LM head ({names[0]}: a base-model checkpoint?); head importance "
-            "needs the model's own next-token predictions: use the causal LM's checkpoint, or drop --importance"
-        )
 
 
 def model_files(source: ModelSource) -> Path | None:

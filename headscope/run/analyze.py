@@ -30,7 +30,7 @@ from headscope.interventions.dormant import DormantCheck, check_dormant
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.measures.example import example_views
-from headscope.measures.probes import check_probes, run_probes
+from headscope.measures.probes import ProbeSpec, check_probes, probe_sequences, run_probes
 from headscope.model import native
 from headscope.model.capture import attached
 from headscope.model.loading import (
@@ -128,7 +128,7 @@ def analyze(
             folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
         with timings.phase("load"):
             loaded, plan = command.open(stack, model, loader, lm_head=needs_lm_head(settings), what="--importance",
-                                        ranks=ranks)  # fmt: skip
+                                        ranks=ranks, before_weights=_tokenizer_checks(settings))  # fmt: skip
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
         progress, running = Progress(), {}
         if resume:
@@ -206,6 +206,16 @@ def analyze(
     if out is None:
         return Report(run, tables=tables)
     return Report(run, folder=work.target, tables=tables)
+
+
+def _tokenizer_checks(settings):
+    """What the tokenizer alone can refuse, before the weights load: probe sequences its vocabulary cannot fill."""
+
+    def check(tokenizer) -> None:
+        if settings.probes:
+            probe_sequences(tokenizer, ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length))
+
+    return check
 
 
 def _unchecked_why(settings, loaded: LoadedModel) -> str:

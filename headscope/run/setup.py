@@ -125,16 +125,19 @@ class CommandRun:
         lm_head: bool | str = False,
         what: str = "this command",
         ranks: Ranks = ONE_PROCESS,
+        before_weights=None,
     ) -> tuple[LoadedModel, Plan]:
         """The model loaded (its clean-up on `stack`) and the run's plan. lm_head: the command scores the loss;
         what: the command, as messages name it; ranks: a data-parallel run's (every rank joins the process group,
-        loads at once, and batches as rank 0 does: batches decide the order of float sums)."""
+        loads at once, and batches as rank 0 does: batches decide the order of float sums); before_weights(tokenizer):
+        what the command checks with the tokenizer alone, before the weights load."""
         if ranks.parallel:
             join(ranks, pick_device(self.settings.device))
             stack.callback(leave, ranks)
             agree(ranks, self.facts(what))  # before any rank loads or reads anything
         loaded = open_model(stack, model, self.source, self.settings, loader, self.reporter, lm_head=lm_head,
-                            what=what, together=functools.partial(together, ranks))  # fmt: skip
+                            what=what, together=functools.partial(together, ranks),
+                            before_weights=before_weights)  # fmt: skip
         if ranks.parallel:  # the same source can hold other weights on another machine
             agree(ranks, {"the model's weights (sha256)": weights_fingerprint(loaded.model)})
         plan = plan_for_model(self.settings, loaded)

@@ -1,0 +1,68 @@
+"""One model load at a time in this process, and within it each file parsed once.
+
+transformers' loading is not thread-safe: threads loading models at once all failed, and left the process broken.
+And it parses a GGUF file three times for one model (its config, its tokenizer, its weights: 3.4 s each for
+SmolLM2's small file, a minute each on a large one). `one_load()` serialises loads (re-entrant: a command's load
+spans its config, its tokenizer checks and its weights) and, for its length, hands transformers the same GGUF reader
+(a read-only memory map of the file) for the same file, and `read_once` the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+_LOADING = threading.RLock()
+_WITHIN: dict = {"depth": 0, "readers": {}, "read": {}}  # what the load in progress parsed
+
+
+@contextlib.contextmanager
+def one_load() -> Iterator[None]:
+    """The block is the only model load in progress; each GGUF file parsed once in it."""
+    with _LOADING:
+        _WITHIN["depth"] += 1
+        try:
+            with _gguf_parsed_once():
+                yield
+        finally:
+            _WITHIN["depth"] -= 1
+            if _WITHIN["depth"] == 0:
+                _WITHIN["readers"].clear()
+                _WITHIN["read"].clear()
+
+
+def read_once(key, read: Callable[[], object]):
+    """read(), once per load (`one_load`) for each key."""
+    with one_load():
+        if key not in _WITHIN["read"]:
+            _WITHIN["read"][key] = read()
+        return _WITHIN["read"][key]
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers imports gguf.GGUFReader where it parses a file: for the load, the same file gives the same
+    reader."""
+    try:
+        import gguf
+    except ImportError:  # no GGUF support installed: nothing to parse
+        yield
+        return
+    real = gguf.GGUFReader
+    if getattr(real, "headscope_cached", False):  # an outer load put the cache in place
+        yield
+        return
+
+    def cached(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in _WITHIN["readers"]:
+            _WITHIN["readers"][key] = real(path, *args, **kwargs)
+        return _WITHIN["readers"][key]
+
+    cached.headscope_cached = True
+    gguf.GGUFReader = cached
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
