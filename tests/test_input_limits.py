@@ -177,3 +177,10 @@ class MeasuringFails(NullReporter):
 def test_a_probe_battery_that_cannot_run_is_refused_before_measuring(args, message, planted_gpt2, tmp_path):
     result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", *args, reporter=MeasuringFails())
     assert_one_line_error(result, message, code=2)
+
+
+def test_a_probe_length_the_vocabulary_cannot_fill_is_refused_before_the_weights_load(planted_gpt2, tmp_path):
+    """The tokenizer alone says so: no weights are loaded for it (it took 57-110 s on a large model)."""
+    result = run_cli("analyze", planted_gpt2, "--out", tmp_path / "o", "--probe-length", "100000",
+                     loader=refuse_to_load)  # fmt: skip
+    assert_one_line_error(result, "needs that many distinct ordinary tokens; the tokenizer has 576", code=2)

@@ -170,7 +170,9 @@ def test_bad_requests_are_one_line_errors(reader, pairs, args, fragments, code):
 def test_positions_each_needs_one_length(reader, tmp_path):
     rows = [READER_PAIRS[0], ("w2 w3 w5 w6", "w2 w4 w5 w6", "w3", "w4")]
     pairs = write_reader_pairs(tmp_path / "pairs.jsonl", rows)
-    result = run_cli("patch", reader, "--pairs", pairs, "--positions", "each", "--out", tmp_path / "out")
+    result = run_cli(
+        "patch", reader, "--pairs", pairs, "--positions", "each", "--out", tmp_path / "out", loader=refuse_to_load
+    )  # the tokenizer alone refuses them: no weights are loaded
     assert_one_line_error(result, "pairs.jsonl:2: 4 tokens, but line 1 has 5", "--positions all")
 
 
