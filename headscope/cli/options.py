@@ -118,6 +118,13 @@ RoleOffsetShareMin = Annotated[
     float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
 ]
 
+
+def recorded(rule):
+    """A rule option whose default is the report's own (None): classify keeps each threshold it is not given at the
+    value the report was labelled with."""
+    return Annotated[float | None, typer.Option(help=f"{rule.__metadata__[0].help} Default: the report's own.")]
+
+
 # ---------------------------------------------------------------- inputs
 
 ModelArgument = Annotated[str, typer.Argument(help="Hub id (gpt2), local model folder, .gguf file, or alias smollm2.")]

@@ -13,6 +13,7 @@ import html
 import json
 import math
 import re
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -173,8 +174,10 @@ def _finite(value):
     return value
 
 
-def report_page(report, *, files_in: Path | None = None) -> str:
-    """The whole report.html of `report`, as a string; it links to the report's tables found in `files_in`."""
+def report_page(report, *, files_in: Path | Sequence[Path] | None = None) -> str:
+    """The whole report.html of `report`, as a string; it links to the report's tables found in `files_in` (a
+    folder, or several: a report rewritten in place keeps its tables where they are)."""
+    folders = [] if files_in is None else [files_in] if isinstance(files_in, Path) else list(files_in)
     heads = report.heads
     present = [c.name for c in HEADS_COLUMNS if c.name in heads and heads[c.name].notna().any()]
     shown = [name for name in present if COLUMNS[name].shown]
@@ -197,7 +200,7 @@ def report_page(report, *, files_in: Path | None = None) -> str:
             "about": {name: COLUMNS[name].about for name in present},
         },
         "palette": palette.as_dict(),
-        "files": [name for name in FILES if files_in is not None and (files_in / name).exists()],
+        "files": [name for name in FILES if any((folder / name).exists() for folder in folders)],
     }
     return page_html("headscope", "report.html", "report.js", report.title, data)
 

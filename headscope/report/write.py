@@ -32,9 +32,13 @@ from headscope.run.output import StagedDirectory, resolved
 from headscope.tables import HEADS_SCHEMA, parquet_metadata, write_frame, write_json, write_table
 
 
-def write_presentation(report: Report, folder: Path, *, fmt: str | None, page: bool) -> tuple[list[Path], list[str]]:
+def write_presentation(
+    report: Report, folder: Path, *, fmt: str | None, page: bool, beside: Path | None = None
+) -> tuple[list[Path], list[str]]:
     """The charts (as `fmt` files; none when None) and report.html of `report`, into `folder`: the paths written,
-    and for each one that could not be drawn, "NAME (the error)". A failed chart never stops the others."""
+    and for each one that could not be drawn, "NAME (the error)". A failed chart never stops the others. beside:
+    the report's own folder, when `folder` is the work folder of files rewritten in place (the page links to the
+    tables there)."""
     written, failed = [], []
     if fmt:
         from headscope.report.charts import draw_charts  # matplotlib only when charts are drawn
@@ -45,7 +49,8 @@ def write_presentation(report: Report, folder: Path, *, fmt: str | None, page: b
         from headscope.report.page import report_page, write_page  # plotly only for the page
 
         try:
-            written.append(write_page(report_page(report, files_in=folder), folder / PAGE_FILE))
+            files_in = [folder] if beside is None else [folder, beside]
+            written.append(write_page(report_page(report, files_in=files_in), folder / PAGE_FILE))
         except Exception as err:  # any failure of the page: the tables stay, the user is told
             failed.append(f"{PAGE_FILE} ({one_line(err)})")
     return written, failed
@@ -66,7 +71,7 @@ def plot_report(
     report = Report.open(folder).checked()
     if out is None or resolved(out) == resolved(folder):
         with replacing_files(Path(folder)) as work:
-            written, failed = write_presentation(report, work, fmt=fmt, page=page)
+            written, failed = write_presentation(report, work, fmt=fmt, page=page, beside=Path(folder))
         return [Path(folder) / path.name for path in written], failed
     stage = StagedDirectory(Path(out), kind="charts", overwrite=overwrite, protected={"the report": Path(folder)})
     with stage:
@@ -83,23 +88,29 @@ def reclassify(
     *,
     out: Path | None = None,
     overwrite: bool = False,
-) -> Report:
-    """Re-label the heads of the report in `folder` (types and roles): in place (heads.parquet and run.json, each
-    written atomically), or as a new report in `out` (with the tables the charts need; an existing report there
-    is replaced only with `overwrite`)."""
+) -> tuple[Report, list[str]]:
+    """Re-label the heads of the report in `folder` (types and roles): in place, with everything that shows the
+    labels (heads.parquet, run.json, the charts drawn there and report.html: all new, or all as they were), or as a
+    new report in `out` (with the tables the charts need; an existing report there is replaced only with
+    `overwrite`). Returns the report and, for a chart or page that could not be redrawn, "NAME (the error)"."""
     folder = Path(folder)
     relabelled = Report.open(folder).relabelled(thresholds, roles or RoleThresholds())
     if out is None or resolved(out) == resolved(folder):
-        with replacing_files(folder) as work:  # heads.parquet and run.json: both new, or both as they were
+        formats = [fmt for fmt in CHART_FORMATS if any(folder.glob(f"*.{fmt}"))]
+        page = (folder / PAGE_FILE).is_file()
+        with replacing_files(folder) as work:  # every file that shows the labels moves in together
             _write_labels(relabelled, work)
-        return relabelled
+            failed = []
+            for index, fmt in enumerate(formats or [None]):
+                failed += write_presentation(relabelled, work, fmt=fmt, page=page and index == 0, beside=folder)[1]
+        return relabelled, failed
     stage = StagedDirectory(Path(out), kind="report", overwrite=overwrite, protected={"the report": folder})
     with stage:
         for name in (EXAMPLES_FILE, LAYERS_FILE):
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, stage.path / name)
         _write_labels(relabelled, stage.path)
-    return relabelled
+    return relabelled, []
 
 
 def _write_labels(report: Report, folder: Path) -> None:
