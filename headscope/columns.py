@@ -75,8 +75,10 @@ def _probe_columns(pattern: str) -> tuple[Column, ...]:
 _IMPORTANCE = {
     "ablation_zero": "loss increase (nats) with the head's output set to 0, exact",
     "ablation_mean": "loss increase (nats) with the head's output set to its corpus mean, exact",
-    "attribution_zero": "first-order estimate of ablation_zero",
-    "attribution_mean": "first-order estimate of ablation_mean",
+    "attribution_zero": "first-order term of ablation_zero (not a ranking of importance: see estimate_zero)",
+    "attribution_mean": "first-order term of ablation_mean (it averages out: see estimate_mean)",
+    "estimate_zero": "second-order estimate of ablation_zero: first order + curvature (empirical Fisher)",
+    "estimate_mean": "second-order estimate of ablation_mean: first order + curvature (empirical Fisher)",
 }
 
 # In the heads table's order, the intervals, probes and labels spliced in by HEADS_COLUMNS below.

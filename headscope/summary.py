@@ -6,22 +6,20 @@ import pandas as pd
 
 
 def importance_column(heads: pd.DataFrame) -> str | None:
-    """The importance column to show: exact mean ablation when measured, else its first-order estimate."""
-    for column in ("ablation_mean", "attribution_mean"):
+    """The importance column to show: exact mean ablation when measured, else its second-order estimate."""
+    for column in ("ablation_mean", "estimate_mean"):
         if column in heads and heads[column].notna().any():
             return column
     return None
 
 
 def most_important(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
-    """The `count` heads the loss needs most, most first: by exact mean ablation when measured, else by the
-    magnitude of its first-order estimate (a signed estimate below 0 does not mean the model is better without
-    the head: in saturated layers the gradient understates what removing a head costs)."""
+    """The `count` heads the loss needs most, most first: by exact mean ablation when measured, else by its
+    second-order estimate (first order + curvature)."""
     column = importance_column(heads)
     if column is None:
         return heads.iloc[0:0]
-    key = heads[column] if column.startswith("ablation") else heads[column].abs()
-    return heads.loc[key.sort_values(ascending=False).index[:count]]
+    return heads.loc[heads[column].sort_values(ascending=False).index[:count]]
 
 
 def least_needed(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:

@@ -298,6 +298,14 @@ def test_the_curvature_term_is_half_the_squared_change_along_the_gradient_on_rea
         np.testing.assert_allclose(removal.curvature(sums, 4)[0], expected / 8, rtol=1e-12)
     with pytest.raises(ValueError, match="did not record"):
         Removal("mean", means).curvature(sums, 4)  # the zero removal's sums
+    # The moments give every replacement's term after the pass (importance's estimates: the mean is known only then).
+    moments = OutputSums([0], 2, 4, grad=True, moments=True)
+    moments.start(SimpleNamespace(attention_mask=mask))
+    (moments.output(0, outputs.clone()) * c).sum().backward()
+    moments.collect()
+    for removal, r in [(Removal("mean", means), means[0]), (Removal("zero"), np.zeros((2, 4)))]:
+        expected = sum((((r - o[b, t]) * g[b, t]).sum(-1)) ** 2 for b, t in zip(*np.nonzero(mask.numpy()), strict=True))
+        np.testing.assert_allclose(moments.curvatures(removal, 4)[0], expected / 8, rtol=1e-10)
 
 
 # ---------------------------------------------------------------- on models

@@ -135,8 +135,8 @@ def importance(smollm2, corpus_lines):
 
 
 def straightforward_importance(smollm2, sentences, layer, head):
-    """ablation_zero, ablation_mean, attribution_zero, attribution_mean and the mean removal's curvature term
-    (1/2 sum over positions of ((mean - x) . g)^2) of one head, one sentence at a time, with a hook that edits the
+    """ablation_zero, ablation_mean, attribution_zero, attribution_mean, the mean removal's curvature term
+    (1/2 sum over positions of ((mean - x) . g)^2) and the zero removal's (1/2 sum of (x . g)^2) of one head, one sentence at a time, with a hook that edits the
     input of the layer's output projection (nothing shared with headscope)."""
     lm, tokenizer = smollm2.lm, smollm2.tokenizer
     dim = smollm2.architecture["head_dim"]
@@ -170,7 +170,7 @@ def straightforward_importance(smollm2, sentences, layer, head):
     with torch.inference_mode():
         zero = sum(loss(ids, replaced_by(torch.zeros(dim))) - c for ids, c in zip(inputs, clean, strict=True))
         ablated_mean = sum(loss(ids, replaced_by(mean)) - c for ids, c in zip(inputs, clean, strict=True))
-    attribution_zero = attribution_mean = curvature_mean = 0.0
+    attribution_zero = attribution_mean = curvature_mean = curvature_zero = 0.0
     kept = {}
 
     def differentiable(module, args):
@@ -184,7 +184,9 @@ def straightforward_importance(smollm2, sentences, layer, head):
         attribution_zero += float(((0 - x) * g).sum())
         attribution_mean += float(((mean - x) * g).sum())
         curvature_mean += 0.5 * float((((mean - x) * g).sum(-1) ** 2).sum())
-    return [float(v) / predicted for v in (zero, ablated_mean, attribution_zero, attribution_mean, curvature_mean)]
+        curvature_zero += 0.5 * float((((0 - x) * g).sum(-1) ** 2).sum())
+    found = (zero, ablated_mean, attribution_zero, attribution_mean, curvature_mean, curvature_zero)
+    return [float(v) / predicted for v in found]
 
 
 def test_importance_matches_a_straightforward_computation(smollm2, importance, corpus_lines):
@@ -194,6 +196,12 @@ def test_importance_matches_a_straightforward_computation(smollm2, importance, c
         got = heads.loc[(layer, head), ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]]
         np.testing.assert_allclose(got[:2].to_numpy(float), expected[:2], atol=1e-4, err_msg=f"{layer} {head}")
         np.testing.assert_allclose(got[2:].to_numpy(float), expected[2:4], rtol=1e-3, atol=1e-5, err_msg="attribution")
+        estimates = heads.loc[(layer, head), ["estimate_zero", "estimate_mean"]].to_numpy(float)
+        second = [expected[2] + expected[5], expected[3] + expected[4]]  # first order + curvature, zero and mean
+        np.testing.assert_allclose(estimates, second, rtol=1e-3, atol=1e-5, err_msg="estimate")
+    agreement = importance.run["importance"]["agreement"]
+    assert set(agreement) == {"attribution_zero", "estimate_zero", "attribution_mean", "estimate_mean"}
+    assert all(entry["heads"] == 27 for entry in agreement.values())
 
 
 def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_lines):
@@ -209,7 +217,7 @@ def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_l
     with contextlib.ExitStack() as stack, loss_model(stack, smollm2, run, load_for_run, "prune") as lm:
         estimated = lm.estimated_costs([], lm.removal("mean"))
     for layer, head in HANDFUL:
-        _, _, _, first, curvature = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
+        _, _, _, first, curvature, _ = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
         assert estimated[(layer, head)] == pytest.approx(first + curvature, rel=1e-3, abs=1e-5), (layer, head)
         assert curvature > 0
 

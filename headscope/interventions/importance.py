@@ -7,8 +7,13 @@ Definitions (the README has them too):
   returns for that query head, at every position: (batch, t, heads, head_dim) in `OutputEditor.output`.
 - ablation_zero / ablation_mean: the loss with that output set to 0 / to its mean over every non-padding
   position of the corpus, minus the clean loss (exact: one forward per ablated head).
-- attribution_zero / attribution_mean: the first-order estimates of the same two from one forward and one
-  backward pass for all heads (interventions.removal: `Removal.estimate`), averaged like the loss.
+- attribution_zero / attribution_mean: the first-order terms of the same two from one forward and one backward
+  pass for all heads (interventions.removal: `Removal.estimate`), averaged like the loss. For mean removal the first
+  order averages out (the replacement is the output's own mean), so it does not rank heads: on SmolLM2 it points
+  the wrong way (Pearson -0.45 against exact mean ablation over 63 heads).
+- estimate_zero / estimate_mean: the second-order estimates, first order + the curvature term 1/2 sum over positions
+  of ((r - o) . dL/do)^2 (an empirical-Fisher term, as prune ranks heads by: Spearman 0.85 against exact mean
+  ablation on SmolLM2, where first order alone gives 0.53), from the same pass. The fast importance to rank by.
 
 Exact ablation removes each head as a group of one (measures.groups, the same passes as `headscope ablate`): each
 batch runs once clean, keeping every decoder layer's output; then, per ablated layer, the batch is replicated along
@@ -23,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 from headscope.arguments import head_name
 from headscope.config import REMOVAL_MODES
@@ -45,6 +51,8 @@ class Importance:
     predicted_tokens: int
     attribution_zero: np.ndarray  # (layers, heads)
     attribution_mean: np.ndarray
+    estimate_zero: np.ndarray | None = None  # (layers, heads): first order + curvature
+    estimate_mean: np.ndarray | None = None
     ablation_zero: np.ndarray | None = None  # (layers, heads), exact mode only
     ablation_mean: np.ndarray | None = None
     # (last measured layer + 1, heads, head_dim): each head's mean output over the corpus, by layer index (zeros
@@ -58,12 +66,33 @@ class Importance:
         """Importance of a corpus with no token to predict: no loss, every head NaN."""
         nan = np.full((layers, heads), np.nan)
         exact = mode == "exact"
-        return cls(mode, float("nan"), 0, nan, nan, nan if exact else None, nan if exact else None)
+        return cls(mode, float("nan"), 0, nan, nan, nan, nan, nan if exact else None, nan if exact else None)
 
     def columns(self) -> dict[str, np.ndarray]:
         """The heads table's importance columns that were measured."""
-        names = ("ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean")
+        names = ("ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean", "estimate_zero",
+                 "estimate_mean")  # fmt: skip
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def agreement(self) -> dict | None:
+        """How well each estimate ranks the heads as their exact ablation does, on this run (exact mode only): the
+        Spearman and Pearson correlations over the heads, per removal mode."""
+        if self.ablation_zero is None:
+            return None
+        found = {}
+        for mode in ("zero", "mean"):
+            exact = getattr(self, f"ablation_{mode}").ravel()
+            for kind in ("attribution", "estimate"):
+                guess = getattr(self, f"{kind}_{mode}").ravel()
+                both = np.isfinite(exact) & np.isfinite(guess)
+                a, b = guess[both], exact[both]
+                varied = both.sum() >= 3 and a.std() > 0 and b.std() > 0  # else no correlation is defined
+                found[f"{kind}_{mode}"] = {
+                    "spearman": round(float(stats.spearmanr(a, b).statistic), 4) if varied else None,
+                    "pearson": round(float(np.corrcoef(a, b)[0, 1]), 4) if varied else None,
+                    "heads": int(both.sum()),
+                }
+        return found
 
 
 def check_importance_fits(feed: CorpusFeed, plan, what: str = "--importance") -> None:
@@ -188,19 +217,23 @@ def measure_importance(
     one forward pass may hold; ranks: with `batches` yielding this rank's share (see run_importance).
     """
     found = shared_gradient_pass(
-        ranks, capture, batches, layer_ids, heads, head_dim,
+        ranks, capture, batches, layer_ids, heads, head_dim, moments=True,
         on_batch=lambda batch: reporter.advance(len(batch.sentence_ids), batch.n_tokens),
     )  # fmt: skip
     tokens = found.tokens
     full = np.zeros((max(layer_ids) + 1, heads, head_dim))
     full[list(layer_ids)] = found.sums.means()
+    zero, mean = Removal("zero"), Removal("mean", full)
+    first = {"zero": zero.estimate(found.sums, tokens), "mean": mean.estimate(found.sums, tokens)}
     result = Importance(
         means=full,
         mode="exact" if exact else "fast",
         clean_loss=found.loss / max(tokens, 1),
         predicted_tokens=tokens,
-        attribution_zero=Removal("zero").estimate(found.sums, tokens),
-        attribution_mean=Removal("mean", full).estimate(found.sums, tokens),
+        attribution_zero=first["zero"],
+        attribution_mean=first["mean"],
+        estimate_zero=first["zero"] + found.sums.curvatures(zero, tokens),
+        estimate_mean=first["mean"] + found.sums.curvatures(mean, tokens),
     )
     if exact:
         zero, mean = _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter, ranks)

@@ -129,8 +129,10 @@ class OutputSums:
 
     def __init__(
         self, layers: Sequence[int], heads: int, head_dim: int, *, grad: bool = False,
-        curvature_of: Removal | None = None,
+        curvature_of: Removal | None = None, moments: bool = False,
     ) -> None:  # fmt: skip
+        """moments: also the sums from which the curvature of any replacement r follows once r is known (the corpus
+        mean is known only after the pass): sum of g g^T, of (o . g) g and of (o . g)^2, per head (`curvatures`)."""
         self.layers, self.grad = list(layers), grad
         self._index = {layer: index for index, layer in enumerate(self.layers)}
         shape = (len(self.layers), heads, head_dim)
@@ -141,6 +143,9 @@ class OutputSums:
         self.sum_squared_change = None if curvature_of is None else np.zeros(shape[:2])  # sum of ((r - o) . dL/do)^2
         self._replacement = None if curvature_of is None else torch.as_tensor(
             curvature_of.replacement(self.layers, heads, head_dim))  # fmt: skip
+        self.moments = None
+        if moments:  # (sum of g g^T (heads, d, d), sum of (o . g) g (heads, d), sum of (o . g)^2 (heads,)) per layer
+            self.moments = (np.zeros((*shape, head_dim)), np.zeros(shape), np.zeros(shape[:2]))
         self.positions = 0  # real positions seen
         self._outputs: dict[int, torch.Tensor] = {}
         self._valid: torch.Tensor | None = None
@@ -177,7 +182,21 @@ class OutputSums:
                 change = self._replacement[index].to(grad.device) - output.detach().double()  # (batch, t, heads, dim)
                 squared = (change * grad).sum(-1) ** 2 * mask[..., 0]
                 self.sum_squared_change[index] += squared.sum((0, 1)).cpu().numpy()
+            if self.moments is not None:
+                real = grad * mask  # (batch, t, heads, dim): padding positions give nothing
+                dot = (output.detach().double() * real).sum(-1)  # (batch, t, heads): o . g
+                self.moments[0][index] += torch.einsum("bthd,bthe->hde", real, real).cpu().numpy()
+                self.moments[1][index] += (dot[..., None] * real).sum((0, 1)).cpu().numpy()
+                self.moments[2][index] += (dot**2).sum((0, 1)).cpu().numpy()
         self._outputs = {}
+
+    def curvatures(self, removal: Removal, tokens: int) -> np.ndarray:
+        """(layers, heads): `Removal.curvature` of `removal` from the moments, for a replacement r known only now:
+        sum over positions of ((r - o) . g)^2 = r^T (sum g g^T) r - 2 r . (sum (o . g) g) + sum (o . g)^2."""
+        gg, og_g, og2 = self.moments
+        r = removal.replacement(self.layers, *self.sum_grad.shape[1:])  # (layers, heads, d)
+        squared = np.einsum("lhd,lhde,lhe->lh", r, gg, r) - 2 * (r * og_g).sum(-1) + og2
+        return 0.5 * np.clip(squared, 0.0, None) / max(tokens, 1)  # a sum of squares: rounding may dip below 0
 
     def means(self) -> np.ndarray:
         return self.sum_output / max(self.positions, 1)
@@ -188,6 +207,8 @@ class OutputSums:
         self.sum_output_grad = add(self.sum_output_grad)
         if self.sum_squared_change is not None:
             self.sum_squared_change = add(self.sum_squared_change)
+        if self.moments is not None:
+            self.moments = tuple(add(moment) for moment in self.moments)
         self.positions = int(add(np.array([float(self.positions)]))[0])
         return self
 
@@ -222,12 +243,13 @@ def gradient_pass(
     edit: Callable[[Batch], list] = lambda batch: [],
     on_batch: Callable[[Batch], None] = lambda batch: None,
     curvature_of: Removal | None = None,
+    moments: bool = False,
 ) -> GradientPass:
     """One forward pass with gradients and one backward pass of the summed loss per batch (the parameters frozen:
     gradients of the head outputs only), recording the heads of `layers`. edit(batch): editors applied first (heads
     already removed, for prune's estimate on the model pruned so far); on_batch: progress; curvature_of: the removal
-    whose second-order term the sums record too."""
-    sums = OutputSums(layers, heads, head_dim, grad=True, curvature_of=curvature_of)
+    whose second-order term the sums record too; moments: the sums that give any replacement's (OutputSums)."""
+    sums = OutputSums(layers, heads, head_dim, grad=True, curvature_of=curvature_of, moments=moments)
     loss, tokens = 0.0, 0
     for batch in batches():
         output = capture.run(batch, editors=[*edit(batch), sums], grad=True)

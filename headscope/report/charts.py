@@ -220,7 +220,7 @@ def importance_heatmap(heads: pd.DataFrame, *, title: str) -> Figure:
         axis.set_ticks(ticks)
         axis.set_ticklabels([str(names[t]) for t in ticks])
         axis.set_label_text(label)
-    what = "mean ablation, exact" if column.startswith("ablation") else "mean ablation, first-order estimate"
+    what = "mean ablation, exact" if column.startswith("ablation") else "mean ablation, second-order estimate"
     ax.set_title(f"{title}\nloss increase without each head ({what})")
     return fig
 
@@ -246,7 +246,8 @@ def importance_against_entropy(heads: pd.DataFrame, *, title: str) -> Figure:
     ax.set_xlabel("mean attention entropy (nats)")
     ax.set_ylabel(f"{column} (nats of loss)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="role")
-    ax.set_title(f"{title}\nhead importance against attention entropy")
+    what = "exact mean ablation" if column.startswith("ablation") else "its second-order estimate"
+    ax.set_title(f"{title}\nloss increase without each head ({what}) against attention entropy")
     return fig
 
 

@@ -159,6 +159,8 @@ def run_record(analysis, heads) -> dict:
             "predicted_tokens": importance.predicted_tokens,
             "ablated_layers": list(plan.layers) if importance.mode == "exact" else [],
             "roles": importance.roles,
+            # exact mode: how well each fast estimate ranks the heads as exact ablation does, measured on this run
+            "agreement": importance.agreement(),
             "planned": None
             if importance.planned is None
             else {
