@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -334,3 +335,17 @@ def test_exact_importance_says_what_its_ablations_will_run(redundant):
     ran = stages[at + 1][1] - stages[at][1]
     assert planned["forwards"] == ran > 2  # several batches, and replicas counted, not only the clean passes
     assert any(f"then {planned['forwards']:,} forward passes" in note for note in notes)
+
+
+def test_the_ablate_table_keeps_every_cell_whole(redundant, tmp_path):
+    """A long list of heads is named up to six and counted, never cut to "2.0,2.1,2.…"; an interval stays on one
+    line, whatever the terminal's width (80 columns here)."""
+    loaded, sentences = redundant
+    corpus = tmp_path / "repeats.txt"
+    corpus.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    every = ",".join(f"{layer}.{head}" for layer in range(2) for head in range(4))
+    result = run_cli("ablate", str(loaded.source.location), "--heads", every, "--mode", "zero", "--corpus", corpus,
+                     "--out", tmp_path / "a", "--bootstrap", "50")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "0.0,0.1,0.2,0.3,1.0,1.1,... (8)" in result.output and "…" not in result.output
+    assert re.search(r"\[[-+]\d\.\d{4}, [-+]\d\.\d{4}\]", result.output)

@@ -38,11 +38,28 @@ class _Plain(Console):
         super().__init__(soft_wrap=True, highlight=False, markup=False)
 
     def print(self, *objects, **kwargs) -> None:
-        super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+        objects = [printable(o) if isinstance(o, str) else o for o in objects]
+        tables = [o for o in objects if isinstance(o, Table)]
+        if not tables:
+            super().print(*objects, **kwargs)
+            return
+        # a table as wide as its cells need, whatever the terminal: cells whole (no "..."), lines that wrap
+        natural = max(self.measure(table, options=self.options.update_width(10_000)).maximum for table in tables)
+        width = self.width
+        self.width = max(width, natural)
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = width
 
 
 def _console() -> Console:
     return _Plain()
+
+
+def _row(table: Table, *cells) -> None:
+    """A table row whose text cells are printable: a role or token read from a report may hold terminal escapes."""
+    table.add_row(*(printable(cell) if isinstance(cell, str) else cell for cell in cells))
 
 
 def _title(text: str) -> Text:
@@ -58,7 +75,7 @@ def print_analysis(report: Report) -> None:
     for name in ("layer", "mean", "min head", "max head"):
         table.add_column(name, justify="right")
     for layer, row in layer_entropy(report.heads).iterrows():
-        table.add_row(str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
+        _row(table, str(layer), f"{row['mean']:.3f}", f"{row['min']:.3f}", f"{row['max']:.3f}")
     console.print(table)
     bands = early_late_entropy(report.heads, report.depth)
     if bands is not None:
@@ -107,7 +124,7 @@ def print_role_heads(report: Report, count: int = 3) -> None:
     for entry in found:
         top = [f"{head_name(layer, head)} {score:.3f}" for layer, head, score in entry["top"]]
         role = f"{entry['role']} ({entry['heads']})"
-        table.add_row(role, entry["evidence"], *top, *[""] * (count - len(top)))
+        _row(table, role, entry["evidence"], *top, *[""] * (count - len(top)))
     _console().print(table)
     checked = dormant_line(report.heads, report.run.get("dormant_check"))
     if checked:
@@ -142,7 +159,7 @@ def _print_most_important(report: Report) -> None:
         for row in chosen.itertuples():
             values = [row.ablation_zero, row.ablation_mean, row.estimate_zero, row.estimate_mean]
             cells = [f"{v:+.4f}" if v == v else "-" for v in values]  # NaN: not computed
-            table.add_row(head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
+            _row(table, head_name(row.layer, row.head), *cells, row.role, f"{row.entropy:.3f}")
         console.print(table)
     if not exact:
         console.print(
@@ -170,7 +187,7 @@ def _print_role_groups(removals) -> None:
             low, high = effect["delta_ci_low"], effect["delta_ci_high"]
             interval = "" if low is None else f" [{low:+.3f}, {high:+.3f}]"
             cells.append(f"{effect['delta']:+.4f}{interval} ({effect['tokens']:,})")
-        table.add_row(f"{removal.role} ({len(removal.heads)})", removal.mode, *cells)
+        _row(table, f"{removal.role} ({len(removal.heads)})", removal.mode, *cells)
     _console().print(table)
 
 
@@ -185,7 +202,7 @@ def print_label_counts(report: Report, title: str) -> None:
         for band in counts.index:
             table.add_column(band, justify="right")
         for name in names:
-            table.add_row(name, *(str(int(counts.at[band, name])) for band in counts.index))
+            _row(table, name, *(str(int(counts.at[band, name])) for band in counts.index))
         console.print(table)
 
 
@@ -214,7 +231,8 @@ def print_comparison(comparison) -> None:
     for name in ("head", "A", "B", "B - A", "95% interval", "sig.", "role A -> B"):
         table.add_column(name, justify="left" if name in ("head", "role A -> B") else "right")
     for row in heads.reindex(heads["entropy_delta"].abs().sort_values(ascending=False).index).head(10).itertuples():
-        table.add_row(
+        _row(
+            table,
             head_name(row.layer, row.head),
             f"{row.entropy_a:.3f}",
             f"{row.entropy_b:.3f}",
@@ -249,7 +267,8 @@ def print_inspection(found) -> None:
         head = f"{row.layer}.{row.head}"
         places = ", ".join(f"{name} {share:.0%}" for name, share in row.largest_at) or "-"
         scores = (getattr(row, f"probe_{pattern}") for pattern in probes)
-        table.add_row(
+        _row(
+            table,
             head,
             found.roles.get(head, "-"),
             found.texts[row.text_id].label,
@@ -275,15 +294,18 @@ def print_ablation(found) -> None:
     console = _console()
     title = f"{found.model}: heads removed together ({found.mode}), loss on {found.loss_on} tokens"
     table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+    shown = [",".join(e.heads[:6]) + (f",... ({len(e.heads)})" if len(e.heads) > 6 else "") for e in found.effects]
     for name in ("group", "heads", "tokens", "clean", "ablated", "delta (nats)", "95% interval"):
-        table.add_column(name, justify="left" if name in ("group", "heads") else "right")
-    for effect in found.effects:
-        heads = effect.heads
-        shown = ",".join(heads[:6]) + (f",... ({len(heads)})" if len(heads) > 6 else "")
+        # every cell whole on its line: the heads column as wide as its longest list (6 heads at most are named)
+        width = max(map(len, shown), default=0) if name == "heads" else None
+        table.add_column(name, justify="left" if name in ("group", "heads") else "right", no_wrap=True,
+                         min_width=width)  # fmt: skip
+    for effect, heads in zip(found.effects, shown, strict=True):
         low, high = effect.delta_ci_low, effect.delta_ci_high
-        table.add_row(
-            effect.name if effect.name != ",".join(heads) else "-",
-            shown,
+        _row(
+            table,
+            effect.name if effect.name != ",".join(effect.heads) else "-",
+            heads,
             f"{effect.tokens:,}",
             *("-" if value is None else f"{value:.4f}" for value in (effect.clean_loss, effect.ablated_loss)),
             "-" if effect.delta is None else f"{effect.delta:+.4f}",
@@ -330,7 +352,7 @@ def print_patching(found, count: int = 12) -> None:
                   "-" if pd.isna(low) else f"[{low:+.3f}, {high:+.3f}]"]  # fmt: skip
         if "role" in top:
             cells.append(row.role)
-        table.add_row(*cells)
+        _row(table, *cells)
     console.print(table)
     if "role" in found.effects:
         console.print(_title(_patch_roles(found.effects)))
