@@ -136,8 +136,9 @@ def importance(smollm2, corpus_lines):
 
 def straightforward_importance(smollm2, sentences, layer, head):
     """ablation_zero, ablation_mean, attribution_zero, attribution_mean, the mean removal's curvature term
-    (1/2 sum over positions of ((mean - x) . g)^2) and the zero removal's (1/2 sum of (x . g)^2) of one head, one sentence at a time, with a hook that edits the
-    input of the layer's output projection (nothing shared with headscope)."""
+    (1/2 sum over positions of ((mean - x) . g)^2) and the zero removal's (1/2 sum of (x . g)^2) of one head, one
+    sentence at a time, with a hook that edits the input of the layer's output projection (nothing shared with
+    headscope)."""
     lm, tokenizer = smollm2.lm, smollm2.tokenizer
     dim = smollm2.architecture["head_dim"]
     columns = slice(head * dim, (head + 1) * dim)
