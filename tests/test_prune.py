@@ -125,9 +125,10 @@ def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
     assert len(result.heads) >= cheapest - 3
 
 
-def growing_chain(per_pass: int):
-    """300 heads (2% is 6) whose costs only the reversed order's prefixes fit, and only `per_pass` more heads of that
-    chain for each gradient pass so far: (heads, chain, estimate, verify) for prune_search."""
+def growing_chain(per_pass: int, per_head: float = 0.09):
+    """300 heads (2% is 6) whose costs only the reversed order's prefixes fit, `per_head` nats each, and only
+    `per_pass` more heads of that chain for each gradient pass so far: (heads, chain, estimate, verify) for
+    prune_search."""
     heads = [(layer, head) for layer in range(50) for head in range(6)]
     chain = heads[::-1]
     passes = []
@@ -137,31 +138,38 @@ def growing_chain(per_pass: int):
         return {h: 1e-4 * chain.index(h) for h in heads if h not in removed}
 
     def verify(sets):
-        return [1.0 + 0.001 * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= per_pass * len(passes) else 2.0
-                for s in sets]  # fmt: skip
+        return [1.0 + per_head * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= per_pass * len(passes)
+                else 2.0 for s in sets]  # fmt: skip
 
     return heads, chain, estimate, verify
 
 
 @pytest.mark.parametrize("patience", [0, 1, 2])
-def test_patience_stops_rounds_that_add_almost_nothing(patience):
+def test_patience_stops_rounds_that_add_almost_nothing_near_the_budget(patience):
+    """One head a round at 0.09 nats of a 0.5 budget: after each, what is left buys fewer than 6 more (2%)."""
     heads, chain, estimate, verify = growing_chain(per_pass=1)
     result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify,
                           patience=patience, max_rounds=5)  # fmt: skip
     # each round: the next head trusted to the estimate (its longer prefixes fail): the round is done
-    assert result.heads == chain[: result.rounds] and result.verify_calls == result.rounds
+    assert result.heads == chain[: result.rounds] and result.verify_calls >= result.rounds
     if patience:
         assert result.rounds == patience and result.stopped.startswith(f"patience: {patience} rounds")
     else:
         assert result.rounds == 5 and result.stopped == "max_rounds: 5 rounds"
 
 
-def test_a_round_adding_under_2_percent_of_the_heads_counts_against_patience():
-    """300 heads: 2% is 6. Rounds that each add 4 heads (more than 1%, fewer than 2%) stop the search by patience."""
+def test_a_round_adding_under_2_percent_of_the_heads_counts_against_patience_only_near_the_budget():
+    """300 heads: 2% is 6. Rounds that each add 4 heads (more than 1%, fewer than 2%): at 0.09 nats a head the
+    budget left soon buys fewer than 6 more, and patience stops the search; at 0.001 a head it buys hundreds, and
+    the search goes on (a rule on the share of heads alone stopped it there, its budget barely spent)."""
     heads, chain, estimate, verify = growing_chain(per_pass=4)
     result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
                           max_rounds=5)  # fmt: skip
-    assert result.heads == chain[:8] and result.rounds == 2 and result.stopped.startswith("patience: 2 rounds")
+    assert result.heads == chain[:5] and result.rounds == 2 and result.stopped.startswith("patience: 2 rounds")
+    heads, chain, estimate, verify = growing_chain(per_pass=4, per_head=0.001)
+    result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
+                          max_rounds=5)  # fmt: skip
+    assert result.heads == chain[:20] and result.stopped == "max_rounds: 5 rounds"
 
 
 def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_path):

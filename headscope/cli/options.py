@@ -202,7 +202,11 @@ MaxRounds = Annotated[
     int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")
 ]
 Patience = Annotated[
-    int, typer.Option(help="Stop when this many rounds in a row each add under 2% of the heads (0: never).")
+    int,
+    typer.Option(
+        help="Stop when this many rounds in a row each add under 2% of the heads and leave a budget that buys fewer "
+        "than that many more (0: never)."
+    ),
 ]
 Replicates = Annotated[
     int, typer.Option(help="Paired bootstrap replicates (same sentences in both reports), 2 to 100,000.")

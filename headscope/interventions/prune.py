@@ -338,7 +338,7 @@ def _search(
         f"estimate stops predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets "
         "packed; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
-        + (f", or {patience} rounds in a row adding under 2% of the heads" if patience else "")
+        + (f", or {patience} rounds in a row adding under 2% of the heads near the budget" if patience else "")
     )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
     result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=estimate, verify=verify,

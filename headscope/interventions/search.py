@@ -27,9 +27,11 @@ budget allows, and accepts the largest that fits; every later step adds to it, s
 answer one pass verified.
 
 It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
-rounds in a row each add fewer than 2% of the candidate heads (a round near the budget pays a gradient pass and a
-replicated pass for a head or two). The loss of the accepted set is always a verified one, so the result never
-exceeds the budget.
+rounds in a row each add fewer than 2% of the candidate heads *and* leave a budget that, at the verified cost per
+head of the heads they added, buys fewer than that many more (a round near the budget pays a gradient pass and a
+replicated pass for a head or two; a round far from it goes on, however few heads it added: on a small model one
+head is more than 2%, and a rule on the share of heads alone stopped a search with a quarter of its budget unspent).
+The loss of the accepted set is always a verified one, so the result never exceeds the budget.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 Head = tuple[int, int]
-MIN_GAIN_SHARE = 0.02  # a round that adds fewer than this share of the candidates counts against patience
+MIN_GAIN_SHARE = 0.02  # a round that adds fewer than this share of the candidates (and whose budget left buys
+# fewer than as many more, at its verified cost per head) counts against patience
 ROUND_SHARE = 0.5  # a round may spend this share of the budget left when it began
 
 
@@ -78,8 +81,9 @@ def prune_search(
 
     shortlist, first_shortlist: heads verified alone in a round that measures (the first round), first_shortlist
     also the longest prefix a round trusts to its estimate; tries: nested sizes verified
-    per packing pass (the last is 1); patience: rounds in a row adding under 2% of the heads before it stops (0:
-    never); max_rounds: at most this many rounds (None: no limit)."""
+    per packing pass (the last is 1); patience: rounds in a row adding under 2% of the heads, with a budget left
+    that buys fewer than that many more, before it stops (0: never); max_rounds: at most this many rounds (None: no
+    limit)."""
     result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
     limit = clean_loss + budget
     min_gain = max(1, math.ceil(MIN_GAIN_SHARE * len(all_heads)))
@@ -94,10 +98,11 @@ def prune_search(
             result.stopped = f"max_rounds: {max_rounds} rounds"
             break
         if patience and stalled >= patience:
-            result.stopped = f"patience: {patience} rounds in a row added fewer than {min_gain} heads each"
+            result.stopped = (f"patience: {patience} rounds in a row added fewer than {min_gain} heads each, with a "
+                              "budget left for fewer than that many more")  # fmt: skip
             break
         result.rounds += 1
-        before = len(result.heads)
+        before, loss_before = len(result.heads), result.loss
         estimates = _estimated(estimate, result)
         ranked = sorted(remaining, key=lambda head: (estimates[head], head))
         _pack_estimated(result, ranked[:first_shortlist], estimates, verify, limit, tries, on_step)
@@ -111,8 +116,18 @@ def prune_search(
                 break
             costs = dict(zip(candidates, alone, strict=True))
             _pack(result, costs, verify, limit, tries, on_step, one_shot=not result.heads)
-        stalled = stalled + 1 if len(result.heads) - before < min_gain else 0
+        added = len(result.heads) - before
+        stalled = stalled + 1 if added < min_gain and _buys(result, added, loss_before, limit) < min_gain else 0
     return result
+
+
+def _buys(result: PruneResult, added: int, loss_before: float, limit: float) -> float:
+    """How many more heads the budget left buys at the verified cost per head of the `added` heads the round took
+    (infinite where they cost nothing, or lowered the loss; 0 where it took none)."""
+    if added == 0:
+        return 0.0
+    per_head = (result.loss - loss_before) / added
+    return math.inf if per_head <= 0 else (limit - result.loss) / per_head
 
 
 def _pack_estimated(
