@@ -586,6 +586,12 @@ class Notes(NullReporter):
         if self.interrupt_at and text.startswith(self.interrupt_at):
             raise KeyboardInterrupt
 
+    def start(self, total_sentences: int, what: str = "measuring") -> None:
+        self.bars = [*getattr(self, "bars", []), [what, total_sentences, 0]]
+
+    def advance(self, sentences: int, tokens: int) -> None:
+        self.bars[-1][2] += sentences
+
 
 def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, tmp_path):
     loaded, sentences = redundant
@@ -603,6 +609,10 @@ def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, t
     assert planned and "8 heads verified alone (8 in the first round)" in planned[0]
     search = record["search"]
     assert search["forward_passes"] >= search["verify_calls"] * 2 and search["gradient_passes"] >= 1
+    # every pass of the search has a bar naming the round, the heads removed and the verified loss, and it fills
+    assert notes.bars[0][0] == "round 1, ranking the heads left: 0 heads removed, loss +0.0000 of 0.01 nats"
+    verifying = [bar for bar in notes.bars if bar[0].startswith("round") and "verifying" in bar[0]]
+    assert len(verifying) == search["verify_calls"] and all(done == total for _, total, done in notes.bars)
     result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at_step=1))
     kept = tmp_path / ".b.partial"
     assert result.exit_code == 130 and (kept / "prune-journal.json").is_file()  # every search keeps its journal

@@ -111,7 +111,7 @@ class LossModel:
         return planned
 
     def estimated_costs(
-        self, removed: Sequence[Head], removal: Removal, *, curvature: bool = True
+        self, removed: Sequence[Head], removal: Removal, *, curvature: bool = True, progress: bool = False
     ) -> dict[Head, float]:
         """Per head: the estimated loss increase (nats per predicted token) of also removing it, with `removed`
         removed: Removal.estimate + Removal.curvature (without `curvature`, the first order alone), both from one
@@ -121,6 +121,7 @@ class LossModel:
             self.ranks, self.capture, self.batches, range(depth), heads, head_dim,
             edit=lambda batch: [RemovedHeads([list(removed)], removal, len(batch.sentence_ids))],
             curvature_of=removal if curvature else None,
+            on_batch=(lambda b: self.reporter.advance(len(b.sentence_ids), b.n_tokens)) if progress else lambda b: None,
         )  # fmt: skip
         estimate = removal.estimate(found.sums, found.tokens)
         if curvature:

@@ -28,8 +28,9 @@ from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.interventions.groups import PassPlan
 from headscope.interventions.journal import SearchJournal
 from headscope.interventions.losses import LossModel, loss_model, plain_loss
+from headscope.interventions.prune_passes import FIRST_SHORTLIST, SHORTLIST, TRIES, search_on_model
 from headscope.interventions.removal import Removal
-from headscope.interventions.search import PruneResult, prune_search
+from headscope.interventions.search import PruneResult
 from headscope.interventions.surgery import check_savable
 from headscope.layout import HEAD_MASK_FILE, PRUNE_JOURNAL, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
 from headscope.model.loading import LoadedModel, Loader, load_for_run
@@ -43,9 +44,6 @@ from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
-SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
-FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate
-TRIES = 4  # nested sizes verified per packing pass
 ESTIMATE = "first order + curvature"  # what ranks the heads; a journal of another estimate's search is refused
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
@@ -212,7 +210,9 @@ def prune(
                 if journal.calls:
                     reporter.note(f"resuming the interrupted search: {len(journal.calls)} answers saved in "
                                   f"{journal.path} are replayed, then it goes on")  # fmt: skip
-            search = _search(lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds, patience=patience)
+            search = search_on_model(
+                lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds, patience=patience
+            )
         result, removal = search.result, search.removal
         found = Pruning(
             lm.loaded.source.display, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
@@ -273,78 +273,6 @@ def check_request(
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     return budget, max_rounds, patience
-
-
-@dataclass
-class _Searched:
-    result: PruneResult
-    removal: Removal
-    passes: PassPlan  # the verifying forward passes run
-
-
-def _search(
-    lm: LossModel,
-    candidates: list[tuple[int, int]],
-    budget: float,
-    mode: str,
-    reporter: Reporter,
-    journal: SearchJournal | None,
-    *,
-    max_rounds: int | None,
-    patience: int,
-) -> _Searched:
-    removal = lm.removal(mode)
-    reporter.stage("clean loss")
-    tokens, clean, _ = lm.losses([], removal).arrays("all")
-    if tokens.sum() == 0:
-        raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to keep within budget")
-    clean_loss = float(clean.sum() / tokens.sum())
-    passes = PassPlan()
-
-    def shared(sets):  # the heads removed so far: their pass is shared
-        return sorted(set.intersection(*map(set, sets)))
-
-    def verify(sets):
-        counts, _, ablated = lm.losses(sets, removal, base=shared(sets), clean=False).arrays("all")  # sets' losses
-        return list(ablated.sum(1) / counts.sum())
-
-    def estimate(removed):
-        found, gone = lm.estimated_costs(removed, removal), set(removed)
-        return {head: found[head] for head in candidates if head not in gone}
-
-    if journal is not None:
-        verify, estimate = journal.verify(verify), journal.estimate(estimate)
-
-    def counted(sets, answered=verify):  # the passes of every verification, replayed ones included: the search's
-        nonlocal passes
-        passes = passes + lm.planned(sets, mode, base=shared(sets), clean=False)
-        return answered(sets)
-
-    verify = counted
-    removed_before = 0
-
-    def step(found: PruneResult) -> None:
-        nonlocal removed_before
-        added = ",".join(head_name(*head) for head in found.heads[removed_before:])
-        removed_before = len(found.heads)
-        if journal is not None:  # saved before it is said
-            journal.step(found)
-        delta = found.loss - found.clean_loss  # signed: removing a head can lower the loss
-        reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
-
-    alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
-    reporter.note(
-        "planned: rounds of a gradient pass and one replicated pass verifying the sets its estimate packs; where the "
-        f"estimate stops predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets "
-        "packed; "
-        + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
-        + (f", or {patience} rounds in a row adding under 2% of the heads near the budget" if patience else "")
-    )
-    reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
-    result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=estimate, verify=verify,
-                          shortlist=SHORTLIST, first_shortlist=FIRST_SHORTLIST, tries=TRIES, patience=patience,
-                          max_rounds=max_rounds, on_step=step)  # fmt: skip
-    return _Searched(result, removal, passes)
 
 
 def head_mask(heads, depth: int, count: int) -> pd.DataFrame:

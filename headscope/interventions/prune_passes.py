@@ -1,0 +1,109 @@
+"""prune's search on a model: the loss model's passes as the pure search's `estimate` (a gradient pass on the model
+pruned so far) and `verify` (one replicated pass), journalled for --resume, counted, and shown as they run (each
+pass's bar names the round, the heads removed and the verified loss against the budget)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headscope.arguments import head_name
+from headscope.errors import ConfigError
+from headscope.interventions.groups import PassPlan
+from headscope.interventions.journal import SearchJournal
+from headscope.interventions.losses import LossModel
+from headscope.interventions.removal import Removal
+from headscope.interventions.search import PruneResult, prune_search
+from headscope.run.progress import Reporter
+
+SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
+FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate
+TRIES = 4  # nested sizes verified per packing pass
+
+
+@dataclass
+class Searched:
+    result: PruneResult
+    removal: Removal
+    passes: PassPlan  # the verifying forward passes run
+
+
+def search_on_model(
+    lm: LossModel,
+    candidates: list[tuple[int, int]],
+    budget: float,
+    mode: str,
+    reporter: Reporter,
+    journal: SearchJournal | None,
+    *,
+    max_rounds: int | None,
+    patience: int,
+) -> Searched:
+    removal = lm.removal(mode)
+    reporter.stage("clean loss")
+    tokens, clean, _ = lm.losses([], removal).arrays("all")
+    if tokens.sum() == 0:
+        raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to keep within budget")
+    clean_loss = float(clean.sum() / tokens.sum())
+    passes = PassPlan()
+
+    def shared(sets):  # the heads removed so far: their pass is shared
+        return sorted(set.intersection(*map(set, sets)))
+
+    # the search so far, for the progress bar of each pass: round, heads removed, verified loss against the budget
+    state = {"round": 0, "heads": 0, "delta": 0.0}
+    sentences = len(lm.feed.corpus.sentences)
+
+    def status(doing: str) -> str:
+        return (f"round {state['round']}, {doing}: {state['heads']} heads removed, loss {state['delta']:+.4f} of "
+                f"{budget:g} nats")  # fmt: skip
+
+    def verify(sets):
+        reporter.start(sentences, what=status(f"verifying {len(sets)} sets"))
+        counts, _, ablated = lm.losses(sets, removal, base=shared(sets), clean=False, progress=True).arrays("all")
+        reporter.finish()
+        return list(ablated.sum(1) / counts.sum())  # only the sets' losses
+
+    def estimate(removed):
+        reporter.start(sentences, what=status("ranking the heads left"))
+        found, gone = lm.estimated_costs(removed, removal, progress=True), set(removed)
+        reporter.finish()
+        return {head: found[head] for head in candidates if head not in gone}
+
+    if journal is not None:
+        verify, estimate = journal.verify(verify), journal.estimate(estimate)
+
+    def counting_rounds(removed, ranked=estimate):  # every round begins with an estimate (live or replayed)
+        state["round"] += 1
+        return ranked(removed)
+
+    def counted(sets, answered=verify):  # the passes of every verification, replayed ones included: the search's
+        nonlocal passes
+        passes = passes + lm.planned(sets, mode, base=shared(sets), clean=False)
+        return answered(sets)
+
+    verify = counted
+    removed_before = 0
+
+    def step(found: PruneResult) -> None:
+        nonlocal removed_before
+        added = ",".join(head_name(*head) for head in found.heads[removed_before:])
+        removed_before = len(found.heads)
+        if journal is not None:  # saved before it is said
+            journal.step(found)
+        delta = found.loss - found.clean_loss  # signed: removing a head can lower the loss
+        state["heads"], state["delta"] = len(found.heads), delta
+        reporter.note(f"{len(found.heads)} heads removed (+{added}): loss {found.loss:.4f} ({delta:+.4f} nats)")
+
+    alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
+    reporter.note(
+        "planned: rounds of a gradient pass and one replicated pass verifying the sets its estimate packs; where the "
+        f"estimate stops predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets "
+        "packed; "
+        + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
+        + (f", or {patience} rounds in a row adding under 2% of the heads near the budget" if patience else "")
+    )
+    reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
+    result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=counting_rounds, verify=verify,
+                          shortlist=SHORTLIST, first_shortlist=FIRST_SHORTLIST, tries=TRIES, patience=patience,
+                          max_rounds=max_rounds, on_step=step)  # fmt: skip
+    return Searched(result, removal, passes)
