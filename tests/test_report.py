@@ -115,3 +115,14 @@ def test_charts_for_every_model_shape(tmp_path, layers, heads):
     for path in written:
         height, width = imread(path).shape[:2]
         assert 500 <= width <= 3200 and 400 <= height <= 3200, (path.name, width, height)
+
+
+def test_a_chart_title_fits_its_figure_whatever_the_paths():
+    """A long model path used to run off the figure's edge (patch_heatmap, head_roles): it shows as its last two
+    parts, and lines wrap at 80 characters."""
+    from headscope.report.charts import title_text
+
+    long = "/home/someone/experiments/2026/finetunes/checkpoints/step-120000/my-finetuned-model-v2"
+    title = title_text(f"{long} on /data/corpora/english/sentences.txt (100 sentences)\nhead roles per layer")
+    assert "…/step-120000/my-finetuned-model-v2" in title and "/home/someone" not in title
+    assert all(len(line) <= 80 for line in title.splitlines()) and title.endswith("head roles per layer")

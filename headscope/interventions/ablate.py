@@ -164,6 +164,7 @@ def ablate(
         if folder is not None:
             write_json(found.record, folder / ABLATION_RECORD)
     found.folder = stage.target if stage is not None and ranks.main else None
+    reporter.stage("done" if found.folder is None else f"done: wrote {found.folder}")
     return found
 
 

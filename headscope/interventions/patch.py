@@ -163,6 +163,7 @@ def patch(
     for note in result.notes:
         reporter.note(note)
     result.folder = stage.target if stage is not None else None
+    reporter.stage("done" if result.folder is None else f"done: wrote {result.folder}")
     return result
 
 

@@ -239,6 +239,7 @@ def prune(
         kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
         raise OutputError(f"the pruned model was not saved: {failure}{kept}")
     found.folder = prune_stage.target if prune_stage is not None else None
+    reporter.stage("done" if found.folder is None else f"done: wrote {found.folder}")
     return found
 
 

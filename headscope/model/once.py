@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 _LOADING = threading.RLock()
 _WITHIN: dict = {"depth": 0, "readers": {}, "read": {}}  # what the load in progress parsed
+QUIET = {"bars": False}  # set by a notebook's reporter: no third-party progress bar floods the cell that loads
 
 
 @contextlib.contextmanager
@@ -23,7 +24,7 @@ def one_load() -> Iterator[None]:
     with _LOADING:
         _WITHIN["depth"] += 1
         try:
-            with _gguf_parsed_once():
+            with _gguf_parsed_once(), _bars_quiet() if QUIET["bars"] else contextlib.nullcontext():
                 yield
         finally:
             _WITHIN["depth"] -= 1
@@ -66,3 +67,32 @@ def _gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = real
+
+
+@contextlib.contextmanager
+def _bars_quiet() -> Iterator[None]:
+    """No progress bar of transformers' own while a model loads: its GGUF de-quantizer's tqdm.auto bar (which, in a
+    notebook without ipywidgets, also warns with a TqdmWarning per bar) and its download and weight-loading bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        import tqdm
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # no GGUF support: only transformers' own bars to hide
+        gguf_utils = None
+    real = getattr(gguf_utils, "tqdm", None)
+    if real is not None:
+        gguf_utils.tqdm = lambda *args, **kwargs: tqdm.tqdm(*args, **{**kwargs, "disable": True})
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*IProgress not found.*")
+            yield
+    finally:
+        if real is not None:
+            gguf_utils.tqdm = real
+        if shown:
+            hf_logging.enable_progress_bar()

@@ -7,6 +7,7 @@ returns the Figure it drew; `draw_charts` draws them all from the frames in hand
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,21 @@ def plain(text: str) -> str:
     """Text as matplotlib must draw it: literally. A "$" would start mathtext (LaTeX): a model's "$$" token or a
     corpus named "cost $a_$.txt" would fail to parse, or turn into formulas."""
     return str(text).replace("$", r"\$")
+
+
+TITLE_WIDTH = 80  # characters a title line may hold before it wraps (a figure is 6 to 22 inches wide)
+LONG_PATH = 40  # a path longer than this shows as .../its last two parts
+
+
+def title_text(text: str) -> str:
+    """A chart title that fits: a long path (a model folder, a corpus file) cut to ".../its last two parts", then
+    lines wrapped at TITLE_WIDTH; drawn literally (`plain`). Long paths used to run off the figure's edge."""
+    words = []
+    for word in str(text).split(" "):
+        parts = word.split("/")
+        words.append("…/" + "/".join(parts[-2:]) if len(word) > LONG_PATH and len(parts) > 2 else word)
+    lines = [textwrap.fill(line, TITLE_WIDTH, break_long_words=True) for line in " ".join(words).split("\n")]
+    return plain("\n".join(lines))
 
 
 def save_each(figures: dict, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
@@ -324,7 +340,7 @@ def draw_charts(report: Report, *, folder: Path, fmt: str) -> tuple[list[Path], 
     Its layers table (when it has intervals) bands the layer gradient; its examples give the example chart. A
     chart without data (no probes, no importance, no example) is skipped.
     """
-    heads, title, thresholds = report.heads, plain(report.title), report.thresholds
+    heads, title, thresholds = report.heads, title_text(report.title), report.thresholds
     figures = {
         "entropy_heatmap": lambda: entropy_heatmap(heads, title=title),
         "layer_gradient": lambda: layer_gradient(heads, title=title, depth=report.depth, layers=report.layers),

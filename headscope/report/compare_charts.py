@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from headscope.labels import ROLES
 from headscope.report import palette
-from headscope.report.charts import _figure, _grid, _layer_axis, _tick_step, plain, save_each
+from headscope.report.charts import _figure, _grid, _layer_axis, _tick_step, plain, save_each, title_text
 from headscope.report.compare import Comparison
 
 SIDES = {side: (side.upper(), colour) for side, colour in palette.SIDES.items()}
@@ -129,7 +129,7 @@ def band_shares(bands: pd.DataFrame, *, title: str) -> Figure:
 def draw_comparison(comparison: Comparison, *, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
     """Every comparison chart into `folder` (the per-head ones only for the same grid); returns what
     charts.save_each returns."""
-    title = plain(comparison.title)
+    title = title_text(comparison.title)
     figures = {
         "layer_gradients": lambda: layer_gradients(comparison, title=title),
         "band_shares": lambda: band_shares(comparison.bands, title=title),

@@ -10,7 +10,7 @@ from matplotlib import colormaps
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from headscope.report.charts import plain, save_each
+from headscope.report.charts import plain, save_each, title_text
 from headscope.summary import strongest_positions
 
 POSITION_ROWS = 24  # heads shown by position: those with the largest effect anywhere
@@ -29,7 +29,7 @@ def _norm(values: np.ndarray) -> TwoSlopeNorm:
 
 
 def _title(record: dict) -> str:
-    return plain(f"{record['model']['input']}: {record['direction']} patching of each head's {record['what']} "
+    return title_text(f"{record['model']['input']}: {record['direction']} patching of each head's {record['what']} "
                  f"on {record['pairs']['count']} pairs ({record['method']})")  # fmt: skip
 
 

@@ -203,6 +203,7 @@ def analyze(
         # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
         if out is None:
             tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
+    reporter.stage("done" if out is None else f"done: wrote {work.target}")  # the notebook's display ends here
     if out is None:
         return Report(run, tables=tables)
     return Report(run, folder=work.target, tables=tables)

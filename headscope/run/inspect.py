@@ -180,6 +180,7 @@ def inspect(
         folder = None
     else:
         attention, folder = None, stage.target
+    reporter.stage("done" if folder is None else f"done: wrote {folder}")
     return Inspection(record, tokens, summary, loaded.source.display, chosen_texts, known, roles_from,
                       tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown)  # fmt: skip
 

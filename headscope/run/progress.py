@@ -191,6 +191,9 @@ class NotebookReporter:
     Updates are throttled to one per `interval` seconds; the last state is always drawn."""
 
     def __init__(self, interval: float = 0.25, clock=time.monotonic) -> None:
+        from headscope.model.once import QUIET
+
+        QUIET["bars"] = True  # this display is the cell's progress: transformers' own bars stay out of it
         self.interval, self.clock = interval, clock
         self._handle = None
         self._drawn = -float("inf")
