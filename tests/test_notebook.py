@@ -85,6 +85,10 @@ def test_the_intervention_results_show_their_tables(copier):
     patching = headscope.patch(loaded, pairs, bootstrap=0, charts=None)
     html = patching._repr_html_()
     assert "the largest effects" in html and repr(patching).startswith("Patching(model=")
+    assert "metric</b> logit_diff = " in html and "{" not in html.split("<table")[0]  # the metric named, not a dict
+    strongest = patching.top(1).iloc[0]
+    layer, head = int(strongest["layer"]), int(strongest["head"])
+    assert f"{strongest['effect']:+.3f}<" in html and f'title="{layer}.{head}: ' in html  # and the heatmap
     inspection = headscope.inspect(loaded, texts=texts[:2], heads=[(0, 0), (1, 2)])
     html = inspection._repr_html_()
     assert html.count("<iframe") == 1 and "<script" not in own_html(html) and "where each head looks" in html

@@ -50,6 +50,7 @@ from headscope.run.distributed import one_process_only
 from headscope.run.feed import token_texts
 from headscope.run.progress import Reporter
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
+from headscope.summary import strongest_positions
 from headscope.tables import write_frame, write_json
 
 PATCH_SETTINGS = tuple(name for name in (*MODEL_AND_CORPUS, "bootstrap", "bootstrap_seed", "batch_size", "layers")
@@ -77,17 +78,31 @@ class Patching:
         return f"Patching(model={self.record.get('model', {}).get('input')!r}, {len(self.effects)} effects)"
 
     def _repr_html_(self) -> str:
-        """In a notebook: the settings and the ten largest effects."""
-        from headscope.report.notebook import block, facts, table
+        """In a notebook: the settings, every head's effect as a heatmap, and the ten largest effects (three
+        decimals each, as the printout gives them)."""
+        from headscope.report.notebook import block, effect_grid, facts, table
 
         record = self.record
         top = self.top(10)
-        columns = [c for c in ("layer", "head", "position", "effect", "effect_ci_low", "effect_ci_high", "role")
-                   if c in top.columns]  # fmt: skip
+        metric = record.get("metric") or {}
+        shown = [("what", record.get("what")), ("direction", record.get("direction")),
+                 ("positions", record.get("positions")),
+                 ("metric", f"{metric.get('name', '')} = {metric.get('definition', '')}")]  # fmt: skip
+        rows = []
+        for row in top.itertuples(index=False):
+            low, high = row.effect_ci_low, row.effect_ci_high
+            cells = [row.layer, row.head, *([row.position] if "position" in top.columns else [])]
+            cells += ["" if pd.isna(row.effect) else f"{row.effect:+.3f}",
+                      "" if pd.isna(low) else f"[{low:+.3f}, {high:+.3f}]"]  # fmt: skip
+            rows.append([*cells, *([row.role] if "role" in top.columns else [])])
+        columns = ["layer", "head", *(["position"] if "position" in top.columns else []), "effect", "95% interval"]
+        columns += ["role"] if "role" in top.columns else []
+        architecture = record.get("model", {}).get("architecture", {})
         return block(
             f"headscope patching: {self.record.get('model', {}).get('input', '')}",
-            facts([(key, record.get(key)) for key in ("what", "direction", "positions", "metric")]),
-            table(columns, top[columns].itertuples(index=False), caption="the largest effects"),
+            facts(shown),
+            effect_grid(strongest_positions(self.effects), architecture.get("layers"), architecture.get("heads")),
+            table(columns, rows, caption="the largest effects"),
         )
 
     def to_html(self) -> str:

@@ -75,3 +75,33 @@ def progress(stage: str, bar: tuple[int, int, str] | None, detail: str, lines: S
         shown["BAR"] = (f"<p style='margin:0'><progress value='{done}' max='{max(total, 1)}' style='width:16em'>"
                         f"</progress> {html.escape(words)} {html.escape(detail)}</p>")  # fmt: skip
     return fill_template(asset("notebook_progress.html").strip(), shown)
+
+
+def effect_grid(effects: pd.DataFrame, layers: int | None, heads: int | None, cell_px: int = 14) -> str:
+    """Each head's effect as a small heatmap (layers down, heads across; red where it carries the behaviour, blue
+    where it pushes the other way, white at 0, grey where not measured), each cell's value in its tooltip. Plain
+    HTML: no script, nothing to load."""
+    if effects.empty or not layers or not heads:
+        return ""
+    values = {(int(r.layer), int(r.head)): float(r.effect) for r in effects.itertuples()}
+    finite = [abs(v) for v in values.values() if math.isfinite(v)]
+    top = max(finite, default=0.0) or 1.0
+    rows = []
+    for layer in range(layers):
+        cells = []
+        for head in range(heads):
+            value = values.get((layer, head))
+            if value is None or not math.isfinite(value):
+                colour, tip = "#e5e5e5", f"{layer}.{head}: not measured"
+            else:
+                share = min(abs(value) / top, 1.0)
+                fade = round(255 * (1 - share))
+                colour = f"rgb(255,{fade},{fade})" if value > 0 else f"rgb({fade},{fade},255)"
+                tip = f"{layer}.{head}: {value:+.3f}"
+            cells.append(f'<td title="{html.escape(tip)}" style="width:{cell_px}px;height:{cell_px}px;'
+                         f'background:{colour};padding:0"></td>')  # fmt: skip
+        label = f'<th style="font-weight:normal;font-size:10px;padding:0 4px 0 0;text-align:right">{layer}</th>'
+        rows.append(f"<tr>{label}{''.join(cells)}</tr>")
+    caption = (f'<caption style="text-align:left;font-size:11px">effect per head (layer down, head across; '
+               f"red up to {top:+.3f}, blue down to {-top:+.3f})</caption>")  # fmt: skip
+    return f'<table style="border-collapse:collapse;margin:6px 0">{caption}{"".join(rows)}</table>'
