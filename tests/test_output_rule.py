@@ -117,17 +117,21 @@ def test_a_users_look_alike_folders_beside_the_output_survive(planted_gpt2, fold
     assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith(".")} == before
 
 
-@pytest.mark.slow  # analyze through the CLI
-def test_a_killed_runs_marked_work_folder_is_removed(planted_gpt2, folders, tmp_path):
+@pytest.mark.slow  # four commands through the CLI
+@pytest.mark.parametrize("command", ["analyze", "prune", "patch", "ablate"])
+def test_a_killed_runs_marked_work_folder_is_removed_and_said(command, planted_gpt2, folders, tmp_path):
     """A staging folder with headscope's marker, whose process is gone, is removed by the next run into the same
-    output (and only that one)."""
+    output (and only that one), and every command says so."""
     stale = tmp_path / f".rep.staging-{os.getpid() + 100000}"
     stale.mkdir()
     (stale / ".headscope-work").write_text(json.dumps({"target": "rep", "pid": os.getpid() + 100000}))
     (stale / "heads.parquet").write_bytes(b"half written")
-    result = run_cli("analyze", planted_gpt2, "--corpus", folders["corpus"], "--out", tmp_path / "rep", *QUICK)
+    asked = {"analyze": ["--corpus", folders["corpus"], *QUICK], "prune": ["--corpus", folders["corpus"], "--budget",
+             "0.05", "--no-charts"], "patch": ["--pairs", folders["pairs"], "--bootstrap", "0", "--no-charts"],
+             "ablate": ["--corpus", folders["corpus"], "--heads", "0.0", "--bootstrap", "0"]}[command]  # fmt: skip
+    result = run_cli(command, planted_gpt2, *asked, "--out", tmp_path / "rep")
     assert result.exit_code == 0, result.output
-    assert not stale.exists() and f"removed {stale}" in result.output
+    assert not stale.exists() and f"removed {stale}, left behind by an interrupted run" in result.output
 
 
 def test_compare_overwrite_replaces_only_a_comparison(folders, tmp_path):

@@ -55,7 +55,6 @@ from headscope.run.distributed import (
     together,
 )
 from headscope.run.feed import CorpusFeed
-from headscope.run.output import StagedDirectory
 from headscope.run.plan import Plan, needs_lm_head, resized
 from headscope.run.progress import NullReporter, Reporter
 from headscope.run.record import Timings, fingerprint
@@ -120,8 +119,7 @@ def analyze(
         if out is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-")))
         elif ranks.main:
-            folder = stack.enter_context(work).path
-            _report_cleaned(work, reporter)
+            folder = stack.enter_context(work).path  # leftovers of killed runs it removes are noted
         if ranks.parallel:
             join(ranks, pick_device(settings.device))
             stack.callback(leave, ranks)
@@ -268,8 +266,3 @@ def _resumed(parts: PartFiles, plan: Plan, loaded: LoadedModel, reporter: Report
             "delete that folder or run without --resume"
         )
     return progress, running, plan
-
-
-def _report_cleaned(stage: StagedDirectory, reporter: Reporter) -> None:
-    while stage.cleaned:
-        reporter.note(f"removed {stage.cleaned.pop(0)}, left behind by an interrupted run")

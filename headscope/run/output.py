@@ -24,7 +24,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from headscope.errors import OutputError
@@ -168,16 +168,19 @@ class StagedDirectory:
         resumable: bool = False,
         continuing: bool | None = None,
         protected: Mapping[str, Path] | None = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         """kind: what the folder will be (layout.KINDS); resumable: the work folder has a fixed name and survives
         a failed or interrupted run, so that a later run can continue from the checkpoint inside it; continuing:
-        this run may take such a checkpoint (default: `resumable`; otherwise one left there is refused)."""
+        this run may take such a checkpoint (default: `resumable`; otherwise one left there is refused); notify(text):
+        told of each leftover of a killed run that entering removes (the command's reporter's note)."""
         self.target = resolved(target)
         self.kind, self.overwrite, self.resumable = kind, overwrite, resumable
         self.continuing = resumable if continuing is None else continuing
         check_target(self.target, kind=kind, overwrite=overwrite, protected=protected, resumable=self.continuing)
         self.path = checkpoint_of(self.target) if resumable else self._work(f"staging-{os.getpid()}")
         self.cleaned: list[str] = []
+        self._notify = notify
         self._lock: int | None = None
 
     def _work(self, suffix: str) -> Path:
@@ -203,6 +206,9 @@ class StagedDirectory:
                 self._lock = self._take_lock()
         except OSError as err:
             raise OutputError(f"cannot create the output folder in {parent}: {err.strerror or err}") from None
+        if self._notify is not None:
+            for removed in self.cleaned:
+                self._notify(f"removed {removed}, left behind by an interrupted run")
         return self
 
     def _leftovers(self) -> list[Path]:

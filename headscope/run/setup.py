@@ -103,7 +103,7 @@ class CommandRun:
         if out is None:
             return None
         return StagedDirectory(Path(out), kind=kind, overwrite=overwrite, resumable=resumable, continuing=continuing,
-                               protected=self.protected)  # fmt: skip
+                               protected=self.protected, notify=lambda text: self.reporter.note(text))  # fmt: skip
 
     def check_offload_folder(self, model, outputs: dict[str, str | Path | None]) -> None:
         """--offload-folder may not be an output (`outputs`: option -> folder, e.g. {"--out": out}) or inside one,
