@@ -270,7 +270,10 @@ def write_json(data: dict, path: Path) -> None:
 
 # Columns a later schema version added: a table written before them reads with them empty (null).
 ADDED_COLUMNS = {"attention": 5, "window": 5} | {name: 6 for name in WRITTEN_AND_OFF_SINK}
-ADDED_COLUMNS |= {"dormant_check": 7, "estimate_zero": 7, "estimate_mean": 7}
+ADDED_COLUMNS |= {
+    name: 7
+    for name in ("dormant_check", "estimate_zero", "estimate_mean", "estimate_zero_total", "estimate_mean_total")
+}
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:

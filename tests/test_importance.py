@@ -98,14 +98,14 @@ def test_importance_through_the_cli(copier, tmp_path):
     out = tmp_path / "report"
     result = run_cli("analyze", folder, "--corpus", corpus, "--out", out, "--importance", "fast", "--no-probes")
     assert result.exit_code == 0, result.output
-    assert "the 10 heads the loss needs most, by |attribution_mean|, a first-order estimate" in result.output
+    assert "the 10 heads the loss needs most, by estimate_mean, a second-order estimate" in result.output
     heads = pd.read_parquet(out / "heads.parquet")
-    assert heads[["attribution_zero", "attribution_mean"]].notna().all().all()
+    assert heads[["attribution_zero", "attribution_mean", "estimate_zero", "estimate_mean"]].notna().all().all()
     assert heads[["ablation_zero", "ablation_mean"]].isna().all().all()  # fast: no ablation
     run = json.loads((out / "run.json").read_text())
     assert run["importance"]["mode"] == "fast" and run["importance"]["ablated_layers"] == []
     layers = pd.read_parquet(out / "layers.parquet")
-    assert layers["attribution_mean_total"].notna().all() and layers["ablation_mean_total"].isna().all()
+    assert layers["estimate_mean_total"].notna().all() and layers["ablation_mean_total"].isna().all()
     for chart in ("importance_heatmap", "importance_entropy"):
         assert (out / f"{chart}.png").stat().st_size > 10_000
     plain = run_cli("analyze", folder, "--corpus", corpus, "--out", tmp_path / "plain", "--no-probes")

@@ -34,5 +34,8 @@ def test_the_tour_runs_top_to_bottom_and_shows_its_results(tmp_path):
         if cell.cell_type == "code" and "headscope.analyze(" in cell.source:
             progress = [o for o in cell.outputs if "headscope-progress" in o.get("data", {}).get("text/html", "")]
             assert len(progress) == 1, [o.get("output_type") for o in cell.outputs]
-            assert "writing tables" in progress[0]["data"]["text/html"]  # its last state: the last stage
+            # its last state says the run ended (it stayed on "writing tables"), and no bar of transformers' own
+            assert "<b>done" in progress[0]["data"]["text/html"]
+            assert not any("Converting" in o.get("text", "") or "TqdmWarning" in o.get("text", "")
+                           for o in cell.outputs)  # fmt: skip
     nbformat.write(notebook, tmp_path / "tour.ipynb")
