@@ -72,6 +72,12 @@ def test_report_adds_each_heads_role(reader, pairs, tmp_path):
     assert result.exit_code == 0, result.output
     line = next(line for line in result.stdout.splitlines() if "by role:" in line)
     assert f"{roles[0, 0]} 0.0" in line  # the one head that carries the behaviour, under its role
+    layer_one = tmp_path / "layer-one"  # a report of layer 1 alone: layer 0's heads have no role, not "other"
+    assert run_cli("analyze", reader, "--corpus", corpus, "--out", layer_one, "--layers", "1", "--bootstrap", "0",
+                   "--no-charts", "--no-probes").exit_code == 0  # fmt: skip
+    partial = headscope.patch(reader, pairs, report=layer_one, bootstrap=0)
+    assert set(partial.effects.query("layer == 0")["role"]) == {"not measured"}
+    assert "other" not in set(partial.effects.query("layer == 0")["role"])
 
 
 def test_every_option_reaches_the_code(reader, pairs):

@@ -109,6 +109,9 @@ class Patching:
         return self._repr_html_()
 
 
+UNMEASURED = "not measured"  # the role column of a head the --report did not measure
+
+
 def patch(
     model: str | LoadedModel,
     pairs,
@@ -288,7 +291,8 @@ def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found,
         table["corrupt_token"] = [corrupt_tokens[u[2]] for u in units]
     table = table.assign(what=what, direction=direction, method=method, **effects)
     if roles is not None:
-        table["role"] = [roles.get((u[0], u[1]), "other") for u in units]
+        # a head the report did not measure (a --layers report) has no role: "other" is a role it was not given
+        table["role"] = [roles.get((u[0], u[1]), UNMEASURED) for u in units]
     keys = ["layer", "head", *(["position"] if positions == "each" else [])]
     per_pair = pd.DataFrame(
         {
