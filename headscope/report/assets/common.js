@@ -5,6 +5,8 @@ const CONFIG = {displaylogo: false, responsive: true, showLink: false};
 const fmt = v => v === null || v === undefined ? "-" : typeof v === "boolean" ? (v ? "yes" : "no") :
   typeof v !== "number" ? String(v) : Number.isInteger(v) ? String(v) :
   Math.abs(v) >= 1000 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(2) : v.toFixed(4);
+// A column's value as a reader wants it: a p-value (a name ending in "_p") below 1e-4 says only that.
+const fmtIn = (key, v) => key.endsWith("_p") && typeof v === "number" && v < 1e-4 ? "< 0.0001" : fmt(v);
 // Text as Plotly must show it: literally. Plotly reads its labels as a small HTML (<a href>, <span style>, <b>,
 // entities), and tokens are any text a model has: escaped here, a token "<a href=...>" is shown, not followed.
 const plain = text => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
@@ -42,7 +44,7 @@ function drawHeatmap(G, H, metric, scale, categories) {
     const range = scale.range || (scale.symmetric ? [-limit, limit] : [undefined, undefined]);
     trace = {type: "heatmap", x: G.heads, y: G.layers, z: G.grid(H[metric]), hoverongaps: false,
       colorscale: scale.stops, zmin: range[0], zmax: range[1], colorbar: {title: {text: metric}},
-      hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z}<extra></extra>"};
+      hovertemplate: "layer %{y}, head %{x}<br>" + metric + " %{z:.4~g}<extra></extra>"};
   }
   const layout = {margin: {t: 10, r: 10, b: 40, l: 50}, height: Math.min(900, 160 + 22 * G.layers.length),
     xaxis: {title: {text: "head"}, dtick: G.heads.length > 32 ? 8 : 1}, yaxis: {title: {text: "layer"},
@@ -70,7 +72,7 @@ function fillPanel(H, i, keys, about) {
   for (const k of keys) {
     if (!(k in H)) continue;
     const tr = table.insertRow(), a = tr.insertCell(), b = tr.insertCell();
-    a.textContent = k; b.textContent = fmt(H[k][i]); b.dataset.key = k;
+    a.textContent = k; b.textContent = fmtIn(k, H[k][i]); b.dataset.key = k;
     tr.title = (about || {})[k] || "";
   }
   document.getElementById("panel").replaceChildren(title, table);
@@ -112,7 +114,7 @@ function headTable(id, H, columns, {about = {}, text = new Set(), keep = () => (
       if (onRow) tr.onclick = () => onRow(i);
       if (i === selected()) tr.classList.add("selected");
       for (const c of columns) {
-        const td = tr.insertCell(); td.textContent = fmt(H[c][i]);
+        const td = tr.insertCell(); td.textContent = fmtIn(c, H[c][i]);
         if (text.has(c)) td.className = "text";
       }
     }

@@ -44,23 +44,28 @@ if (!H || !D.selectable.length) {  // different grids, or no delta with a value
     }
   }
   keys.push("head_type_a", "head_type_b", "role_a", "role_b");
-  fillSelect(D.selectable, heatmap);
+  // The table: the chosen metric's A, B, delta, its interval and p-value beside both sides' labels (every metric
+  // at once made a table 5,000 px wide); sortable, and filtered to the heads with a significant change of any
+  // metric when the box is ticked. Choosing a metric above redraws the heatmap and the table.
+  const significant = D.metrics.map(m => `${m}_significant`).filter(c => c in H);
+  const only = document.getElementById("significant-only");
+  let table = () => {};
+  const showTable = metric => {
+    const m = metric.replace(/_delta$/, "");
+    const columns = ["layer", "head", "role_a", "role_b", "head_type_a", "head_type_b", `${m}_a`, `${m}_b`,
+      `${m}_delta`, `${m}_delta_ci_low`, `${m}_delta_ci_high`, `${m}_p`].filter(c => c in H);
+    table = headTable("compare-table", H, columns, {text: new Set(["role_a", "role_b", "head_type_a",
+      "head_type_b"]), count: "table-count", onRow: i => fillPanel(H, i, keys),
+      keep: () => only.checked ? i => significant.some(c => H[c][i]) : () => true});
+    table();
+  };
+  only.onchange = () => table();
+  fillSelect(D.selectable, metric => { showTable(metric); return heatmap(metric); });
+  showTable(D.selectable[0]);
   heatmap(D.selectable[0]).then(gd => {
     gd.on("plotly_hover", e => fillPanel(H, cell[e.points[0].y + "," + e.points[0].x], keys));
     document.body.dataset.ready = "true";
   });
-  // The table: each interval metric's delta, p-value and verdict beside both sides' labels; sortable, and
-  // filtered to the heads with a significant change when the box is ticked.
-  const significant = D.metrics.map(m => `${m}_significant`).filter(c => c in H);
-  const columns = ["layer", "head", "role_a", "role_b", "head_type_a", "head_type_b",
-    ...D.metrics.flatMap(m => [`${m}_delta`, `${m}_delta_ci_low`, `${m}_delta_ci_high`, `${m}_p`])]
-    .filter(c => c in H);
-  const only = document.getElementById("significant-only");
-  const table = headTable("compare-table", H, columns, {text: new Set(["role_a", "role_b", "head_type_a",
-    "head_type_b"]), count: "table-count", onRow: i => fillPanel(H, i, keys),
-    keep: () => only.checked ? i => significant.some(c => H[c][i]) : () => true});
-  only.onchange = table;
-  table();
   const box = document.getElementById("transitions");
   const divs = Object.keys(D.transitions).map(name => {  // all in place first, so each plot gets its own width
     const div = document.createElement("div"); div.className = "grow"; div.id = `transition-${name}`;
