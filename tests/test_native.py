@@ -107,6 +107,10 @@ def test_the_kernel_is_built_once_per_source_whichever_checkout_asks(tmp_path, m
         built.append((name, native._staged_source(name)))
     assert built[0] == built[1] and built[0][1].read_bytes() == checkouts[0].read_bytes()
     assert native.module_name("DEFAULT") != built[0][0]  # the instruction set is part of the key
+    monkeypatch.setattr(sys, "prefix", "/another/environment")  # its torch and Python headers: another build file
+    assert native.module_name("AVX2") != built[0][0]
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "SOURCE", checkouts[1])
     checkouts[1].write_text(checkouts[1].read_text() + "\n// edited\n")
     assert native.module_name("AVX2") != built[0][0]
     assert not native.is_built("AVX2")  # nothing was built from the edited source

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -61,11 +62,15 @@ def first_error_line(log: str) -> str:
 
 def module_name(isa: str | None = None) -> str:
     """The kernel's module name for `isa` (default: this machine's), keyed by what the build depends on: the
-    source's content, torch's version, the instruction set and the flags. Every checkout of one source shares one
-    build; a new source or torch builds anew, under its own name."""
+    source's content, torch's version and where it is installed (torch's builder writes the include paths of the
+    environment's torch and Python into its build file, and rebuilds when they change), the instruction set and the
+    flags. Every checkout of one source in one environment shares one build; a new source, torch or environment
+    builds anew, under its own name, and says so."""
     isa = isa or host_isa()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), isa.encode(), " ".join(build_flags(isa)).encode()):
+    parts = (SOURCE.read_bytes(), torch.__version__.encode(), os.path.dirname(torch.__file__).encode(),
+             sys.prefix.encode(), isa.encode(), " ".join(build_flags(isa)).encode())  # fmt: skip
+    for part in parts:
         key.update(part + b"\0")
     return f"headscope_row_state_{isa.lower()}_{key.hexdigest()[:12]}"
 
