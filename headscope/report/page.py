@@ -34,6 +34,10 @@ TABLE = ("layer", "head", "role", "role_reason", "role_detail", *_PROBES, "head_
 TABLE += (*(c.name for c in HEADS_COLUMNS if c.shown and c.name not in _PROBES), "top_offset", "n_rows")
 # What the head panel shows first: the head's role and why, what it does off the sink, and how much it writes.
 PANEL_FIRST = ("role", "role_reason", "role_detail", "write_ratio", "write_norm", "head_type")
+# ... and the evidence a reader looks at next; every other column (some seventy) waits behind "every column".
+PANEL_NEXT = ("dormant_check", "entropy", "norm_entropy", "locality", "sink", "sink_rate", "active_rows",
+              "prev_token", *_PROBES, "top_offset", "top_offset_share", "sink_value_ratio", "logit_std",
+              "estimate_mean", "ablation_mean")  # fmt: skip
 # Columns report.js reads by name (the heads grid, labels, filter, classification map).
 SCRIPT_READS = ("layer", "head", "head_type", "role", "top_offset", "locality", "norm_entropy")
 
@@ -195,7 +199,8 @@ def report_page(report, *, files_in: Path | Sequence[Path] | None = None) -> str
             "selectable": shown,
             "scales": {name: COLUMNS[name].scale for name in shown},
             "table": [name for name in TABLE if name in present],
-            "panel": list(dict.fromkeys((*(name for name in PANEL_FIRST if name in present), *present))),
+            "panel": [name for name in (*PANEL_FIRST, *PANEL_NEXT) if name in present],
+            "panel_more": [name for name in present if name not in (*PANEL_FIRST, *PANEL_NEXT)],
             "text": [name for name in present if not COLUMNS[name].numeric],
             "about": {name: COLUMNS[name].about for name in present},
         },

@@ -64,18 +64,29 @@ function fillSelect(names, draw, about) {
   select.onchange = () => draw(select.value);
 }
 
-// A two-column table of `keys` of row i of H (name, formatted value) under a title, in #panel.
-function fillPanel(H, i, keys, about) {
-  const table = document.createElement("table"), title = document.createElement("h3");
+// A two-column table of `keys` of row i of H (name, formatted value; the column's definition as its tooltip)
+// under a title, in #panel; the `more` columns behind "every column" (closed: the panel stays readable).
+function fillPanel(H, i, keys, about, more) {
+  const rows = (names, table) => {
+    for (const k of names) {
+      if (!(k in H)) continue;
+      const tr = table.insertRow(), a = tr.insertCell(), b = tr.insertCell();
+      a.textContent = k; b.textContent = fmtIn(k, H[k][i]); b.dataset.key = k;
+      tr.title = (about || {})[k] || "";
+    }
+    return table;
+  };
+  const title = document.createElement("h3"), table = rows(keys, document.createElement("table"));
   table.id = "panel-table"; title.id = "panel-title";
   title.textContent = `layer ${H.layer[i]}, head ${H.head[i]}`;
-  for (const k of keys) {
-    if (!(k in H)) continue;
-    const tr = table.insertRow(), a = tr.insertCell(), b = tr.insertCell();
-    a.textContent = k; b.textContent = fmtIn(k, H[k][i]); b.dataset.key = k;
-    tr.title = (about || {})[k] || "";
+  const parts = [title, table];
+  if (more && more.length) {
+    const details = document.createElement("details"), summary = document.createElement("summary");
+    summary.textContent = `every column (${more.length} more)`;
+    details.replaceChildren(summary, rows(more, document.createElement("table")));
+    parts.push(details);
   }
-  document.getElementById("panel").replaceChildren(title, table);
+  document.getElementById("panel").replaceChildren(...parts);
 }
 
 // A table of H's rows in `columns`, into #<id>: click a header to sort by it (again: the other way), click a row

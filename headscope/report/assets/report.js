@@ -33,7 +33,7 @@ function runDetails() {
 }
 
 const heatmap = metric => drawHeatmap(G, H, metric, P.scales[C.scales[metric]], CATEGORIES[metric]);
-const panel = i => fillPanel(H, i, C.panel, C.about);
+const panel = i => fillPanel(H, i, C.panel, C.about, C.panel_more);
 
 // The views of the example texts that hold head i: [view, index] pairs.
 const viewsOf = i => V.map((v, n) => [v, n]).filter(([v]) => v.heads.some(([l, h]) => l === H.layer[i] &&
