@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from headscope.labels import dormant_status
+
 
 def importance_column(heads: pd.DataFrame) -> str | None:
     """The importance column to show: exact mean ablation when measured, else its second-order estimate."""
@@ -144,8 +146,6 @@ def strongest_positions(effects: pd.DataFrame) -> pd.DataFrame:
 def dormant_line(heads: pd.DataFrame, check: dict | None) -> str | None:
     """What backs the dormant label, in one line: the removal check analyze ran (run.json `dormant_check`), or why
     there is none; None when no head is dormant and nothing was demoted."""
-    from headscope.labels import dormant_status
-
     status = dormant_status(heads)
     demoted = [] if check is None else check.get("demoted", [])
     if status == "none" and not demoted:

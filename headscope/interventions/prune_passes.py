@@ -72,16 +72,17 @@ def search_on_model(
     if journal is not None:
         verify, estimate = journal.verify(verify), journal.estimate(estimate)
 
-    def counting_rounds(removed, ranked=estimate):  # every round begins with an estimate (live or replayed)
-        state["round"] += 1
-        return ranked(removed)
+    answered_estimate, answered_verify = estimate, verify  # live, or replayed from the journal
 
-    def counted(sets, answered=verify):  # the passes of every verification, replayed ones included: the search's
+    def round_started(removed):  # every round begins with an estimate, live or replayed
+        state["round"] += 1
+        return answered_estimate(removed)
+
+    def counted(sets):  # the passes of every verification, replayed ones included: the whole search's
         nonlocal passes
         passes = passes + lm.planned(sets, mode, base=shared(sets), clean=False)
-        return answered(sets)
+        return answered_verify(sets)
 
-    verify = counted
     removed_before = 0
 
     def step(found: PruneResult) -> None:
@@ -103,7 +104,7 @@ def search_on_model(
         + (f", or {patience} rounds in a row adding under 2% of the heads near the budget" if patience else "")
     )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
-    result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=counting_rounds, verify=verify,
+    result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=round_started, verify=counted,
                           shortlist=SHORTLIST, first_shortlist=FIRST_SHORTLIST, tries=TRIES, patience=patience,
                           max_rounds=max_rounds, on_step=step)  # fmt: skip
     return Searched(result, removal, passes)

@@ -212,7 +212,9 @@ class Capture:
             self.run(Batch.unpadded(ids.to(device)))
 
         if len(self.write_paths) < through:
-            self.write_paths = learn_write_paths(self.model, self.decoder, run, through=through)
+            architecture = architecture_of(self.model.config)
+            inputs = architecture["heads"] * architecture["head_dim"]
+            self.write_paths = learn_write_paths(self.model, self.decoder, run, through=through, inputs=inputs)
 
     @contextlib.contextmanager
     def _reading_residual(self) -> Iterator[None]:

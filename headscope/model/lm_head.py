@@ -20,19 +20,23 @@ def maps_lm(config, display: str, dtype, device_map, offload_folder) -> bool:
     return True
 
 
-def lm_head_missing(network, loading_info: dict) -> bool:
+def _missing_head_weights(network, loading_info: dict) -> list[str]:
+    """The LM head's weight names that the checkpoint did not hold (transformers filled them in at random)."""
     head = network.get_output_embeddings()
     names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
-    return any(name in loading_info.get("missing_keys", ()) for name in names)
+    return [name for name in names if name in loading_info.get("missing_keys", ())]
+
+
+def lm_head_missing(network, loading_info: dict) -> bool:
+    return bool(_missing_head_weights(network, loading_info))
 
 
 def check_lm_head(network, loading_info: dict, display: str) -> None:
     """Refuse a causal LM whose checkpoint holds no weights for its LM head: transformers initialises a random one,
     and a loss (head importance) through it would be noise, different on every run."""
-    if lm_head_missing(network, loading_info):
-        head = network.get_output_embeddings()
-        names = [f"{name}.weight" for name, module in network.named_modules() if module is head]
+    missing = _missing_head_weights(network, loading_info)
+    if missing:
         raise ModelLoadError(
-            f"{display} holds no weights for its LM head ({names[0]}: a base-model checkpoint?); head importance "
+            f"{display} holds no weights for its LM head ({missing[0]}: a base-model checkpoint?); head importance "
             "needs the model's own next-token predictions: use the causal LM's checkpoint, or drop --importance"
         )

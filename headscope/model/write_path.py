@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from headscope.errors import ModelLoadError
-from headscope.model.projection import OUTPUT_NAMES, projected
+from headscope.model.projection import output_projection, projected
 
 DRY_TOKENS = 8  # tokens of the pass that learns the paths: spread over the vocabulary, the same every run
 PASS_THROUGH = (torch.nn.Dropout, torch.nn.Identity)  # hand the attention output on unchanged at inference
@@ -55,8 +55,10 @@ class WritePath:
 PLAIN = WritePath()
 
 
-def learn_write_paths(model: torch.nn.Module, decoder: torch.nn.ModuleList, run, *, through: int) -> list[WritePath]:
-    """The WritePath of decoder layers 0 .. through - 1.
+def learn_write_paths(
+    model: torch.nn.Module, decoder: torch.nn.ModuleList, run, *, through: int, inputs: int
+) -> list[WritePath]:
+    """The WritePath of decoder layers 0 .. through - 1 (inputs: heads x head_dim, the output projection's inputs).
 
     run(input_ids): one forward pass of the model on (1, DRY_TOKENS) ids (the caller's, attached); it may stop once
     layer through - 1 has run (StopAfter is raised from its hook)."""
@@ -66,7 +68,7 @@ def learn_write_paths(model: torch.nn.Module, decoder: torch.nn.ModuleList, run,
     hooks = []
     for index in range(through):
         layer, kept = decoder[index], seen[index]
-        attention, kept["projection"] = _attention_module(layer)
+        attention, kept["projection"] = _attention_module(layer, inputs)
         kept["attention"] = attention
         inside = {id(m) for m in attention.modules()} if attention is not None else set()
         hooks.append(layer.register_forward_pre_hook(_keep_residual(kept), with_kwargs=True))
@@ -128,13 +130,14 @@ def _keep_output(kept: dict, module: torch.nn.Module):
     return keep
 
 
-def _attention_module(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
-    """The layer's attention module and its output projection (as headscope.model.projection names them)."""
-    for name, module in layer.named_modules():
-        parent, _, own = name.rpartition(".")
-        if own in OUTPUT_NAMES and "att" in parent.lower():
-            return layer.get_submodule(parent), module
-    return None, None
+def _attention_module(layer: torch.nn.Module, inputs: int) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The layer's attention module and its output projection (headscope.model.projection finds it), or Nones for a
+    layer it finds none in (its path is then the plain one)."""
+    try:
+        name, projection = output_projection(layer, inputs)
+    except ModelLoadError:
+        return None, None
+    return layer.get_submodule(name.rpartition(".")[0]), projection
 
 
 def _path_of(index: int, kept: dict) -> WritePath:
