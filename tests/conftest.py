@@ -63,6 +63,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+_REAL_CUDA_CHECK = []  # torch.cuda.is_available as torch has it, kept while the suite hides the GPU
+
+
+@pytest.fixture(scope="session", autouse=True)
+def on_the_cpu():
+    """The suite's known answers are CPU float32's: on a machine with a GPU, `device="auto"` would take CUDA and
+    bfloat16 (README: Devices) and every exact comparison would be off by bfloat16's rounding. So the suite runs as CI
+    runs it, and only tests marked `cuda` see the GPU (`cuda_for_cuda_tests`). Session-wide, so that fixtures of a
+    wider scope, built before any test's own fixtures, run on the CPU too; child processes name their device."""
+    import torch
+
+    _REAL_CUDA_CHECK.append(torch.cuda.is_available)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def cuda_for_cuda_tests(request, monkeypatch):
+    import torch
+
+    if "cuda" in request.keywords:
+        monkeypatch.setattr(torch.cuda, "is_available", _REAL_CUDA_CHECK[0])
+
+
 @pytest.fixture
 def corpus(tmp_path, corpus_lines) -> Path:
     path = tmp_path / "corpus.txt"

@@ -66,7 +66,8 @@ def test_batch_size_and_the_blockwise_path_change_nothing_on_cuda(planted_gpt2, 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_on_cuda_against_the_cpu(smollm2, shipped_corpus, dtype):
     on_cpu = headscope.analyze(smollm2, shipped_corpus, **OPTIONS)
-    on_gpu_model = load_model("smollm2", device="cuda", dtype=dtype)
+    on_gpu_model = load_model("smollm2", device="cuda", dtype=dtype, lm_head=True)  # as the fixture: the dormant
+    # check runs on both (without the LM head it cannot, and an unverified dormant head keeps its label)
     on_gpu = headscope.analyze(on_gpu_model, shipped_corpus, batch_size=16, **OPTIONS)
     assert_heads_close(on_gpu.heads, on_cpu.heads, atol=1e-4 if dtype == "float32" else 3e-2)
     if dtype == "float32":

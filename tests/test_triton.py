@@ -27,7 +27,9 @@ def test_the_triton_kernel_under_the_interpreter_equals_the_reference():
     2), softcap, selected rows, statistics alone: each statistic within 1e-5 of float64, the output within 1e-5 of
     sdpa's scale, the top keys equal, and the kernel's first-call check passed (it ran)."""
     pytest.importorskip("triton", reason="Triton is not installed (the test extras install it on Linux x86-64)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    # CUDA hidden: on a GPU machine the child would otherwise run the compiled kernel (tested below), not this one
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}  # fmt: skip
     script = str(TESTS / "triton_interpreted.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -32,6 +32,7 @@ from headscope.errors import ConfigError, ModelLoadError, ResourceError
 from headscope.model.kernel_choice import TileKernel
 from headscope.model.layer_outputs import detached
 from headscope.model.masks import boolean_mask
+from headscope.model.precision import ieee_float32
 from headscope.model.readout import Readout, RowBlock
 from headscope.model.turns import one_call_at_a_time
 from headscope.model.write_path import WritePath, learn_write_paths
@@ -331,7 +332,7 @@ def attached(
             "headscope cannot capture its attention"
         )
     # the LM and its base model share their decoder layers: one lock for both
-    with one_call_at_a_time(decoder_layers(model)), _attached(model, block_bytes, kernel) as capture:
+    with one_call_at_a_time(decoder_layers(model)), ieee_float32(), _attached(model, block_bytes, kernel) as capture:
         yield capture
 
 

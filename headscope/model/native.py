@@ -48,9 +48,13 @@ def host_isa() -> str:
 
 
 def one_line(err: Exception) -> str:
-    """An exception as a warning names it: its type and its message's first line."""
-    message = str(err).splitlines()
-    return f"{type(err).__name__}: {message[0]}" if message else type(err).__name__
+    """An exception as a warning names it: its type, its message's first line and, where the message runs on, its
+    last (a Triton CompilationError's first line is only "at 22:27:"; the cause is on its last)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    told = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(err).__name__}: {told}"
 
 
 def first_error_line(log: str) -> str:
