@@ -10,9 +10,23 @@ import pytest
 
 import headscope
 from headscope.columns import RATIOS, STAT_INDEX, STATS
-from headscope.estimates import Bootstrap, head_intervals, poisson_weights, t_interval
+from headscope.estimates import Bootstrap, head_intervals, poisson_draws, poisson_weights, t_interval
 
 INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
+
+
+def test_poisson_draws_are_the_inverse_cdf_at_every_cut_point():
+    """The prefix table decides most draws, an exact look-up the rest: both must give what comparing u = m / 2^53 with
+    the CDF gives, at and around every cut point (where a prefix holds a cut) and on random numbers."""
+    cdf = np.cumsum([math.exp(-1) / math.factorial(k) for k in range(20)])
+    cuts = np.ceil(cdf * 2.0**53).astype(np.uint64)
+    near = np.concatenate([cuts - np.uint64(1), cuts, cuts + np.uint64(1)])
+    near = near[near < np.uint64(2**53)]
+    spread = np.random.default_rng(0).integers(0, 2**53, size=200_000, dtype=np.uint64)
+    for bits in (near, spread, np.array([0, 2**53 - 1], dtype=np.uint64)):
+        # the plain definition: k = how many CDF values u reaches (floats: u is exact, 53 bits)
+        expected = (bits.astype(np.float64)[:, None] / 2.0**53 >= cdf[None, :]).sum(1)
+        np.testing.assert_array_equal(poisson_draws(bits), expected)
 
 
 def test_poisson_weights_are_a_pure_function_of_seed_sentence_and_replicate():

@@ -62,7 +62,7 @@ class PartFiles:
 
     def _write(self, table: pa.Table, path: Path) -> None:
         with atomic_path(path) as tmp:
-            pq.write_table(table, tmp)
+            pq.write_table(table, tmp, compression="none")  # read once and merged: compressing them buys nothing
 
     def save_progress(self, progress: Progress, arrays: dict[str, np.ndarray], plan: dict) -> None:
         """Checkpoint `progress`, the running sums (`arrays`: name -> array, e.g. the per-head sums) and the plan

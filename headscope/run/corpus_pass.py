@@ -71,7 +71,8 @@ def measure_corpus(
     settings = plan.settings
     bootstrap = None
     if settings.bootstrap:
-        bootstrap = Bootstrap(settings.bootstrap, settings.bootstrap_seed, len(plan.layers), plan.heads)
+        bootstrap = Bootstrap(settings.bootstrap, settings.bootstrap_seed, len(plan.layers), plan.heads,
+                              product=_torch_product)  # fmt: skip
         bootstrap.sums = running.get("bootstrap", bootstrap.sums)
     statistics = AttentionStatistics.from_plan(plan)
     sums = _RunningSums(running.get("sums", np.zeros(plan.sums_shape)), bootstrap)
@@ -164,6 +165,11 @@ class _RunningSums:
             self.bootstrap.add(self._ids, moved)
         self._chunk.update(zip(self._ids, np.moveaxis(moved, 1, 0), strict=True))
         self._ids, self._waiting, self._bytes = [], [], 0
+
+
+def _torch_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b by torch on the CPU: in the model's thread pool, where numpy's BLAS threads would compete with it."""
+    return (torch.from_numpy(a) @ torch.from_numpy(b)).numpy()
 
 
 def _count_chunk(progress: Progress, chunk: Chunk) -> None:
