@@ -1,5 +1,5 @@
 """Results in a notebook: every result object's `_repr_html_` (escaped, NaN as no value, each page isolated in its
-own iframe), and two of them in one page, in headless Chromium."""
+own iframe, plotly.js sent once per notebook), and several of them in one page, in headless Chromium."""
 
 from __future__ import annotations
 
@@ -13,15 +13,24 @@ import torch
 from test_page import CHROMIUM, DRIVER, console_problems, needs_browser
 
 import headscope
-from headscope.report.notebook import cell, table
+from headscope.report.notebook import cell, send_plotly_again, table
 from headscope.report.report import Report
 
 OUTSIDE_IFRAMES = re.compile(r'srcdoc="[^"]*"')  # the pages, escaped: what is left is the cell's own HTML
+HELD_PLOTLY = re.compile(r'<script type="text/plain" id="headscope-plotly">.*?</script>', re.S)  # inert: never run
+PLOTLY_MB = 4.0  # plotly.js is 4.6 MB: a view holding it is at least this much larger than one without
 
 
 def own_html(html: str) -> str:
-    """The HTML a notebook puts in its own document (every page's text lies escaped in an iframe's srcdoc)."""
-    return OUTSIDE_IFRAMES.sub('srcdoc=""', html)
+    """The HTML a notebook puts in its own document and runs (every page's text lies escaped in an iframe's srcdoc;
+    the plotly.js held for them is text/plain, which a browser never runs)."""
+    return HELD_PLOTLY.sub("", OUTSIDE_IFRAMES.sub('srcdoc=""', html))
+
+
+@pytest.fixture(autouse=True)
+def a_fresh_notebook():
+    """Each test starts as a new kernel does: the next result shown carries plotly.js."""
+    send_plotly_again()
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +61,22 @@ def test_the_report_shows_its_roles_and_its_page_isolated(report):
     text = repr(report)
     assert text.startswith("Report(model=") and "layers x" in text and len(text) < 200  # __repr__ stays short
     html = report._repr_html_()
-    assert report.to_html() == html
-    assert html.count("<iframe") == 1 and 'sandbox="allow-scripts"' in html
+    assert html.count("<iframe") == 1 and "sandbox" not in own_html(html)  # it reads plotly.js from the notebook
     assert "<script" not in own_html(html)  # the page's scripts run in the iframe's document only
     assert "the strongest heads of each role" in html
     for role in report.heads["role"].unique():
         if role != "other":
             assert f">{role}<" in own_html(html)
+
+
+def test_plotly_travels_once_per_notebook_and_to_html_stands_alone(report):
+    first, second = report._repr_html_(), report._repr_html_()
+    assert len(HELD_PLOTLY.findall(first)) == 1 and not HELD_PLOTLY.findall(second)
+    assert len(first) - len(second) > PLOTLY_MB * 2**20 and len(second) < PLOTLY_MB * 2**20
+    alone = report.to_html()  # a view kept as a file: plotly.js inside its page, which needs nothing around it
+    assert not HELD_PLOTLY.findall(alone) and 'sandbox="allow-scripts"' in alone and len(alone) > PLOTLY_MB * 2**20
+    send_plotly_again()
+    assert len(HELD_PLOTLY.findall(report._repr_html_())) == 1
 
 
 def test_text_from_the_data_is_escaped_and_nan_is_no_value(report):
@@ -98,8 +116,8 @@ def test_the_intervention_results_show_their_tables(copier):
 @pytest.mark.slow  # starts Chromium
 @needs_browser
 def test_two_results_in_one_page_each_become_interactive(report, copier, tmp_path):
-    """A notebook's output area holds many results: two report views and an inspection in one page, each page
-    ready in its own iframe, with no console error."""
+    """A notebook's output area holds many results: two report views and an inspection in one page, plotly.js held
+    once in it, each page ready in its own iframe (charts drawn with that copy), with no console error."""
     from selenium.webdriver.common.by import By
 
     loaded, texts = copier
@@ -107,6 +125,7 @@ def test_two_results_in_one_page_each_become_interactive(report, copier, tmp_pat
     page = tmp_path / "notebook.html"
     parts = [report._repr_html_(), report._repr_html_(), inspection._repr_html_()]
     page.write_text("<!doctype html><html><body>" + "".join(f"<div>{p}</div>" for p in parts) + "</body></html>")
+    assert len(HELD_PLOTLY.findall(page.read_text())) == 1
     driver = _driver()
     try:
         driver.get_log("browser")
@@ -125,6 +144,39 @@ def test_two_results_in_one_page_each_become_interactive(report, copier, tmp_pat
             driver.switch_to.default_content()
         assert console_problems(driver) == []
         driver.save_screenshot(str(tmp_path / "notebook.png"))
+    finally:
+        driver.quit()
+
+
+@pytest.mark.slow  # starts Chromium
+@needs_browser
+def test_a_view_whose_notebook_lost_plotly_says_what_to_run_and_a_kept_view_needs_nothing(report, tmp_path):
+    """A result shown after the one holding plotly.js, in a page that no longer holds it (its output cleared): the
+    frame says how to get it back. A view kept with to_html() draws its heatmap on its own."""
+    from selenium.webdriver.common.by import By
+
+    report._repr_html_()  # the output that held plotly.js, since cleared
+    lost, kept = tmp_path / "lost.html", tmp_path / "kept.html"
+    lost.write_text(f"<!doctype html><html><body>{report._repr_html_()}</body></html>", encoding="utf-8")
+    kept.write_text(f"<!doctype html><html><body>{report.to_html()}</body></html>", encoding="utf-8")
+    driver = _driver()
+    try:
+        for page in (lost, kept):
+            driver.get(page.resolve().as_uri())
+            frame = driver.find_element(By.TAG_NAME, "iframe")
+            driver.execute_script("arguments[0].scrollIntoView()", frame)
+            driver.switch_to.frame(frame)
+            started = time.perf_counter()
+            while True:
+                text = driver.execute_script("return document.body ? document.body.innerText : ''")
+                if page is lost and "send_plotly_again()" in text:
+                    break
+                if page is kept and driver.execute_script("return document.body.dataset.ready") == "true":
+                    assert driver.execute_script("return document.getElementById('heatmap').data[0].z.length") == 2
+                    break
+                assert time.perf_counter() - started < 30, f"{page.name}: {text[:300]}"
+                time.sleep(0.05)
+            driver.switch_to.default_content()
     finally:
         driver.quit()
 

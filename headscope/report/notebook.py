@@ -2,10 +2,15 @@
 circuitsvis's convention), from the same pages the commands write.
 
 A result shows what the command's printout shows, as small HTML tables, and, where the command writes a page
-(report.html, inspect.html), that page inside an iframe whose `srcdoc` is the whole page: self-contained and
-offline like the file (plotly inlined), and isolated, so that two results in one notebook cannot clash (their
-element ids, styles and scripts live in separate documents). Text from the data is always escaped; a missing or
-NaN number is an empty cell.
+(report.html, inspect.html), that page inside an iframe whose `srcdoc` is the whole page, so that two results in one
+notebook cannot clash (their element ids, styles and scripts live in separate documents). Text from the data is
+always escaped; a missing or NaN number is an empty cell.
+
+plotly.js (4.6 MB) travels once per notebook: the first result a kernel shows carries it as inert text (a script
+element of type text/plain: assets/plotly_held.html) in the notebook's own page, and every result's page runs that
+copy in its own document (its iframe shares the notebook's origin to read it, so it has no sandbox; three results
+were 17 MB of notebook, now one copy and their data). Front ends that give every output a document of its own
+(Colab) get it inlined in each, and `to_html()` (a view to keep as a file) always inlines it.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import html
 import math
 import numbers
+import sys
+import threading
 from collections.abc import Iterable, Sequence
 
 import pandas as pd
 
-from headscope.report.page import asset, fill_template
+from headscope.report.page import asset, fill_template, plotly_from_notebook, plotly_held
 
 PAGE_HEIGHT = 720  # pixels: an iframe does not size itself to its page; the page scrolls inside it
 
@@ -48,12 +55,39 @@ def facts(pairs: Iterable[tuple[str, object]]) -> str:
     return f'<p style="margin:4px 0">{" · ".join(parts)}</p>'
 
 
-def framed(page: str, height: int = PAGE_HEIGHT) -> str:
-    """A whole page in an isolated iframe (its own document: no id, style or script clash with anything else)."""
+_PLOTLY = threading.Lock()
+_plotly_sent = False  # has this kernel sent plotly.js to its notebook page
+
+
+def send_plotly_again() -> None:
+    """The next result shown carries plotly.js again (after clearing the output that held it)."""
+    global _plotly_sent
+    with _PLOTLY:
+        _plotly_sent = False
+
+
+def _own_documents() -> bool:
+    """Does the front end give every output a document of its own, where no output can read another's (Colab)?"""
+    return "google.colab" in sys.modules
+
+
+def framed(page: str, *, share_plotly: bool = True, height: int = PAGE_HEIGHT) -> str:
+    """A whole page in an iframe of its own (no id, style or script clash with anything else); its plotly.js read
+    from the notebook's page where `share_plotly` (see the module's docstring), else inlined as in the file."""
+    global _plotly_sent
+    # A page that reads the notebook's copy of plotly.js must share the notebook's origin, and a sandbox that allows
+    # both scripts and the same origin is no sandbox (Chromium says so on the console): such a frame has none. What
+    # keeps the data's text from running is its escaping, tested, as in the files.
+    sandbox, held = ' sandbox="allow-scripts"', ""
+    if share_plotly and not _own_documents():
+        page, sandbox = plotly_from_notebook(page), ""
+        with _PLOTLY:
+            held = "" if _plotly_sent else plotly_held()
+            _plotly_sent = True
     source = html.escape(page, quote=True)
-    return (
-        f'<iframe srcdoc="{source}" style="width:100%;height:{height}px;border:1px solid #ddd" '
-        f'sandbox="allow-scripts" loading="lazy"></iframe>'
+    return held + (
+        f'<iframe srcdoc="{source}" style="width:100%;height:{height}px;border:1px solid #ddd"{sandbox} '
+        f'loading="lazy"></iframe>'
     )
 
 

@@ -47,10 +47,25 @@ def asset(name: str) -> str:
     return (resources.files("headscope.report") / "assets" / name).read_text(encoding="utf-8")
 
 
+@cache
 def _plotly_js() -> str:
     from plotly.offline import get_plotlyjs  # the bundle the package ships: no network, MIT licensed
 
     return _without_urls(get_plotlyjs())
+
+
+def plotly_from_notebook(page: str) -> str:
+    """`page` (from page_html) with its plotly.js replaced by assets/plotly_from_notebook.js, which runs the copy a
+    notebook's own page holds (headscope.report.notebook)."""
+    bundle = _plotly_js()
+    if bundle not in page:
+        raise ValueError("the page holds no plotly.js of this headscope's to replace")
+    return page.replace(bundle, asset("plotly_from_notebook.js"), 1)
+
+
+def plotly_held() -> str:
+    """plotly.js as inert text for a notebook's own page (assets/plotly_held.html: type text/plain, never run)."""
+    return fill_template(asset("plotly_held.html").strip(), {"PLOTLY": _plotly_js()})
 
 
 def _without_urls(script: str) -> str:

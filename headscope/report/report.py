@@ -134,6 +134,13 @@ class Report:
 
     def _repr_html_(self) -> str:
         """In a notebook: the run's facts, each role's strongest heads, then report.html's heatmap and head panel."""
+        return self._view(share_plotly=True)
+
+    def to_html(self) -> str:
+        """The view a notebook shows (`_repr_html_`) as a string that stands alone (plotly.js inlined)."""
+        return self._view(share_plotly=False)
+
+    def _view(self, *, share_plotly: bool) -> str:
         from headscope.arguments import head_name
         from headscope.report.notebook import block, facts, framed, table
         from headscope.report.page import report_page
@@ -158,11 +165,8 @@ class Report:
             ],
             caption="the strongest heads of each role, by the evidence for it",
         )
-        return block(f"headscope report: {run.model}", header, roles, framed(report_page(self)))
-
-    def to_html(self) -> str:
-        """The same view as a notebook shows (`_repr_html_`), as a string."""
-        return self._repr_html_()
+        return block(f"headscope report: {run.model}", header, roles,
+                     framed(report_page(self), share_plotly=share_plotly))  # fmt: skip
 
     @classmethod
     def open(cls, folder: Path | str) -> Report:

@@ -87,17 +87,21 @@ class Inspection:
 
     def _repr_html_(self) -> str:
         """In a notebook: the inspected heads' summary and inspect.html's head-by-text view."""
+        return self._view(share_plotly=True)
+
+    def to_html(self) -> str:
+        """The view a notebook shows (`_repr_html_`) as a string that stands alone (plotly.js inlined)."""
+        return self._view(share_plotly=False)
+
+    def _view(self, *, share_plotly: bool) -> str:
         from headscope.report.notebook import block, facts, framed, table
 
         columns = [c for c in ("text_id", "layer", "head", "largest_at", "mean_largest") if c in self.summary]
         rows = [[", ".join(f"{name} {share:.0%}" for name, share in v) if isinstance(v, list) else v for v in row]
                 for row in self.summary[columns].head(12).itertuples(index=False)]  # fmt: skip
-        view = framed(self.page) if self.page is not None else ""
+        view = framed(self.page, share_plotly=share_plotly) if self.page is not None else ""
         return block(f"headscope inspect: {self.model}", facts([("texts", len(self.texts))]),
                      table(columns, rows, caption="where each head looks"), view)  # fmt: skip
-
-    def to_html(self) -> str:
-        return self._repr_html_()
 
     @property
     def attention(self) -> pd.DataFrame:
