@@ -18,6 +18,7 @@ from headscope.run.feed import collate
 
 from helpers import QUICK, assert_one_line_error, hidden_leftovers, run_cli, tiny_model_folder
 from planted import COPY_LOGIT, COPY_VOCAB, build_planted_copier, copy_scales, copy_words
+from reference_importance import straightforward_importance
 
 IMPORTANCE = ["ablation_zero", "ablation_mean", "attribution_zero", "attribution_mean"]
 
@@ -172,3 +173,43 @@ def test_importance_refuses_a_sentence_beyond_its_memory_budget_before_measuring
         result, "tokens in one gradient pass with 1.0 MiB", "the longest sentence has 44", "--max-length"
     )
     assert not out.exists() and hidden_leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "olmo2"])
+def test_importance_behind_a_post_attention_norm_equals_the_plain_computation(architecture, tmp_path, corpus_lines):
+    """Gemma 2 and OLMo 2 normalise the attention output before adding it: a removal's exact cost, its first-order
+    estimate and the curvature term (estimate_*) act on the head's output before the output projection, through
+    the norm, and must equal hooks on o_proj with autograd (tests/reference_importance.py), head by head."""
+    import transformers as t
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
+    model_class, config = {
+        "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(**shape, head_dim=16, sliding_window=64)),
+        "olmo2": (t.Olmo2ForCausalLM, t.Olmo2Config(**shape)),
+    }[architecture]
+    folder = tiny_model_folder(tmp_path, config, model_class, corpus_lines)
+    loaded = headscope.load_model(str(folder), device="cpu", dtype="float32", lm_head=True)
+    sentences = corpus_lines[:6]
+    heads = headscope.analyze(loaded, sentences, importance="exact", probes=False, bootstrap=0, charts=None,
+                              page=False, check_dormant=False).heads.set_index(["layer", "head"])  # fmt: skip
+    assert any(
+        "post-norm" in path
+        for path in headscope.analyze(
+            loaded, sentences[:1], probes=False, bootstrap=0, charts=None, page=False, check_dormant=False
+        ).run["write_path"]
+    )  # the model's path is the one under test
+    for layer, head in ((0, 1), (1, 2)):
+        zero, mean, first_zero, first_mean, curvature_mean, curvature_zero = straightforward_importance(
+            loaded, sentences, layer, head
+        )
+        got = heads.loc[(layer, head)]
+        assert abs(zero) > 1e-3 and abs(curvature_mean) > 1e-7  # the head and the curvature term both matter here
+        np.testing.assert_allclose(got[["ablation_zero", "ablation_mean"]].to_numpy(float), [zero, mean], atol=1e-5)
+        np.testing.assert_allclose(
+            got[["attribution_zero", "attribution_mean", "estimate_zero", "estimate_mean"]].to_numpy(float),
+            [first_zero, first_mean, first_zero + curvature_zero, first_mean + curvature_mean],
+            rtol=1e-4,
+            atol=1e-6,
+            err_msg=f"{architecture} {layer}.{head}",
+        )
