@@ -19,6 +19,14 @@ def gamma(n: int) -> float:
     return n * UNIT / (1 - n * UNIT)
 
 
+def row_statistic(n: int, magnitude: float = 1.0) -> float:
+    """How far a statistic summed in float32 over a row of n keys may be from float64's sum of the same float32
+    probabilities: every term rounded once, the log's own rounding, and the sum's gamma_n of the terms' magnitude
+    (1 for a mass or a largest weight, H + 1 <= ln n + 1 for an entropy, whose terms are p ln p), in any order and
+    vector width. A mean over rows keeps the bound; a sum over r rows multiplies it by r."""
+    return (gamma(n) + 2 * UNIT) * magnitude
+
+
 def logit_error(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """(batch, heads, t, t) float64: how far a float32 logit q . k * scaling may be from the exact one: the dot
     product's gamma_d of sum |q_i k_i|, the scaling's rounding, and one more rounding of the logit itself.
