@@ -21,10 +21,10 @@ from headscope.interventions.importance import measure_importance
 from headscope.model.capture import attached
 from headscope.model.loading import load_model, quiet_transformers
 from headscope.model.memory import default_budget
+from headscope.progress import NullReporter
 from headscope.run.corpus import default_corpus_path, read_corpus
 from headscope.run.feed import CorpusFeed
 from headscope.run.plan import resolve_plan
-from headscope.run.progress import NullReporter
 
 
 def main() -> None:

@@ -37,10 +37,10 @@ import torch
 
 import headscope
 from headscope.measures.row_sums import head_row_sums
+from headscope.model.architecture import model_max_length
+from headscope.model.batch import batches_in_order
 from headscope.model.loading import load_model, quiet_transformers
 from headscope.model.masks import causal_visible_keys
-from headscope.run.feed import batches_in_order
-from headscope.run.plan import model_max_length
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "corpora" / "english-100.txt"

@@ -33,8 +33,8 @@ import torch
 from bench import CORPUS, PeakMemory, _causal_lm, attention_statistics, measure
 
 import headscope
+from headscope.model.batch import batches_in_order
 from headscope.model.loading import load_model, quiet_transformers
-from headscope.run.feed import batches_in_order
 
 
 def sentence_of(tokenizer, length: int) -> tuple[str, list[int]]:

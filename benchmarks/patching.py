@@ -66,7 +66,7 @@ def main() -> None:
 
 def baseline(loaded, pairs_path: str, layers) -> None:
     from headscope.interventions.pairs import read_pairs, tokenize_pairs
-    from headscope.run.feed import collate
+    from headscope.model.batch import collate
 
     pairs = tokenize_pairs(read_pairs(pairs_path), loaded.tokenizer, None)
     clean = collate([0] * len(pairs), [p.clean_ids for p in pairs], padding_side="left")

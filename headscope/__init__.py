@@ -20,11 +20,11 @@ from headscope.config import RunConfig, Thresholds
 from headscope.errors import HeadscopeError
 
 _LAZY = {
-    "analyze": "headscope.run.analyze",
-    "inspect": "headscope.run.inspect",
-    "ablate": "headscope.interventions.ablate",
-    "prune": "headscope.interventions.prune",
-    "patch": "headscope.interventions.patch",
+    "analyze": "headscope.commands.analyze",
+    "inspect": "headscope.commands.inspect",
+    "ablate": "headscope.commands.ablate",
+    "prune": "headscope.commands.prune",
+    "patch": "headscope.commands.patch",
     "Report": "headscope.report.report",
     "load_model": "headscope.model.loading",
 }

@@ -25,7 +25,7 @@ from headscope.columns import (
 )
 from headscope.errors import OutputError
 from headscope.estimates import ProbeResult, metric_means
-from headscope.run.files import atomic_path
+from headscope.files import atomic_path
 
 METADATA_KEY = b"headscope"
 
@@ -149,7 +149,7 @@ def layers_frame(
     its interval.
 
     intervals: metric -> (low, high) of the layer mean, (layers,); None leaves them NaN. attention: (kind, window)
-    of every layer of the model (run.plan.layer_attention).
+    of every layer of the model (model.architecture.layer_attention).
     """
     grouped = heads.groupby("layer", sort=True)
     layers = grouped.size().index

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from headscope.cli import app
-from headscope.run.progress import NullReporter
+from headscope.progress import NullReporter
 
 runner = CliRunner()
 

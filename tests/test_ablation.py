@@ -13,8 +13,8 @@ import headscope
 from headscope.errors import ConfigError
 from headscope.estimates import poisson_weights
 from headscope.interventions.groups import GroupLosses, group_effect, repeat_tokens, scored_targets
-from headscope.run.feed import collate
-from headscope.run.progress import NullReporter
+from headscope.model.batch import collate
+from headscope.progress import NullReporter
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
 from planted import build_planted_copier, copy_words

@@ -14,9 +14,9 @@ import pytest
 
 import headscope
 from headscope.arguments import as_head_groups, as_heads, as_ids, as_texts, parse_heads, parse_ids, parse_layers
+from headscope.commands.prune import check_request as check_prune_request
 from headscope.config import RoleThresholds, RunConfig
 from headscope.errors import ConfigError
-from headscope.interventions.prune import check_request as check_prune_request
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
 from planted import build_planted_copier, copy_words

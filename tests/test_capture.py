@@ -8,8 +8,9 @@ import torch
 
 import headscope
 from headscope.measures.statistics import AttentionStatistics
+from headscope.model.batch import collate
 from headscope.model.capture import RowBlock, attached
-from headscope.run.feed import collate, tokenize_sentences
+from headscope.run.feed import tokenize_sentences
 
 TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
 

@@ -11,8 +11,8 @@ from headscope.config import Thresholds
 from headscope.errors import ConfigError
 from headscope.labels import HEAD_TYPES, classify_heads, label_counts, most_typical
 from headscope.measures.row_sums import head_row_sums
+from headscope.model.batch import collate
 from headscope.model.masks import causal_visible_keys
-from headscope.run.feed import collate
 from headscope.tables import heads_frame
 
 DEFAULT = Thresholds()

@@ -9,7 +9,7 @@ import torch
 import headscope
 from headscope.arguments import parse_batch_size, parse_bytes, parse_layers
 from headscope.errors import ConfigError
-from headscope.run.feed import plan_batches
+from headscope.model.batch import plan_batches
 
 from helpers import tiny_model_folder
 from reference import corpus_means

@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from headscope.run.feed import char_limit, collate, tokenize_sentences
+from headscope.model.batch import collate
+from headscope.run.feed import char_limit, tokenize_sentences
 from headscope.run.prefetch import prefetched
 
 AWKWARD = ["", "  ", "The cat sat.", "naïve café 😀 — ok", "x" * 300, "<|endoftext|> after a special token", "\t tab"]

@@ -14,7 +14,7 @@ import torch
 import headscope
 from headscope.errors import ConfigError
 from headscope.interventions.nll import token_losses
-from headscope.run.feed import collate
+from headscope.model.batch import collate
 
 from helpers import QUICK, assert_one_line_error, hidden_leftovers, run_cli, tiny_model_folder
 from planted import COPY_LOGIT, COPY_VOCAB, build_planted_copier, copy_scales, copy_words

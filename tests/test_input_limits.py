@@ -9,7 +9,7 @@ import time
 import pandas as pd
 import pytest
 
-from headscope.run.progress import NullReporter
+from headscope.progress import NullReporter
 
 from helpers import (
     QUICK,

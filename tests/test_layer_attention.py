@@ -11,7 +11,7 @@ import pytest
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 import headscope
-from headscope.run.plan import layer_attention
+from headscope.model.architecture import layer_attention
 
 from helpers import QUICK, run_cli, tiny_model_folder
 

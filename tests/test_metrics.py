@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from headscope.columns import STAT_INDEX
 from headscope.estimates import metric_means
 from headscope.measures.row_sums import band_row_sums, head_row_sums
+from headscope.model.batch import collate
 from headscope.model.masks import causal_visible_keys, visible_keys
-from headscope.run.feed import collate
 
 from reference import corpus_means
 from tolerances import row_statistic

@@ -21,9 +21,9 @@ from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, refe
 import headscope
 from headscope.measures.statistics import AttentionStatistics
 from headscope.model import native
+from headscope.model.batch import collate
 from headscope.model.capture import attached
 from headscope.model.kernel_choice import TileKernel
-from headscope.run.feed import collate
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
 LONG = 700

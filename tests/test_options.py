@@ -22,7 +22,7 @@ from headscope.columns import IMPORTANCE_COLUMNS
 from headscope.config import SETTINGS, RoleThresholds, Thresholds
 from headscope.labels import assign_roles, classify_heads
 from headscope.model.loading import load_for_run
-from headscope.run.progress import NullReporter
+from headscope.progress import NullReporter
 
 from helpers import Interrupting, run_cli, tiny_model_folder
 from planted import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headscope.interventions.patch import patch
+from headscope.commands.patch import patch
 from headscope.interventions.patching import patch_effects
 
 from helpers import tiny_model_folder
@@ -241,7 +241,7 @@ def test_the_metric_reads_each_rows_last_token_however_the_logits_were_kept():
     import torch
 
     from headscope.interventions.patching import METRICS, metric_of
-    from headscope.run.feed import collate
+    from headscope.model.batch import collate
 
     batch = collate([0, 1], [[5, 6, 7], [5, 6, 7, 8, 9]])
     logits = torch.randn(2, 5, 10)

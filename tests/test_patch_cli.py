@@ -191,7 +191,7 @@ def test_pairs_without_a_behaviour_are_flagged_and_give_no_effect(reader, tmp_pa
 
 def test_patch_shows_its_progress(reader, pairs):
     """One patched run per pair and head: the reporter is told the total and every run."""
-    from headscope.run.progress import NullReporter
+    from headscope.progress import NullReporter
 
     class Counting(NullReporter):
         def __init__(self) -> None:

@@ -15,7 +15,7 @@ import torch
 
 import headscope
 from headscope.model.precision import ieee_float32
-from headscope.run.progress import NullReporter
+from headscope.progress import NullReporter
 
 
 class PrecisionSeen(NullReporter):

@@ -13,7 +13,7 @@ import torch
 import headscope
 from headscope.errors import ConfigError, ResourceError
 from headscope.interventions.search import prune_search
-from headscope.run.progress import NullReporter
+from headscope.progress import NullReporter
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
 from reference import hooked_losses
@@ -617,7 +617,7 @@ def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, t
     kept = tmp_path / ".b.partial"
     assert result.exit_code == 130 and (kept / "prune-journal.json").is_file()  # every search keeps its journal
     assert f"kept in {kept}: the same command with --resume continues it" in " ".join(result.output.split())
-    from headscope.run.output import kept_checkpoints
+    from headscope.output import kept_checkpoints
 
     before = kept_checkpoints()
     with pytest.raises(KeyboardInterrupt):  # no output folder: no journal, and nothing for --resume to continue

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 import headscope
-import headscope.run.progress
+import headscope.progress
 from headscope.estimates import ONE_SENTENCE_NOTE
 
 from helpers import run_cli
@@ -34,7 +34,7 @@ def test_inspect_records_a_corpus_sentence_cut_by_max_length_as_truncated(plante
 def test_one_sentence_gets_no_interval_and_a_note(planted_gpt2, tmp_path):
     notes = []
 
-    class Recording(headscope.run.progress.NullReporter):
+    class Recording(headscope.progress.NullReporter):
         def note(self, text: str) -> None:
             notes.append(text)
 

@@ -22,8 +22,8 @@ from headscope.measures.probes import (
     probe_inputs,
 )
 from headscope.measures.row_sums import head_row_sums
+from headscope.model.batch import collate
 from headscope.model.masks import causal_visible_keys
-from headscope.run.feed import collate
 from headscope.summary import top_heads_per_role
 
 from helpers import run_cli

@@ -15,10 +15,11 @@ import headscope
 from headscope.measures.row_sums import head_row_sums, head_row_sums_from_values, weight_row_values
 from headscope.measures.statistics import heads_side_by_side
 from headscope.model import native
+from headscope.model.batch import collate
 from headscope.model.capture import attached
 from headscope.model.kernel_choice import TileKernel
 from headscope.model.readoff import RowValues
-from headscope.run.feed import collate, tokenize_sentences
+from headscope.run.feed import tokenize_sentences
 
 from tolerances import row_statistic
 

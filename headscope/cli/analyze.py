@@ -56,9 +56,9 @@ def analyze(
     role_dormant_max_write_ratio: o.RoleDormantMaxWriteRatio = o.ROLE_THRESHOLDS.dormant_max_write_ratio,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
+    from headscope.commands.analyze import analyze as run_analysis
     from headscope.config import RoleThresholds, Thresholds, settings_from_command_line
     from headscope.model.loading import resolve_source
-    from headscope.run.analyze import analyze as run_analysis
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):

@@ -56,7 +56,7 @@ def raise_terminated(signum, frame) -> None:
 def say(message: str, *, err: bool = False) -> None:
     """Print a line (control characters escaped); under torchrun only rank 0 speaks: every rank's failure
     reaches it (headscope.run.distributed.meet)."""
-    from headscope.run.progress import printable
+    from headscope.progress import printable
 
     if os.environ.get("RANK", "0") == "0":
         typer.echo(printable(message), err=err)
@@ -81,7 +81,7 @@ def _usage_error(ctx: typer.Context, err: ConfigError):
 def user_errors(ctx: typer.Context):
     """Turn the library's own errors into a one-line message and exit code 1 (2 for an option's value the
     library refuses once it knows the model or the corpus: a usage error too); signals into 130 / 143."""
-    from headscope.run.output import kept_checkpoints
+    from headscope.output import kept_checkpoints
 
     kept_before = len(kept_checkpoints())
 
@@ -103,7 +103,7 @@ def user_errors(ctx: typer.Context):
         say(f"{INTERRUPTED[143]}{hint()}.", err=True)
         raise typer.Exit(143) from None
     except Exception as err:  # a full disk reported by a library outside any staged folder: still one line
-        from headscope.run.files import disk_refusal
+        from headscope.files import disk_refusal
 
         refused = disk_refusal(err)
         if refused is None:

@@ -41,11 +41,11 @@ def inspect(
 
     from headscope.arguments import parse_heads, parse_ids
     from headscope.cli.printing import print_inspection
+    from headscope.commands.inspect import check_request
+    from headscope.commands.inspect import inspect as run_inspection
     from headscope.config import RoleThresholds, settings_from_command_line
     from headscope.errors import ConfigError
     from headscope.model.loading import resolve_source
-    from headscope.run.inspect import check_request
-    from headscope.run.inspect import inspect as run_inspection
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):

@@ -42,9 +42,9 @@ def patch(
 
     from headscope.arguments import parse_heads
     from headscope.cli.printing import print_patching
+    from headscope.commands.patch import check_request
+    from headscope.commands.patch import patch as run_patching
     from headscope.config import settings_from_command_line
-    from headscope.interventions.patch import check_request
-    from headscope.interventions.patch import patch as run_patching
     from headscope.model.loading import resolve_source
 
     reporter, loader = seams(ctx)

@@ -14,8 +14,8 @@ from rich.text import Text
 from headscope.arguments import head_name
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
 from headscope.layout import ABLATION_RECORD, HEAD_MASK_FILE, INSPECT_RECORD, PATCH_RECORD, PATCHING_FILE, PRUNE_RECORD
+from headscope.progress import printable
 from headscope.report.report import Report
-from headscope.run.progress import printable
 from headscope.summary import (
     dormant_line,
     early_late_entropy,

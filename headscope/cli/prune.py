@@ -38,9 +38,9 @@ def prune(
     from pathlib import Path
 
     from headscope.cli.printing import print_pruning
+    from headscope.commands.prune import check_request
+    from headscope.commands.prune import prune as run_pruning
     from headscope.config import settings_from_command_line
-    from headscope.interventions.prune import check_request
-    from headscope.interventions.prune import prune as run_pruning
     from headscope.model.loading import resolve_source
     from headscope.run.distributed import ranks_from_env
 

@@ -24,8 +24,8 @@ import pandas as pd
 from headscope.arguments import head_name
 from headscope.interventions.groups import group_effect, shared_group_losses
 from headscope.interventions.removal import Head, Removal
+from headscope.progress import Reporter
 from headscope.run.distributed import ONE_PROCESS, Ranks, share_of
-from headscope.run.progress import Reporter
 
 TRIES = 4  # sets verified in one pass
 MAX_ROUNDS = 5

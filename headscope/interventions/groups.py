@@ -27,10 +27,10 @@ from headscope.config import LOSS_ON
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
 from headscope.interventions.nll import token_nll
 from headscope.interventions.removal import Head, Removal, RemovedHeads
+from headscope.model.batch import Batch
 from headscope.model.layer_outputs import replicate
+from headscope.progress import Reporter
 from headscope.run.distributed import Ranks, gather, together
-from headscope.run.feed import Batch
-from headscope.run.progress import Reporter
 
 SCORINGS = LOSS_ON
 

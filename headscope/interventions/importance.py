@@ -36,10 +36,11 @@ from headscope.errors import ResourceError
 from headscope.interventions.groups import SCORINGS, PassPlan, group_effect, planned_passes, shared_group_losses
 from headscope.interventions.removal import Removal, shared_gradient_pass
 from headscope.labels import ROLES
+from headscope.model.batch import Batch
 from headscope.model.memory import readable
+from headscope.progress import Reporter
 from headscope.run.distributed import ONE_PROCESS, Ranks, share_of
-from headscope.run.feed import Batch, CorpusFeed
-from headscope.run.progress import Reporter
+from headscope.run.feed import CorpusFeed
 
 
 @dataclass

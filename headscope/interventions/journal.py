@@ -24,8 +24,8 @@ from pathlib import Path
 
 from headscope.arguments import head_name
 from headscope.errors import OutputError
+from headscope.files import atomic_path
 from headscope.interventions.search import Head, PruneResult
-from headscope.run.files import atomic_path
 
 
 class SearchJournal:

@@ -26,12 +26,13 @@ from headscope.interventions.groups import GroupLosses, PassPlan, planned_passes
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.nll import token_losses
 from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, shared_gradient_pass
+from headscope.model.batch import Batch
 from headscope.model.capture import Capture, attached
 from headscope.model.loading import LoadedModel, Loader
+from headscope.progress import Reporter
 from headscope.run.distributed import ONE_PROCESS, Ranks, added, share_of, together
-from headscope.run.feed import Batch, CorpusFeed
+from headscope.run.feed import CorpusFeed
 from headscope.run.plan import Plan
-from headscope.run.progress import Reporter
 from headscope.run.setup import CommandRun
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from headscope.run.feed import Batch
+from headscope.model.batch import Batch
 
 LOSS_CHUNK_BYTES = 64 * 2**20  # float32 logits of the rows whose loss is computed at once
 

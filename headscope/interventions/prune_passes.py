@@ -13,7 +13,7 @@ from headscope.interventions.journal import SearchJournal
 from headscope.interventions.losses import LossModel
 from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult, prune_search
-from headscope.run.progress import Reporter
+from headscope.progress import Reporter
 
 SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
 FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate

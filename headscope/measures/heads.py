@@ -15,8 +15,8 @@ import torch
 
 from headscope.columns import PROBE_PATTERNS
 from headscope.errors import ResourceError
+from headscope.model.batch import Batch
 from headscope.model.memory import readable
-from headscope.run.feed import Batch
 from headscope.tables import ATTENTION_SCHEMA
 
 

@@ -39,8 +39,8 @@ from headscope.errors import ConfigError
 from headscope.estimates import ProbeResult, summarise_probes
 from headscope.measures.row_sums import diagonal_rows
 from headscope.measures.rows import without_first
-from headscope.run.feed import Batch
-from headscope.run.progress import Reporter
+from headscope.model.batch import Batch
+from headscope.progress import Reporter
 
 SAMPLE_TEXT = "The cat sat on the mat."  # encoded once to learn which ids the tokenizer puts before text
 

@@ -14,12 +14,12 @@ from headscope.columns import STATS
 from headscope.errors import ModelLoadError
 from headscope.measures.row_sums import head_row_sums_from_logits, head_row_sums_from_values, weight_row_values
 from headscope.measures.writes import OUTPUT_INDEX, head_write_sums, sink_value_ratios, write_norms
+from headscope.model.batch import Batch
 from headscope.model.capture import LayerOutput
 from headscope.model.masks import key_visibility
 from headscope.model.projection import head_grams
 from headscope.model.readoff import RowValues
 from headscope.model.write_path import share_scale
-from headscope.run.feed import Batch
 
 # Rows (batch x heads x rows) whose values wait to be summed together: summing them is some hundred small tensor
 # operations whatever their number (1.6 ms a layer of a 128-token text, more than the C++ kernel takes to compute

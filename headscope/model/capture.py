@@ -29,6 +29,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from headscope.config import BLOCK_BYTES
 from headscope.errors import ConfigError, ModelLoadError, ResourceError
+from headscope.model.architecture import architecture_of
+from headscope.model.batch import Batch
 from headscope.model.kernel_choice import TileKernel
 from headscope.model.layer_outputs import detached
 from headscope.model.masks import boolean_mask
@@ -36,8 +38,6 @@ from headscope.model.precision import ieee_float32
 from headscope.model.readout import Readout, RowBlock
 from headscope.model.turns import one_call_at_a_time
 from headscope.model.write_path import WritePath, learn_write_paths
-from headscope.run.feed import Batch
-from headscope.run.plan import architecture_of
 
 ATTENTION_NAME = "headscope"
 

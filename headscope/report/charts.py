@@ -18,11 +18,11 @@ from matplotlib.ticker import MaxNLocator
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import Thresholds
 from headscope.errors import one_line
+from headscope.files import atomic_path
 from headscope.labels import HEAD_TYPES, ROLES, most_typical
 from headscope.layout import CHART_NAMES
 from headscope.report import palette
 from headscope.report.report import Report
-from headscope.run.files import atomic_path
 from headscope.summary import early_late_entropy, importance_column, layer_entropy
 
 TYPE_COLOURS, ROLE_COLOURS = palette.TYPES, palette.ROLES

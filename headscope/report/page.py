@@ -22,9 +22,9 @@ import numpy as np
 import pandas as pd
 
 from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
+from headscope.files import atomic_path
 from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.report import palette
-from headscope.run.files import atomic_path
 
 FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_FILE, RUN_FILE)
 # The all-heads table: who the head is, its role and why, the probe scores, then its type and every other column

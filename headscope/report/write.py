@@ -1,6 +1,6 @@
 """Writing what reads a report: charts and report.html (analyze, plot), relabelled heads (classify), and a
 comparison folder (compare). A new folder is staged and published whole, tables, charts and page together
-(headscope.run.output: only into an empty folder, or over one of the same kind with --overwrite), so an interrupted
+(headscope.output: only into an empty folder, or over one of the same kind with --overwrite), so an interrupted
 run leaves the previous folder as it was; files rewritten in place are staged beside the folder and moved in
 together. A chart or page that fails is reported and never takes the tables with it."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from headscope.config import CHART_FORMATS, RoleThresholds, Thresholds
 from headscope.errors import ConfigError, one_line
+from headscope.files import replacing_files
 from headscope.layout import (
     COMPARE_BANDS_FILE,
     COMPARE_FILE,
@@ -25,10 +26,9 @@ from headscope.layout import (
     RUN_FILE,
     SCHEMA_VERSION,
 )
+from headscope.output import StagedDirectory, resolved
 from headscope.report.compare import Comparison
 from headscope.report.report import Report
-from headscope.run.files import replacing_files
-from headscope.run.output import StagedDirectory, resolved
 from headscope.tables import HEADS_SCHEMA, parquet_metadata, write_frame, write_json, write_table
 
 

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from headscope.errors import OutputError
+from headscope.files import atomic_path
 from headscope.run.distributed import ONE_PROCESS, Ranks
-from headscope.run.files import atomic_path
 from headscope.tables import SENTENCE_HEADS_SCHEMA, SENTENCES_SCHEMA, to_arrow, write_json
 
 
@@ -36,7 +36,7 @@ class Progress:
     capped: int = 0  # ... of them so long that their text was cut before tokenizing (feed.char_limit)
     batches: int = 0
     # Token count -> [sentences of that length, the first one's id]: the example views are chosen from it
-    # (measures.example.choose_examples), so the choice streams, survives a resume and merges across ranks.
+    # (run.example_views.choose_examples), so the choice streams, survives a resume and merges across ranks.
     lengths: dict[str, list[int]] = field(default_factory=dict)
 
 

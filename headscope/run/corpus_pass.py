@@ -17,12 +17,12 @@ import torch
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, Bootstrap
 from headscope.measures.statistics import AttentionStatistics
+from headscope.progress import Reporter
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.distributed import ONE_PROCESS, Ranks, Rounds, combined
 from headscope.run.feed import Chunk, CorpusFeed
 from headscope.run.plan import Plan
 from headscope.run.prefetch import prefetched
-from headscope.run.progress import Reporter
 from headscope.tables import sentence_heads_frame
 
 # Batches (and chunk ends) the host thread may prepare ahead of a GPU. On a CPU the model itself needs every

@@ -22,6 +22,8 @@ from headscope.columns import STATS
 from headscope.config import RunConfig
 from headscope.errors import ConfigError, ResourceError
 from headscope.estimates import Bootstrap
+from headscope.model.architecture import architecture_of, layer_attention, model_max_length, text_config
+from headscope.model.batch import Batch, collate
 from headscope.model.memory import (
     MAX_AUTO_SENTENCES,
     bytes_per_token,
@@ -31,7 +33,7 @@ from headscope.model.memory import (
     readable,
     tokens_per_batch,
 )
-from headscope.run.feed import Batch, CorpusFeed, collate
+from headscope.run.feed import CorpusFeed
 from headscope.summary import depth_bands
 
 
@@ -155,51 +157,6 @@ class Plan:
         }
 
 
-def architecture_of(model_config) -> dict:
-    text = _text_config(model_config)
-    heads = text.num_attention_heads
-    return {
-        "model_type": model_config.model_type,
-        "layers": text.num_hidden_layers,
-        "heads": heads,
-        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-    }
-
-
-def layer_attention(model_config) -> tuple[tuple[str, int | None], ...]:
-    """Each layer's attention, as its config declares it: ("full", None), ("sliding", window) or ("chunked", chunk),
-    or the config's own name for another kind. From `layer_types` where the config has them (Gemma 2 and 3, Qwen2,
-    gpt-oss, ...); else a `sliding_window` on every layer (Mistral), unless `use_sliding_window` is False."""
-    text = _text_config(model_config)
-    depth = text.num_hidden_layers
-    window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    if types:
-        kinds = []
-        for kind in types:
-            if "sliding" in kind:
-                kinds.append(("sliding", window))
-            elif "chunked" in kind:
-                kinds.append(("chunked", getattr(text, "attention_chunk_size", None)))
-            else:
-                kinds.append(("full", None) if kind == "full_attention" else (kind, None))
-        return tuple(kinds)
-    if isinstance(window, int) and window > 0 and getattr(text, "use_sliding_window", True) is not False:
-        return (("sliding", window),) * depth
-    return (("full", None),) * depth
-
-
-def model_max_length(model_config) -> int | None:
-    """The longest sequence the model's position scheme supports, when the config says."""
-    text = _text_config(model_config)
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def needs_lm_head(settings: RunConfig) -> bool | str:
     """Does analyze load the LM head (decided before the model, and so the plan, exists)? True for head importance,
     which cannot do without; "if-present" for the dormant label's check, which says it could not check on a
@@ -241,7 +198,7 @@ def resolve_plan(settings: RunConfig, model_config, *, dtype: torch.dtype, devic
     per forward pass (settings.max_memory, or what the device had free). Pure: the same inputs, the same plan."""
     architecture = architecture_of(model_config)
     limit = model_max_length(model_config)
-    text = _text_config(model_config)
+    text = text_config(model_config)
     hidden, intermediate = text.hidden_size, _intermediate_size(text)
     sentences = settings.batch_size or MAX_AUTO_SENTENCES
     with_grad, without_grad = (
@@ -278,10 +235,6 @@ def resized(plan: Plan, sizing: dict, model_config, *, dtype: torch.dtype, devic
     """The plan again, batched as `sizing` (another run's `Plan.sizing`) says."""
     settings = dataclasses.replace(plan.settings, batch_size=sizing["batch_size"], max_memory=sizing["max_memory"])
     return resolve_plan(settings, model_config, dtype=dtype, device_type=device_type, budget=sizing["memory_budget"])
-
-
-def _text_config(model_config):
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def _selected_layers(requested: tuple[int, ...] | None, depth: int) -> tuple[int, ...]:

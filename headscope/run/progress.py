@@ -1,65 +1,15 @@
-"""Progress reporting. The library only calls a Reporter; the CLI decides how it looks.
-
-``NullReporter`` is the library default (silent), but in a Jupyter kernel, where it is ``NotebookReporter``: one
-display that updates in place. ``RichReporter`` (the CLI's) draws a progress bar on stderr when it is a terminal;
-otherwise (nohup, CI, a pipe) it writes log lines: one per stage, and one per tenth of a long pass with its rate and
-an estimate of the time left.
+"""How progress looks: ``RichReporter`` (the CLI's) draws a progress bar on stderr when it is a terminal; otherwise
+(nohup, CI, a pipe) it writes log lines: one per stage, and one per tenth of a long pass with its rate and an
+estimate of the time left. In a Jupyter kernel the library's default is ``NotebookReporter``: one display that
+updates in place; elsewhere it is ``headscope.progress.NullReporter`` (silent). The contract, ``Reporter``, is
+headscope.progress.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from typing import Protocol
 
-# C0 and C1 control characters and DEL: a model's config or a file name can hold terminal escape sequences.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """`text` safe to print on a terminal: control characters written as escapes (ESC as \\x1b), never sent raw."""
-    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(text))
-
-
-class Reporter(Protocol):
-    def stage(self, message: str) -> None:
-        """A step without a measurable size has started (loading, writing...)."""
-
-    def note(self, message: str) -> None:
-        """Something the user should hear about even when not watching progress (cleaned-up leftovers...)."""
-
-    def warn(self, message: str) -> None:
-        """Something went wrong that did not stop the run (a chart that could not be drawn...)."""
-
-    def start(self, total_sentences: int, what: str = "measuring", unit: str = "sentences") -> None:
-        """A pass (`what`: measuring, importance...) starts over `total_sentences` sentences (or other `unit`s: patch
-        counts patched runs, one pair with one head patched)."""
-
-    def advance(self, sentences: int, tokens: int) -> None:
-        """`sentences` more sentences (with `tokens` tokens) are measured."""
-
-    def finish(self) -> None:
-        """Measuring is over."""
-
-
-class NullReporter:
-    def stage(self, message: str) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
-
-    def warn(self, message: str) -> None:
-        pass
-
-    def start(self, total_sentences: int, what: str = "measuring", unit: str = "sentences") -> None:
-        pass
-
-    def advance(self, sentences: int, tokens: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
+from headscope.progress import NullReporter, Reporter, printable
 
 
 class RichReporter:

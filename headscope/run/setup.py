@@ -25,12 +25,13 @@ from headscope.model.loading import (
     LoadedModel,
     Loader,
     ModelSource,
-    open_model,
     pick_device,
     protected_inputs,
     resolve_source,
 )
 from headscope.model.placement import check_offload_folder, dtype_name
+from headscope.output import StagedDirectory
+from headscope.progress import NullReporter, Reporter
 from headscope.run.corpus import Corpus, as_corpus
 from headscope.run.distributed import (
     ONE_PROCESS,
@@ -44,9 +45,9 @@ from headscope.run.distributed import (
     ranks_from_env,
     together,
 )
-from headscope.run.output import StagedDirectory
+from headscope.run.opening import open_model
 from headscope.run.plan import Plan, plan_for_model, resized
-from headscope.run.progress import NullReporter, Reporter, default_reporter
+from headscope.run.progress import default_reporter
 from headscope.run.record import versions
 
 # The settings a command reads, as its record lists them (the rest of RunConfig is analyze's alone): what loads the

@@ -45,10 +45,10 @@ from headscope.layout import PATCH_RECORD, PATCHING_FILE, PATCHING_PAIRS_FILE
 from headscope.model.capture import attached
 from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.progress import Reporter
 from headscope.report.report import Report, read_run
 from headscope.run.distributed import one_process_only
 from headscope.run.feed import token_texts
-from headscope.run.progress import Reporter
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
 from headscope.summary import strongest_positions
 from headscope.tables import write_frame, write_json

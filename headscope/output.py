@@ -28,8 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from headscope.errors import OutputError
-from headscope.layout import KINDS, PRUNE_JOURNAL, PRUNE_RECORD, why_not_replaceable
-from headscope.run.files import (
+from headscope.files import (
     MARKER,
     disk_refusal,
     folder_lock,
@@ -41,6 +40,7 @@ from headscope.run.files import (
     remove_quietly,
     signals_held,
 )
+from headscope.layout import KINDS, PRUNE_JOURNAL, PRUNE_RECORD, why_not_replaceable
 
 _WORK_SUFFIX = re.compile(r"(staging|old)-\d+|partial")  # .<target>.<suffix>
 

@@ -30,9 +30,9 @@ from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
 from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.progress import Reporter
 from headscope.report.report import Report, read_run
 from headscope.run.corpus import Corpus
-from headscope.run.progress import Reporter
 from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
 

@@ -23,13 +23,13 @@ import pandas as pd
 import torch
 
 from headscope.arguments import as_path
+from headscope.commands.analysis import Analysis, labelled_heads, write_tables
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules
 from headscope.errors import ConfigError, OutputError
 from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.dormant import DormantCheck, check_dormant
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
-from headscope.measures.example import example_views
 from headscope.measures.probes import ProbeSpec, check_probes, probe_sequences, run_probes
 from headscope.model import native
 from headscope.model.capture import attached
@@ -39,8 +39,8 @@ from headscope.model.loading import (
     load_for_run,
     pick_device,
 )
+from headscope.progress import NullReporter, Reporter
 from headscope.report.report import Report
-from headscope.run.assemble import Analysis, labelled_heads, write_tables
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.corpus import Corpus
 from headscope.run.corpus_pass import measure_corpus
@@ -54,9 +54,9 @@ from headscope.run.distributed import (
     ranks_from_env,
     together,
 )
+from headscope.run.example_views import example_views
 from headscope.run.feed import CorpusFeed
 from headscope.run.plan import Plan, needs_lm_head, resized
-from headscope.run.progress import NullReporter, Reporter
 from headscope.run.record import Timings, fingerprint
 from headscope.run.setup import CommandRun
 
@@ -225,7 +225,7 @@ def _unchecked_why(settings, loaded: LoadedModel) -> str:
 
 
 def _example_views(loaded: LoadedModel, feed: CorpusFeed, plan: Plan, lengths: dict) -> pd.DataFrame:
-    """The example views of a finished run, through a capture of their own (measures.example.example_views), with
+    """The example views of a finished run, through a capture of their own (run.example_views.example_views), with
     the run's --threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(plan.settings.threads or threads)

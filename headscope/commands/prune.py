@@ -25,6 +25,7 @@ import pandas as pd
 from headscope.arguments import as_number, as_path, head_name
 from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, PRUNE_PATIENCE, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
+from headscope.files import atomic_path
 from headscope.interventions.groups import PassPlan
 from headscope.interventions.journal import SearchJournal
 from headscope.interventions.losses import LossModel, loss_model, plain_loss
@@ -34,11 +35,10 @@ from headscope.interventions.search import PruneResult
 from headscope.interventions.surgery import check_savable
 from headscope.layout import HEAD_MASK_FILE, PRUNE_JOURNAL, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
 from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.output import resolved
+from headscope.progress import Reporter
 from headscope.run.corpus import Corpus
 from headscope.run.distributed import ONE_PROCESS
-from headscope.run.files import atomic_path
-from headscope.run.output import resolved
-from headscope.run.progress import Reporter
 from headscope.run.record import fingerprint, versions
 from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json

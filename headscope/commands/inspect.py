@@ -43,12 +43,12 @@ from headscope.measures.probes import check_probes, run_probes
 from headscope.model.capture import attached
 from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.progress import Reporter
 from headscope.report.report import Report, read_run
 from headscope.run.corpus import Corpus
 from headscope.run.distributed import one_process_only
 from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
 from headscope.run.plan import Plan
-from headscope.run.progress import Reporter
 from headscope.run.setup import INSPECT_SETTINGS, CommandRun, record_header
 from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
 
