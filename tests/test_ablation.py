@@ -349,3 +349,25 @@ def test_the_ablate_table_keeps_every_cell_whole(redundant, tmp_path):
     assert result.exit_code == 0, result.output
     assert "0.0,0.1,0.2,0.3,1.0,1.1,... (8)" in result.output and "…" not in result.output
     assert re.search(r"\[[-+]\d\.\d{4}, [-+]\d\.\d{4}\]", result.output)
+
+
+@pytest.mark.parametrize("command", ["ablate", "prune", "inspect"])
+def test_every_command_that_reads_a_corpus_takes_encoding_errors(command, redundant, tmp_path):
+    """--encoding-errors is in the option bundle of every command that reads a corpus (it was analyze's only): a line
+    of invalid UTF-8 stops the command in one line naming it, and with `skip` the command reads the other lines."""
+    loaded, sentences = redundant
+    corpus = tmp_path / "mixed.txt"
+    corpus.write_bytes(("\n".join(sentences[:4]) + "\n").encode() + b"bad \xff byte\n")
+    model = str(loaded.source.location)
+    request = {
+        "ablate": ["--heads", "0.0", "--bootstrap", "0"],
+        "prune": ["--budget", "0.01", "--max-rounds", "1", "--no-charts"],
+        "inspect": ["--heads", "0.0", "--sentences", "0,1", "--no-page"],
+    }[command]
+    common = [command, model, *request, "--corpus", str(corpus)]
+    assert_one_line_error(run_cli(*common, "--out", str(tmp_path / "strict")), "mixed.txt:5", "invalid UTF-8")
+    out = tmp_path / "skipped"
+    result = run_cli(*common, "--out", str(out), "--encoding-errors", "skip")
+    assert result.exit_code == 0, result.output
+    record = json.loads(next(out.glob("*.json")).read_text())
+    assert record["settings"]["encoding_errors"] == "skip" and record["corpus"]["sentences"] == 4, record

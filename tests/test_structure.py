@@ -203,3 +203,26 @@ def test_every_setting_option_takes_its_help_from_the_setting():
         for param in command.params:
             if param.name in SETTINGS:
                 assert param.help == setting_help(param.name), (command.name, param.name)
+
+
+def test_the_bundled_options_are_spelled_only_in_their_bundle():
+    """The model-loading and corpus-reading options are declared once (cli/options.py's bundles) and reach every
+    command through `takes`: no command's own signature names one, and every command that loads a model has all."""
+    import typer
+
+    from headscope.cli import app
+    from headscope.cli.options import CORPUS_OPTIONS, MODEL_OPTIONS
+
+    bundled = {name for bundle in (MODEL_OPTIONS, CORPUS_OPTIONS) for name, _, _ in bundle}
+    for name, path in MODULES.items():
+        if not name.startswith("headscope.cli.") or name == "headscope.cli.options":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                spelled = {arg.arg for arg in node.args.args + node.args.kwonlyargs} & bundled
+                assert not spelled, f"{name}.{node.name} spells bundled options {sorted(spelled)}"
+    commands = typer.main.get_command(app).commands
+    for command in ("analyze", "inspect", "ablate", "prune", "patch"):
+        assert {name for name, _, _ in MODEL_OPTIONS} <= {p.name for p in commands[command].params}, command
+    for command in ("analyze", "inspect", "ablate", "prune"):
+        assert {name for name, _, _ in CORPUS_OPTIONS} <= {p.name for p in commands[command].params}, command

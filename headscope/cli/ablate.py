@@ -8,6 +8,7 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors
 
 
+@o.takes(o.MODEL_OPTIONS, o.CORPUS_OPTIONS)
 def ablate(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -22,16 +23,7 @@ def ablate(
     overwrite: o.Overwrite = False,
     bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
     bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
-    max_length: o.MaxLength = o.DEFAULTS.max_length,
-    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
-    text_column: o.TextColumn = o.DEFAULTS.text_column,
-    device: o.Device = o.DEFAULT_DEVICE,
-    device_map: o.DeviceMap = o.DEFAULTS.device_map,
-    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
-    dtype: o.DType = o.DEFAULT_DTYPE,
-    threads: o.Threads = o.DEFAULTS.threads,
-    revision: o.Revision = o.DEFAULTS.revision,
-    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+    **options,
 ) -> None:
     """Remove groups of heads together and measure the loss they cost, with a 95% interval (ablation.json)."""
     from pathlib import Path

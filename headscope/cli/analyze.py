@@ -10,6 +10,7 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors
 
 
+@o.takes(o.MODEL_OPTIONS, o.CORPUS_OPTIONS)
 def analyze(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -18,19 +19,8 @@ def analyze(
     overwrite: o.Overwrite = False,
     resume: o.Resume = False,
     # From here to the label rules, every option is the RunConfig field of the same name (its default there).
-    text_column: o.TextColumn = o.DEFAULTS.text_column,
-    encoding_errors: o.EncodingErrors = o.DEFAULT_ENCODING,
-    revision: o.Revision = o.DEFAULTS.revision,
-    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
-    device_map: o.DeviceMap = o.DEFAULTS.device_map,
-    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
-    device: o.Device = o.DEFAULT_DEVICE,
-    dtype: o.DType = o.DEFAULT_DTYPE,
-    max_length: o.MaxLength = o.DEFAULTS.max_length,
     window: o.Window = o.DEFAULTS.window,
     batch_size: o.BatchSize = o.DEFAULTS.batch_size,
-    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
-    threads: o.Threads = o.DEFAULTS.threads,
     layers: o.Layers = o.DEFAULTS.layers,
     sentence_heads: o.SentenceHeads = o.DEFAULTS.sentence_heads,
     probes: o.Probes = o.DEFAULTS.probes,
@@ -54,6 +44,7 @@ def analyze(
     role_sink_rate_min: o.RoleSinkRateMin = o.ROLE_THRESHOLDS.sink_rate_min,
     role_offset_share_min: o.RoleOffsetShareMin = o.ROLE_THRESHOLDS.offset_share_min,
     role_dormant_max_write_ratio: o.RoleDormantMaxWriteRatio = o.ROLE_THRESHOLDS.dormant_max_write_ratio,
+    **options,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
     from headscope.commands.analyze import analyze as run_analysis

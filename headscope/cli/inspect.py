@@ -8,6 +8,7 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors
 
 
+@o.takes(o.MODEL_OPTIONS, o.CORPUS_OPTIONS)
 def inspect(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -22,19 +23,10 @@ def inspect(
     out: o.Out = None,
     overwrite: o.Overwrite = False,
     page: o.Page = True,
-    max_length: o.MaxLength = o.DEFAULTS.max_length,
-    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
     probe_length: o.ProbeLength = o.DEFAULTS.probe_length,
     probe_seeds: o.ProbeSeeds = o.DEFAULTS.probe_seeds,
     role_probe_min: o.RoleProbeMin = o.ROLE_THRESHOLDS.probe_min,
-    text_column: o.TextColumn = o.DEFAULTS.text_column,
-    device: o.Device = o.DEFAULT_DEVICE,
-    device_map: o.DeviceMap = o.DEFAULTS.device_map,
-    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
-    dtype: o.DType = o.DEFAULT_DTYPE,
-    threads: o.Threads = o.DEFAULTS.threads,
-    revision: o.Revision = o.DEFAULTS.revision,
-    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+    **options,
 ) -> None:
     """Show chosen heads' attention on chosen texts, token by token (attention.parquet, inspect.html)."""
     from pathlib import Path

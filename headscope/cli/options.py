@@ -5,6 +5,7 @@ field's (`DEFAULTS`). Choices come from config's lists, as str Enums Typer shows
 
 from __future__ import annotations
 
+import inspect
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -233,3 +234,40 @@ SaveModel = Annotated[
 Charts = Annotated[bool, typer.Option(help="Draw the charts (in --format).")]
 Page = Annotated[bool, typer.Option(help="Write the self-contained page (report.html, compare.html, inspect.html).")]
 Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
+
+# ---------------------------------------------------------------- bundles: options several commands take together
+
+# (name, declaration, default) of the options every command that loads a model takes, and of those that read a corpus
+# file: declared once, added to each command's signature by `takes`, read back from ctx.params into RunConfig by
+# name (config.settings_from_command_line). A command's own code never names them.
+MODEL_OPTIONS = (
+    ("max_length", MaxLength, DEFAULTS.max_length),
+    ("max_memory", MaxMemory, DEFAULTS.max_memory),
+    ("device", Device, DEFAULT_DEVICE),
+    ("device_map", DeviceMap, DEFAULTS.device_map),
+    ("offload_folder", OffloadFolder, DEFAULTS.offload_folder),
+    ("dtype", DType, DEFAULT_DTYPE),
+    ("threads", Threads, DEFAULTS.threads),
+    ("revision", Revision, DEFAULTS.revision),
+    ("trust_remote_code", TrustRemoteCode, DEFAULTS.trust_remote_code),
+)
+CORPUS_OPTIONS = (
+    ("text_column", TextColumn, DEFAULTS.text_column),
+    ("encoding_errors", EncodingErrors, DEFAULT_ENCODING),
+)
+
+
+def takes(*bundles):
+    """A command that takes these bundles' options, after its own: its signature, which Typer reads, gains them
+    (the function takes them as **options; the settings come from ctx.params)."""
+
+    def add(command):
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=declared)
+                 for bundle in bundles for name, declared, default in bundle]  # fmt: skip
+        command.__signature__ = signature.replace(parameters=[*own, *added])
+        command.__annotations__ = {**{p.name: p.annotation for p in own}, **{p.name: p.annotation for p in added}}
+        return command
+
+    return add

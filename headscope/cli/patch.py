@@ -8,6 +8,7 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors
 
 
+@o.takes(o.MODEL_OPTIONS)
 def patch(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -27,15 +28,7 @@ def patch(
     bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
     bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
     batch_size: o.BatchSize = o.DEFAULTS.batch_size,
-    max_length: o.MaxLength = o.DEFAULTS.max_length,
-    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
-    device: o.Device = o.DEFAULT_DEVICE,
-    device_map: o.DeviceMap = o.DEFAULTS.device_map,
-    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
-    dtype: o.DType = o.DEFAULT_DTYPE,
-    threads: o.Threads = o.DEFAULTS.threads,
-    revision: o.Revision = o.DEFAULTS.revision,
-    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+    **options,
 ) -> None:
     """Patch each head from the other prompt of each pair: which heads carry the behaviour (patching.parquet)."""
     from pathlib import Path

@@ -8,6 +8,7 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors
 
 
+@o.takes(o.MODEL_OPTIONS, o.CORPUS_OPTIONS)
 def prune(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -23,16 +24,7 @@ def prune(
     layers: o.Layers = o.DEFAULTS.layers,
     charts: o.Charts = True,
     chart_format: o.Format = o.DEFAULT_FORMAT,
-    max_length: o.MaxLength = o.DEFAULTS.max_length,
-    max_memory: o.MaxMemory = o.DEFAULTS.max_memory,
-    text_column: o.TextColumn = o.DEFAULTS.text_column,
-    device: o.Device = o.DEFAULT_DEVICE,
-    device_map: o.DeviceMap = o.DEFAULTS.device_map,
-    offload_folder: o.OffloadFolder = o.DEFAULTS.offload_folder,
-    dtype: o.DType = o.DEFAULT_DTYPE,
-    threads: o.Threads = o.DEFAULTS.threads,
-    revision: o.Revision = o.DEFAULTS.revision,
-    trust_remote_code: o.TrustRemoteCode = o.DEFAULTS.trust_remote_code,
+    **options,
 ) -> None:
     """Remove as many heads as --budget allows, every step verified (prune.json, head_mask.parquet)."""
     from pathlib import Path
