@@ -15,9 +15,15 @@ headscope.patch("gpt2", "pairs.jsonl").top(10)  # the heads whose clean output r
 """
 
 import importlib
+from importlib import metadata
 
 from headscope.config import RunConfig, Thresholds
 from headscope.errors import HeadscopeError
+
+try:
+    __version__ = metadata.version("headscope")
+except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "analyze": "headscope.commands.analyze",
@@ -34,6 +40,7 @@ __all__ = [
     "Report",
     "RunConfig",
     "Thresholds",
+    "__version__",
     "ablate",
     "analyze",
     "inspect",

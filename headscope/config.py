@@ -345,7 +345,7 @@ class RoleThresholds:
     sink_rate_min: float = 0.5
     offset_share_min: float = 0.5
     # dormant: what the head writes is under 2.5% of the residual stream it is added to, on average over rows. On
-    # SmolLM2 the heads under it, removed together, lower the loss (README: Roles).
+    # SmolLM2 the heads under it, removed together, lower the loss (docs/labels.md).
     dormant_max_write_ratio: float = 0.025
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from headscope.errors import HeadscopeError, OutputError
 
-try:  # POSIX only; elsewhere runs are not protected from each other, which the README says
+try:  # POSIX only; elsewhere runs are not protected from each other, which docs/output.md says
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None

@@ -11,7 +11,7 @@ Types, the seed analysis's four (Thresholds):
 Locality comes first because a previous-token head is also sharply peaked (low entropy): checking
 entropy first would call it a copy head.
 
-Roles, the finer answer the literature names (RoleThresholds; the order and why is in the README):
+Roles, the finer answer the literature names (RoleThresholds; the order and why is in docs/labels.md):
     induction, duplicate-token, previous-token   from the probe battery's scores
     dormant                                      write_ratio on the corpus: it writes next to nothing, and
                                                  (dormant_check) removing the dormant heads together was not

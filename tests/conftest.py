@@ -53,7 +53,7 @@ def smollm2():
 
 
 # Tests that need what takes tens of seconds to set up are `slow` whatever their file says: the real SmolLM2, the
-# C++ kernel's build, a browser. `python -m pytest -m "not slow"` is the fast loop (README: Tests).
+# C++ kernel's build, a browser. `python -m pytest -m "not slow"` is the fast loop (docs/tests.md).
 SLOW_FIXTURES = {"smollm2", "kernel_module", "browser"}
 
 
@@ -69,7 +69,7 @@ _REAL_CUDA_CHECK = []  # torch.cuda.is_available as torch has it, kept while the
 @pytest.fixture(scope="session", autouse=True)
 def on_the_cpu():
     """The suite's known answers are CPU float32's: on a machine with a GPU, `device="auto"` would take CUDA and
-    bfloat16 (README: Devices) and every exact comparison would be off by bfloat16's rounding. So the suite runs as CI
+    bfloat16 (docs/input.md) and every exact comparison would be off by bfloat16's rounding. So the suite runs as CI
     runs it, and only tests marked `cuda` see the GPU (`cuda_for_cuda_tests`). Session-wide, so that fixtures of a
     wider scope, built before any test's own fixtures, run on the CPU too; child processes name their device."""
     import torch

@@ -1,6 +1,6 @@
 """Every setting (RunConfig field) and every option of `headscope analyze`, each with a check of what it does.
 
-An entry either proves the change the README promises (against a hand computation on the planted GPT-2, whose
+An entry either proves the change the docs promise (against a hand computation on the planted GPT-2, whose
 layer-0 heads have attention known in closed form, or against a second computation), or proves the option
 changes no number. A setting or option without an entry fails `test_every_setting_and_option_has_an_entry`.
 """

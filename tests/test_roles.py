@@ -117,7 +117,7 @@ def test_probe_inputs_follow_the_spec():
             assert sequence == prefix_ids(tokenizer) + random_part * 2
             assert len(set(random_part)) == 20 and set(random_part) <= ordinary  # without replacement
             expected = np.random.default_rng(seed).choice(sorted(ordinary), size=20, replace=False).tolist()
-            assert random_part == expected  # reproducible from the README's recipe
+            assert random_part == expected  # reproducible from the docs' recipe
 
 
 def test_a_probe_longer_than_the_vocabulary_is_refused():

@@ -75,7 +75,7 @@ def test_modules_hold_no_page_markup(name):
         assert markup not in text, f"{name} holds page markup ({markup}); it belongs in headscope/report/assets/"
 
 
-# Bottom to top (README: Code map): a module imports its own floor and the floors below it, never one above, so each
+# Bottom to top (docs/code-map.md): a module imports its own floor and the floors below it, never one above, so each
 # floor can be read, tested and changed knowing only what lies beneath it.
 FLOORS = (
     ("base", ("headscope.errors", "headscope.config", "headscope.arguments", "headscope.columns", "headscope.labels",
@@ -160,7 +160,7 @@ LANES = {
 
 
 def test_the_package_is_its_subpackages_and_a_few_shared_modules():
-    """A new module goes where its job is (README: Code map): no module joins the top level unnoticed."""
+    """A new module goes where its job is (docs/code-map.md): no module joins the top level unnoticed."""
     top = {path.stem for path in PACKAGE.glob("*.py")}
     assert top == TOP_LEVEL, f"modules at the top level: {sorted(top - TOP_LEVEL)} (move them into a subpackage)"
     packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}

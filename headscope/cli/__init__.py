@@ -12,6 +12,7 @@ import sys
 
 import typer
 
+import headscope.cli.options as o
 from headscope.cli.ablate import ablate
 from headscope.cli.analyze import analyze
 from headscope.cli.classify import classify
@@ -26,14 +27,14 @@ app = typer.Typer(
     cls=OneLineErrors,
     help="Measure, classify and chart every attention head of a Hugging Face causal language model.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion and --show-completion for bash, zsh, fish and PowerShell
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # click's plain help: whole option names at 80 columns (rich's table cut them)
 )
 
 
 @app.callback()
-def _commands() -> None:
+def _commands(version: o.Version = False) -> None:
     """Measure, classify and chart every attention head of a Hugging Face causal language model."""
 
 

@@ -214,6 +214,24 @@ Replicates = Annotated[
 ]
 Seed = Annotated[int, typer.Option(help="Bootstrap seed (0 to 2**64 - 1): the intervals are a pure function of it.")]
 
+# ---------------------------------------------------------------- the program
+
+Version = Annotated[
+    bool,
+    typer.Option(
+        "--version", is_eager=True, callback=lambda shown: _show_version(shown), help="Print the version and exit."
+    ),
+]
+
+
+def _show_version(shown: bool) -> None:
+    if shown:
+        from headscope import __version__
+
+        typer.echo(f"headscope {__version__}")
+        raise typer.Exit()
+
+
 # ---------------------------------------------------------------- outputs
 
 Out = Annotated[

@@ -121,14 +121,30 @@ def ablate(
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
-    **options,
+    **options: object,
 ) -> Ablation:
     """The corpus loss with each group of heads removed together, against the clean loss (written to
     `out`/ablation.json when `out` is given).
 
-    heads: groups of (layer, head) pairs; roles / each_role: groups of a role's heads in `report` (each_role: every
-    role with heads, but "other"); mode: zero or mean; loss_on: all or repeats; options / config: the RunConfig
-    fields it reads (max_length, max_memory, device, dtype, threads, bootstrap, bootstrap_seed, text_column, ...).
+    Args:
+        model: hub id, local folder, .gguf path, alias, or an already loaded model (with its LM head).
+        corpus: file path, list of sentences, or None for the shipped corpus.
+        heads: groups of (layer, head) pairs, each removed together.
+        roles: a group of each named role's heads in `report`.
+        each_role: a group for every role with heads in `report`, but "other".
+        report: a report of this model, for `roles` and `each_role`.
+        mode: "zero" or "mean" (a head's output replaced by 0, or by its mean over the corpus).
+        loss_on: "all" predicted tokens, or "repeats" (the second token of a bigram seen before).
+        out: the folder to write ablation.json into; None keeps the result in memory.
+        overwrite: replace `out` if this command wrote it before.
+        config: the settings as a RunConfig (max_length, max_memory, device, dtype, threads, bootstrap,
+            bootstrap_seed, text_column...).
+        reporter: progress and notes.
+        loader: loads the model.
+        **options: RunConfig fields by name.
+
+    Returns:
+        An Ablation: each group's clean and ablated loss and its delta with a paired bootstrap interval.
     """
     heads = as_head_groups(heads) if heads is not None else []
     roles, report = as_texts(roles, "--role"), as_path(report, "report")

@@ -75,24 +75,32 @@ def analyze(
     page: bool = True,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
-    **options,
+    **options: object,
 ) -> Report | None:
     """Measure every attention head of `model` on `corpus`; return the report (also written to `out`).
 
     Under torchrun (WORLD_SIZE > 1) the corpus is split between the ranks (see headscope.run.distributed): rank 0
     returns the report and writes it; the other ranks return None.
 
-    model:   hub id, local folder, .gguf path, alias (``smollm2``) or an already loaded model (left as it was)
-    corpus:  file path, list of sentences, or None for the shipped 100-sentence corpus
-    out:     folder to write the tables, run.json, charts and page into (nothing is kept when None)
-    overwrite: replace `out` if it holds a headscope report (only once the new report is complete)
-    resume:  checkpoint after every chunk of sentences and continue from the checkpoint an interrupted
-             run with the same model, corpus and settings left behind (needs `out`)
-    config, options: the settings: a RunConfig, and/or any of its fields by name (``window=3``)
-    thresholds, roles: the head-type and role rules (default: Thresholds(), RoleThresholds())
-    charts:  chart format written with the tables (png, svg, pdf), or None; page: write report.html (both
-             only with `out`)
-    reporter: progress and notes (default: silent); loader: loads the model (default: loading.load_for_run)
+    Args:
+        model: hub id, local folder, .gguf path, alias (`smollm2`) or an already loaded model (left as it was).
+        corpus: file path, list of sentences, or None for the shipped 100-sentence corpus.
+        out: folder to write the tables, run.json, charts and page into (nothing is kept when None).
+        overwrite: replace `out` if it holds a headscope report (only once the new report is complete).
+        resume: checkpoint after every chunk of sentences, and continue from the checkpoint an interrupted run with
+            the same model, corpus and settings left behind (needs `out`).
+        config: the settings as a RunConfig; `options` may name any of its fields instead (`window=3`).
+        thresholds: the head-type rule (default: Thresholds()).
+        roles: the role rule (default: RoleThresholds()).
+        charts: chart format written with the tables (png, svg, pdf), or None (only with `out`).
+        page: write report.html (only with `out`).
+        reporter: progress and notes (default: silent; in a notebook, one display updated in place).
+        loader: loads the model (default: headscope.model.loading.load_for_run).
+        **options: RunConfig fields by name.
+
+    Returns:
+        The report (headscope.Report): heads, layers, sentences, sentence_heads, examples, probes and run.json's
+        record; None on every rank but the first under torchrun.
     """
     thresholds, roles = thresholds or Thresholds(), roles or RoleThresholds()
     out = as_path(out, "out")

@@ -127,16 +127,32 @@ def inspect(
     role_thresholds: RoleThresholds | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
-    **options,
+    **options: object,
 ) -> Inspection:
     """Chosen heads' attention on chosen texts, written to `out` (attention.parquet, tokens.parquet,
     inspect.json, inspect.html) or, without `out`, returned in memory.
 
-    texts: any texts; corpus + sentences: sentences of a corpus by id (the shipped corpus when corpus is None);
-    probes: names of PROBES (the probe sequence, scored on those patterns); heads: (layer, head) pairs; roles:
-    names of labels.ROLES, read from `report` (a report of this model), or for the probe roles without a report,
-    from the probe battery run first (--probe-seeds, --probe-length, `role_thresholds`); options / config: the
-    RunConfig fields (layers, max_length, max_memory, device, dtype, threads, probe_length, ...).
+    Args:
+        model: hub id, local folder, .gguf path, alias, or an already loaded model.
+        texts: any texts.
+        corpus: a corpus whose `sentences` (ids) are inspected (the shipped corpus when None).
+        sentences: sentence ids of `corpus`.
+        probes: names of PROBES: the probe sequence, scored on those patterns.
+        heads: (layer, head) pairs.
+        roles: names of labels.ROLES, read from `report`; for the probe roles without a report, from the probe battery
+            run first (`probe_seeds`, `probe_length`, `role_thresholds`).
+        report: a report of this model, for `roles` and each head's role.
+        out: the folder to write; None keeps the result in memory.
+        overwrite: replace `out` if this command wrote it before.
+        page: write inspect.html.
+        config: the settings as a RunConfig (layers, max_length, max_memory, device, dtype, threads, probe_length...).
+        role_thresholds: the role rule for the probe roles.
+        reporter: progress and notes.
+        loader: loads the model.
+        **options: RunConfig fields by name.
+
+    Returns:
+        An Inspection: `attention` (every visible pair's weight), `tokens`, `summary`, and the page.
     """
     role_thresholds = role_thresholds or RoleThresholds()
     texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")

@@ -114,7 +114,7 @@ UNMEASURED = "not measured"  # the role column of a head the --report did not me
 
 def patch(
     model: str | LoadedModel,
-    pairs,
+    pairs: str | Path | Sequence[dict],
     *,
     what: str = "output",
     direction: str = "denoise",
@@ -129,15 +129,32 @@ def patch(
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
-    **options,
+    **options: object,
 ) -> Patching:
     """Each head's effect on the pairs' metric when patched from the other prompt (written to `out` when given).
 
-    pairs: a .jsonl/.csv/.tsv file or a list of dicts (clean, corrupt, answer, distractor); heads: (layer, head)
-    pairs to patch (default: every head of the layers in `options["layers"]`, else every head); fast: first-order
-    estimates (attribution patching) instead of a pass per patch; report: a report of this model, for each head's
-    role; charts: the chart format, or None; options / config: the RunConfig fields it reads (layers, max_memory,
-    device, dtype, bootstrap, bootstrap_seed, padding_side, ...).
+    Args:
+        model: hub id, local folder, .gguf path, alias, or an already loaded model (with its LM head).
+        pairs: a .jsonl/.csv/.tsv file or a list of dicts (clean, corrupt, answer, distractor).
+        what: "output", "pattern" or "values": which activation of the head is patched.
+        direction: "denoise" (clean into corrupt) or "noise" (corrupt into clean).
+        positions: "all" at once, or "each" position apart.
+        heads: (layer, head) pairs to patch (default: every head of the layers in `options["layers"]`, else every
+            head).
+        metric: "logit_diff": logit[answer] - logit[distractor] at the last position.
+        fast: first-order estimates (attribution patching) instead of a pass per patch.
+        report: a report of this model, for each head's role.
+        out: the folder to write; None keeps the result in memory.
+        overwrite: replace `out` if this command wrote it before.
+        charts: the chart format, or None.
+        config: the settings as a RunConfig (layers, max_memory, device, dtype, bootstrap, bootstrap_seed,
+            padding_side...).
+        reporter: progress and notes.
+        loader: loads the model.
+        **options: RunConfig fields by name.
+
+    Returns:
+        A Patching: each head's effect with its interval, the per-pair values, and the record.
     """
     heads = as_heads(heads) if heads else ()
     check_request(what, direction, positions, metric, fast, charts)

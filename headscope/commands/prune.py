@@ -171,14 +171,32 @@ def prune(
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
-    **options,
+    **options: object,
 ) -> Pruning:
-    """Remove as many heads as `budget` (nats of corpus loss above the clean model's) allows; see the module.
+    """Remove as many heads as `budget` (nats of corpus loss above the clean model's) allows, every step
+    verified by a forward pass with every removed head removed together (see headscope.interventions.search).
 
-    save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint; charts: the curve's
-    format, or None; resume: journal the search beside `out` and continue an interrupted one from its journal;
-    max_rounds, patience: when the search stops (interventions/search.py); options / config: the RunConfig fields
-    it reads (as `ablate`, and `layers`: the only layers whose heads it may remove)."""
+    Args:
+        model: hub id, local folder, .gguf path, alias, or an already loaded model (with its LM head).
+        corpus: file path, list of sentences, or None for the shipped corpus.
+        budget: the loss the removed heads may cost together, in nats per predicted token.
+        mode: "zero" or "mean".
+        out: the folder to write prune.json and head_mask.parquet into; None keeps the result in memory.
+        overwrite: replace `out` if this command wrote it before.
+        save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint.
+        charts: the curve's format, or None.
+        resume: continue an interrupted search from the journal beside `out`.
+        max_rounds: stop after this many rounds.
+        patience: when a search that no longer gains stops (interventions/search.py).
+        config: the settings as a RunConfig (as `ablate`'s, and `layers`: the only layers whose heads it may
+            remove).
+        reporter: progress and notes.
+        loader: loads the model.
+        **options: RunConfig fields by name.
+
+    Returns:
+        A Pruning: the removed heads, the verified loss, and the search's curve and counts.
+    """
     budget, max_rounds, patience = check_request(budget, mode, charts, max_rounds=max_rounds, patience=patience)
     out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
     if resume and out is None:

@@ -1,6 +1,6 @@
 """Heads removed together: the model's next-token loss with a group of heads' outputs replaced, per sentence.
 
-Definitions (the README has them too):
+Definitions (docs/ablate-prune.md has them too):
 - removing a head: interventions.removal (zero, or the head's clean corpus mean, at every position).
 - scored tokens: `all`, every predicted token (a sentence of T tokens predicts T - 1); `repeats`, the tokens an
   induction head can predict: x[t] (t >= 2) counts iff some j < t - 1 has x[j] == x[t-1] and x[j+1] == x[t]

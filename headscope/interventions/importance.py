@@ -1,6 +1,6 @@
 """Does a head matter? Per-head importance on the model's own next-token loss.
 
-Definitions (the README has them too):
+Definitions (docs/importance.md has them too):
 - loss: mean next-token cross-entropy in nats over every predicted token of the corpus (a sentence of T tokens
   predicts T - 1), token-weighted over the corpus, from the model's own LM head; padding never counts.
 - a head's output: its slice of the input to the layer's output projection, what the attention function

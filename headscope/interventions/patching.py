@@ -1,5 +1,5 @@
 """Activation patching on prompt pairs: the metric of each pair with one head's activation taken from the other
-prompt of the pair (README, "headscope patch", has the definitions).
+prompt of the pair (docs/patch.md has the definitions).
 
 Each batch of pairs runs once as [clean rows; corrupt rows] (a pair's prompts have the same length, so both halves
 are padded alike). That pass records, for every patched layer, what each head's output becomes when patched
@@ -33,7 +33,7 @@ Unit = tuple[int, int, int | None]  # (layer, head, position or None for every p
 @dataclass(frozen=True)
 class Metric:
     name: str
-    definition: str  # as the README and patch.json say it
+    definition: str  # as docs/patch.md and patch.json say it
     compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, answer, distractor)
 
 

@@ -4,9 +4,9 @@ On Ampere and later NVIDIA GPUs, PyTorch runs float32 matrix products in TF32 (1
 the process asks for it (`torch.set_float32_matmul_precision("high")`, `torch.backends.cuda.matmul.allow_tf32 = True`
 or the newer `fp32_precision = "tf32"`; notebooks and training code often do). Measured on an H200 (2026-11-27): a
 512 x 512 float32 product of standard normals is off by 2.8e-4 of its largest entry under "high" against 3.3e-7 under
-"highest"; a logit of 8 then carries some 2e-3 of error. headscope's numbers are defined in float32 (README: "Numbers
-you can check"), so every attached pass switches products to IEEE float32 for its length and gives the process its
-setting back after.
+"highest"; a logit of 8 then carries some 2e-3 of error. headscope's numbers are defined in float32
+(docs/measures.md), so every attached pass switches products to IEEE float32 for its length and gives the process
+its setting back after.
 
 The setting is process-wide: several threads' calls (on several models) share one switch, taken by the first call
 in and given back by the last out. bfloat16 and float16 models are unaffected (their products never were float32).
