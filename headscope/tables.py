@@ -172,17 +172,14 @@ def sentence_heads_frame(
     """Per-(sentence, layer, head) rows from stat sums, (sentences, layers, heads, stats)."""
     count, layers, heads = sums.shape[:3]
     means = metric_means(sums)
-    frame = pd.DataFrame(
-        {
-            "sentence_id": np.repeat(sentence_ids, layers * heads),
-            "layer": np.tile(np.repeat(layer_ids, heads), count),
-            "head": np.tile(np.arange(heads), count * layers),
-            "n_tokens": np.repeat(n_tokens, layers * heads),
-        }
-    )
-    for name in PER_SENTENCE:
-        frame[name] = means[name].reshape(-1).astype(np.float32)
-    return frame
+    columns = {
+        "sentence_id": np.repeat(sentence_ids, layers * heads),
+        "layer": np.tile(np.repeat(layer_ids, heads), count),
+        "head": np.tile(np.arange(heads), count * layers),
+        "n_tokens": np.repeat(n_tokens, layers * heads),
+    }
+    columns |= {name: means[name].reshape(-1).astype(np.float32) for name in PER_SENTENCE}
+    return pd.DataFrame(columns)  # built at once: a column added at a time copied the frame each time
 
 
 def probes_frame(per_seed: np.ndarray, layer_ids: np.ndarray) -> pd.DataFrame:

@@ -94,7 +94,8 @@ def read_corpus(path: str | Path, *, text_column: str | None = None, encoding_er
         else:
             records = text_lines
 
-    sentences, blank = _keep_sentences(records, path, encoding_errors, invalid)
+    # Only JSON escapes ("\\ud800") can make a lone surrogate: decoded UTF-8 and Arrow strings never hold one.
+    sentences, blank = _keep_sentences(records, path, encoding_errors, invalid, surrogates=suffix == ".jsonl")
     if not sentences:
         raise CorpusError(f"corpus has no sentences (only blank lines or empty file): {path}")
     return Corpus(
@@ -106,7 +107,9 @@ def read_corpus(path: str | Path, *, text_column: str | None = None, encoding_er
     )
 
 
-def _keep_sentences(records, path: Path, encoding_errors: str, invalid: list[int]) -> tuple[list[Sentence], int]:
+def _keep_sentences(
+    records, path: Path, encoding_errors: str, invalid: list[int], *, surrogates: bool = True
+) -> tuple[list[Sentence], int]:
     """Strip every (line, text) record; number the non-blank ones, count the blank ones. Text that is not
     Unicode text (a lone surrogate, which a JSON escape such as "\\ud800" can make) is handled like invalid UTF-8:
     an error naming the line, or replaced or skipped as `encoding_errors` says (counted in `invalid`)."""
@@ -114,7 +117,7 @@ def _keep_sentences(records, path: Path, encoding_errors: str, invalid: list[int
     blank = 0
     for line, text in records:
         text = text.strip()
-        problem = surrogate_problem(path, line, text)
+        problem = surrogate_problem(path, line, text) if surrogates else None
         if problem:
             if encoding_errors == "strict":
                 raise CorpusError(f"{problem}; --encoding-errors replace or skip goes on")
