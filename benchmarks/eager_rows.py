@@ -6,7 +6,7 @@
 Three approaches on the same text, interleaved (this machine's speed drifts between runs; interleaving spreads the
 drift over all three): the floor (the base model's sdpa forward, as in lengths.py), `headscope.analyze` as the
 kernel is chosen (already built: it reduces every layer's probabilities), and the same analysis with the kernel
-treated as not built yet (torch reduces them; `native.is_built` answered False for that run). Reported: each
+treated as not built yet (torch reduces them; `cpu_kernel.is_built` answered False for that run). Reported: each
 one's median seconds and its ratio to the floor's median.
 """
 
@@ -18,7 +18,7 @@ import statistics
 from bench import timed_interleaved
 from lengths import floor_runner, headscope_runner, sentence_of
 
-from headscope.model import native
+from headscope.model.attention import cpu_kernel
 from headscope.model.loading import load_model, quiet_transformers
 
 
@@ -30,17 +30,17 @@ def main() -> None:
     quiet_transformers(show_progress=False)
     loaded = load_model("smollm2", device="cpu", dtype="float32")
     text, ids = sentence_of(loaded.tokenizer, args.tokens)
-    if isinstance(native.row_state_module(), str):  # built (once per machine) before anything is timed
+    if isinstance(cpu_kernel.row_state_module(), str):  # built (once per machine) before anything is timed
         raise SystemExit("the C++ kernel cannot be built here: nothing to compare")
     with_kernel = headscope_runner(loaded, text, args.tokens)
-    built = native.is_built
+    built = cpu_kernel.is_built
 
     def with_torch() -> int:
-        native.is_built = lambda isa=None: False
+        cpu_kernel.is_built = lambda isa=None: False
         try:
             return with_kernel()
         finally:
-            native.is_built = built
+            cpu_kernel.is_built = built
 
     runners = {"floor": floor_runner(loaded.model, ids), "kernel": with_kernel, "torch": with_torch}
     seconds, _ = timed_interleaved(runners, args.repeats)

@@ -20,7 +20,7 @@ import statistics
 import torch
 from bench import timed_interleaved
 
-from headscope.model import native
+from headscope.model.attention import cpu_kernel
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 WINDOW = 2  # headscope's default --window
@@ -52,10 +52,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,8192")
     parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args()
-    module = native.row_state_module()
+    module = cpu_kernel.row_state_module()
     if isinstance(module, str):
         raise SystemExit(f"the kernel could not be built: {module}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {native.host_isa()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_kernel.host_isa()}")
     for length in map(int, args.lengths.split(",")):
         runs = approaches(module, length)
         wall, cpu = timed_interleaved(runs, args.repeats)

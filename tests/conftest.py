@@ -104,9 +104,9 @@ def no_model_loading():
 @pytest.fixture(scope="session")
 def kernel_module():
     """headscope's C++ kernel built for this machine (skipped only where there is no C++ compiler)."""
-    from headscope.model import native
+    from headscope.model.attention import cpu_kernel
 
-    module = native.row_state_module()
+    module = cpu_kernel.row_state_module()
     if isinstance(module, str) and shutil.which("c++") is None:
         pytest.skip(f"no C++ compiler to build the kernel with: {module}")
     assert not isinstance(module, str), module  # with a compiler it must build

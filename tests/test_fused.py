@@ -1,4 +1,4 @@
-"""The fused pass (headscope.model.fused) against probabilities computed in full, in float64, on hand-built tensors."""
+"""The fused pass (attention.tile_loop) against probabilities computed in full, in float64, on hand-built tensors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from headscope.model.fused import _tile_step, fused_attention, tile_shape
-from headscope.model.kernel_choice import TileKernel
+from headscope.model.attention.dispatch import TileKernel
+from headscope.model.attention.tile_loop import _tile_step, fused_attention, tile_shape
 from headscope.model.masks import TileVisibility
 
 from tolerances import entropy_error, logit_error

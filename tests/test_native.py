@@ -1,4 +1,4 @@
-"""headscope's C++ row-statistics kernel (headscope.model.native) against float64 probabilities and the tile loop, and
+"""headscope's C++ row-statistics kernel (attention.cpu_kernel) against float64 probabilities and the tile loop, and
 how the fused pass chooses it (or does without it)."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, refe
 
 import headscope
 from headscope.measures.statistics import AttentionStatistics
-from headscope.model import native
+from headscope.model.attention import cpu_kernel
+from headscope.model.attention.dispatch import TileKernel
 from headscope.model.batch import collate
 from headscope.model.capture import attached
-from headscope.model.kernel_choice import TileKernel
 
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
 LONG = 700
@@ -32,15 +32,15 @@ STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visi
 
 def _variants() -> tuple[str, ...]:
     """Every instruction set torch dispatches to on this architecture (x86: DEFAULT, AVX2, AVX512)."""
-    return native.X86_ISAS if platform.machine().lower() in ("x86_64", "amd64") else ("DEFAULT",)
+    return cpu_kernel.X86_ISAS if platform.machine().lower() in ("x86_64", "amd64") else ("DEFAULT",)
 
 
 def _host_runs(isa: str) -> bool:
     """Can this CPU run code built for `isa`? (An x86 CPU runs every set up to the one torch dispatches to.)"""
-    host = native.host_isa()
+    host = cpu_kernel.host_isa()
     if isa == "DEFAULT" or isa == host:
         return True
-    return host in native.X86_ISAS and native.X86_ISAS.index(isa) <= native.X86_ISAS.index(host)
+    return host in cpu_kernel.X86_ISAS and cpu_kernel.X86_ISAS.index(isa) <= cpu_kernel.X86_ISAS.index(host)
 
 
 def _compile_only(isa: str, tmp_path) -> subprocess.CompletedProcess:
@@ -56,10 +56,10 @@ def _compile_only(isa: str, tmp_path) -> subprocess.CompletedProcess:
         *includes,
         "-fPIC",
         "-std=c++20",
-        *native.CFLAGS,
-        *native.ISA_FLAGS[isa],
+        *cpu_kernel.CFLAGS,
+        *cpu_kernel.ISA_FLAGS[isa],
         "-c",
-        str(native.SOURCE),
+        str(cpu_kernel.SOURCE),
         "-o",
         str(tmp_path / f"row_state_{isa.lower()}.o"),
     ]
@@ -76,9 +76,9 @@ def test_every_instruction_set_variant_builds_and_the_runnable_ones_agree(isa, t
         pytest.skip("no C++ compiler")
     if not _host_runs(isa):
         compiled = _compile_only(isa, tmp_path)
-        assert compiled.returncode == 0, f"{isa}: {native.first_error_line(compiled.stderr)}"
+        assert compiled.returncode == 0, f"{isa}: {cpu_kernel.first_error_line(compiled.stderr)}"
         return
-    module = native.row_state_module(isa)
+    module = cpu_kernel.row_state_module(isa)
     assert not isinstance(module, str), f"{isa}: {module}"
     query, key, value = hand_built(seed=9, t=LONG)
     mask, visible, seq_start = masks(t=LONG, window=300)["left padded"]
@@ -99,30 +99,30 @@ def test_the_kernel_is_built_once_per_source_whichever_checkout_asks(tmp_path, m
     checkouts = [tmp_path / name / "row_state.cpp" for name in ("a", "b")]
     for path in checkouts:
         path.parent.mkdir()
-        path.write_bytes(native.SOURCE.read_bytes())
+        path.write_bytes(cpu_kernel.SOURCE.read_bytes())
     built = []
     for path in checkouts:
-        monkeypatch.setattr(native, "SOURCE", path)
-        name = native.module_name("AVX2")
-        built.append((name, native._staged_source(name)))
+        monkeypatch.setattr(cpu_kernel, "SOURCE", path)
+        name = cpu_kernel.module_name("AVX2")
+        built.append((name, cpu_kernel._staged_source(name)))
     assert built[0] == built[1] and built[0][1].read_bytes() == checkouts[0].read_bytes()
-    assert native.module_name("DEFAULT") != built[0][0]  # the instruction set is part of the key
+    assert cpu_kernel.module_name("DEFAULT") != built[0][0]  # the instruction set is part of the key
     monkeypatch.setattr(sys, "prefix", "/another/environment")  # its torch and Python headers: another build file
-    assert native.module_name("AVX2") != built[0][0]
+    assert cpu_kernel.module_name("AVX2") != built[0][0]
     monkeypatch.undo()
-    monkeypatch.setattr(native, "SOURCE", checkouts[1])
+    monkeypatch.setattr(cpu_kernel, "SOURCE", checkouts[1])
     checkouts[1].write_text(checkouts[1].read_text() + "\n// edited\n")
-    assert native.module_name("AVX2") != built[0][0]
-    assert not native.is_built("AVX2")  # nothing was built from the edited source
+    assert cpu_kernel.module_name("AVX2") != built[0][0]
+    assert not cpu_kernel.is_built("AVX2")  # nothing was built from the edited source
 
 
 def test_is_built_answers_from_the_built_library(kernel_module):
     """The kernel this machine built (conftest) is found as built, whatever the file times of the checkout."""
     if isinstance(kernel_module, str):
         pytest.skip(kernel_module)
-    assert native.is_built()
-    os.utime(native.SOURCE)  # a fresh clone's source is newer than any build
-    assert native.is_built()
+    assert cpu_kernel.is_built()
+    os.utime(cpu_kernel.SOURCE)  # a fresh clone's source is newer than any build
+    assert cpu_kernel.is_built()
 
 
 def test_a_failed_build_is_reported_by_the_compilers_first_error_line():
@@ -135,10 +135,10 @@ def test_a_failed_build_is_reported_by_the_compilers_first_error_line():
         "row_state.cpp:35:40: error: no matching function for call to 'vec_reduce_all<float>'\n"
     )
     assert (
-        native.first_error_line(log)
+        cpu_kernel.first_error_line(log)
         == "row_state.cpp:31:40: error: no matching function for call to 'vec_reduce_all<float>'"
     )
-    assert native.first_error_line("ninja is required to load C++ extensions\nmore") == (
+    assert cpu_kernel.first_error_line("ninja is required to load C++ extensions\nmore") == (
         "ninja is required to load C++ extensions"
     )
 
@@ -251,7 +251,7 @@ def test_a_kernel_whose_first_result_disagrees_is_dropped(caplog):
         return ones, ones * 2, ones, longs, longs * 0, longs, ones, ones, torch.empty(0)
 
     kernel = TileKernel(native_loader=lambda: SimpleNamespace(row_state=wrong), native_from=0)
-    with caplog.at_level("WARNING", logger="headscope.model.kernel_choice"):
+    with caplog.at_level("WARNING", logger="headscope.model.attention.dispatch"):
         _, values = fused(query, key, None, mask, seq_start, row_state=kernel.row_state(query, None))
     assert kernel.failed_kernels["cpu"] == "its first result disagreed with the tile loop"
     assert "C++ attention kernel is dropped (its first result disagreed with the tile loop)" in caplog.text
@@ -373,7 +373,7 @@ def assert_same_output(got, want, real):
 
 
 def with_block_rows(module, rows: int) -> SimpleNamespace:
-    """The kernel module with its query rows per task forced to `rows` (native.row_state leaves them to its rule)."""
+    """The kernel module with its query rows per task forced to `rows` (row_state leaves them to its rule)."""
     return SimpleNamespace(row_state=lambda *args, **kwargs: module.row_state(*args, rows, **kwargs))
 
 
@@ -545,7 +545,7 @@ CANNOT_BUILD = """
 import torch
 from test_fused import fused, hand_built, masks
 from test_native import assert_same_output, sdpa_output
-from headscope.model.kernel_choice import TileKernel
+from headscope.model.attention.dispatch import TileKernel
 
 query, key, value = hand_built(seed=16, t=40)
 mask, visible, seq_start = masks(t=40)["left padded"]

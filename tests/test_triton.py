@@ -1,4 +1,4 @@
-"""headscope's Triton kernel (headscope.model.triton_state): on the CPU under Triton's interpreter, against the
+"""headscope's Triton kernel (headscope.model.attention.cuda_kernel): on the CPU under Triton's interpreter, against the
 float64 reference and sdpa, as the C++ kernel is tested; on CUDA (`python -m pytest -m cuda`), the same and a real
 model's statistics through it.
 
@@ -49,7 +49,7 @@ def test_the_triton_kernel_on_cuda_equals_the_reference(mask_name, softcap):
     from test_fused import fused, hand_built, masks, reference
     from test_native import STATISTICS, assert_same_output, sdpa_output
 
-    from headscope.model.kernel_choice import TileKernel
+    from headscope.model.attention.dispatch import TileKernel
 
     query, key, value = hand_built(seed=22, t=700)
     mask, visible, seq_start = masks(t=700, window=300)[mask_name]

@@ -1,4 +1,4 @@
-"""The C++ kernel's per-row statistics of the eager probabilities (headscope.model.native.weight_rows) against torch's
+"""The C++ kernel's per-row statistics of the eager probabilities (attention.cpu_kernel.weight_rows) against torch's
 (headscope.measures.row_sums.weight_row_values), and when a capture takes it (TileKernel.weight_rows)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from test_fused import HEADS
 import headscope
 from headscope.measures.row_sums import head_row_sums, head_row_sums_from_values, weight_row_values
 from headscope.measures.statistics import heads_side_by_side
-from headscope.model import native
+from headscope.model.attention import cpu_kernel
+from headscope.model.attention.dispatch import TileKernel
+from headscope.model.attention.finish_rows import RowValues
 from headscope.model.batch import collate
 from headscope.model.capture import attached
-from headscope.model.kernel_choice import TileKernel
-from headscope.model.readoff import RowValues
 from headscope.run.feed import tokenize_sentences
 
 from tolerances import row_statistic
@@ -68,7 +68,7 @@ def test_the_kernel_computes_what_torch_computes(kernel_module, case, window):
     seq_start = torch.tensor(options.pop("seq_start"))
     row_offset = options.get("row_offset", 0)
     weights, visible = probabilities(seq_start.tolist(), **options)
-    got = native.weight_rows(kernel_module, weights, visible, seq_start, window, row_offset)
+    got = cpu_kernel.weight_rows(kernel_module, weights, visible, seq_start, window, row_offset)
     want = weight_row_values(weights, key_visible=visible, seq_start=seq_start, window=window, row_offset=row_offset)
     assert got.columns().keys() == want.columns().keys()
     counted = torch.isfinite(want.entropy) & (want.rest_mass > 0)
@@ -89,7 +89,7 @@ def test_the_kernels_rows_sum_to_torchs_sums(kernel_module):
     weights, visible = probabilities(seq_start.tolist(), seed=3)
     weights[1, 2, 20] *= 1.01  # a row whose mass is off 1: counted as unnormalised on both paths
     query_valid = torch.arange(T)[None, :] >= seq_start[:, None]
-    values = native.weight_rows(kernel_module, weights, visible, seq_start, 2, 0)
+    values = cpu_kernel.weight_rows(kernel_module, weights, visible, seq_start, 2, 0)
     got = head_row_sums_from_values(values, query_valid=query_valid, seq_start=seq_start, mass_tolerance=1e-3)
     want = head_row_sums(weights, key_visible=visible, query_valid=query_valid, seq_start=seq_start, window=2)
     torch.testing.assert_close(got, want, rtol=0, atol=T * ROW)
@@ -153,7 +153,7 @@ def test_a_kernel_that_disagrees_or_raises_leaves_torch_with_a_warning(kernel_mo
         return (entropy + 0.01, *rest)
 
     faulty = kernel(SimpleNamespace(weight_rows=off), built=True)
-    with caplog.at_level("WARNING", logger="headscope.model.kernel_choice"):
+    with caplog.at_level("WARNING", logger="headscope.model.attention.dispatch"):
         values = reduce_with(faulty, weights, visible, seq_start)
     want = weight_row_values(weights, key_visible=visible, seq_start=seq_start, window=2)
     assert torch.equal(values.entropy, want.entropy)

@@ -10,8 +10,8 @@ import math
 import torch
 from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, reference
 
-from headscope.model import triton_state
-from headscope.model.kernel_choice import TileKernel
+from headscope.model.attention import cuda_kernel
+from headscope.model.attention.dispatch import TileKernel
 
 T = 150  # three blocks of 64 rows and of 64 keys
 STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "rest_entropy", "rest_mass", "logit_std")
@@ -39,7 +39,7 @@ def case_masks(name: str):
 def worst_errors(mask_name: str, softcap: float | None, *, positions=None, with_output: bool = True) -> dict:
     query, key, value = hand_built(seed=21, t=T)
     mask, visible, seq_start = case_masks(mask_name)
-    kernel = TileKernel(native_loader=lambda: triton_state, native_from=0)  # CPU tensors: the interpreter
+    kernel = TileKernel(native_loader=lambda: cuda_kernel, native_from=0)  # CPU tensors: the interpreter
     row_state = kernel.row_state(query, mask)
     output, values = fused(query, key, value if with_output else None, mask, seq_start, softcap,
                            positions=positions, row_state=row_state)  # fmt: skip

@@ -31,7 +31,7 @@ from headscope.interventions.dormant import DormantCheck, check_dormant
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.measures.probes import ProbeSpec, check_probes, probe_sequences, run_probes
-from headscope.model import native
+from headscope.model.attention import cpu_kernel
 from headscope.model.capture import attached
 from headscope.model.loading import (
     LoadedModel,
@@ -155,7 +155,7 @@ def analyze(
         if loaded.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
-            with timings.phase("measure"), timings.set_apart("kernel_build", native.BUILD_SECONDS):
+            with timings.phase("measure"), timings.set_apart("kernel_build", cpu_kernel.BUILD_SECONDS):
                 measured = measure_corpus(
                     capture, feed, plan, parts, progress, running, reporter, device=loaded.device, ranks=ranks
                 )

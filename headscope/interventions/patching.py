@@ -23,9 +23,9 @@ from headscope.errors import ModelLoadError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
 from headscope.interventions.groups import replica_passes
 from headscope.interventions.pairs import TokenizedPair
+from headscope.model.attention.readout import RowBlock, repeat_kv
 from headscope.model.batch import Batch, plan_batches
 from headscope.model.layer_outputs import replicate, rows_of
-from headscope.model.readout import RowBlock, repeat_kv
 
 Unit = tuple[int, int, int | None]  # (layer, head, position or None for every position)
 

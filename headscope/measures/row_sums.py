@@ -39,8 +39,8 @@ import torch
 from headscope.columns import EVIDENCE_FROM, MAX_OFFSET, OFFSET_CATEGORIES, OFFSINK_CATEGORIES, RATIOS, STATS
 from headscope.config import SINK_THRESHOLD
 from headscope.measures.rows import first_key, first_visible, masked_std, without_first
+from headscope.model.attention.finish_rows import RowValues
 from headscope.model.masks import count_visible
-from headscope.model.readoff import RowValues
 
 
 def diagonal_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ def weight_row_values(
     first_at_zero: bool | None = None,
 ) -> RowValues:
     """Every row's values of a block of attention probabilities (arguments as `head_row_sums`'s), for
-    `head_row_sums_from_values`; headscope's C++ kernel computes the same (headscope.model.native.weight_rows).
+    `head_row_sums_from_values`; headscope's C++ kernel computes the same (attention.cpu_kernel.weight_rows).
 
     Every statistic over all keys is put together from the same statistic over the keys off the sink (every key
     but the sentence's first) and the first key's weight, so the off-sink statistics cost no extra pass and the
@@ -228,7 +228,7 @@ def head_row_sums_from_values(
     sink_threshold: float = SINK_THRESHOLD,
 ) -> torch.Tensor:
     """``head_row_sums`` of a block of rows (query positions row_offset, row_offset + 1, ...) from their per-row
-    values: the fused pass's (headscope.model.fused; every row of a layer), or those of probabilities
+    values: the fused pass's (headscope.model.attention.tile_loop; every row of a layer), or those of probabilities
     (`weight_row_values`, or headscope's C++ kernel): (batch, heads, len(STATS)). query_valid: (batch, rows) bool.
     mass_tolerance: rows whose `mass` is off 1 by more count as unnormalised (values without a mass have none)."""
     per_row = {

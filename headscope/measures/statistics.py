@@ -14,11 +14,11 @@ from headscope.columns import STATS
 from headscope.errors import ModelLoadError
 from headscope.measures.row_sums import head_row_sums_from_logits, head_row_sums_from_values, weight_row_values
 from headscope.measures.writes import OUTPUT_INDEX, head_write_sums, sink_value_ratios, write_norms
+from headscope.model.attention.finish_rows import RowValues
 from headscope.model.batch import Batch
 from headscope.model.capture import LayerOutput
 from headscope.model.masks import key_visibility
 from headscope.model.projection import head_grams
-from headscope.model.readoff import RowValues
 from headscope.model.write_path import share_scale
 
 # Rows (batch x heads x rows) whose values wait to be summed together: summing them is some hundred small tensor
@@ -100,7 +100,7 @@ class AttentionStatistics:
         self._wait(layer, values, block.query_valid, block.seq_start, block.first_row, tolerance)
 
     def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
-        """A whole layer's per-row values from the fused pass (headscope.model.fused), computed with our `window`."""
+        """A whole layer's per-row values from the fused pass (attention.tile_loop), computed with our `window`."""
         self._wait(layer, values, query_valid, seq_start, 0, 1.0)
 
     def _wait(self, layer, values: RowValues, query_valid, seq_start, row_offset: int, tolerance: float) -> None:

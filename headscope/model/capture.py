@@ -6,7 +6,7 @@ mask function with the mask interface: FINDINGS pitfall 1, without one transform
 padding mask at all). `attached(model)` switches the model to it for the length of a block and routes each
 attention module's calls to that block's `Capture`, which knows the module's layer from its place in the
 model's list of decoder layers (not from counting calls). For each pass (`Capture.run`) the capture computes
-every layer's output (see headscope.model.readout), hands the attention probabilities to the measures that read the
+every layer's output (see attention.readout), hands the attention probabilities to the measures that read the
 layer, lets editors replace the heads' outputs, and stops the forward pass after the last layer anything
 reads. Nothing holds more than one layer's attention (or one block of it) at a time.
 
@@ -30,12 +30,12 @@ from transformers.masking_utils import AttentionMaskInterface
 from headscope.config import BLOCK_BYTES
 from headscope.errors import ConfigError, ModelLoadError, ResourceError
 from headscope.model.architecture import architecture_of
+from headscope.model.attention.dispatch import TileKernel
+from headscope.model.attention.readout import Readout, RowBlock
 from headscope.model.batch import Batch
-from headscope.model.kernel_choice import TileKernel
 from headscope.model.layer_outputs import detached
 from headscope.model.masks import boolean_mask
 from headscope.model.precision import ieee_float32
-from headscope.model.readout import Readout, RowBlock
 from headscope.model.turns import one_call_at_a_time
 from headscope.model.write_path import WritePath, learn_write_paths
 
@@ -324,7 +324,7 @@ def attached(
     model: torch.nn.Module, *, block_bytes: int = BLOCK_BYTES, kernel: TileKernel | None = None
 ) -> Iterator[Capture]:
     """Make `model` readable and editable (`Capture.run`) for the length of the block; put it back after.
-    kernel: which kernels compute and reduce the attention (headscope.model.kernel_choice.TileKernel; default: a
+    kernel: which kernels compute and reduce the attention (headscope.model.attention.dispatch.TileKernel; default: a
     fresh one)."""
     if not type(model)._can_set_attn_implementation():
         raise ModelLoadError(

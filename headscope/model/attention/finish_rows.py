@@ -1,4 +1,4 @@
-"""A block of query rows' output and statistics from the fused pass's folded state (headscope.model.fused).
+"""A block of query rows' output and statistics from the fused pass's folded state (attention.tile_loop).
 
 The fold leaves each sentence's first key out; here it is put back, which gives the statistics over every key and,
 from the same state, those off the sink (every key but the first) with nothing subtracted:

@@ -1,7 +1,7 @@
 """A layer's attention output and every per-row statistic in one pass over tiles of keys (the flash recurrence).
 
 The probabilities are never materialised. For each query row t, over the key tiles seen so far (every key but the
-sentence's first, which headscope.model.readoff puts back: the statistics off the sink come from the same state),
+sentence's first, which attention.finish_rows puts back: the statistics off the sink come from the same state),
 the pass keeps
 
     m    the largest logit                          A    sum_s e^(s_s - m)
@@ -27,8 +27,8 @@ On long sequences the tile step runs through `torch.compile` (C++ loops on CPU, 
 several elementwise passes over a tile become one or two passes in cache; if compiling fails (no C++ compiler,
 say) the same function runs op by op, with the same maths. For a float32 or half-precision model, headscope's
 kernels replace the tile loop, the output included (same state, same read-off): its C++ kernel on the CPU
-(headscope.model.native), which also finishes each row's output itself, straight into the layer's output, and its
-Triton kernel on CUDA (headscope.model.triton_state).
+(attention.cpu_kernel), which also finishes each row's output itself, straight into the layer's output, and its
+Triton kernel on CUDA (headscope.model.attention.cuda_kernel).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+from headscope.model.attention.finish_rows import RowValues, read_off, softcapped
 from headscope.model.masks import TileVisibility
-from headscope.model.readoff import RowValues, read_off, softcapped
 
 # Query rows per block and keys per tile: a tile of logits for 9 heads is 9 x 128 x 1,024 floats (4.5 MiB),
 # which stays in the CPU's last-level cache between the passes over it. Measured on one SmolLM2 layer at 8,192
@@ -163,7 +163,7 @@ def fused_attention(
     query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim), unrepeated (query head h
     reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
     seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`
-    (headscope.model.kernel_choice), or `_tile_step` itself. row_state: `TileKernel.row_state(...)`: when given, it
+    (headscope.model.attention.dispatch), or `_tile_step` itself. row_state: `TileKernel.row_state(...)`: when given, it
     computes every row's running state (and output sum, or the finished output in place) in one call instead of the
     tile loop. Returns the output (batch, rows, heads, head_dim) in the query's dtype, as attention functions return
     it (None without `value`), and the rows' `RowValues`.

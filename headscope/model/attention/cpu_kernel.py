@@ -1,12 +1,12 @@
 """headscope's C++ kernel on CPU (kernels/row_state.cpp), built on first use.
 
-`row_state` does what the tile loop of headscope.model.fused does (the row statistics, and the attention output when
+`row_state` does what the tile loop of attention.tile_loop does (the row statistics, and the attention output when
 the values are given), with the q k^T and p v products and the reductions in one cache-resident loop, as sdpa's CPU
 kernel does for the output alone (benchmarks/README.md); `weight_rows` what headscope.measures.row_sums's
 weight_row_values does with the probabilities of the eager path, in one pass over each row. It is built with torch's
 extension builder (a C++ compiler and ninja; about 45 s, once per machine and source, kept in torch's extensions
 folder) and reads float32 (half precision read as float32). When it cannot be built, or its first result disagrees
-with the plain computation, headscope keeps today's paths (headscope.model.kernel_choice).
+with the plain computation, headscope keeps today's paths (headscope.model.attention.dispatch).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from types import ModuleType
 
 import torch
 
+from headscope.model.attention.finish_rows import RowValues
 from headscope.model.masks import visible_keys
-from headscope.model.readoff import RowValues
 
 _log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "kernels" / "row_state.cpp"
@@ -139,15 +139,15 @@ def row_state_module(isa: str | None = None) -> ModuleType | str:
 
 @functools.cache
 def triton_module() -> ModuleType | str:
-    """The Triton kernel (headscope.model.triton_state), or why it cannot be used (one line): Triton ships with
+    """The Triton kernel (headscope.model.attention.cuda_kernel), or why it cannot be used (one line): Triton ships with
     torch's CUDA builds; where it is missing or fails to import, the compiled tile loop stays."""
     try:
-        from headscope.model import triton_state
+        from headscope.model.attention import cuda_kernel
     except Exception as err:  # not installed, or a Triton too old for the kernel
         reason = one_line(err)
         _log.warning("headscope's Triton attention kernel is not available (%s); using the tile loop", reason)
         return reason
-    return triton_state
+    return cuda_kernel
 
 
 def takes_mask(mask: torch.Tensor | None, keys: int) -> bool:
@@ -171,7 +171,7 @@ def row_state(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch, heads, rows, head_dim), None
-    without `value`), as headscope.model.fused's tile loop leaves them (every key but each sentence's first,
+    without `value`), as attention.tile_loop's tile loop leaves them (every key but each sentence's first,
     first_key (batch,) long), of query rows `positions` of query * `scaling` (query: (batch, heads, t, head_dim)),
     then the key points a kernel folds for the read-off (the C++ kernel's four, for the diagonal band of
     half-width `window`; none from the Triton kernel). out ((batch, rows, heads, head_dim) float32, with `value`):

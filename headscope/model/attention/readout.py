@@ -3,7 +3,7 @@
 - ``eager``: the model's *own* module-level ``eager_attention_forward`` (so grouped KV heads, scaling,
   softcapping, sinks and sliding windows are the model's), which materialises the full (batch, heads, t, t)
   matrix.
-- ``fused``: the layer's output and every row statistic in one pass over tiles of keys (headscope.model.fused), no
+- ``fused``: the layer's output and every row statistic in one pass over tiles of keys (attention.tile_loop), no
   t x t matrix and no probabilities at all, for measures that take per-row values (`row_values`); measures that
   want the probabilities themselves get the logits recomputed block of query rows by block, bounding memory by
   (batch x heads x block x keys). Used only when the model's eager function is, to the letter, one of the
@@ -31,10 +31,10 @@ from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.llama import modeling_llama
 
 from headscope.errors import ModelLoadError
-from headscope.model.fused import fused_attention, tile_shape
-from headscope.model.kernel_choice import KERNEL_NAMES, TileKernel
+from headscope.model.attention.dispatch import KERNEL_NAMES, TileKernel
+from headscope.model.attention.finish_rows import softcapped
+from headscope.model.attention.tile_loop import fused_attention, tile_shape
 from headscope.model.masks import TileVisibility, additive_mask, key_visibility
-from headscope.model.readoff import softcapped
 
 # Rows per block, at most: small blocks let causal attention skip most keys after each block's last row.
 MAX_BLOCK_ROWS = 128

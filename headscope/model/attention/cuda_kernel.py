@@ -9,10 +9,10 @@ the same running state the C++ kernel and the tile loop keep for every row, ever
     seen, mean, spread  how many keys, their logits' mean and sum of squared deviations (merged block by block)
     O  sum e^(s - m) v  (when values are given)
 
-and headscope.model.readoff puts the first key back, as for the other two. Products are float32 in IEEE precision
+and attention.finish_rows puts the first key back, as for the other two. Products are float32 in IEEE precision
 (not TF32: the statistics are held to 1e-5), inputs float32 (fused.py reads half precision as float32).
 
-Imported only where Triton is (torch's CUDA builds ship it); `headscope.model.native.triton_module` says why not
+Imported only where Triton is (torch's CUDA builds ship it); `attention.cpu_kernel.triton_module` says why not
 elsewhere. Runs on the CPU too under Triton's interpreter (TRITON_INTERPRET=1), which is how CPU-only CI tests it.
 """
 

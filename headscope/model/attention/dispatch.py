@@ -1,6 +1,6 @@
 """Which of headscope's kernels computes a capture's attention, and when (TileKernel): the tile loop of
-headscope.model.fused op by op or compiled, headscope's C++ kernel (headscope.model.native) or its Triton kernel
-(headscope.model.triton_state) for the fused pass, and the C++ kernel for the row statistics of the eager path's
+attention.tile_loop op by op or compiled, headscope's C++ kernel (attention.cpu_kernel) or its Triton kernel
+(attention.cuda_kernel) for the fused pass, and the C++ kernel for the row statistics of the eager path's
 probabilities. Every kernel's first result is checked against the plain computation, and a kernel that cannot be
 loaded, raises or disagrees is dropped with a warning.
 """
@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from headscope.model import native
-from headscope.model.fused import FOLD_STATE, TILE_KEYS, _fold, _fold_tiles, _tile_step
-from headscope.model.readoff import RowValues, read_off
+from headscope.model.attention import cpu_kernel
+from headscope.model.attention.finish_rows import RowValues, read_off
+from headscope.model.attention.tile_loop import FOLD_STATE, TILE_KEYS, _fold, _fold_tiles, _tile_step
 
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
 # one 1,024-token sentence, a fifth of one layer at 8,192 tokens.
@@ -70,8 +70,8 @@ class TileKernel:
       disk cache, and pays off only on long work), op by op again if compiling fails. The maths is the same
       either way (tested to 1e-6).
     - Past `native_from` logits, float32 and half-precision attention (statistics and output, in float32) comes
-      from headscope's C++ kernel on the CPU (headscope.model.native) or its Triton kernel on CUDA
-      (headscope.model.triton_state), once it is loaded and its first result agrees with the tile loop on a few
+      from headscope's C++ kernel on the CPU (headscope.model.attention.cpu_kernel) or its Triton kernel on CUDA
+      (headscope.model.attention.cuda_kernel), once it is loaded and its first result agrees with the tile loop on a few
       rows; otherwise from the tile loop.
     """
 
@@ -87,11 +87,11 @@ class TileKernel:
         self.compile_from = compile_from
         self.native_from = native_from
         self.weights_from = weights_from
-        self._native_built = native_built or native.is_built
+        self._native_built = native_built or cpu_kernel.is_built
         # device type -> () -> the kernel's module (its `row_state`), or why there is none (one line)
         self.loaders = {
-            "cpu": native_loader or native.row_state_module,
-            "cuda": triton_loader or native.triton_module,
+            "cpu": native_loader or cpu_kernel.row_state_module,
+            "cuda": triton_loader or cpu_kernel.triton_module,
         }
         self.folded = 0  # logits handed to `step` so far
         self.failed: str | None = None  # why compiling failed, once it has
@@ -131,7 +131,7 @@ class TileKernel:
             or device not in self.loaders
             or device in self.failed_kernels
             or query.dtype not in NATIVE_DTYPES
-            or not native.takes_mask(mask, query.shape[-2])
+            or not cpu_kernel.takes_mask(mask, query.shape[-2])
         ):
             return None
         module = self._loaded(device)
@@ -148,14 +148,14 @@ class TileKernel:
     def _native(
         self, module, query, key, value, positions, first_key, visibility, softcap, window, *, scaling, out=None
     ) -> tuple | None:
-        """The kernel's `native.row_state(...)` (the same arguments), its first result checked against the tile
+        """The kernel's `cpu_kernel.row_state(...)` (the same arguments), its first result checked against the tile
         loop's; None where it fails or disagrees (then dropped)."""
         device = query.device.type
         arguments = (query, key, value, positions, first_key, visibility, softcap, window)
         try:
-            states = native.row_state(module, *arguments, scaling=scaling, out=out)
+            states = cpu_kernel.row_state(module, *arguments, scaling=scaling, out=out)
         except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
-            return self._drop(device, f"failed ({native.one_line(err)})")
+            return self._drop(device, f"failed ({cpu_kernel.one_line(err)})")
         if device in self._checked:
             self.native_runs += 1
             return states
@@ -224,9 +224,9 @@ class TileKernel:
 
     def _weight_rows(self, module, weights, visible, seq_start, window, row_offset, reference) -> RowValues:
         try:
-            values = native.weight_rows(module, weights, visible, seq_start, window, row_offset)
+            values = cpu_kernel.weight_rows(module, weights, visible, seq_start, window, row_offset)
         except Exception as err:  # a kernel built from an older source, or refusing its inputs: torch's passes
-            return self._drop_weights(f"failed ({native.one_line(err)})", reference())
+            return self._drop_weights(f"failed ({cpu_kernel.one_line(err)})", reference())
         if not self._weights_checked:
             self._weights_checked = True
             expected = reference()
