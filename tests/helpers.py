@@ -6,9 +6,12 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import torch
 from typer.testing import CliRunner
 
 from headscope.cli import app
+from headscope.measures.statistics import AttentionStatistics
 from headscope.progress import NullReporter
 
 runner = CliRunner()
@@ -144,3 +147,22 @@ def gpt2_folder(path: Path, lines: list[str], **config) -> Path:
 
     options = {"n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 64, **config}
     return tiny_model_folder(path, GPT2Config(**options), GPT2Model, lines)
+
+
+# ---------------------------------------------------------------- heads compared, measures built
+
+# The per-head columns two paths (eager and fused, kernel and torch) must agree on.
+METRICS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight")
+METRICS += ("logit_std", "write_norm", "write_ratio", "sink_value_ratio", "active_rows", "offsink_prev_token")
+METRICS += ("offsink_norm_entropy",)
+
+
+def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
+    got, expected = got.sort_values(["layer", "head"]), expected.sort_values(["layer", "head"])
+    assert got["layer"].tolist() == expected["layer"].tolist()
+    for name in names:
+        np.testing.assert_allclose(got[name].to_numpy(), expected[name].to_numpy(), atol=atol, err_msg=name)
+
+
+def statistics() -> AttentionStatistics:
+    return AttentionStatistics(window=2, sink_threshold=0.3, accum_dtype=torch.float64)

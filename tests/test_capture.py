@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import headscope
-from headscope.measures.statistics import AttentionStatistics
 from headscope.model.batch import collate
 from headscope.model.capture import RowBlock, attached
 from headscope.run.feed import tokenize_sentences
+
+from helpers import statistics
 
 TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
 
@@ -19,10 +20,6 @@ TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, ev
 def two_loads(planted_gpt2):
     """The same planted GPT-2 loaded twice: two models of one class, as in a notebook."""
     return [headscope.load_model(str(planted_gpt2), device="cpu") for _ in range(2)]
-
-
-def statistics() -> AttentionStatistics:
-    return AttentionStatistics(window=2, sink_threshold=0.3, accum_dtype=torch.float64)
 
 
 def one_batch(loaded, texts):

@@ -11,21 +11,11 @@ from headscope.arguments import parse_batch_size, parse_bytes, parse_layers
 from headscope.errors import ConfigError
 from headscope.model.batch import plan_batches
 
-from helpers import tiny_model_folder
+from helpers import METRICS, assert_same_heads, tiny_model_folder
 from reference import corpus_means
 
-METRICS = ("entropy", "entropy_std", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight")
-METRICS += ("logit_std", "write_norm", "write_ratio", "sink_value_ratio", "active_rows", "offsink_prev_token")
-METRICS += ("offsink_norm_entropy",)
 TINY_BLOCKS = 4096  # bytes: forces the block-wise path, with several blocks, even on short sentences
 SMALL_BLOCKS = 65536  # bytes: the block-wise path on SmolLM2 with a few rows per block (one row per block is slow)
-
-
-def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
-    got, expected = got.sort_values(["layer", "head"]), expected.sort_values(["layer", "head"])
-    assert got["layer"].tolist() == expected["layer"].tolist()
-    for name in names:
-        np.testing.assert_allclose(got[name].to_numpy(), expected[name].to_numpy(), atol=atol, err_msg=name)
 
 
 @pytest.mark.slow

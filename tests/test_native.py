@@ -15,8 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fast_path import assert_same_heads
-from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, reference
 
 import headscope
 from headscope.measures.statistics import AttentionStatistics
@@ -25,9 +23,21 @@ from headscope.model.attention.dispatch import TileKernel
 from headscope.model.batch import collate
 from headscope.model.capture import attached
 
+from attention_cases import (
+    HEAD_DIM,
+    HEADS,
+    STATISTICS,
+    assert_same_output,
+    fused,
+    hand_built,
+    masks,
+    reference,
+    sdpa_output,
+)
+from helpers import assert_same_heads
+
 # Long enough for several blocks of the kernel's rows (64) and keys (512).
 LONG = 700
-STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible")
 
 
 def _variants() -> tuple[str, ...]:
@@ -354,24 +364,6 @@ def test_the_kernel_is_counted_only_when_it_ran(kernel_module):
     assert refused.native_runs == 0 and "cpu" in refused.failed_kernels
 
 
-def sdpa_output(query, key, value, visible, softcap=None):
-    """The output as torch's sdpa computes it (float64 maths where sdpa cannot softcap): (batch, t, heads, head_dim)."""
-    groups = HEADS // KV_HEADS
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    if softcap is None:
-        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible[:, None])
-        return output.transpose(1, 2)
-    scores = torch.tanh(query.double() @ key.double().transpose(-1, -2) * HEAD_DIM**-0.5 / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~visible[:, None], -math.inf), -1)
-    return (probs @ value.double()).transpose(1, 2)
-
-
-def assert_same_output(got, want, real):
-    """Equal within 1e-5 of the output's largest magnitude, on the rows that see some key (batch, t)."""
-    got, want = got[real].double(), want[real].double()
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), float((got - want).abs().max())
-
-
 def with_block_rows(module, rows: int) -> SimpleNamespace:
     """The kernel module with its query rows per task forced to `rows` (row_state leaves them to its rule)."""
     return SimpleNamespace(row_state=lambda *args, **kwargs: module.row_state(*args, rows, **kwargs))
@@ -543,8 +535,6 @@ def test_a_kernel_that_raises_is_dropped_for_the_tile_loop():
 
 CANNOT_BUILD = """
 import torch
-from test_fused import fused, hand_built, masks
-from test_native import assert_same_output, sdpa_output
 from headscope.model.attention.dispatch import TileKernel
 
 query, key, value = hand_built(seed=16, t=40)

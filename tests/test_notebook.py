@@ -10,11 +10,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_page import CHROMIUM, DRIVER, console_problems, needs_browser
 
 import headscope
 from headscope.report.notebook import cell, send_plotly_again, table
 from headscope.report.report import Report
+
+from browser import chromium, console_problems, needs_browser
 
 OUTSIDE_IFRAMES = re.compile(r'srcdoc="[^"]*"')  # the pages, escaped: what is left is the cell's own HTML
 HELD_PLOTLY = re.compile(r'<script type="text/plain" id="headscope-plotly">.*?</script>', re.S)  # inert: never run
@@ -126,7 +127,7 @@ def test_two_results_in_one_page_each_become_interactive(report, copier, tmp_pat
     parts = [report._repr_html_(), report._repr_html_(), inspection._repr_html_()]
     page.write_text("<!doctype html><html><body>" + "".join(f"<div>{p}</div>" for p in parts) + "</body></html>")
     assert len(HELD_PLOTLY.findall(page.read_text())) == 1
-    driver = _driver()
+    driver = chromium()
     try:
         driver.get_log("browser")
         driver.get(page.resolve().as_uri())
@@ -159,7 +160,7 @@ def test_a_view_whose_notebook_lost_plotly_says_what_to_run_and_a_kept_view_need
     lost, kept = tmp_path / "lost.html", tmp_path / "kept.html"
     lost.write_text(f"<!doctype html><html><body>{report._repr_html_()}</body></html>", encoding="utf-8")
     kept.write_text(f"<!doctype html><html><body>{report.to_html()}</body></html>", encoding="utf-8")
-    driver = _driver()
+    driver = chromium()
     try:
         for page in (lost, kept):
             driver.get(page.resolve().as_uri())
@@ -179,19 +180,6 @@ def test_a_view_whose_notebook_lost_plotly_says_what_to_run_and_a_kept_view_need
             driver.switch_to.default_content()
     finally:
         driver.quit()
-
-
-def _driver():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--window-size=1400,1400", "--allow-file-access-from-files"):  # fmt: skip
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(DRIVER), options=options)
 
 
 def test_the_notebook_progress_is_one_display_updated_in_place():
@@ -232,7 +220,7 @@ def test_a_script_token_shows_as_text_in_the_notebook_view(smollm2, tmp_path):
     assert "<script" not in own_html(html)
     page = tmp_path / "notebook.html"
     page.write_text(f"<!doctype html><html><body>{html}</body></html>", encoding="utf-8")
-    driver = _driver()
+    driver = chromium()
     try:
         driver.get(page.resolve().as_uri())
         frame = driver.find_element(By.TAG_NAME, "iframe")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -15,15 +14,10 @@ import pytest
 from headscope.report.page import report_page, write_page
 from headscope.report.report import Report
 
+from browser import CHROMIUM, DRIVER, chromium, console_problems, needs_browser
 from helpers import run_cli
 from synthetic import synthetic_report
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-needs_browser = pytest.mark.skipif(
-    not (CHROMIUM and DRIVER),
-    reason="Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; "
-    ".ci/run does it)",
-)
 # Anything that could make the browser fetch something: a URL, a scheme-relative source, an import.
 RESOURCE = re.compile(r"https?://|(?:src|href)\s*=\s*[\"']?//|url\(\s*[\"']?//|@import", re.IGNORECASE)
 
@@ -56,25 +50,7 @@ def test_data_cannot_break_out_of_its_script():
 def browser():
     if not (CHROMIUM and DRIVER):
         pytest.skip("no chromium")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1400,1400",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver = chromium()
     yield driver
     driver.quit()
 
@@ -89,10 +65,6 @@ def open_page(browser, path: Path, timeout: float = 30.0) -> float:
         assert time.perf_counter() - started < timeout, "the page never became ready"
         time.sleep(0.05)
     return time.perf_counter() - started
-
-
-def console_problems(browser) -> list[str]:
-    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
 
 
 def requested(browser) -> list[str]:

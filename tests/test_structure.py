@@ -226,3 +226,16 @@ def test_the_bundled_options_are_spelled_only_in_their_bundle():
         assert {name for name, _, _ in MODEL_OPTIONS} <= {p.name for p in commands[command].params}, command
     for command in ("analyze", "inspect", "ablate", "prune"):
         assert {name for name, _, _ in CORPUS_OPTIONS} <= {p.name for p in commands[command].params}, command
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in support modules (helpers, planted models, references, attention_cases, browser) or
+    in conftest.py's fixtures; a test module importing another runs its module-level code and couples the two."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.name} imports {name}" for name in names if name.split(".")[0].startswith("test_")]
+    assert not found, found

@@ -46,10 +46,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an 
 @pytest.mark.cuda
 @needs_cuda
 def test_the_triton_kernel_on_cuda_equals_the_reference(mask_name, softcap):
-    from test_fused import fused, hand_built, masks, reference
-    from test_native import STATISTICS, assert_same_output, sdpa_output
-
     from headscope.model.attention.dispatch import TileKernel
+
+    from attention_cases import STATISTICS, assert_same_output, fused, hand_built, masks, reference, sdpa_output
 
     query, key, value = hand_built(seed=22, t=700)
     mask, visible, seq_start = masks(t=700, window=300)[mask_name]
@@ -73,9 +72,9 @@ def test_the_triton_kernel_on_cuda_equals_the_reference(mask_name, softcap):
 def test_a_long_text_on_cuda_takes_the_triton_kernel_and_matches_the_eager_path(corpus_lines):
     """SmolLM2 in float32 on the GPU, 700 tokens: the Triton kernel takes every layer past the first, and every
     head's statistics equal the eager weights' to 1e-5."""
-    from test_fast_path import assert_same_heads
-
     import headscope
+
+    from helpers import assert_same_heads
 
     loaded = headscope.load_model("smollm2", device="cuda", dtype="float32")
     text = " ".join(corpus_lines)

@@ -8,8 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_capture import statistics
-from test_fused import HEADS
 
 import headscope
 from headscope.measures.row_sums import head_row_sums, head_row_sums_from_values, weight_row_values
@@ -21,6 +19,8 @@ from headscope.model.batch import collate
 from headscope.model.capture import attached
 from headscope.run.feed import tokenize_sentences
 
+from attention_cases import HEADS
+from helpers import statistics
 from tolerances import row_statistic
 
 T = 40

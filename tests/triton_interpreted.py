@@ -8,10 +8,11 @@ import json
 import math
 
 import torch
-from test_fused import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, reference
 
 from headscope.model.attention import cuda_kernel
 from headscope.model.attention.dispatch import TileKernel
+
+from attention_cases import HEAD_DIM, HEADS, KV_HEADS, fused, hand_built, masks, reference
 
 T = 150  # three blocks of 64 rows and of 64 keys
 STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "rest_entropy", "rest_mass", "logit_std")
