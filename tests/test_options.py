@@ -293,12 +293,45 @@ def check_device(planted, texts, baseline, tmp_path):
 # ---------------------------------------------------------------- settings that must change no number
 
 
-def neutral(**options):
+def neutral(arrived, **options):
+    """An option that must change no number: the numbers equal the baseline's, and `arrived(report, baseline)`
+    shows the option reached the code that uses it (an option dropped on the way would pass the first half)."""
+
     def check(planted, texts, baseline, tmp_path):
         report = headscope.analyze(str(planted), texts, **{**FAST, **options})
         assert_same_numbers(report, baseline, atol=1e-6)  # float32 attention: batching moves the last digits
+        assert arrived(report.run["batching"], baseline.run["batching"]), (report.run["batching"], options)
 
     return check
+
+
+def one_sentence_each(batching, baseline) -> bool:
+    return batching["max_sentences"] == 1 and batching["batches"] == 16 > baseline["batches"]  # the 16 texts
+
+
+def budgeted(batching, baseline) -> bool:
+    return batching["memory_budget_bytes"] == 2**20 and batching["max_tokens"] < baseline["max_tokens"]
+
+
+def check_padding_side(planted, texts, baseline, tmp_path):
+    """Left padding reaches the batches the model runs (a hook on the model sees each batch's mask) and changes no
+    number."""
+    masks = []
+
+    def loader(source, settings, model_config, lm_head):
+        loaded = load_for_run(source, settings, model_config, lm_head)
+        loaded.model.register_forward_pre_hook(lambda module, args, kwargs: masks.append(kwargs["attention_mask"]),
+                                               with_kwargs=True)  # fmt: skip
+        return loaded
+
+    report = headscope.analyze(str(planted), texts, padding_side="left", batch_size=5, loader=loader, **FAST)
+    padded = [mask for mask in masks if not bool(mask.all())]  # batches of sentences of several lengths
+    assert padded and all(bool(mask[:, -1].all()) and not bool(mask[:, 0].all()) for mask in padded)  # on the left
+    assert_same_numbers(report, baseline, atol=1e-6)
+
+
+def in_chunks_of_three(batching, baseline) -> bool:
+    return batching["batches"] >= 6 > baseline["batches"]  # 16 texts in chunks of 3: a batch or more each
 
 
 def check_block_bytes(planted, texts, baseline, tmp_path):
@@ -468,10 +501,10 @@ EFFECTS = {
     "device_map": check_device_map,
     "offload_folder": check_device_map,
     # settings that change no number
-    "batch_size": neutral(batch_size=1),
-    "max_memory": neutral(max_memory=2**20),
-    "padding_side": neutral(padding_side="left", batch_size=5),
-    "chunk_sentences": neutral(chunk_sentences=3),
+    "batch_size": neutral(one_sentence_each, batch_size=1),
+    "max_memory": neutral(budgeted, max_memory=2**20),
+    "padding_side": check_padding_side,
+    "chunk_sentences": neutral(in_chunks_of_three, chunk_sentences=3),
     "block_bytes": check_block_bytes,
     "threads": check_threads,
     "revision": reaches_the_loader(revision="main"),
