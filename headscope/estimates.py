@@ -184,6 +184,19 @@ def layer_intervals(replicates: dict[str, np.ndarray]) -> dict[str, tuple[np.nda
         return {metric: percentile_interval(np.nanmean(values, axis=-1)) for metric, values in replicates.items()}
 
 
+def replicate_ratios(
+    sentence_ids: np.ndarray, replicates: int, seed: int, numerator: np.ndarray, denominator: np.ndarray
+) -> np.ndarray:
+    """The ratio of sums every interval of ablate and patch is read from, in each bootstrap replicate r:
+    sum_i w_ri numerator_i / sum_i w_ri denominator_i over the sentences (or pairs) i, with the Poisson weights of
+    `replicate_weights`. numerator, denominator: (sentences, ...) -> (replicates, ...); NaN where a replicate's
+    denominator is 0 (a signed one, such as patch's gap, may be negative)."""
+    weights = replicate_weights(sentence_ids, replicates, seed)  # (replicates, sentences)
+    top, bottom = weights @ numerator, weights @ denominator
+    bottom = bottom.reshape(bottom.shape + (1,) * (top.ndim - bottom.ndim))  # one denominator for every column
+    return np.divide(top, bottom, out=np.full(np.broadcast(top, bottom).shape, np.nan), where=bottom != 0)
+
+
 def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
     """The central `level` interval of bootstrap replicates along axis 0 (replicates with NaN are skipped)."""
     tail = 100 * (1 - level) / 2

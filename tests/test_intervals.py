@@ -10,7 +10,7 @@ import pytest
 
 import headscope
 from headscope.columns import RATIOS, STAT_INDEX, STATS
-from headscope.estimates import Bootstrap, head_intervals, poisson_draws, poisson_weights, t_interval
+from headscope.estimates import Bootstrap, head_intervals, poisson_draws, poisson_weights, replicate_ratios, t_interval
 
 INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
 
@@ -125,3 +125,20 @@ def test_percentile_intervals_equal_numpys_nan_aware_ones():
     assert np.isnan(low[0, 0]) and np.isnan(low).sum() == 1
     one_low, one_high = percentile_interval(replicates[:, 1, 2])  # one column (a single group's delta, say)
     assert np.isclose(one_low, expected_low[1, 2], rtol=0, atol=1e-12) and np.ndim(one_high) == 0
+
+
+def test_replicate_ratios_are_ratios_of_weighted_sums_with_signed_denominators():
+    """ablate's and patch's one bootstrap step: sum_i w_ri x_i / sum_i w_ri y_i per replicate, against a plain loop
+    over the Poisson weights; a negative denominator (patch's gap) is a ratio like any other, a zero one NaN."""
+    ids = np.array([3, 8, 1, 5])
+    numerator = np.array([[1.0, 2.0], [0.5, -1.0], [2.0, 0.0], [-1.0, 4.0]])  # (sentences, columns)
+    denominator = np.array([2.0, -3.0, 1.0, 0.5])
+    got = replicate_ratios(ids, 40, 11, numerator, denominator)
+    weights = poisson_weights(ids, 40, 11)  # (sentences, replicates)
+    for r in range(40):
+        bottom = sum(weights[i, r] * denominator[i] for i in range(4))
+        for c in range(2):
+            top = sum(weights[i, r] * numerator[i, c] for i in range(4))
+            assert np.isnan(got[r, c]) if bottom == 0 else got[r, c] == pytest.approx(top / bottom, rel=1e-12)
+    assert (got < 0).any()  # signed denominators kept their sign
+    assert np.isnan(replicate_ratios(ids, 5, 0, np.ones(4), np.zeros(4))).all()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from headscope.config import LOSS_ON
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
 from headscope.interventions.nll import token_nll
 from headscope.interventions.removal import Head, Removal, RemovedHeads
 from headscope.model.batch import Batch
@@ -242,9 +242,7 @@ def group_effect(losses: GroupLosses, group: int, scoring: str, *, replicates: i
     effect["ablated_loss"] = float(ablated.sum() / count)
     effect["delta"] = float((ablated - clean).sum() / count)
     if replicates and (tokens > 0).sum() >= MIN_BOOTSTRAP_SENTENCES:  # one sentence has no spread to resample
-        weights = poisson_weights(np.asarray(losses.sentence_ids), replicates, seed)  # (sentences, replicates)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            deltas = (weights.T @ (ablated - clean)) / (weights.T @ tokens)  # (replicates,)
+        deltas = replicate_ratios(np.asarray(losses.sentence_ids), replicates, seed, ablated - clean, tokens)
         low, high = percentile_interval(deltas)
         effect["delta_ci_low"], effect["delta_ci_high"] = float(low), float(high)
     return effect

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from headscope.errors import ModelLoadError
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, poisson_weights
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
 from headscope.interventions.groups import replica_passes
 from headscope.interventions.pairs import TokenizedPair
 from headscope.model.attention.readout import RowBlock, repeat_kv
@@ -290,8 +290,6 @@ def patch_effects(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, d
         effect = np.full(len(patched), np.nan) if no_gap else moved.mean(1) / gap.mean()
     low = high = np.full(len(patched), np.nan)
     if replicates and len(gap) >= MIN_BOOTSTRAP_SENTENCES and not no_gap:
-        weights = poisson_weights(pair_ids, replicates, seed)  # (pairs, replicates); the weights' sum cancels
-        with np.errstate(invalid="ignore", divide="ignore"):
-            draws = (moved @ weights) / (gap @ weights)  # (units, replicates)
-        low, high = percentile_interval(draws.T)
+        draws = replicate_ratios(pair_ids, replicates, seed, moved.T, gap)  # (replicates, units)
+        low, high = percentile_interval(draws)
     return {"effect": effect, "effect_ci_low": low, "effect_ci_high": high, "mean_patched": patched.mean(1)}
