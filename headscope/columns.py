@@ -2,8 +2,8 @@
 
 A column says where its number comes from (the row sums it is a ratio of, or the step that fills it), its
 type, and where else it appears: the per-sentence table, a bootstrap interval, the page's selector, compare's
-deltas. stats.py (sums -> means), tables.py (schemas), report/page.py and report/compare.py derive their lists
-from here. A new corpus metric is one entry here plus its per-row value in measures/statistics.py.
+deltas. estimates.py (sums -> means), tables.py (schemas), report/page.py and report/compare.py derive their
+lists from here. A new corpus metric is one entry here plus its per-row value in measures/row_sums.py.
 
 No third-party imports: commands that only read reports import this.
 """
@@ -47,7 +47,7 @@ class Column:
     dtype: str  # Arrow type name: int32, int64, float64, string
     about: str  # what the value is, in one line (the page shows it)
     sums: tuple[str, str] | None = None  # a token-weighted mean of row values: (numerator, denominator) row sums
-    slots: tuple[str, ...] = ()  # other row sums it is derived from (stats.DERIVED says how)
+    slots: tuple[str, ...] = ()  # other row sums it is derived from (estimates.metric_means says how)
     interval: bool = False  # with a 95% bootstrap interval: <name>_ci_low, <name>_ci_high
     per_sentence: bool = False  # also a column of sentence_heads.parquet (float32)
     shown: bool = False  # offered by the page's colour selector

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import os
+
+# First, before anything imports torch (tests/helpers.py does): never reach for the network (hub lookups must fail
+# fast and say so), and under pytest-xdist (`-n 2`: the fast loop) each worker takes one core: two workers of two
+# threads each on two cores ran the loop no faster than one process, and once helpers imported torch ahead of this
+# line, 4x slower (oversubscribed).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TQDM_DISABLE"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import (
-    refuse_to_load,
-    run_cli,
-)
-
-# Never reach for the network: hub lookups must fail fast and say so.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TQDM_DISABLE"] = "1"
-# Under pytest-xdist (`-n 2`: the fast loop) each worker takes one core: two workers of two threads each on two
-# cores ran the loop no faster than one process (oversubscribed). Set before torch is first imported.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+from helpers import refuse_to_load, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CORPUS = REPO / "corpora" / "english-100.txt"

@@ -15,7 +15,7 @@ def analyze(
     ctx: typer.Context,
     model: o.ModelArgument,
     corpus: o.Corpus = None,
-    out: o.Out = None,
+    out: o.OutAnalyze = None,
     overwrite: o.Overwrite = False,
     resume: o.Resume = False,
     # From here to the label rules, every option is the RunConfig field of the same name (its default there).

@@ -11,7 +11,7 @@ from headscope.cli.common import say, usage_errors, user_errors
 def classify(
     ctx: typer.Context,
     report: o.ReportArgument,
-    out: o.Out = None,
+    out: o.OutRewrite = None,
     overwrite: o.Overwrite = False,
     local_min_locality: o.recorded(o.LocalMinLocality) = None,
     copy_max_norm_entropy: o.recorded(o.CopyMaxNormEntropy) = None,

@@ -15,7 +15,7 @@ def compare(
     ctx: typer.Context,
     a: o.ReportA,
     b: o.ReportB,
-    out: o.Out = None,
+    out: o.OutCompare = None,
     overwrite: o.Overwrite = False,
     charts: o.Charts = True,
     page: o.Page = True,

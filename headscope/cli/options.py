@@ -140,12 +140,14 @@ Report = Annotated[
     Path | None,
     typer.Option(help="A report of this model: the heads' roles (ablate: for --role and --each-role; patch: shown)."),
 ]
-Heads = Annotated[
+HeadsToInspect = Annotated[list[str] | None, typer.Option("--heads", help="Heads written LAYER.HEAD: 18.6,17.4.")]
+HeadGroups = Annotated[
     list[str] | None,
-    typer.Option(
-        help="Heads written LAYER.HEAD: 18.6,17.4 (ablate: each use is a group removed together; patch: the heads "
-        "patched, one at a time)."
-    ),
+    typer.Option("--heads", help="A group of heads removed together, written LAYER.HEAD: 18.6,17.4 (repeat for more)."),
+]
+HeadsToPatch = Annotated[
+    list[str] | None,
+    typer.Option("--heads", help="Heads to patch, one at a time, written LAYER.HEAD: 18.6,17.4 (default: every head)."),
 ]
 Pairs = Annotated[
     Path,
@@ -234,13 +236,17 @@ def _show_version(shown: bool) -> None:
 
 # ---------------------------------------------------------------- outputs
 
-Out = Annotated[
-    Path | None,
-    typer.Option(
-        help="Output folder. Default: reports/<model> (analyze), reports/<command>-<model> (inspect, ablate, patch, "
-        "prune), reports/compare-<A>-vs-<B>; classify and plot: the report itself."
-    ),
-]
+
+def _out(default: str):
+    """--out, as one command takes it: the same option, the command's own default in its help."""
+    return Annotated[Path | None, typer.Option("--out", help=f"Output folder. Default: {default}.")]
+
+
+OutAnalyze = _out("reports/<model>")
+OutInspect, OutAblate = _out("reports/inspect-<model>"), _out("reports/ablate-<model>")
+OutPatch, OutPrune = _out("reports/patch-<model>"), _out("reports/prune-<model>")
+OutCompare = _out("reports/compare-<A>-vs-<B>")
+OutRewrite = _out("REPORT itself, rewritten in place (atomically); a folder here is a new report instead")
 Overwrite = Annotated[bool, typer.Option(help="Replace a folder this command wrote before (and nothing else).")]
 Resume = Annotated[
     bool, typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues.")

@@ -12,7 +12,7 @@ from headscope.errors import HeadscopeError
 def plot(
     ctx: typer.Context,
     report: o.ReportArgument,
-    out: o.Out = None,
+    out: o.OutRewrite = None,
     overwrite: o.Overwrite = False,
     chart_format: o.Format = o.DEFAULT_FORMAT,
     page: o.Page = True,

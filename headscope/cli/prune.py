@@ -15,7 +15,7 @@ def prune(
     budget: o.Budget,
     mode: o.Mode = o.DEFAULT_MODE,
     corpus: o.Corpus = None,
-    out: o.Out = None,
+    out: o.OutPrune = None,
     save_model: o.SaveModel = None,
     overwrite: o.Overwrite = False,
     resume: o.Resume = False,

@@ -6,7 +6,7 @@
     the output     ablation.json: per group its heads, tokens, clean and ablated loss, the delta and its 95%
                    paired bootstrap interval over sentences
 
-Every group shares each batch's clean pass (measures.ablation.group_losses).
+Every group shares each batch's clean pass (interventions.groups.group_losses).
 """
 
 from __future__ import annotations

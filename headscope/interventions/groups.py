@@ -7,7 +7,7 @@ Definitions (docs/ablate-prune.md has them too):
   (`repeat_tokens`).
 - loss: mean next-token cross-entropy (nats) over the scored tokens, token-weighted over the corpus.
 - a group's delta: its loss minus the clean loss on the same tokens; the 95% interval is a paired Poisson
-  bootstrap over sentences (stats.poisson_weights: the same draws in any order or batching of the corpus).
+  bootstrap over sentences (estimates.replicate_ratios: the same draws in any order or batching of the corpus).
 
 Several groups share one clean pass per batch: the batch is replicated along the batch axis, each replica with
 its own group removed, and the decoder layers before the first removed head are skipped (they hand on what they

@@ -15,7 +15,7 @@ Definitions (docs/importance.md has them too):
   of ((r - o) . dL/do)^2 (an empirical-Fisher term, as prune ranks heads by: Spearman 0.85 against exact mean
   ablation on SmolLM2, where first order alone gives 0.53), from the same pass. The fast importance to rank by.
 
-Exact ablation removes each head as a group of one (measures.groups, the same passes as `headscope ablate`): each
+Exact ablation removes each head as a group of one (interventions.groups, the same passes as `headscope ablate`): each
 batch runs once clean, keeping every decoder layer's output; then, per ablated layer, the batch is replicated along
 the batch axis, a different head removed in each replica, and the layers before it are skipped (they hand on the
 clean output they had). Every pass goes

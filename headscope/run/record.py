@@ -68,7 +68,7 @@ def fingerprint(loaded, corpus, settings, ranks) -> dict:
 
 
 def run_record(analysis, heads) -> dict:
-    """Everything run.json holds about a finished run (analysis: run.assemble.Analysis; heads: its heads table)."""
+    """Everything run.json holds about a finished run (analysis: commands.analysis.Analysis; heads: its heads table)."""
     loaded, corpus, plan, measured = analysis.loaded, analysis.corpus, analysis.plan, analysis.measured
     probes, importance, timings = analysis.probes, analysis.importance, analysis.timings
     source, settings = loaded.source, plan.settings
