@@ -535,6 +535,7 @@ def test_a_kernel_that_raises_is_dropped_for_the_tile_loop():
 
 CANNOT_BUILD = """
 import torch
+from attention_cases import assert_same_output, fused, hand_built, masks, sdpa_output
 from headscope.model.attention.dispatch import TileKernel
 
 query, key, value = hand_built(seed=16, t=40)
