@@ -71,19 +71,19 @@ def _setting(kind, name: str, **option):
 
 # ---------------------------------------------------------------- settings (RunConfig fields)
 
-Revision = _setting(str | None, "revision")
+Revision = _setting(str | None, "revision", metavar="<ref>")
 TrustRemoteCode = _setting(bool, "trust_remote_code")
 Device = _setting(DeviceChoice, "device")
 DType = _setting(DTypeChoice, "dtype")
-TextColumn = _setting(str | None, "text_column")
+TextColumn = _setting(str | None, "text_column", metavar="<column>")
 EncodingErrors = _setting(EncodingChoice, "encoding_errors")
-DeviceMap = _setting(str | None, "device_map")
+DeviceMap = _setting(str | None, "device_map", metavar="<auto|balanced|sequential|map.json>")
 OffloadFolder = _setting(Path | None, "offload_folder")
 MaxLength = _setting(int | None, "max_length")
 Window = _setting(int, "window")
-BatchSize = _setting(str | None, "batch_size")
-MaxMemory = _setting(str | None, "max_memory")
-Layers = _setting(str | None, "layers")
+BatchSize = _setting(str | None, "batch_size", metavar="<n|auto>")
+MaxMemory = _setting(str | None, "max_memory", metavar="<size>")
+Layers = _setting(str | None, "layers", metavar="<layers>")
 SentenceHeads = _setting(bool, "sentence_heads")
 ChunkSentences = _setting(int, "chunk_sentences")
 SinkThreshold = _setting(float, "sink_threshold")
@@ -140,14 +140,24 @@ Report = Annotated[
     Path | None,
     typer.Option(help="A report of this model: the heads' roles (ablate: for --role and --each-role; patch: shown)."),
 ]
-HeadsToInspect = Annotated[list[str] | None, typer.Option("--heads", help="Heads written LAYER.HEAD: 18.6,17.4.")]
+HeadsToInspect = Annotated[
+    list[str] | None, typer.Option("--heads", metavar="<layer.head,...>", help="Heads written LAYER.HEAD: 18.6,17.4.")
+]
 HeadGroups = Annotated[
     list[str] | None,
-    typer.Option("--heads", help="A group of heads removed together, written LAYER.HEAD: 18.6,17.4 (repeat for more)."),
+    typer.Option(
+        "--heads",
+        metavar="<layer.head,...>",
+        help="A group of heads removed together, written LAYER.HEAD: 18.6,17.4 (repeat for more).",
+    ),
 ]
 HeadsToPatch = Annotated[
     list[str] | None,
-    typer.Option("--heads", help="Heads to patch, one at a time, written LAYER.HEAD: 18.6,17.4 (default: every head)."),
+    typer.Option(
+        "--heads",
+        metavar="<layer.head,...>",
+        help="Heads to patch, one at a time, written LAYER.HEAD: 18.6,17.4 (default: every head).",
+    ),
 ]
 Pairs = Annotated[
     Path,
@@ -159,8 +169,9 @@ Pairs = Annotated[
 Role = Annotated[
     list[str] | None,
     typer.Option(
+        metavar="<role>",
         help="Heads of this role (repeat for more): from --report, or for inspect's probe roles (induction, "
-        "duplicate-token, previous-token) from the probes, run first."
+        "duplicate-token, previous-token) from the probes, run first.",
     ),
 ]
 EachRole = Annotated[bool, typer.Option(help="A group per role of --report (but other).")]
@@ -168,7 +179,10 @@ Text = Annotated[list[str] | None, typer.Option(help="A text to inspect (repeat 
 Sentences = Annotated[str | None, typer.Option(help="Sentences of --corpus to inspect, by id: 0,5,10-12.")]
 Probe = Annotated[
     list[ProbeChoice] | None,
-    typer.Option(help="Add the probe sequence (repeated random tokens) and score each head on this probe."),
+    typer.Option(
+        metavar="<induction|duplicate|previous>",
+        help="Add the probe sequence (repeated random tokens) and score each head on this probe.",
+    ),
 ]
 
 # ---------------------------------------------------------------- what a command does
