@@ -232,13 +232,6 @@ Seed = Annotated[int, typer.Option(help="Bootstrap seed (0 to 2**64 - 1): the in
 
 # ---------------------------------------------------------------- the program
 
-Version = Annotated[
-    bool,
-    typer.Option(
-        "--version", is_eager=True, callback=lambda shown: _show_version(shown), help="Print the version and exit."
-    ),
-]
-
 
 def _show_version(shown: bool) -> None:
     if shown:
@@ -246,6 +239,11 @@ def _show_version(shown: bool) -> None:
 
         typer.echo(f"headscope {__version__}")
         raise typer.Exit()
+
+
+Version = Annotated[
+    bool, typer.Option("--version", is_eager=True, callback=_show_version, help="Print the version and exit.")
+]
 
 
 # ---------------------------------------------------------------- outputs
