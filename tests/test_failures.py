@@ -22,6 +22,8 @@ from headscope.measures.row_sums import head_row_sums
 from headscope.model.loading import load_for_run
 from headscope.model.masks import causal_visible_keys
 from headscope.report.report import read_run
+from headscope.run.checkpoint import PartFiles
+from headscope.tables import SENTENCES_SCHEMA
 
 from helpers import (
     HANG,
@@ -369,3 +371,27 @@ def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp
     assert (heads.loc[heads["head"] != 0, "nonfinite_rows"] == 0).all()
     assert heads["entropy"].notna().all()
     assert read_run(out)["numerics"]["nonfinite_rows"] == 200
+
+
+def test_a_report_kept_in_memory_holds_the_per_sentence_tables_a_written_one_does(planted_gpt2, corpus_lines, tmp_path):
+    """Without an output folder the chunks' parts are merged in memory (run.checkpoint.PartFiles): the same tables,
+    bit for bit and type for type, as the files a written report holds, over several chunks."""
+    loaded = headscope.load_model(str(planted_gpt2), device="cpu")
+    kept = headscope.analyze(loaded, corpus_lines[:30], chunk_sentences=8, charts=None, page=False)
+    headscope.analyze(loaded, corpus_lines[:30], chunk_sentences=8, charts=None, page=False, out=tmp_path / "r")
+    written = headscope.Report.open(tmp_path / "r")
+    assert kept.run["corpus"]["sentences"] == 30 and len(kept.sentences) == 30
+    pd.testing.assert_frame_equal(kept.sentences, written.sentences, check_exact=True)
+    pd.testing.assert_frame_equal(kept.sentence_heads, written.sentence_heads, check_exact=True)
+
+
+def test_parts_held_in_memory_are_never_written_and_a_lost_one_is_named(tmp_path):
+    parts = PartFiles(tmp_path, {}, checkpoints=False, in_memory=True)
+    sentences = pd.DataFrame({"sentence_id": [0], "line": [1], "text": ["a b"], "n_tokens": [2], "truncated": [False]})
+    parts.add(0, sentences, None)
+    parts.add(2, sentences, None)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OutputError, match=r"the sentences of chunks \[1\] were never measured"):
+        parts.merged("sentences", SENTENCES_SCHEMA, tmp_path / "sentences.parquet", 3)
+    with pytest.raises(ValueError, match="neither checkpointed"):
+        PartFiles(tmp_path, {}, checkpoints=True, in_memory=True)

@@ -135,7 +135,8 @@ def analyze(
         with timings.phase("load"):
             loaded, plan = command.open(stack, model, loader, lm_head=needs_lm_head(settings), what="--importance",
                                         ranks=ranks, before_weights=_tokenizer_checks(settings))  # fmt: skip
-        parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks)
+        parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks,
+                          in_memory=out is None and not ranks.parallel)  # fmt: skip
         progress, running = Progress(), {}
         if resume:
             progress, running, plan = together(ranks, lambda: _resumed(parts, plan, loaded, reporter))
@@ -206,9 +207,13 @@ def analyze(
         if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
             _draw(report, folder, charts, page, work.target, reporter)
         parts.discard_checkpoint()  # only now: an interrupted drawing leaves a checkpoint that --resume continues
-        # Without `out` the temporary folder goes with this block: read its per-sentence tables now.
+        # Without `out` the per-sentence tables were merged in memory (one process), or into the temporary folder,
+        # which goes with this block: read them now.
         if out is None:
-            tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
+            held = parts.merged_frames()
+            tables |= {SENTENCES_FILE: held.get("sentences"), SENTENCE_HEADS_FILE: held.get("sentence_heads")}
+            if ranks.parallel:
+                tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
     reporter.stage("done" if out is None else f"done: wrote {work.target}")  # the notebook's display ends here
     if out is None:
         return Report(run, tables=tables)

@@ -33,6 +33,7 @@ sinks legitimately sum to less than 1).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -41,6 +42,26 @@ from headscope.config import SINK_THRESHOLD
 from headscope.measures.rows import first_key, first_visible, masked_std, without_first
 from headscope.model.attention.finish_rows import RowValues
 from headscope.model.masks import count_visible
+
+# What `_sum_rows` (and the C++ kernel's row_sums, in the same order) sums per (sentence, head), side by side: each
+# value over the rows its denominator counts, the counts, then the rows holding their largest weight in each place
+# (OFFSET_CATEGORIES, then rows that are not evidence), and the same off the sink.
+VALUE_NAMES = (
+    *("entropy", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight", "sink_hits"),
+    *("entropy_sq", "logit_std", "active_hits", "offsink_prev_token", "offsink_norm_entropy"),
+)
+COUNT_NAMES = (
+    *("n_rows", "norm_rows", "prev_rows", "evidence_rows", "nonfinite_rows", "unnormalised_rows", "offsink_rows"),
+    *("offsink_norm_rows", "offsink_prev_rows", "offsink_evidence_rows"),
+)
+SIDE_BY_SIDE = (
+    *VALUE_NAMES,
+    *COUNT_NAMES,
+    *(f"top_{name}" for name in OFFSET_CATEGORIES),
+    "top_not_kept",
+    *(f"offsink_top_{name}" for name in OFFSINK_CATEGORIES),
+    "offsink_top_not_kept",
+)
 
 
 def diagonal_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -203,17 +224,19 @@ def head_row_sums_from_logits(
         **{name: mass / total for name, mass in _positional_mass(unnormalised, seq_start, window, row_offset).items()},
     }
     n_visible, band_visible = _visible_counts(key_visible, window, row_offset)
-    return _sum_rows(
-        per_row,
-        n_visible,
-        band_visible,
-        first_visible(key_visible, first),
-        query_valid,
-        seq_start,
-        row_offset,
-        accum_dtype,
-        1.0,
-        sink_threshold,
+    return in_stats_order(
+        side_by_side_sums(
+            per_row,
+            n_visible,
+            band_visible,
+            first_visible(key_visible, first),
+            query_valid,
+            seq_start,
+            row_offset,
+            accum_dtype,
+            1.0,
+            sink_threshold,
+        )
     )
 
 
@@ -226,11 +249,14 @@ def head_row_sums_from_values(
     accum_dtype: torch.dtype = torch.float64,
     mass_tolerance: float = 1.0,
     sink_threshold: float = SINK_THRESHOLD,
+    kernel: Callable | None = None,
 ) -> torch.Tensor:
     """``head_row_sums`` of a block of rows (query positions row_offset, row_offset + 1, ...) from their per-row
     values: the fused pass's (headscope.model.attention.tile_loop; every row of a layer), or those of probabilities
     (`weight_row_values`, or headscope's C++ kernel): (batch, heads, len(STATS)). query_valid: (batch, rows) bool.
-    mass_tolerance: rows whose `mass` is off 1 by more count as unnormalised (values without a mass have none)."""
+    mass_tolerance: rows whose `mass` is off 1 by more count as unnormalised (values without a mass have none).
+    kernel: headscope's C++ kernel summing the rows in one pass (attention.dispatch.TileKernel.sums), used for
+    float64 sums; None: torch's operations."""
     per_row = {
         "entropy": values.entropy,
         "max_weight": values.max_weight,
@@ -247,18 +273,18 @@ def head_row_sums_from_values(
         "rest_top_tied": values.rest_top_tied,
         "logit_std": values.logit_std,
     }
-    return _sum_rows(
-        per_row,
-        values.n_visible,
-        values.band_visible,
-        values.first_visible,
-        query_valid,
-        seq_start,
-        row_offset,
-        accum_dtype,
-        mass_tolerance,
-        sink_threshold,
-    )
+    rows = {"n_visible": values.n_visible, "band_visible": values.band_visible, "first_visible": values.first_visible}
+    geometry = {"query_valid": query_valid, "seq_start": seq_start, "row_offset": row_offset}
+    thresholds = {"mass_tolerance": mass_tolerance, "sink_threshold": sink_threshold}
+
+    def by_torch() -> torch.Tensor:
+        return side_by_side_sums(per_row, **rows, **geometry, accum_dtype=accum_dtype, **thresholds)
+
+    if kernel is None or accum_dtype != torch.float64:
+        return in_stats_order(by_torch())
+    layout = {"value_rows": value_rows(), "max_offset": MAX_OFFSET, "evidence_from": EVIDENCE_FROM}
+    sums = kernel(values, query_valid, seq_start, row_offset, reference=by_torch, **thresholds, **layout)
+    return in_stats_order(sums)
 
 
 def _visible_counts(key_visible: torch.Tensor, window: int, row_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +303,7 @@ def _positional_mass(
     }
 
 
-def _sum_rows(
+def side_by_side_sums(
     per_row: dict[str, torch.Tensor],
     n_visible: torch.Tensor,
     band_visible: torch.Tensor,
@@ -289,10 +315,8 @@ def _sum_rows(
     mass_tolerance: float,
     sink_threshold: float,
 ) -> torch.Tensor:
-    """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(STATS)).
-
-    The slots of what a head writes (OUTPUT_SLOTS) are left 0: `head_write_sums` fills them from the layer's
-    output."""
+    """Sum per-row values over the valid rows of each (sentence, head): (batch, heads, len(SIDE_BY_SIDE)), in the
+    order of SIDE_BY_SIDE (`in_stats_order` puts them in the order of STATS)."""
     entropy = per_row["entropy"]
     batch, heads, rows = entropy.shape
     mass = per_row["mass"]
@@ -359,34 +383,36 @@ def _sum_rows(
         "offsink_prev_token": per_row["prev_token"] / rest_mass,
         "offsink_norm_entropy": offsink_norm_entropy,
     }
-    denominator = {numerator: rows_of for numerator, rows_of in RATIOS.values()} | {"entropy_sq": "n_rows"}
     # Every value column in one pass: (batch, heads, values, rows), summed over the rows. `where`, not multiply:
     # padding rows may hold anything, NaN included, and must add exactly 0.
     shape = (batch, heads, rows)
-    values = torch.stack([value.expand(shape) for value in row_values.values()], dim=-2)
-    masks = torch.stack([counted[denominator[name]].expand(shape) for name in row_values], dim=-2)
+    values = torch.stack([row_values[name].expand(shape) for name in VALUE_NAMES], dim=-2)
+    masks = torch.stack([counted[COUNT_NAMES[rows_of]].expand(shape) for rows_of in value_rows()], dim=-2)
     value_sums = torch.where(masks, values, 0.0).to(accum_dtype).sum(-1)
-    row_counts = torch.stack([rows_of.expand(shape) for rows_of in counted.values()], dim=-2).sum(-1)
-    # Every sum side by side, then one gather into the order of STATS (the slots of what heads write stay 0): a
-    # handful of operations, not one per slot (on short sentences each costs more than its arithmetic).
-    names = (
-        *row_values,
-        *counted,
-        *(f"top_{name}" for name in OFFSET_CATEGORIES),
-        "top_not_kept",
-        *(f"offsink_top_{name}" for name in OFFSINK_CATEGORIES),
-        "offsink_top_not_kept",
-    )
-    zero = torch.zeros(batch, heads, 1, dtype=accum_dtype, device=entropy.device)
-    side_by_side = torch.cat([value_sums, row_counts.to(accum_dtype), top, rest_top, zero], dim=-1)
-    return side_by_side.index_select(-1, _stats_order(names, str(entropy.device)))
+    row_counts = torch.stack([counted[name].expand(shape) for name in COUNT_NAMES], dim=-2).sum(-1)
+    return torch.cat([value_sums, row_counts.to(accum_dtype), top, rest_top], dim=-1)
+
+
+def in_stats_order(side_by_side: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, len(SIDE_BY_SIDE)) sums -> (batch, heads, len(STATS)): one gather, not an operation per slot
+    (on short sentences each costs more than its arithmetic); the slots of what heads write stay 0."""
+    zero = side_by_side.new_zeros(*side_by_side.shape[:-1], 1)
+    order = _stats_order(str(side_by_side.device))
+    return torch.cat([side_by_side, zero], dim=-1).index_select(-1, order)
 
 
 @functools.cache
-def _stats_order(names: tuple[str, ...], device: str) -> torch.Tensor:
-    """Where each slot of STATS is among `names` (the last column, a 0, for a slot not among them)."""
-    where = {name: i for i, name in enumerate(names)}
-    return torch.tensor([where.get(name, len(names)) for name in STATS], device=device)
+def value_rows() -> tuple[int, ...]:
+    """For each of VALUE_NAMES, the place in COUNT_NAMES of the rows it is summed over (its denominator)."""
+    denominator = {numerator: rows_of for numerator, rows_of in RATIOS.values()} | {"entropy_sq": "n_rows"}
+    return tuple(COUNT_NAMES.index(denominator[name]) for name in VALUE_NAMES)
+
+
+@functools.cache
+def _stats_order(device: str) -> torch.Tensor:
+    """Where each slot of STATS is among SIDE_BY_SIDE (the last column, a 0, for a slot not among them)."""
+    where = {name: i for i, name in enumerate(SIDE_BY_SIDE)}
+    return torch.tensor([where.get(name, len(SIDE_BY_SIDE)) for name in STATS], device=device)
 
 
 def _category_counts(category: torch.Tensor, categories: int, accum_dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,8 @@ from headscope.model.write_path import share_scale
 # them), so a batch's layers are summed a few at a time: at most this many rows' values (some 70 bytes a row, 2 MiB
 # in all) wait, so that memory does not grow with depth (29 layers of a 9-head 128-token text at once, 4 at 1,024).
 WAITING_ROWS = 2**15
+# Rows of a masked layer up to which headscope's C++ kernel sums what the heads write (`head_output`).
+NATIVE_MASKED_ROWS = 512
 
 
 class AttentionStatistics:
@@ -97,7 +99,21 @@ class AttentionStatistics:
         values = by_torch() if block.native_rows is None else block.native_rows(self.window, block.first_row, by_torch)
         # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
         tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
-        self._wait(layer, values, block.query_valid, block.seq_start, block.first_row, tolerance)
+        if block.native_sums is None:
+            self._wait(layer, values, block.query_valid, block.seq_start, block.first_row, tolerance)
+            return
+        # The kernel sums a block in one pass: nothing to gain by waiting for other layers' rows.
+        sums = head_row_sums_from_values(
+            values,
+            query_valid=block.query_valid,
+            seq_start=block.seq_start,
+            row_offset=block.first_row,
+            accum_dtype=self.accum_dtype,
+            mass_tolerance=tolerance,
+            sink_threshold=self.sink_threshold,
+            kernel=block.native_sums,
+        )
+        self._add(layer, sums)
 
     def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
         """A whole layer's per-row values from the fused pass (attention.tile_loop), computed with our `window`."""
@@ -143,9 +159,21 @@ class AttentionStatistics:
             return key_visibility(written.mask, written.query_valid, rows, t)
 
         masked = None if written.mask is None else visible_rows  # None: plain causal, summed as running sums
-        value_ratio, defined = sink_value_ratios(written.value, written.query_valid, written.seq_start, heads, masked)
-        residual, valid = written.residual_norm, written.query_valid
-        sums = head_write_sums(norms, residual, value_ratio, defined, valid, self.accum_dtype)
+        residual, valid, start = written.residual_norm, written.query_valid, written.seq_start
+
+        def by_torch() -> torch.Tensor:
+            value_ratio, defined = sink_value_ratios(written.value, valid, start, heads, masked)
+            return head_write_sums(norms, residual, value_ratio, defined, valid, self.accum_dtype)
+
+        # The C++ kernel scans each row's visibility per head where torch multiplies it per KV head: past short rows
+        # (where torch's dozens of operations cost more than their arithmetic) torch's blocks are the faster.
+        short = masked is None or t <= NATIVE_MASKED_ROWS
+        if written.native_sums is None or not short or self.accum_dtype != torch.float64:
+            sums = by_torch()
+        else:  # one pass of the C++ kernel (checked against torch's on its first call)
+            value_norms = torch.linalg.vector_norm(written.value.float(), dim=-1)
+            visible = None if masked is None else visible_rows(slice(None))
+            sums = written.native_sums(norms, residual, value_norms, valid, start, visible, reference=by_torch)
         if layer not in self._sums:  # the layer's attention is read first; in case it was not, start from 0
             self._sums[layer] = sums.new_zeros(*sums.shape[:2], len(STATS))
         self._sums[layer][..., OUTPUT_INDEX] += sums

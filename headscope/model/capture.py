@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -72,6 +72,8 @@ class LayerOutput:
     query_valid: torch.Tensor  # (batch, t) bool
     seq_start: torch.Tensor  # (batch,) long
     path: WritePath  # how the attention's output reaches the residual stream (post-attention norm, scale)
+    # headscope's C++ kernel summing what the heads write (TileKernel.sums("write_sums")), or None: torch's ops
+    native_sums: Callable | None = None
 
 
 @runtime_checkable
@@ -297,7 +299,9 @@ class Capture:
             if isinstance(reader, OutputMeasure):
                 valid, start = self._placed[query.device]
                 residual, path = self._residual_norms[layer], self.write_paths[layer]
-                written = LayerOutput(module, output, value, mask, residual, valid, start, path)
+                # where the C++ kernel reduced the layer's probabilities (so on the CPU), it sums what they wrote
+                native = self.readout.kernel.sums("write_sums") if self.readout.kernel_reduced else None
+                written = LayerOutput(module, output, value, mask, residual, valid, start, path, native)
                 reader.head_output(layer, written)
         for editor in self._editors:
             output = editor.output(layer, output)

@@ -3,10 +3,12 @@
 `row_state` does what the tile loop of attention.tile_loop does (the row statistics, and the attention output when
 the values are given), with the q k^T and p v products and the reductions in one cache-resident loop, as sdpa's CPU
 kernel does for the output alone (benchmarks/README.md); `weight_rows` what headscope.measures.row_sums's
-weight_row_values does with the probabilities of the eager path, in one pass over each row. It is built with torch's
-extension builder (a C++ compiler and ninja; about 45 s, once per machine and source, kept in torch's extensions
-folder) and reads float32 (half precision read as float32). When it cannot be built, or its first result disagrees
-with the plain computation, headscope keeps today's paths (headscope.model.attention.dispatch).
+weight_row_values does with the probabilities of the eager path, in one pass over each row; `row_sums` and
+`write_sums` the per-(sentence, head) sums of those rows and of what the heads wrote (measures.row_sums,
+measures.writes). It is built with torch's extension builder (a C++ compiler and ninja; about 45 s, once per machine
+and source, kept in torch's extensions folder) and reads float32 (half precision read as float32). When it cannot be
+built, or its first result disagrees with the plain computation, headscope keeps today's paths
+(headscope.model.attention.dispatch).
 """
 
 from __future__ import annotations
@@ -233,6 +235,68 @@ def weight_rows(
         rest_top_tied=rest_top_tied,
         logit_std=logit_std,
         mass=mass,
+    )
+
+
+def row_sums(
+    module: ModuleType,
+    values: RowValues,
+    query_valid: torch.Tensor,
+    seq_start: torch.Tensor,
+    row_offset: int,
+    *,
+    mass_tolerance: float,
+    sink_threshold: float,
+    value_rows: tuple[int, ...],
+    max_offset: int,
+    evidence_from: int,
+) -> torch.Tensor:
+    """headscope.measures.row_sums's `side_by_side_sums` by the kernel, in one pass over the rows: (batch, heads, sums)
+    float64 in the order of its SIDE_BY_SIDE (value_rows, max_offset and evidence_from say what that holds)."""
+    mass = torch.ones_like(values.entropy) if values.mass is None else values.mass  # None: normalised by construction
+    floats = [values.entropy, values.max_weight, mass, values.diagonal, values.sink, values.prev_token,
+              values.band_visible, values.logit_std]  # fmt: skip
+    return module.row_sums(
+        [value.float() for value in floats],
+        values.rest_mass.double(),
+        values.rest_entropy.double(),
+        values.top_key.long(),
+        values.top_tied.bool(),
+        values.rest_top_key.long(),
+        values.rest_top_tied.bool(),
+        values.n_visible.long(),
+        values.first_visible.bool(),
+        query_valid.bool().contiguous(),
+        seq_start.long().contiguous(),
+        row_offset,
+        mass_tolerance,
+        sink_threshold,
+        list(value_rows),
+        max_offset,
+        evidence_from,
+    )
+
+
+def write_sums(
+    module: ModuleType,
+    norms: torch.Tensor,
+    residual_norm: torch.Tensor,
+    value_norms: torch.Tensor,
+    query_valid: torch.Tensor,
+    seq_start: torch.Tensor,
+    visible: torch.Tensor | None,
+) -> torch.Tensor:
+    """headscope.measures.writes's sink_value_ratios and head_write_sums in one pass: (batch, heads, 6) float64 in
+    the order of its OUTPUT_SLOTS. norms: (batch, heads, t) write norms; residual_norm: (batch, t); value_norms:
+    (batch, kv_heads, t) ||v_s||; visible: (batch or 1, 1, t, t) bool, the keys each row sees, or None for causal
+    attention over the real keys."""
+    return module.write_sums(
+        norms.float().contiguous(),
+        residual_norm.float().contiguous(),
+        value_norms.float().contiguous(),
+        query_valid.bool().contiguous(),
+        seq_start.long().contiguous(),
+        None if visible is None else visible.contiguous(),
     )
 
 

@@ -103,6 +103,8 @@ class TileKernel:
         self.weight_runs = 0  # layers whose probabilities the C++ kernel reduced
         self._built: bool | None = None  # was the C++ kernel built before this capture? (asked once)
         self._weights_checked = False  # has the kernel's first reduction of probabilities been checked?
+        self.sums_failed: str | None = None  # why the C++ kernel does not sum rows, once that is known
+        self._sums_checked: set[str] = set()  # the kernel's sums whose first result was checked
 
     def step(self, logits: int) -> Callable:
         """The tile step for a layer of `logits` (batch x heads x visible pairs) logits."""
@@ -235,6 +237,38 @@ class TileKernel:
         self.weight_runs += 1
         return values
 
+    def sums(self, which: str) -> Callable | None:
+        """One of the C++ kernel's sums over rows (`which`: "row_sums", a block's per-row values, or "write_sums",
+        what a layer's heads write; headscope.model.attention.cpu_kernel), as `(*inputs, reference=..., **settings)
+        -> sums` (float64), `reference` computing the same with torch: it runs on each kind's first call to check
+        the kernel, and whenever the kernel fails. On short rows torch's dozens of operations a layer cost more than
+        their arithmetic (benchmarks/README.md). Asked where the kernel reduces a layer's probabilities
+        (`weight_rows` offered it), so that each layer is summed one way whichever layer came first; None where the
+        kernel does not serve."""
+        if self.weights_failed is not None or self.sums_failed is not None or "cpu" in self.failed_kernels:
+            return None
+        module = self._loaded("cpu")
+        return None if module is None else functools.partial(self._sums, module, getattr(cpu_kernel, which))
+
+    def _sums(self, module, summed: Callable, *inputs, reference: Callable, **settings) -> torch.Tensor:
+        try:
+            sums = summed(module, *inputs, **settings)
+        except Exception as err:  # a kernel built from an older source, or refusing its inputs: torch's sums
+            return self._drop_sums(f"failed ({cpu_kernel.one_line(err)})", reference())
+        if summed.__name__ not in self._sums_checked:
+            self._sums_checked.add(summed.__name__)
+            expected = reference()
+            if not _same_sums(sums, expected):
+                return self._drop_sums(f"its first {summed.__name__} disagreed with torch's", expected)
+        return sums
+
+    def _drop_sums(self, why: str, sums: torch.Tensor) -> torch.Tensor:
+        """Stop summing rows with the C++ kernel, with a warning; `sums` (torch's) stand for this call."""
+        self.sums_failed = why
+        _log.warning("headscope's C++ kernel no longer sums attention rows (%s): torch does, for this layer and the "
+                     "rest", why)  # fmt: skip
+        return sums
+
     def _drop_weights(self, why: str, values: RowValues) -> RowValues:
         """Stop reducing probabilities with the C++ kernel, with a warning; `values` (torch's) stand for this layer."""
         self.weights_failed = why
@@ -247,6 +281,15 @@ class TileKernel:
         self.failed_kernels[device] = why
         _log.warning("headscope's %s attention kernel is dropped (%s): the tile loop computes this layer and the "
                      "rest", KERNEL_NAMES[device], why)  # fmt: skip
+
+
+def _same_sums(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Do two blocks' row sums agree, within 1e-6 relative? Every value summed is >= 0, and the kernel and torch
+    differ only where they round a row's float32 division or logarithm apart (an ulp, 1.2e-7 of the value), so each
+    sum may differ by that much of itself, plus float64 summation order; counts are whole numbers either way."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    return bool(torch.allclose(got, expected, rtol=1e-6, atol=1e-9, equal_nan=True))
 
 
 def _same_rows(got: RowValues, expected: RowValues) -> bool:

@@ -65,6 +65,8 @@ class RowBlock:
     # On the eager path, where headscope's C++ kernel reduces probabilities: (window, row_offset, reference) ->
     # RowValues of `weights` (TileKernel.weight_rows); None: no kernel, the readers reduce them with torch.
     native_rows: Callable | None = None
+    # With native_rows, the same kernel's per-(sentence, head) sums of rows' values (TileKernel.sums), or None
+    native_sums: Callable | None = None
 
     def probabilities(self, heads: Sequence[int] | None = None) -> torch.Tensor:
         """(batch, heads, rows, keys) attention probabilities, whichever path produced the block; with `heads`,
@@ -194,6 +196,7 @@ class Readout:
         self.paths: dict[str, str] = {}  # attention class -> the path its probabilities took, for run.json
         self._causal: dict[Callable, bool] = {}  # eager function -> no weight above the diagonal
         self._verified: dict[Callable, bool] = {}  # eager function -> our logits and fused pass reproduce it
+        self.kernel_reduced = False  # the last layer read had its probabilities reduced by the C++ kernel
 
     def unread(self, module, query, key, value, mask, kwargs) -> torch.Tensor:
         """A layer nobody reads: the fastest correct output."""
@@ -224,8 +227,10 @@ class Readout:
             rows = torch.arange(weights.shape[-2], device=weights.device)
             self._check_causal(eager, name, weights, rows, real=self.query_valid)
         native_rows = self.kernel.weight_rows(weights, visible, self.seq_start)
+        native_sums = None if native_rows is None else self.kernel.sums("row_sums")
+        self.kernel_reduced = native_rows is not None  # then what the heads write is summed by the kernel too
         block = RowBlock(0, visible, self.query_valid, self.seq_start, weights=weights, value=value,
-                         native_rows=native_rows)  # fmt: skip
+                         native_rows=native_rows, native_sums=native_sums)  # fmt: skip
         weight_runs = self.kernel.weight_runs
         for reader in readers:
             reader.attention(layer, block)
@@ -237,6 +242,7 @@ class Readout:
 
     def _fused(self, readers, layer, module, query, key, value, mask, kwargs) -> torch.Tensor:
         """The output and the row readers' values from one fused pass; the other readers' blocks recomputed."""
+        self.kernel_reduced = False
         batch, heads, t, _ = query.shape
         name = type(module).__name__
         row_readers = [reader for reader in readers if hasattr(reader, "row_values")]

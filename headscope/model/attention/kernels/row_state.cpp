@@ -2,6 +2,9 @@
 // output, in one cache-resident pass over blocks of keys; `weight_rows` (at the end), the per-row statistics of
 // probabilities the model's eager function computed.
 //
+// `row_sums` (after it) adds a block's per-row values up per (sentence, head), as
+// headscope/measures/row_sums.py's `_sum_rows` does with some 80 torch operations.
+//
 // row_state: for each row, over the keys it may see (key <= its position, and the mask's when there is one) but its
 // sentence's first key, the same running values as headscope/fused.py's tile step, with the same rescaling when a
 // block raises the maximum:
@@ -578,6 +581,228 @@ std::vector<at::Tensor> weight_rows(const at::Tensor& weights, const at::Tensor&
   return out;
 }
 
+// A (batch, heads, rows) view of a tensor that broadcasts to it (size-1 dimensions read with stride 0).
+template <typename T>
+struct RowView {
+  const T* data;
+  int64_t batch_stride, head_stride, row_stride;
+  RowView(const at::Tensor& x, int64_t batch, int64_t heads, int64_t rows) : data(x.data_ptr<T>()) {
+    TORCH_CHECK(x.dim() == 3 && (x.size(0) == 1 || x.size(0) == batch) && (x.size(1) == 1 || x.size(1) == heads) &&
+                    x.size(2) == rows,
+                "a (batch or 1, heads or 1, rows) row value");
+    batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
+    head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+    row_stride = x.stride(2);
+  }
+  T at(int64_t b, int64_t h, int64_t r) const { return data[b * batch_stride + h * head_stride + r * row_stride]; }
+};
+
+// The counts, in the order of row_sums.py's COUNT_NAMES; the values' order is VALUE_NAMES's (see `row_sums`).
+enum Count { N_ROWS, NORM_ROWS, PREV_ROWS, EVIDENCE_ROWS, NONFINITE_ROWS, UNNORMALISED_ROWS, OFFSINK_ROWS,
+             OFFSINK_NORM_ROWS, OFFSINK_PREV_ROWS, OFFSINK_EVIDENCE_ROWS, COUNTS };
+constexpr int VALUES = 13;
+
+// Per (sentence, head): each value summed (float64) over the rows its denominator counts (value_rows[v], a Count),
+// then the counts, then how many evidence rows hold their largest weight on each place (the first key, offsets
+// 0..max_offset back, anything else, and a last slot for rows that are not evidence), then the same off the sink
+// (offsets 0..max_offset, anything else, not evidence). Floats: float32 values but rest_mass and rest_entropy
+// (float64), computed as torch computes them there, in float32 where torch does.
+at::Tensor row_sums(const std::vector<at::Tensor>& floats, const at::Tensor& rest_mass_, const at::Tensor& rest_entropy_,
+                    const at::Tensor& top_key_, const at::Tensor& top_tied_, const at::Tensor& rest_top_key_,
+                    const at::Tensor& rest_tied_, const at::Tensor& n_visible_, const at::Tensor& first_visible_,
+                    const at::Tensor& query_valid, const at::Tensor& seq_start, int64_t row_offset,
+                    double mass_tolerance, double sink_threshold, const std::vector<int64_t>& value_rows,
+                    int64_t max_offset, int64_t evidence_from) {
+  // floats: entropy, max_weight, mass, diagonal, sink, prev_token, band_visible, logit_std
+  TORCH_CHECK(floats.size() == 8 && value_rows.size() == VALUES, "8 float row values and 13 value rows");
+  const int64_t batch = floats[0].size(0), heads = floats[0].size(1), rows = floats[0].size(2);
+  for (const auto& x : floats) TORCH_CHECK(x.scalar_type() == at::kFloat, "float32 row values");
+  TORCH_CHECK(rest_mass_.scalar_type() == at::kDouble && rest_entropy_.scalar_type() == at::kDouble, "float64 rest");
+  TORCH_CHECK(top_key_.scalar_type() == at::kLong && rest_top_key_.scalar_type() == at::kLong &&
+                  n_visible_.scalar_type() == at::kLong, "long keys and counts");
+  TORCH_CHECK(top_tied_.scalar_type() == at::kBool && rest_tied_.scalar_type() == at::kBool &&
+                  first_visible_.scalar_type() == at::kBool, "bool ties and first-key visibility");
+  TORCH_CHECK(query_valid.scalar_type() == at::kBool && query_valid.is_contiguous() && query_valid.dim() == 2 &&
+                  query_valid.size(0) == batch && query_valid.size(1) == rows, "(batch, rows) bool query_valid");
+  TORCH_CHECK(seq_start.scalar_type() == at::kLong && seq_start.is_contiguous() && seq_start.numel() == batch,
+              "(batch,) long seq_start");
+  std::vector<RowView<float>> f;
+  for (const auto& x : floats) f.emplace_back(x, batch, heads, rows);
+  const RowView<double> rest_mass(rest_mass_, batch, heads, rows), rest_entropy(rest_entropy_, batch, heads, rows);
+  const RowView<int64_t> top_key(top_key_, batch, heads, rows), rest_top_key(rest_top_key_, batch, heads, rows);
+  const RowView<int64_t> n_visible(n_visible_, batch, heads, rows);
+  const RowView<bool> top_tied(top_tied_, batch, heads, rows), rest_tied(rest_tied_, batch, heads, rows);
+  const RowView<bool> first_visible(first_visible_, batch, heads, rows);
+  const bool* valid_rows = query_valid.data_ptr<bool>();
+  const int64_t* start = seq_start.data_ptr<int64_t>();
+  const int64_t top_slots = max_offset + 4, rest_slots = max_offset + 3;
+  const int64_t slots = VALUES + COUNTS + top_slots + rest_slots;
+  at::Tensor out = at::zeros({batch, heads, slots}, seq_start.options().dtype(at::kDouble));
+  double* sums = out.data_ptr<double>();
+  const float tolerance = static_cast<float>(mass_tolerance), threshold = static_cast<float>(sink_threshold);
+
+  at::parallel_for(0, batch * heads, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / heads, h = index % heads;
+      double* slot = sums + index * slots;
+      double* counts = slot + VALUES;
+      double* top = counts + COUNTS;
+      double* rest_top = top + top_slots;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float entropy = f[0].at(b, h, r), max_weight = f[1].at(b, h, r), mass = f[2].at(b, h, r);
+        const float diagonal = f[3].at(b, h, r), sink = f[4].at(b, h, r), prev = f[5].at(b, h, r);
+        const float band_visible = f[6].at(b, h, r), logit_std = f[7].at(b, h, r);
+        const int64_t seen = n_visible.at(b, h, r), row = row_offset + r, position = row - start[b];
+        const bool real = valid_rows[b * rows + r];
+        const bool finite = std::isfinite(entropy) && std::isfinite(max_weight) && std::isfinite(mass);
+        const bool valid = real && finite;
+        const bool evidence = valid && position >= evidence_from;
+        // Where the row's largest weight sits (row_sums.py's categories).
+        const int64_t key = top_key.at(b, h, r), offset = row - key;
+        const bool tied = top_tied.at(b, h, r);
+        int64_t category = (tied || offset < 0 || offset > max_offset) ? max_offset + 2 : offset + 1;
+        if (key == start[b] && !tied) category = 0;
+        if (!evidence) category = max_offset + 3;
+        top[category] += 1.0;
+        // Off the sink.
+        const double off_mass = rest_mass.at(b, h, r);
+        const bool offsink = valid && off_mass > 0;
+        const int64_t rest_seen = seen - static_cast<int64_t>(first_visible.at(b, h, r));
+        const int64_t rest_offset = row - rest_top_key.at(b, h, r);
+        const bool offsink_evidence = evidence && offsink;
+        int64_t rest_category =
+            (rest_tied.at(b, h, r) || rest_offset < 0 || rest_offset > max_offset) ? max_offset + 1 : rest_offset;
+        if (!offsink_evidence) rest_category = max_offset + 2;
+        rest_top[rest_category] += 1.0;
+
+        bool counted[COUNTS];
+        counted[N_ROWS] = valid;
+        counted[NORM_ROWS] = valid && seen >= 2;
+        counted[PREV_ROWS] = valid && position >= 1;
+        counted[EVIDENCE_ROWS] = evidence;
+        counted[NONFINITE_ROWS] = real && !finite;
+        counted[UNNORMALISED_ROWS] = valid && std::fabs(mass - 1.0f) > tolerance;
+        counted[OFFSINK_ROWS] = offsink;
+        counted[OFFSINK_NORM_ROWS] = offsink && rest_seen >= 2;
+        counted[OFFSINK_PREV_ROWS] = offsink && position >= 2;
+        counted[OFFSINK_EVIDENCE_ROWS] = offsink_evidence;
+        for (int c = 0; c < COUNTS; ++c) counts[c] += counted[c] ? 1.0 : 0.0;
+
+        const double values[VALUES] = {
+            entropy,
+            entropy / std::log(static_cast<float>(std::max<int64_t>(seen, 2))),
+            diagonal,
+            band_visible / static_cast<float>(std::max<int64_t>(seen, 1)),
+            sink,
+            prev,
+            max_weight,
+            sink > threshold ? 1.0 : 0.0,
+            entropy * entropy,
+            logit_std,
+            sink <= threshold ? 1.0 : 0.0,
+            prev / off_mass,
+            rest_entropy.at(b, h, r) / std::log(static_cast<float>(std::max<int64_t>(rest_seen, 2))),
+        };
+        // Added only where counted: a padding row may hold anything, NaN included, and must add exactly 0.
+        for (int v = 0; v < VALUES; ++v) {
+          if (counted[value_rows[v]]) slot[v] += values[v];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Per (sentence, head) of a layer, what headscope/measures/writes.py's sink_value_ratios and head_write_sums give: the
+// sums of write_norm (rows whose norm is finite), of write_ratio = norm / the residual stream's norm (rows whose ratio
+// is finite) and of sink_value_ratio = ||v_first|| / the mean ||v_s|| over the keys the row sees (rows seeing the first
+// key and another, finite), each followed by how many rows it summed. norms: (batch, heads, t) float32;
+// residual_norm: (batch, t) float32; value_norms: (batch, kv_heads, t) float32, query head h reading KV head
+// h / (heads / kv_heads); visible: (batch or 1, 1, t, t) bool, the keys each row sees, or none for causal attention
+// over the real keys (then the sums over them are running sums).
+at::Tensor write_sums(const at::Tensor& norms, const at::Tensor& residual_norm, const at::Tensor& value_norms,
+                      const at::Tensor& query_valid, const at::Tensor& seq_start,
+                      const c10::optional<at::Tensor>& visible) {
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 3, "(b, h, t) norms");
+  const int64_t batch = norms.size(0), heads = norms.size(1), t = norms.size(2);
+  TORCH_CHECK(residual_norm.scalar_type() == at::kFloat && residual_norm.is_contiguous() &&
+                  residual_norm.numel() == batch * t, "(batch, t) float32 residual_norm");
+  TORCH_CHECK(value_norms.scalar_type() == at::kFloat && value_norms.is_contiguous() && value_norms.dim() == 3 &&
+                  value_norms.size(0) == batch && value_norms.size(2) == t && value_norms.size(1) > 0 &&
+                  heads % value_norms.size(1) == 0, "(batch, kv_heads, t) float32 value_norms");
+  TORCH_CHECK(query_valid.scalar_type() == at::kBool && query_valid.is_contiguous() && query_valid.numel() == batch * t,
+              "(batch, t) bool query_valid");
+  TORCH_CHECK(seq_start.scalar_type() == at::kLong && seq_start.is_contiguous() && seq_start.numel() == batch,
+              "(batch,) long seq_start");
+  const bool masked = visible.has_value();
+  const bool* shown = nullptr;
+  int64_t shown_batch = 0;
+  if (masked) {
+    const at::Tensor& mask = *visible;
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 4 &&
+                    (mask.size(0) == 1 || mask.size(0) == batch) && mask.size(1) == 1 && mask.size(2) == t &&
+                    mask.size(3) == t, "(batch or 1, 1, t, t) bool visible");
+    shown = mask.data_ptr<bool>();
+    shown_batch = mask.size(0);
+  }
+  const int64_t kv_heads = value_norms.size(1), group = heads / kv_heads;
+  at::Tensor out = at::zeros({batch, heads, 6}, seq_start.options().dtype(at::kDouble));
+  double* sums = out.data_ptr<double>();
+  const float *written = norms.data_ptr<float>(), *residual = residual_norm.data_ptr<float>();
+  const float* values = value_norms.data_ptr<float>();
+  const bool* valid = query_valid.data_ptr<bool>();
+  const int64_t* start = seq_start.data_ptr<int64_t>();
+
+  at::parallel_for(0, batch * heads, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / heads, h = index % heads;
+      const float* norm = written + index * t;
+      const float* value = values + (b * kv_heads + h / group) * t;
+      const bool* real = valid + b * t;
+      const int64_t first = std::min(start[b], t - 1);
+      const float on_first = value[first];
+      double* slot = sums + index * 6;
+      double running = 0.0;  // the value norms of the keys the row sees: float64, as torch's cumsum there
+      int64_t count = 0;
+      for (int64_t r = 0; r < t; ++r) {
+        bool first_seen = r >= first && real[first];
+        if (masked && real[r]) {  // the row's own keys (a padding row adds nothing)
+          const bool* row = shown + ((shown_batch == 1 ? 0 : b) * t + r) * t;
+          running = 0.0;
+          count = 0;
+          for (int64_t j = 0; j < t; ++j) {
+            if (row[j]) {
+              running += value[j];
+              ++count;
+            }
+          }
+          first_seen = row[first];
+        } else if (real[r]) {  // causal: the real keys up to this row
+          running += value[r];
+          ++count;
+        }
+        if (!real[r]) continue;
+        if (std::isfinite(norm[r])) {
+          slot[0] += norm[r];
+          slot[1] += 1.0;
+          const float ratio = norm[r] / residual[b * t + r];
+          if (std::isfinite(ratio)) {
+            slot[2] += ratio;
+            slot[3] += 1.0;
+          }
+        }
+        const bool sees_first = first_seen && count >= 2;
+        const float sink_ratio = on_first / (static_cast<float>(running) / static_cast<float>(count));
+        if (sees_first && std::isfinite(sink_ratio)) {
+          slot[4] += sink_ratio;
+          slot[5] += 1.0;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits",
              pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
@@ -586,4 +811,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("out") = pybind11::none());
   module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
+  module.def("row_sums", &row_sums, "per-(sentence, head) sums of a block's per-row values");
+  module.def("write_sums", &write_sums, "per-(sentence, head) sums of what a causal layer's heads write");
 }
