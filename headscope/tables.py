@@ -26,6 +26,14 @@ from headscope.columns import (
 from headscope.errors import OutputError
 from headscope.estimates import ProbeResult, metric_means
 from headscope.files import atomic_path
+from headscope.layout import (
+    EXAMPLES_FILE,
+    HEADS_FILE,
+    LAYERS_FILE,
+    PROBES_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCES_FILE,
+)
 
 METADATA_KEY = b"headscope"
 
@@ -91,6 +99,16 @@ SENTENCE_HEADS_SCHEMA = pa.schema(
     [("sentence_id", pa.int64()), ("layer", pa.int32()), ("head", pa.int32()), ("n_tokens", pa.int32())]
     + [(name, pa.float32()) for name in PER_SENTENCE]
 )
+
+# A report's tables, by file, and the schema each is written and read with: the one pairing of the two.
+REPORT_SCHEMAS: dict[str, pa.Schema] = {
+    HEADS_FILE: HEADS_SCHEMA,
+    LAYERS_FILE: LAYERS_SCHEMA,
+    SENTENCES_FILE: SENTENCES_SCHEMA,
+    SENTENCE_HEADS_FILE: SENTENCE_HEADS_SCHEMA,
+    EXAMPLES_FILE: EXAMPLES_SCHEMA,
+    PROBES_FILE: PROBES_SCHEMA,
+}
 
 
 def heads_frame(

@@ -334,8 +334,6 @@ def test_verifying_sets_alone_stops_the_first_pass_where_the_replicas_start(redu
     """prune reads only the sets' losses: the first pass of each batch runs only the layers the replicas are handed
     (here layer 0 of 2), the sets' losses equal those of a whole first pass, and the planned layer runs equal the
     blocks the model runs."""
-    import contextlib
-
     from headscope.interventions.losses import loss_model
     from headscope.model.loading import load_for_run
     from headscope.run.setup import CommandRun
@@ -347,7 +345,8 @@ def test_verifying_sets_alone_stops_the_first_pass_where_the_replicas_start(redu
              for block in loaded.lm.transformer.h]  # fmt: skip
     base, sets = [(0, 0)], [[(0, 0), (1, 1)], [(0, 0), (1, 2)], [(0, 0), (1, 1), (1, 3)]]
     try:
-        with contextlib.ExitStack() as stack, loss_model(stack, loaded, run, load_for_run, "prune") as lm:
+        session = run.session(loaded, load_for_run, what="prune", lm_head=True)
+        with session as opened, loss_model(opened, run, "prune") as lm:
             removal, batches = lm.removal(mode), len(list(lm.batches()))
             found = {}
             for clean in (True, False):

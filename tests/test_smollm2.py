@@ -153,14 +153,13 @@ def test_importance_matches_a_straightforward_computation(smollm2, importance, c
 def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_lines):
     """prune's estimated cost of removing a head (mean mode, clean model): first order plus the curvature term,
     against hooks one sentence at a time."""
-    import contextlib
-
     from headscope.interventions.losses import loss_model
     from headscope.model.loading import load_for_run
     from headscope.run.setup import CommandRun
 
     run = CommandRun.prepare(smollm2, corpus_lines[:FEW], config=None, options={}, reporter=None)
-    with contextlib.ExitStack() as stack, loss_model(stack, smollm2, run, load_for_run, "prune") as lm:
+    session = run.session(smollm2, load_for_run, what="prune", lm_head=True)
+    with session as opened, loss_model(opened, run, "prune") as lm:
         estimated = lm.estimated_costs([], lm.removal("mean"))
     for layer, head in HANDFUL:
         _, _, _, first, curvature, _ = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)

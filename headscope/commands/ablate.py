@@ -11,7 +11,6 @@ Every group shares each batch's clean pass (interventions.groups.group_losses).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,10 +27,9 @@ from headscope.interventions.losses import loss_model
 from headscope.interventions.removal import Head
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
-from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
-from headscope.report.report import Report, read_run
+from headscope.report.report import Report
 from headscope.run.corpus import Corpus
 from headscope.run.setup import INTERVENTION_SETTINGS, CommandRun, record_header
 from headscope.tables import write_json
@@ -154,33 +152,29 @@ def ablate(
         groups += role_groups(report, roles, each_role)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
     run.request = {"groups": [(group.name, group.heads) for group in groups], "mode": mode, "loss_on": loss_on}
-    ranks = run.data_parallel(model, "ablate")
+    run.data_parallel(model, "ablate")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
-    stage = run.stage(out, "ablation", overwrite=overwrite)
-    run.check_offload_folder(model, {"--out": out})
-    with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(stage).path if stage is not None and ranks.main else None  # rank 0 writes
-        with loss_model(stack, model, run, loader, "ablate") as lm:
-            if report is not None:
-                check_report_model(read_run(Path(report)), lm.loaded, report)
-            for group in groups:
-                lm.plan.check_heads(group.heads, group.source)
-            planned = lm.planned([g.heads for g in groups], mode)
-            reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
-            removal = lm.removal(mode)
-            plural = "s" * (len(groups) != 1)
-            reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
-            reporter.start(len(corpus.sentences), what="ablation")
-            losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
-            reporter.finish()
-            found = _ablation(lm, corpus, groups, losses, settings, mode, loss_on)
-            found.planned = planned
-            if settings.bootstrap and any(g.delta is not None and g.delta_ci_low is None for g in found.effects):
-                reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
-        if folder is not None:
-            write_json(found.record, folder / ABLATION_RECORD)
-    found.folder = stage.target if stage is not None and ranks.main else None
-    reporter.stage("done" if found.folder is None else f"done: wrote {found.folder}")
+    session = run.session(model, loader, what="ablate", out=out, kind="ablation", overwrite=overwrite, lm_head=True,
+                          report=report)  # fmt: skip
+    with session as opened, loss_model(opened, run, "ablate") as lm:
+        for group in groups:
+            lm.plan.check_heads(group.heads, group.source)
+        planned = lm.planned([g.heads for g in groups], mode)
+        reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
+        removal = lm.removal(mode)
+        plural = "s" * (len(groups) != 1)
+        reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
+        reporter.start(len(corpus.sentences), what="ablation")
+        losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
+        reporter.finish()
+        found = _ablation(lm, corpus, groups, losses, settings, mode, loss_on)
+        found.planned = planned
+        if settings.bootstrap and any(g.delta is not None and g.delta_ci_low is None for g in found.effects):
+            reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
+        if opened.folder is not None:  # rank 0 writes
+            write_json(found.record, opened.folder / ABLATION_RECORD)
+    found.folder = opened.target
+    run.done(opened)
     return found
 
 

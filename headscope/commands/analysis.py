@@ -37,12 +37,7 @@ from headscope.run.corpus_pass import Measured
 from headscope.run.plan import Plan
 from headscope.run.record import Timings, run_record
 from headscope.tables import (
-    EXAMPLES_SCHEMA,
-    HEADS_SCHEMA,
-    LAYERS_SCHEMA,
-    PROBES_SCHEMA,
-    SENTENCE_HEADS_SCHEMA,
-    SENTENCES_SCHEMA,
+    REPORT_SCHEMAS,
     heads_frame,
     layers_frame,
     parquet_metadata,
@@ -85,16 +80,16 @@ def write_tables(
         heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates, a.dormant)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None, plan.attention)
         probes = None if a.probes is None else probes_frame(a.probes.per_seed, np.array(plan.layers))
+        small = {LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes}
         if not in_memory:
-            write_table(layers, folder / LAYERS_FILE, LAYERS_SCHEMA)
-            write_table(a.examples, folder / EXAMPLES_FILE, EXAMPLES_SCHEMA)
-            if probes is not None:
-                write_table(probes, folder / PROBES_FILE, PROBES_SCHEMA)
+            for name, frame in small.items():
+                if frame is not None:
+                    write_table(frame, folder / name, REPORT_SCHEMAS[name])
     run = run_record(analysis, heads)
     if not in_memory:
-        write_table(heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(run))
+        write_table(heads, folder / HEADS_FILE, REPORT_SCHEMAS[HEADS_FILE], metadata=parquet_metadata(run))
         write_json(run, folder / RUN_FILE)
-    return run, {HEADS_FILE: heads, LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes}
+    return run, {HEADS_FILE: heads, **small}
 
 
 def labelled_heads(plan, measured, probes, importance, rules, replicates=None, dormant=None) -> pd.DataFrame:
@@ -115,10 +110,11 @@ def labelled_heads(plan, measured, probes, importance, rules, replicates=None, d
 def _merge_parts(parts: PartFiles, folder: Path, measured, corpus, plan) -> None:
     """The per-sentence tables from their parts, checked against what the run measured."""
     chunks = measured.progress.chunks_done
-    rows = parts.merged("sentences", SENTENCES_SCHEMA, folder / SENTENCES_FILE, chunks)
+    rows = parts.merged("sentences", REPORT_SCHEMAS[SENTENCES_FILE], folder / SENTENCES_FILE, chunks)
     _check_rows("sentence", rows, len(corpus.sentences), parts)
     if plan.settings.sentence_heads:
-        rows = parts.merged("sentence_heads", SENTENCE_HEADS_SCHEMA, folder / SENTENCE_HEADS_FILE, chunks)
+        schema = REPORT_SCHEMAS[SENTENCE_HEADS_FILE]
+        rows = parts.merged("sentence_heads", schema, folder / SENTENCE_HEADS_FILE, chunks)
         _check_rows("sentence-head", rows, measured.progress.measured_sentences * measured.sums[..., 0].size, parts)
 
 

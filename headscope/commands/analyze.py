@@ -13,10 +13,7 @@ folder whose per-sentence tables are read back into the result.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -37,9 +34,8 @@ from headscope.model.loading import (
     LoadedModel,
     Loader,
     load_for_run,
-    pick_device,
 )
-from headscope.progress import NullReporter, Reporter
+from headscope.progress import Reporter
 from headscope.report.report import Report
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.corpus import Corpus
@@ -47,11 +43,6 @@ from headscope.run.corpus_pass import measure_corpus
 from headscope.run.distributed import (
     ONE_PROCESS,
     broadcast,
-    check_parallel,
-    join,
-    leave,
-    rank_device,
-    ranks_from_env,
     together,
 )
 from headscope.run.example_views import example_views
@@ -113,28 +104,14 @@ def analyze(
     # every rank: a refusal stops them all at once, before any of them waits.
     command = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
     command.request = {"thresholds": thresholds, "roles": roles, "resume": resume, "page": page, "charts": charts}
-    ranks = ranks_from_env()
-    if ranks.parallel:
-        check_parallel(command.settings, out, isinstance(model, LoadedModel))
-        command.settings = dataclasses.replace(command.settings, device=rank_device(ranks, command.settings.device))
-        command.reporter = command.reporter if ranks.main else NullReporter()  # one progress bar, one summary
-    settings, reporter, corpus = command.settings, command.reporter, command.corpus
-    work = command.stage(out, "report", overwrite=overwrite, resumable=resume)  # rank 0 alone enters it
-    command.check_offload_folder(model, {"--out": out})
+    ranks = command.data_parallel(model, "run", missing_out=out is None)
+    settings, reporter, corpus = command.settings, command.reporter, command.corpus  # one progress bar, one summary
     timings = Timings()
-
-    with contextlib.ExitStack() as stack:  # on error the work folder goes (or stays, with resume)
-        if out is None:
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-")))
-        elif ranks.main:
-            folder = stack.enter_context(work).path  # leftovers of killed runs it removes are noted
-        if ranks.parallel:
-            join(ranks, pick_device(settings.device))
-            stack.callback(leave, ranks)
-            folder = Path(broadcast(ranks, str(folder) if ranks.main else None))  # every rank writes parts there
-        with timings.phase("load"):
-            loaded, plan = command.open(stack, model, loader, lm_head=needs_lm_head(settings), what="--importance",
-                                        ranks=ranks, before_weights=_tokenizer_checks(settings))  # fmt: skip
+    session = command.session(model, loader, what="--importance", out=out, kind="report", overwrite=overwrite,
+                              resumable=resume, scratch="analyze", shared=True, lm_head=needs_lm_head(settings),
+                              before_weights=_tokenizer_checks(settings), timings=timings)  # fmt: skip
+    with session as opened:  # on error the work folder goes (or stays, with resume)
+        loaded, plan, folder = opened.loaded, opened.plan, opened.folder
         parts = PartFiles(folder, fingerprint(loaded, corpus, settings, ranks), checkpoints=resume, ranks=ranks,
                           in_memory=out is None and not ranks.parallel)  # fmt: skip
         progress, running = Progress(), {}
@@ -205,19 +182,13 @@ def analyze(
         run, tables = write_tables(folder, analysis, parts, in_memory=out is None)
         report = Report(run, folder=folder, tables=tables)
         if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all
-            _draw(report, folder, charts, page, work.target, reporter)
+            _draw(report, folder, charts, page, opened.stage.target, reporter)
         parts.discard_checkpoint()  # only now: an interrupted drawing leaves a checkpoint that --resume continues
-        # Without `out` the per-sentence tables were merged in memory (one process), or into the temporary folder,
-        # which goes with this block: read them now.
-        if out is None:
+        if out is None:  # one process: the per-sentence tables were merged in memory
             held = parts.merged_frames()
             tables |= {SENTENCES_FILE: held.get("sentences"), SENTENCE_HEADS_FILE: held.get("sentence_heads")}
-            if ranks.parallel:
-                tables |= report.tables(SENTENCES_FILE, SENTENCE_HEADS_FILE)
-    reporter.stage("done" if out is None else f"done: wrote {work.target}")  # the notebook's display ends here
-    if out is None:
-        return Report(run, tables=tables)
-    return Report(run, folder=work.target, tables=tables)
+    command.done(opened)  # the notebook's display ends here
+    return Report(run, folder=opened.target, tables=tables)
 
 
 def _tokenizer_checks(settings):

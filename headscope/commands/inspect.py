@@ -14,9 +14,7 @@ Each text runs alone (no padding), through the same capture as analyze.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +39,9 @@ from headscope.measures.heads import (
 )
 from headscope.measures.probes import check_probes, run_probes
 from headscope.model.capture import attached
-from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
-from headscope.report.report import Report, read_run
+from headscope.report.report import Report
 from headscope.run.corpus import Corpus
 from headscope.run.distributed import one_process_only
 from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
@@ -166,16 +163,10 @@ def inspect(
     if corpus is not None:
         _check_sentences(sentences, corpus)
     labelled = _report_roles(report) if report is not None else None
-    stage = run.stage(out, "inspection", overwrite=overwrite)
-    run.check_offload_folder(model, {"--out": out})
-    with contextlib.ExitStack() as stack:
-        if stage is not None:
-            folder = stack.enter_context(stage).path
-        else:  # in memory: written to a scratch folder, read back, then gone
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headscope-inspect-")))
-        loaded, plan = run.open(stack, model, loader)
-        if report is not None:
-            check_report_model(read_run(Path(report)), loaded, report)
+    session = run.session(model, loader, what="inspect", out=out, kind="inspection", overwrite=overwrite,
+                          scratch="inspect", report=report)  # fmt: skip
+    with session as opened:  # in memory (no --out): written to a scratch folder, read back, then gone
+        loaded, plan, folder = opened.loaded, opened.plan, opened.folder
         chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
             chosen, known, roles_from = _heads(
@@ -195,12 +186,9 @@ def inspect(
 
             shown = inspect_page(record, tokens, views)
             write_page(shown, folder / INSPECT_PAGE)
-        attention = pd.read_parquet(folder / ATTENTION_FILE) if stage is None else None
-    if stage is None:
-        folder = None
-    else:
-        attention, folder = None, stage.target
-    reporter.stage("done" if folder is None else f"done: wrote {folder}")
+        attention = pd.read_parquet(folder / ATTENTION_FILE) if opened.stage is None else None
+    folder = opened.target
+    run.done(opened)
     return Inspection(record, tokens, summary, loaded.source.display, chosen_texts, known, roles_from,
                       tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown)  # fmt: skip
 

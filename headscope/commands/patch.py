@@ -15,7 +15,6 @@ interventions/patching.py does the passes (exact, or --fast's first-order estima
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,10 +42,9 @@ from headscope.interventions.patching import (
 )
 from headscope.layout import PATCH_RECORD, PATCHING_FILE, PATCHING_PAIRS_FILE
 from headscope.model.capture import attached
-from headscope.model.identity import check_report_model
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
-from headscope.report.report import Report, read_run
+from headscope.report.report import Report
 from headscope.run.distributed import one_process_only
 from headscope.run.feed import token_texts
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
@@ -168,18 +166,17 @@ def patch(
     if pairs.path.is_file():
         run.protected["the pairs file"] = pairs.path
     settings, reporter = run.settings, run.reporter
-    stage = run.stage(out, "patching", overwrite=overwrite)
-    run.check_offload_folder(model, {"--out": out})
-    with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(stage).path if stage is not None else None
 
-        def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
-            found = tokenize_pairs(pairs, tokenizer, settings.max_length)
-            if positions == "each":
-                _common_length(found, pairs)
+    def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
+        found = tokenize_pairs(pairs, tokenizer, settings.max_length)
+        if positions == "each":
+            _common_length(found, pairs)
 
-        loaded, plan = run.open(stack, model, loader, lm_head=True, what="patch", before_weights=pairs_fit)
-        roles = _roles(report, loaded)
+    session = run.session(model, loader, what="patch", out=out, kind="patching", overwrite=overwrite, lm_head=True,
+                          report=report, before_weights=pairs_fit)  # fmt: skip
+    with session as opened:
+        loaded, plan = opened.loaded, opened.plan
+        roles = _roles(report)
         plan.check_heads(heads)
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
         width = _common_length(tokenized, pairs) if positions == "each" else None
@@ -193,12 +190,12 @@ def patch(
         seconds = time.perf_counter() - started
         result = _result(loaded, settings, pairs, tokenized, units, found, what, direction, positions, metric, fast,
                          roles, seconds)  # fmt: skip
-        if folder is not None:
-            _write(folder, result, charts, reporter)
+        if opened.folder is not None:
+            _write(opened.folder, result, charts, reporter)
     for note in result.notes:
         reporter.note(note)
-    result.folder = stage.target if stage is not None else None
-    reporter.stage("done" if result.folder is None else f"done: wrote {result.folder}")
+    result.folder = opened.target
+    run.done(opened)
     return result
 
 
@@ -215,10 +212,10 @@ def check_request(what: str, direction: str, positions: str, metric: str, fast, 
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
 
 
-def _roles(report, loaded) -> dict[tuple[int, int], str] | None:
+def _roles(report) -> dict[tuple[int, int], str] | None:
+    """Each head's role in `report` (its model checked against the command's by the session), or None."""
     if report is None:
         return None
-    check_report_model(read_run(Path(report)), loaded, report)
     heads = Report.open(report).heads
     return {(int(r.layer), int(r.head)): str(r.role) for r in heads.itertuples()}
 

@@ -12,7 +12,6 @@ the output     prune.json (heads in removal order, clean and verified pruned los
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -208,22 +207,21 @@ def prune(
     ranks = run.data_parallel(model, "prune")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).
-    stages = {"prune": run.stage(out, "pruning", overwrite=overwrite, resumable=True, continuing=resume),
-              "model": run.stage(save_model, "model", overwrite=overwrite)}  # fmt: skip
-    run.check_offload_folder(model, {"--out": out, "--save-model": save_model})
+    model_stage = run.stage(save_model, "model", overwrite=overwrite)
     started = time.perf_counter()
-    writes = stages["prune"] if ranks.main else None  # under torchrun rank 0 alone writes
-    with contextlib.ExitStack() as stack, writes or contextlib.nullcontext() as prune_stage:
-        with loss_model(stack, model, run, loader, "prune") as lm:
+    session = run.session(model, loader, what="prune", out=out, kind="pruning", overwrite=overwrite, resumable=True,
+                          continuing=resume, lm_head=True, also={"--save-model": save_model})  # fmt: skip
+    with session as opened:
+        with loss_model(opened, run, "prune") as lm:
             if save_model is not None:
-                check_savable(lm.loaded.lm, stages["model"].target, mean=mode == "mean", head_count=lm.plan.heads,
+                check_savable(lm.loaded.lm, model_stage.target, mean=mode == "mean", head_count=lm.plan.heads,
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip
             candidates = [head for head in lm.all_heads if head[0] in lm.plan.layers]
             journal = None
             if out is not None:  # every search keeps its journal: an interrupted one can be resumed
                 key = fingerprint(lm.loaded, corpus, settings, ONE_PROCESS) | {"budget": budget, "mode": mode,
                       "max_rounds": max_rounds, "patience": patience, "estimate": ESTIMATE}  # fmt: skip
-                journal = SearchJournal(stages["prune"].path / PRUNE_JOURNAL, key, resume=resume, writes=ranks.main,
+                journal = SearchJournal(opened.stage.path / PRUNE_JOURNAL, key, resume=resume, writes=ranks.main,
                                         candidates=candidates)  # fmt: skip
                 if journal.calls:
                     reporter.note(f"resuming the interrupted search: {len(journal.calls)} answers saved in "
@@ -241,23 +239,23 @@ def prune(
         failure = None
         if save_model is not None and ranks.main:
             try:  # published (or removed) when this block ends, before the pruning's own folder
-                with stages["model"] as model_stage:
-                    saved = _save(lm, result, removal, model_stage.path, reporter)
+                with model_stage as saving:
+                    saved = _save(lm, result, removal, saving.path, reporter)
                 found.saved_model = dataclasses.replace(saved, path=str(model_stage.target))
             # Whatever goes wrong in saving (a full disk, an architecture transformers cannot write), the verified
             # search is still worth keeping: prune.json says what failed.
             except Exception as err:
                 failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
                 found.saved_model = SavedModel(path=None, error=failure)
-        if prune_stage is not None:
-            _write(prune_stage.path, found.record, found.head_mask, charts, reporter)
+        if opened.folder is not None:  # rank 0 writes
+            _write(opened.folder, found.record, found.head_mask, charts, reporter)
             # only now: a run interrupted while writing keeps the journal, which --resume replays to the end
-            (prune_stage.path / PRUNE_JOURNAL).unlink(missing_ok=True)
+            (opened.folder / PRUNE_JOURNAL).unlink(missing_ok=True)
     if failure is not None:
-        kept = f"; prune.json and head_mask.parquet were written to {prune_stage.target}" if out is not None else ""
+        kept = f"; prune.json and head_mask.parquet were written to {opened.target}" if out is not None else ""
         raise OutputError(f"the pruned model was not saved: {failure}{kept}")
-    found.folder = prune_stage.target if prune_stage is not None else None
-    reporter.stage("done" if found.folder is None else f"done: wrote {found.folder}")
+    found.folder = opened.target
+    run.done(opened)
     return found
 
 

@@ -28,12 +28,12 @@ from headscope.interventions.nll import token_losses
 from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, shared_gradient_pass
 from headscope.model.batch import Batch
 from headscope.model.capture import Capture, attached
-from headscope.model.loading import LoadedModel, Loader
+from headscope.model.loading import LoadedModel
 from headscope.progress import Reporter
 from headscope.run.distributed import ONE_PROCESS, Ranks, added, share_of, together
 from headscope.run.feed import CorpusFeed
 from headscope.run.plan import Plan
-from headscope.run.setup import CommandRun
+from headscope.run.setup import CommandRun, Session
 
 
 @dataclass
@@ -131,15 +131,15 @@ class LossModel:
 
 
 @contextlib.contextmanager
-def loss_model(stack: contextlib.ExitStack, model, run: CommandRun, loader: Loader, what: str) -> Iterator[LossModel]:
-    """The model loaded (with its LM head) and attached, the corpus fed as head importance feeds it, on every rank
-    of a data-parallel run (`run.data_parallel` first); what: the command, as messages name it."""
-    loaded, plan = run.open(stack, model, loader, lm_head=True, what=what, ranks=run.ranks)
+def loss_model(session: Session, run: CommandRun, what: str) -> Iterator[LossModel]:
+    """A session's model (opened with its LM head) attached, the corpus fed as head importance feeds it, on every
+    rank of a data-parallel run; what: the command, as messages name it."""
+    loaded, plan = session.loaded, session.plan
     chunk = max(1, len(run.corpus.sentences))  # one chunk: every pass reads the whole corpus again
     feed = CorpusFeed(run.corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
     check_importance_fits(feed, plan, what)
     with attached(loaded.lm, block_bytes=run.settings.block_bytes) as capture:
-        yield LossModel(capture, feed, plan, loaded, run.reporter, run.ranks)
+        yield LossModel(capture, feed, plan, loaded, run.reporter, session.ranks)
 
 
 def plain_loss(folder: Path, lm: LossModel) -> float:

@@ -29,15 +29,7 @@ from headscope.layout import (
     SENTENCES_FILE,
 )
 from headscope.summary import depth_bands, layer_entropy
-from headscope.tables import (
-    EXAMPLES_SCHEMA,
-    HEADS_SCHEMA,
-    LAYERS_SCHEMA,
-    PROBES_SCHEMA,
-    SENTENCE_HEADS_SCHEMA,
-    SENTENCES_SCHEMA,
-    read_table,
-)
+from headscope.tables import REPORT_SCHEMAS, read_table
 
 
 @dataclass(frozen=True)
@@ -317,7 +309,7 @@ def _check_architecture(run: dict, path: Path) -> None:
 def _read_heads(path: Path, grid: tuple[int | None, int | None] = (None, None)) -> pd.DataFrame:
     """The heads table, refused unless it has one row per (layer, head), each within the model's grid (run.json's
     layers and heads, or the largest any model has): a number read from a table never sizes anything unchecked."""
-    heads = read_table(path, HEADS_SCHEMA)
+    heads = read_table(path, REPORT_SCHEMAS[HEADS_FILE])
     if heads.empty:
         raise OutputError(f"{path} has no rows; run `headscope analyze` again")
     if heads[["layer", "head"]].isna().any().any():
@@ -343,7 +335,7 @@ def _read_examples(path: Path) -> pd.DataFrame | None:
     """Every head's attention on the example views, or None when the report has none."""
     if not path.is_file():
         return None
-    examples = read_table(path, EXAMPLES_SCHEMA)
+    examples = read_table(path, REPORT_SCHEMAS[EXAMPLES_FILE])
     positions = examples[["query", "key"]]
     if examples.empty:
         return None
@@ -359,12 +351,10 @@ def _optional(schema):
     return read
 
 
-_READERS = {
-    LAYERS_FILE: _optional(LAYERS_SCHEMA),
-    EXAMPLES_FILE: _read_examples,
-    SENTENCES_FILE: _optional(SENTENCES_SCHEMA),
-    SENTENCE_HEADS_FILE: _optional(SENTENCE_HEADS_SCHEMA),
-    PROBES_FILE: _optional(PROBES_SCHEMA),
+# How each table but heads (`_read_heads`) is read: with its schema, or None where the run did not write it; the
+# examples are checked further.
+_READERS = {name: _optional(schema) for name, schema in REPORT_SCHEMAS.items() if name != HEADS_FILE} | {
+    EXAMPLES_FILE: _read_examples
 }
 
 

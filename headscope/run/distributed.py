@@ -254,13 +254,6 @@ def one_process_only(what: str) -> None:
         )
 
 
-def check_parallel(settings, out, model_is_loaded: bool) -> None:
-    """What a data-parallel analyze cannot do, refused before anything loads."""
-    if out is None:
-        raise ConfigError("a data-parallel run (torchrun) needs --out: every rank writes its part of the tables there")
-    check_parallel_model(settings, model_is_loaded, "run")
-
-
 def check_parallel_model(settings, model_is_loaded: bool, what: str) -> None:
     """What no data-parallel run can do, refused before anything loads; what: the command."""
     if model_is_loaded:

@@ -1,11 +1,16 @@
-"""The set-up every model command shares, written once: analyze, inspect, ablate and prune (and the next
-intervention) differ only in what they do with the model.
+"""The set-up every model command shares, written once: analyze, inspect, ablate, prune and patch (and the next
+command) differ only in what they do with the model.
 
     CommandRun.prepare   the settings (checked), the reporter, the corpus, the model's source and the inputs an
                          output may never replace; all of it before anything heavy loads
-    .stage               the output folder, checked now (the output rule) and staged for an atomic publish
-    .open                the model loaded (with its LM head when the command scores the loss), the plan
+    .data_parallel       under torchrun, this process's rank (its device, one reporter), or a refusal in one line
+    .session             a context: the output folder staged (the output rule checked now), the offload folder
+                         checked, the process group joined, the model loaded (with its LM head when the command
+                         scores the loss) and its plan, the report's model checked; on a clean exit the output is
+                         published (Session.target), on an error it is not
     record_header        what every command's record (inspect.json, ablation.json, prune.json) opens with
+
+A command is then: prepare, its own checks, `with run.session(...) as session:` its work, `run.done(session)`.
 """
 
 from __future__ import annotations
@@ -14,13 +19,16 @@ import contextlib
 import dataclasses
 import datetime as dt
 import functools
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from headscope.arguments import as_path
 from headscope.config import RunConfig, run_settings
+from headscope.errors import ConfigError
 from headscope.layout import SCHEMA_VERSION
-from headscope.model.identity import weights_fingerprint
+from headscope.model.identity import check_report_model, weights_fingerprint
 from headscope.model.loading import (
     LoadedModel,
     Loader,
@@ -32,6 +40,7 @@ from headscope.model.loading import (
 from headscope.model.placement import check_offload_folder, dtype_name
 from headscope.output import StagedDirectory
 from headscope.progress import NullReporter, Reporter
+from headscope.report.report import read_run
 from headscope.run.corpus import Corpus, as_corpus
 from headscope.run.distributed import (
     ONE_PROCESS,
@@ -48,7 +57,7 @@ from headscope.run.distributed import (
 from headscope.run.opening import open_model
 from headscope.run.plan import Plan, plan_for_model, resized
 from headscope.run.progress import default_reporter
-from headscope.run.record import versions
+from headscope.run.record import Timings, versions
 
 # The settings a command reads, as its record lists them (the rest of RunConfig is analyze's alone): what loads the
 # model and reads the corpus, and each command's own.
@@ -58,6 +67,19 @@ MODEL_AND_CORPUS = (
 )  # fmt: skip
 INTERVENTION_SETTINGS = (*MODEL_AND_CORPUS, "bootstrap", "bootstrap_seed", "batch_size")  # ablate, prune
 INSPECT_SETTINGS = (*MODEL_AND_CORPUS, "layers", "probe_seeds", "probe_length")
+
+
+@dataclass
+class Session:
+    """What `CommandRun.session` yields: the model opened, and where this process writes."""
+
+    stack: contextlib.ExitStack  # closed when the session ends: the model, the folders, the process group
+    loaded: LoadedModel
+    plan: Plan
+    folder: Path | None  # where this rank writes: the staged output, a scratch folder, rank 0's (shared), or None
+    stage: StagedDirectory | None  # the staged output (every rank knows where it is; rank 0 alone publishes it)
+    ranks: Ranks
+    target: Path | None = None  # where the output was published, once the session ended (rank 0; None without)
 
 
 @dataclass
@@ -117,25 +139,69 @@ class CommandRun:
         equal = {"the corpus's folder": self.corpus.path.parent} if self.corpus is not None else {}
         check_offload_folder(self.settings.offload_folder, within=within, equal=equal)
 
-    def open(
+    @contextlib.contextmanager
+    def session(
         self,
-        stack: contextlib.ExitStack,
         model,
         loader: Loader,
         *,
+        what: str,
+        out=None,
+        kind: str = "",
+        overwrite: bool = False,
+        resumable: bool = False,
+        continuing: bool | None = None,
+        scratch: str | None = None,
+        shared: bool = False,
         lm_head: bool | str = False,
-        what: str = "this command",
-        ranks: Ranks = ONE_PROCESS,
-        before_weights=None,
+        report: Path | None = None,
+        before_weights: Callable | None = None,
+        also: dict[str, Path | None] | None = None,
+        timings: Timings | None = None,
+    ) -> Iterator[Session]:
+        """Everything a model command does around its work, in this order: `out` staged as `kind` (layout.KINDS;
+        resumable and continuing as `stage` takes them) and the offload folder checked against it and `also` (more
+        outputs, by option), before anything loads; rank 0 enters the staged folder (or, without `out`, a scratch
+        folder named after `scratch`, if given); under torchrun every rank joins the process group, and with
+        `shared` writes into rank 0's folder; the model opens (`what` names the command in messages; lm_head and
+        before_weights as `open_model` takes them; its time in `timings`' load phase) and `report`'s model is
+        checked against it. Leaving the block closes all of it: the output is published on a clean exit
+        (Session.target) and dropped on an error (kept for --resume where resumable)."""
+        ranks = self.ranks
+        stage = self.stage(out, kind, overwrite=overwrite, resumable=resumable, continuing=continuing)
+        self.check_offload_folder(model, {"--out": out, **(also or {})})
+        with contextlib.ExitStack() as stack:
+            folder = None
+            if stage is not None and ranks.main:
+                folder = stack.enter_context(stage).path  # leftovers of killed runs it removes are noted
+            elif stage is None and scratch is not None and ranks.main:
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"headscope-{scratch}-")))
+            if ranks.parallel:
+                join(ranks, pick_device(self.settings.device))
+                stack.callback(leave, ranks)
+                agree(ranks, self.facts(what))  # before any rank loads or reads anything
+                if shared:  # every rank writes its parts into rank 0's folder
+                    folder = Path(broadcast(ranks, str(folder) if ranks.main else None))
+            with timings.phase("load") if timings is not None else contextlib.nullcontext():
+                loaded, plan = self._open(stack, model, loader, lm_head=lm_head, what=what,
+                                          before_weights=before_weights)  # fmt: skip
+            if report is not None:
+                check_report_model(read_run(Path(report)), loaded, report)
+            session = Session(stack, loaded, plan, folder, stage, ranks)
+            yield session
+        session.target = stage.target if stage is not None and ranks.main else None
+
+    def done(self, session: Session) -> None:
+        """The command's last stage line: where its output went (the notebook's display ends there)."""
+        target = session.target
+        self.reporter.stage("done" if target is None else f"done: wrote {target}")
+
+    def _open(
+        self, stack: contextlib.ExitStack, model, loader: Loader, *, lm_head: bool | str, what: str, before_weights
     ) -> tuple[LoadedModel, Plan]:
-        """The model loaded (its clean-up on `stack`) and the run's plan. lm_head: the command scores the loss;
-        what: the command, as messages name it; ranks: a data-parallel run's (every rank joins the process group,
-        loads at once, and batches as rank 0 does: batches decide the order of float sums); before_weights(tokenizer):
-        what the command checks with the tokenizer alone, before the weights load."""
-        if ranks.parallel:
-            join(ranks, pick_device(self.settings.device))
-            stack.callback(leave, ranks)
-            agree(ranks, self.facts(what))  # before any rank loads or reads anything
+        """The model loaded (its clean-up on `stack`) and the run's plan; under torchrun every rank loads at once and
+        batches as rank 0 does (batches decide the order of float sums)."""
+        ranks = self.ranks
         loaded = open_model(stack, model, self.source, self.settings, loader, self.reporter, lm_head=lm_head,
                             what=what, together=functools.partial(together, ranks),
                             before_weights=before_weights)  # fmt: skip
@@ -156,12 +222,17 @@ class CommandRun:
         return {"command": what, "model": model, "corpus (sha256, sentences)": corpus, "settings": settings,
                 **{key: _comparable(value) for key, value in self.request.items()}}  # fmt: skip
 
-    def data_parallel(self, model, what: str) -> Ranks:
+    def data_parallel(self, model, what: str, *, missing_out: bool = False) -> Ranks:
         """Under torchrun, this process's rank (one process otherwise; kept as `ranks`): each rank on its own
         device, one reporter (rank 0's); refused in one line where it cannot be: a model already loaded, a device
-        map. Call it before reading `settings` and `reporter`."""
+        map, or no --out for a command whose ranks share it (missing_out). Call it before reading `settings` and
+        `reporter`."""
         ranks = ranks_from_env()
         if ranks.parallel:
+            if missing_out:
+                raise ConfigError(
+                    "a data-parallel run (torchrun) needs --out: every rank writes its part of the tables there"
+                )
             check_parallel_model(self.settings, isinstance(model, LoadedModel), what)
             self.settings = dataclasses.replace(self.settings, device=rank_device(ranks, self.settings.device))
             self.reporter = self.reporter if ranks.main else NullReporter()
