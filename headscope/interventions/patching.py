@@ -13,6 +13,7 @@ ablation). `--fast` replaces those passes by one backward pass of the metric: m_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from headscope.errors import ModelLoadError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
 from headscope.interventions.groups import replica_passes
 from headscope.interventions.pairs import TokenizedPair
+from headscope.interventions.removal import ReplicaEditor
 from headscope.model.attention.readout import RowBlock, repeat_kv
 from headscope.model.batch import Batch, plan_batches
 from headscope.model.layer_outputs import replicate, rows_of
@@ -170,36 +172,30 @@ class PairRecorder:
         return weights, value
 
 
-class PatchedHeads:
-    """An output editor on replicas of the target batch (`rows` rows each): replica r has units[r] patched."""
+class PatchedHeads(ReplicaEditor):
+    """Replicas of the target batch (`rows` rows each): replica r has units[r] patched, at `layer`."""
 
     def __init__(self, recorder: PairRecorder, layer: int, units: Sequence[Unit], rows: int, columns: torch.Tensor):
-        self.recorder, self.layer, self.units, self.rows = recorder, layer, list(units), rows
+        super().__init__(rows)
+        self.recorder = recorder
         self.columns = columns  # (pairs, positions) long: the column of each pair's token at each position
+        for replica, (_, head, position) in enumerate(units):
+            self.add(layer, replica, functools.partial(self._patch, layer, head, position))
 
-    def start(self, batch: Batch) -> None:
-        pass
-
-    def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        if layer != self.layer:
-            return output
-        output = output.clone()
-        replacement = self.recorder.replacement[layer].to(output.dtype)
-        pairs = torch.arange(self.rows, device=output.device)
-        for replica, (_, head, position) in enumerate(self.units):
-            block = output[replica * self.rows : (replica + 1) * self.rows]  # a view: edits land in `output`
-            if position is None:
-                block[:, :, head] = replacement[:, :, head]
-                continue
-            column = self.columns[:, position]
-            if self.recorder.what == "values":  # the value vector at key `column` changes every row reading it
-                weights = self.recorder.target_weights[layer][pairs, head, :, column]  # (pairs, t)
-                kv_head = head // (output.shape[2] // self.recorder.value_change[layer].shape[1])
-                change = self.recorder.value_change[layer][pairs, kv_head, column]  # (pairs, head_dim)
-                block[:, :, head] += (weights[:, :, None] * change[:, None, :]).to(output.dtype)
-            else:
-                block[pairs, column, head] = replacement[pairs, column, head]
-        return output
+    def _patch(self, layer: int, head: int, position: int | None, block: torch.Tensor) -> None:
+        replacement = self.recorder.replacement[layer].to(block.dtype)
+        if position is None:
+            block[:, :, head] = replacement[:, :, head]
+            return
+        pairs = torch.arange(self.rows, device=block.device)
+        column = self.columns[:, position]
+        if self.recorder.what == "values":  # the value vector at key `column` changes every row reading it
+            weights = self.recorder.target_weights[layer][pairs, head, :, column]  # (pairs, t)
+            kv_head = head // (block.shape[2] // self.recorder.value_change[layer].shape[1])
+            change = self.recorder.value_change[layer][pairs, kv_head, column]  # (pairs, head_dim)
+            block[:, :, head] += (weights[:, :, None] * change[:, None, :]).to(block.dtype)
+        else:
+            block[pairs, column, head] = replacement[pairs, column, head]
 
 
 def exact_metrics(capture, batch: PairBatch, recorder: PairRecorder, outputs: list, units: Sequence[Unit],

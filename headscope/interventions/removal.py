@@ -19,6 +19,7 @@ estimate needs), and `gradient_pass` the one forward-and-backward pass over a co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -92,32 +93,48 @@ class Removal:
             owned.zero_()
 
 
-class RemovedHeads:
-    """An OutputEditor for replicated batches: replica r (rows r * rows ... ) has the heads groups[r] removed, the
-    way removals[r] says (one Removal: every replica the same way)."""
+class ReplicaEditor:
+    """An OutputEditor for a batch replicated `rows` rows at a time (model.batch.Batch.replicated): at a layer it
+    edits, the head outputs are copied once and each edit is handed its replica's rows (a view: what it writes lands
+    in the copy). RemovedHeads and patching's PatchedHeads are its edits."""
 
-    def __init__(self, groups: Sequence[Sequence[Head]], removals: Removal | Sequence[Removal], rows: int) -> None:
+    def __init__(self, rows: int) -> None:
         self.rows = rows
-        removals = [removals] * len(groups) if isinstance(removals, Removal) else list(removals)
-        self.by_layer: dict[int, list[tuple[int, int, Removal]]] = {}  # layer -> [(replica, head, removal)]
-        for replica, (group, removal) in enumerate(zip(groups, removals, strict=True)):
-            for layer, head in group:
-                self.by_layer.setdefault(layer, []).append((replica, head, removal))
-        self._values: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.edits: dict[int, list[tuple[int, Callable[[torch.Tensor], None]]]] = {}  # layer -> [(replica, edit)]
+
+    def add(self, layer: int, replica: int, edit: Callable[[torch.Tensor], None]) -> None:
+        """edit(block): change replica `replica`'s (rows, t, heads, head_dim) outputs of `layer` in place."""
+        self.edits.setdefault(layer, []).append((replica, edit))
 
     def start(self, batch: Batch) -> None:
         pass
 
     def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        if layer not in self.by_layer:
+        if layer not in self.edits:
             return output
         output = output.clone()
-        for replica, head, removal in self.by_layer[layer]:
-            key = (layer, head, removal.mode)
-            if key not in self._values:
-                self._values[key] = removal.value(layer, head, output.shape[-1]).to(output.device)
-            output[replica * self.rows : (replica + 1) * self.rows, :, head, :] = self._values[key].to(output.dtype)
+        for replica, edit in self.edits[layer]:
+            edit(output[replica * self.rows : (replica + 1) * self.rows])
         return output
+
+
+class RemovedHeads(ReplicaEditor):
+    """Replica r (rows r * rows ... ) has the heads groups[r] removed, the way removals[r] says (one Removal: every
+    replica the same way)."""
+
+    def __init__(self, groups: Sequence[Sequence[Head]], removals: Removal | Sequence[Removal], rows: int) -> None:
+        super().__init__(rows)
+        removals = [removals] * len(groups) if isinstance(removals, Removal) else list(removals)
+        for replica, (group, removal) in enumerate(zip(groups, removals, strict=True)):
+            for layer, head in group:
+                self.add(layer, replica, functools.partial(self._remove, layer, head, removal))
+        self._values: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def _remove(self, layer: int, head: int, removal: Removal, block: torch.Tensor) -> None:
+        key = (layer, head, removal.mode)
+        if key not in self._values:  # one replacement per head and mode, whichever replicas remove it
+            self._values[key] = removal.value(layer, head, block.shape[-1]).to(block.device)
+        block[:, :, head, :] = self._values[key].to(block.dtype)
 
 
 class OutputSums:
