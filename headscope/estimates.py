@@ -109,15 +109,11 @@ MIN_BOOTSTRAP_SENTENCES = 2
 ONE_SENTENCE_NOTE = "a 95% interval needs two or more sentences: the intervals are left empty (NaN)"
 
 
-def poisson_weights(sentence_ids: np.ndarray, replicates: int, seed: int) -> np.ndarray:
-    """(sentences, replicates) Poisson(1) counts: bootstrap weights that are a pure function of
-    (seed, sentence id, replicate), so any order or split of the corpus draws the same ones."""
-    return replicate_weights(sentence_ids, replicates, seed).T
-
-
 def replicate_weights(sentence_ids: np.ndarray, replicates: int, seed: int) -> np.ndarray:
-    """poisson_weights laid out (replicates, sentences), C-contiguous: the left factor of the bootstrap's product,
-    made in place (the draws of 4 million pairs were 0.3 s with their temporaries, a fifth of a near-free run)."""
+    """(replicates, sentences) Poisson(1) counts: bootstrap weights that are a pure function of (seed, sentence id,
+    replicate), so any order or split of the corpus draws the same ones. C-contiguous, the left factor of every
+    bootstrap product (analyze's, ablate's and patch's ratios, compare's paired sums), made in place (the draws of
+    4 million pairs were 0.3 s with their temporaries, a fifth of a near-free run)."""
     ids = np.asarray(sentence_ids, dtype=np.uint64)[None, :]
     with np.errstate(over="ignore"):
         key = (

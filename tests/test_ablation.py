@@ -11,7 +11,7 @@ import torch
 
 import headscope
 from headscope.errors import ConfigError
-from headscope.estimates import poisson_weights
+from headscope.estimates import replicate_weights
 from headscope.interventions.groups import GroupLosses, group_effect, repeat_tokens, scored_targets
 from headscope.model.batch import collate
 from headscope.progress import NullReporter
@@ -54,9 +54,9 @@ def test_group_effect_is_a_token_weighted_delta_with_a_paired_bootstrap():
     assert effect["tokens"] == 10
     assert effect["clean_loss"] == pytest.approx(0.6) and effect["ablated_loss"] == pytest.approx(0.9)
     assert effect["delta"] == pytest.approx(0.3)
-    weights = poisson_weights(np.array([4, 2, 9]), 400, 3)
+    weights = replicate_weights(np.array([4, 2, 9]), 400, 3)
     with np.errstate(invalid="ignore"):  # a replicate that drew no sentence: NaN, skipped as the code skips it
-        deltas = (weights.T @ (ablated[0] - clean)) / (weights.T @ tokens)
+        deltas = (weights @ (ablated[0] - clean)) / (weights @ tokens)
     assert effect["delta_ci_low"] == pytest.approx(np.nanpercentile(deltas, 2.5))
     assert effect["delta_ci_high"] == pytest.approx(np.nanpercentile(deltas, 97.5))
     unchanged = group_effect(losses, 1, "all", replicates=400, seed=3)

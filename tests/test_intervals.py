@@ -10,7 +10,14 @@ import pytest
 
 import headscope
 from headscope.columns import RATIOS, STAT_INDEX, STATS
-from headscope.estimates import Bootstrap, head_intervals, poisson_draws, poisson_weights, replicate_ratios, t_interval
+from headscope.estimates import (
+    Bootstrap,
+    head_intervals,
+    poisson_draws,
+    replicate_ratios,
+    replicate_weights,
+    t_interval,
+)
 
 INTERVALS = [f"{m}_ci_{side}" for m in ("entropy", "norm_entropy", "sink", "diagonal") for side in ("low", "high")]
 
@@ -29,14 +36,14 @@ def test_poisson_draws_are_the_inverse_cdf_at_every_cut_point():
         np.testing.assert_array_equal(poisson_draws(bits), expected)
 
 
-def test_poisson_weights_are_a_pure_function_of_seed_sentence_and_replicate():
+def test_replicate_weights_are_a_pure_function_of_seed_sentence_and_replicate():
     ids = np.arange(1000)
-    weights = poisson_weights(ids, 50, seed=7)
-    assert weights.shape == (1000, 50) and (weights == np.round(weights)).all() and weights.min() == 0
-    np.testing.assert_array_equal(poisson_weights(ids[::-1], 50, seed=7), weights[::-1])  # any order
-    np.testing.assert_array_equal(poisson_weights(ids[500:], 50, seed=7), weights[500:])  # any split
-    assert not np.array_equal(poisson_weights(ids, 50, seed=8), weights)
-    many = poisson_weights(np.arange(200_000), 1, seed=0)[:, 0]
+    weights = replicate_weights(ids, 50, seed=7)
+    assert weights.shape == (50, 1000) and (weights == np.round(weights)).all() and weights.min() == 0
+    np.testing.assert_array_equal(replicate_weights(ids[::-1], 50, seed=7), weights[:, ::-1])  # any order
+    np.testing.assert_array_equal(replicate_weights(ids[500:], 50, seed=7), weights[:, 500:])  # any split
+    assert not np.array_equal(replicate_weights(ids, 50, seed=8), weights)
+    many = replicate_weights(np.arange(200_000), 1, seed=0)[0]
     assert many.mean() == pytest.approx(1.0, abs=0.01) and many.var() == pytest.approx(1.0, abs=0.02)
     assert (many == 0).mean() == pytest.approx(math.exp(-1), abs=0.005)  # P(0) of Poisson(1)
 
@@ -48,7 +55,7 @@ def test_streamed_replicates_equal_the_direct_weighted_sums():
     streamed = Bootstrap(30, seed=3, layers=2, heads=3)
     for part in (slice(0, 4), slice(4, 9)):  # two batches
         streamed.add(ids[part], sums[:, part])
-    weights = poisson_weights(ids, 30, seed=3)  # (sentences, replicates)
+    weights = replicate_weights(ids, 30, seed=3).T  # (sentences, replicates)
     for metric, values in streamed.metrics().items():
         numerator, denominator = RATIOS[metric]
         direct = np.einsum("sr,lsh->rlh", weights, sums[..., STAT_INDEX[numerator]]) / np.einsum(
@@ -134,7 +141,7 @@ def test_replicate_ratios_are_ratios_of_weighted_sums_with_signed_denominators()
     numerator = np.array([[1.0, 2.0], [0.5, -1.0], [2.0, 0.0], [-1.0, 4.0]])  # (sentences, columns)
     denominator = np.array([2.0, -3.0, 1.0, 0.5])
     got = replicate_ratios(ids, 40, 11, numerator, denominator)
-    weights = poisson_weights(ids, 40, 11)  # (sentences, replicates)
+    weights = replicate_weights(ids, 40, 11).T  # (sentences, replicates)
     for r in range(40):
         bottom = sum(weights[i, r] * denominator[i] for i in range(4))
         for c in range(2):

@@ -31,7 +31,7 @@ from headscope.arguments import as_number
 from headscope.columns import DELTAS, INTERVAL_METRICS, MODEL_ONLY, RATIOS, ROWS_LEFT_OUT
 from headscope.config import COMPARE_REPLICATES, check_replicates, check_seed
 from headscope.errors import OutputError, ResourceError
-from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE, percentile_interval, poisson_weights
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, ONE_SENTENCE_NOTE, percentile_interval, replicate_weights
 from headscope.labels import HEAD_TYPES, ROLES
 from headscope.layout import SCHEMA_VERSION, SENTENCE_HEADS_FILE
 from headscope.model.memory import host_free_memory, readable
@@ -251,7 +251,7 @@ def paired_intervals(ra: Report, rb: Report, heads: pd.DataFrame, layer_ids, rep
         if not np.array_equal(part_a[0], part_b[0]):
             raise OutputError("the two reports' sentence_heads tables hold different sentences")
         sentences += len(part_a[0])
-        weights = poisson_weights(part_a[0], replicates, seed).T  # (replicates, sentences)
+        weights = replicate_weights(part_a[0], replicates, seed)  # (replicates, sentences), estimates' own draws
         for side, part in (("a", part_a), ("b", part_b)):
             n = part[1]
             for metric, values in zip(metrics, part[2:], strict=True):
