@@ -52,6 +52,27 @@ def test_help_is_readable_at_80_columns(name):
                 assert re.search(rf"(^|[\s/,]){re.escape(option)}(\s|$|,)", result.output, re.M), (name, option)
 
 
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_groups_the_options_in_panels(name):
+    """A command's own options first, then the shared ones under their panels (cli/options.PANELS), in that order:
+    each option shown under the panel options.py puts it in."""
+    from headscope.cli.options import PANELS
+
+    result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "300"})
+    titles = [line[:-1] for line in result.output.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    sections = [title for title in titles if title in ("Arguments", "Options", *PANELS)]
+    order = ["Arguments", "Options", *PANELS]
+    assert sections == sorted(sections, key=order.index) and len(set(sections)) == len(sections), sections
+    for param in COMMANDS[name].params:
+        panel = getattr(param, "rich_help_panel", None)
+        if panel is None or param.param_type_name != "option":
+            continue
+        section = result.output.split(f"\n{panel}:\n", 1)[1].split("\n\n", 1)[0]
+        assert param.opts[0] in section, (name, param.opts[0], panel)
+    if "device" in {param.name for param in COMMANDS[name].params}:
+        assert "Model" in sections and "Corpus" in sections
+
+
 def test_top_level_help_lists_every_command_with_its_summary():
     result = runner.invoke(app, ["--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0

@@ -16,7 +16,7 @@ import headscope.cli.options as o
 from headscope.cli.ablate import ablate
 from headscope.cli.analyze import analyze
 from headscope.cli.classify import classify
-from headscope.cli.common import INTERRUPTED, OneLineErrors, Terminated, raise_terminated, say
+from headscope.cli.common import INTERRUPTED, OneLineErrors, PanelledCommand, Terminated, raise_terminated, say
 from headscope.cli.compare import compare
 from headscope.cli.inspect import inspect
 from headscope.cli.patch import patch
@@ -39,7 +39,7 @@ def _commands(version: o.Version = False) -> None:
 
 
 for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune):
-    app.command()(command)
+    app.command(cls=PanelledCommand)(command)
 
 
 def main() -> None:

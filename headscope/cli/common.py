@@ -6,8 +6,9 @@ import contextlib
 import os
 import sys
 
+import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 from typer.exceptions import TyperException
 
 from headscope.errors import ConfigError, HeadscopeError
@@ -39,6 +40,29 @@ class OneLineErrors(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code or 0)
+
+
+class PanelledCommand(TyperCommand):
+    """A command whose plain help groups its options in panels (each option's rich_help_panel, set in
+    cli/options.py): its own options first, then the shared ones by what they are about. Rich's help, which reads the
+    same panels, cut long option names at 80 columns."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from headscope.cli.options import PANELS
+
+        arguments, panels = [], {"Options": [], **{panel: [] for panel in PANELS}}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append(record)
+            else:
+                panels[getattr(param, "rich_help_panel", None) or "Options"].append(record)
+        for title, records in (("Arguments", arguments), *panels.items()):
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
 
 
 INTERRUPTED = {130: "Interrupted; existing outputs were left as they were",

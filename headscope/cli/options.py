@@ -123,7 +123,8 @@ RoleOffsetShareMin = Annotated[
 def recorded(rule):
     """A rule option whose default is the report's own (None): classify keeps each threshold it is not given at the
     value the report was labelled with."""
-    return Annotated[float | None, typer.Option(help=f"{rule.__metadata__[0].help} Default: the report's own.")]
+    help_text = f"{rule.__metadata__[0].help} Default: the report's own."
+    return Annotated[float | None, typer.Option(help=help_text, rich_help_panel=PANELS[-1])]
 
 
 # ---------------------------------------------------------------- inputs
@@ -270,6 +271,30 @@ SaveModel = Annotated[
 Charts = Annotated[bool, typer.Option(help="Draw the charts (in --format).")]
 Page = Annotated[bool, typer.Option(help="Write the self-contained page (report.html, compare.html, inspect.html).")]
 Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
+
+# ---------------------------------------------------------------- help panels
+
+# Each command's help lists its own options first (what it does: "Options"), then these panels in this order.
+PANELS = ("Model", "Corpus", "Measures", "Run", "Output", "Label rules")
+
+
+def in_panel(panel: str, *declarations) -> None:
+    """Show these options under `panel` in every command's help (Typer's rich_help_panel, which
+    common.PanelledCommand reads in plain help too)."""
+    assert panel in PANELS, panel
+    for declared in declarations:
+        declared.__metadata__[0].rich_help_panel = panel
+
+
+in_panel("Model", Revision, TrustRemoteCode, Device, DType, DeviceMap, OffloadFolder, MaxMemory, Threads)
+in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
+in_panel("Measures", Window, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Importance, CheckDormant,
+         DormantTolerance, SentenceHeads, Examples)  # fmt: skip
+in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
+in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, Overwrite, Resume,
+         SaveModel, Charts, Page, Format)  # fmt: skip
+in_panel("Label rules", LocalMinLocality, CopyMaxNormEntropy, BroadMinNormEntropy, RoleProbeMin, RoleSinkRateMin,
+         RoleDormantMaxWriteRatio, RoleOffsetShareMin)  # fmt: skip
 
 # ---------------------------------------------------------------- bundles: options several commands take together
 
