@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-# First, before anything imports torch (tests/helpers.py does): never reach for the network (hub lookups must fail
-# fast and say so), and under pytest-xdist (`-n 2`: the fast loop) each worker takes one core: two workers of two
-# threads each on two cores ran the loop no faster than one process, and once helpers imported torch ahead of this
-# line, 4x slower (oversubscribed).
+# First, before anything imports torch (tests/support/helpers.py does): never reach for the network (hub lookups must
+# fail fast and say so), and under pytest-xdist (`-n 2`: the fast loop) each worker takes one core: two workers of two
+# threads each on two cores ran the loop no faster than one process, and once helpers imported torch ahead of this line,
+# 4x slower (oversubscribed).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -44,8 +44,8 @@ def planted_gpt2(tmp_path_factory, corpus_lines) -> Path:
 
 @pytest.fixture(scope="session")
 def planted_copier(tmp_path_factory) -> Path:
-    """The planted copier (tests/planted.py): heads 0.0 and 0.1 both copy the current token into the stream the LM
-    head reads with logit 20, so either alone suffices and removing both costs nats; every other head writes
+    """The planted copier (tests/support/planted.py): heads 0.0 and 0.1 both copy the current token into the stream the
+    LM head reads with logit 20, so either alone suffices and removing both costs nats; every other head writes
     nothing. Built once for every module that removes heads."""
     from planted import build_planted_copier
 

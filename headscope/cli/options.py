@@ -1,4 +1,4 @@
-"""Every option and argument of every command, declared once (tests/test_structure.py checks that no command
+"""Every option and argument of every command, declared once (tests/project/test_structure.py checks that no command
 module declares its own). An option that is a setting (a RunConfig field) takes its help from the field's
 documentation (config.setting), and every command that takes it takes the same declaration; its default is the
 field's (`DEFAULTS`). Choices come from config's lists, as str Enums Typer shows and checks."""

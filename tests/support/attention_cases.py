@@ -1,6 +1,7 @@
-"""Hand-built attention for the fused pass and its kernels (tests/test_fused.py, test_native.py, test_triton.py,
-triton_interpreted.py): queries, keys and values of known seed, the masks a layer may get, the float64 reference of
-every statistic, the fused pass with small tiles, and sdpa's output to hold the kernels' output against."""
+"""Hand-built attention for the fused pass and its kernels (tests/measures/test_fused.py, model/test_native.py,
+model/test_triton.py, support/triton_interpreted.py): queries, keys and values of known seed, the masks a layer may
+get, the float64 reference of every statistic, the fused pass with small tiles, and sdpa's output to hold the
+kernels' output against."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def reference(query, key, value, visible, seq_start, softcap=None, window=WINDOW
 
 def bounds(query, key, value, visible, seq_start, softcap=None, window=WINDOW):
     """How far each per-row statistic computed in float32 (any kernel, any tiling, any BLAS) may be from
-    `reference`'s float64 one, for these inputs (tests/tolerances.py): each logit is within its logit_error eps_j
-    (tanh is 1-Lipschitz: a softcap adds only its own rounding), so each probability within (e^(2 delta) - 1) of
+    `reference`'s float64 one, for these inputs (tests/support/tolerances.py): each logit is within its logit_error
+    eps_j (tanh is 1-Lipschitz: a softcap adds only its own rounding), so each probability within (e^(2 delta) - 1) of
     itself, delta the row's largest eps_j over the keys it sees, plus float32's rounding of the exponentials and of
     the row's sums. (batch, heads, t) float64 each, like the reference's; `output` (batch, t, heads, head_dim)."""
     groups = HEADS // KV_HEADS

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-TOUR = Path(__file__).resolve().parent.parent / "examples" / "tour.ipynb"
+TOUR = Path(__file__).resolve().parents[2] / "examples" / "tour.ipynb"
 pytestmark = pytest.mark.slow  # loads SmolLM2 in the kernel and runs every step (a few minutes on two cores)
 
 

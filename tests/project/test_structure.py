@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "headscope"
+PACKAGE = Path(__file__).resolve().parents[2] / "headscope"
 MODULES = {
     ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
     for path in sorted(PACKAGE.rglob("*.py"))
@@ -231,9 +231,9 @@ def test_the_bundled_options_are_spelled_only_in_their_bundle():
 def test_no_test_module_imports_another():
     """What tests share lives in support modules (helpers, planted models, references, attention_cases, browser) or
     in conftest.py's fixtures; a test module importing another runs its module-level code and couples the two."""
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     found = []
-    for path in sorted(tests.glob("*.py")):
+    for path in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []

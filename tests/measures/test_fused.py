@@ -84,7 +84,7 @@ def test_tied_rows_are_uniform_and_marked_tied():
     mask, visible, seq_start = masks()["sliding window"]
     _, values = fused(query, key, value, mask, seq_start)
     seen = visible.sum(-1)[:, None].expand(-1, HEADS, -1).double()  # (batch, heads, t)
-    # Every logit exactly 0: only the float32 sums over the row's keys round (tests/tolerances.py).
+    # Every logit exactly 0: only the float32 sums over the row's keys round (tests/support/tolerances.py).
     n = int(seen.max())
     torch.testing.assert_close(values.entropy.double(), seen.log(), rtol=0, atol=row_statistic(n, math.log(n) + 1))
     torch.testing.assert_close(values.max_weight.double(), 1 / seen, rtol=0, atol=row_statistic(n))
@@ -98,8 +98,8 @@ def test_huge_logits_neither_overflow_nor_lose_the_entropy():
     output, values = fused(query, key, value, mask, seq_start)
     expected = reference(query, key, value, visible, seq_start)
     assert torch.isfinite(values.entropy).all() and torch.isfinite(output).all()
-    # Logits of some 300 carry float32 rounding of ~2e-5 (tests/tolerances.py bounds each): a bound, not what one
-    # BLAS gave (1e-5 held on AVX2 and failed under MKL's AVX-512 sgemm by 1.1e-5).
+    # Logits of some 300 carry float32 rounding of ~2e-5 (tests/support/tolerances.py bounds each): a bound, not what
+    # one BLAS gave (1e-5 held on AVX2 and failed under MKL's AVX-512 sgemm by 1.1e-5).
     probs = torch.softmax(_masked_logits(query, key, visible), -1)
     bound = entropy_error(probs, logit_error(query, key, HEAD_DIM**-0.5))
     error = (values.entropy.double() - expected["entropy"]).abs()

@@ -1,7 +1,7 @@
-"""The examples of the README and of every docs page, run as written, in order (the README, then the pages in the
-site's order), in a fresh folder: every `headscope ...` command of their bash blocks (the segments of a line that
-start with `headscope`: the install commands around them are .ci/run's) and every Python block, in one namespace, as
-a reader pasting them one after another would. A block preceded by `<!-- not run by tests/test_doc_examples.py: WHY
+"""The examples of the README and of every docs page, run as written, in order (the README, then the pages in the site's
+order), in a fresh folder: every `headscope ...` command of their bash blocks (the segments of a line that start with
+`headscope`: the install commands around them are .ci/run's) and every Python block, in one namespace, as a reader
+pasting them one after another would. A block preceded by `<!-- not run by tests/project/test_doc_examples.py: WHY
 -->` needs what a test cannot have (the hub, a GPU, reports of yours). Each example must succeed: an example that
 collides with an earlier one's output, or names a file that is not there, fails here with its page and line."""
 
@@ -18,8 +18,8 @@ import pytest
 
 from helpers import run_cli
 
-REPO = Path(__file__).resolve().parent.parent
-NOT_RUN = re.compile(r"<!-- not run by tests/test_doc_examples\.py: .+ -->")
+REPO = Path(__file__).resolve().parents[2]
+NOT_RUN = re.compile(r"<!-- not run by tests/project/test_doc_examples\.py: .+ -->")
 
 
 @dataclass(frozen=True)

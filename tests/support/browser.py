@@ -1,4 +1,4 @@
-"""Debian's headless Chromium, driven by selenium, for every test that looks at a page (tests/test_page.py,
+"""Debian's headless Chromium, driven by selenium, for every test that looks at a page (tests/commands/test_page.py,
 test_notebook.py): where it is, a mark that skips with the reason where it is not, one way to start it, and what
 its console said."""
 

@@ -36,7 +36,7 @@ def test_the_page_references_nothing_online(report):
 
 
 def test_data_cannot_break_out_of_its_script():
-    heads = pd.read_parquet(Path(__file__).resolve().parent.parent / "examples/reports/smollm2/heads.parquet")
+    heads = pd.read_parquet(Path(__file__).resolve().parents[2] / "examples/reports/smollm2/heads.parquet")
     heads.loc[0, "type_reason"] = "</script><script>alert(1)</script>"
     heads.loc[1, "type_reason"] = "see https://example.org"
     run = {"model": {"input": "<b>x</b>"}, "corpus": {"path": "c.txt", "sentences": 1}}

@@ -235,6 +235,6 @@ def test_a_capture_sums_each_eager_layer_with_the_kernel(planted_gpt2, corpus_li
     layers = loaded.architecture["layers"]
     assert calls == {"row_sums": layers, "write_sums": layers}
     # The kernel's and torch's per-row values of the same probabilities, each within row_statistic of float64's
-    # (tests/tolerances.py), summed over a sentence's rows; the sums' own rounding within SUMS of themselves.
+    # (tests/support/tolerances.py), summed over a sentence's rows; the sums' own rounding within SUMS of themselves.
     t = max(len(row) for row in ids)
     torch.testing.assert_close(sums["kernel"], sums["torch"], rtol=SUMS, atol=t * 2 * row_statistic(t, math.log(t) + 1))

@@ -545,8 +545,8 @@ print(kernel.failed_kernels["cpu"])
 def test_a_machine_that_cannot_build_the_kernel_keeps_the_tile_loop_with_a_warning(tmp_path):
     """A compiler that fails (CXX=false) in a fresh extensions folder: the build's failure is one warning line, the
     reason is kept, and the tile loop computes the output and the statistics."""
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(tests)}
+    support = Path(__file__).resolve().parents[1] / "support"
+    env = {**os.environ, "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(support)}
     done = subprocess.run([sys.executable, "-c", CANNOT_BUILD], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     warnings = [line for line in done.stderr.splitlines() if "could not be built" in line]

@@ -1,6 +1,6 @@
 """What heads write (write_norm, write_ratio, sink_value_ratio), their logit scale and what they do off the sink:
 the maths on hand-built tensors, a planted GPT-2 whose answers are known, and the real SmolLM2 against a plain
-float64 computation (tests/reference_writes.py)."""
+float64 computation (tests/support/reference_writes.py)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_spreads_are_over_the_visible_keys_and_the_log_probabilities_give_the_lo
     want = np.array([[[np.std(logits[b, h, t, : t + 1].double().numpy()) for t in range(6)] for h in range(3)]
                      for b in range(2)])  # fmt: skip
     # float32: each deviation from the row's mean is off by at most the mean's error, gamma_n of the largest |logit|
-    # (tests/tolerances.py), and its square and the sum round a few times more
+    # (tests/support/tolerances.py), and its square and the sum round a few times more
     bound = (gamma(6) + 4 * UNIT) * float(logits.abs().max())
     np.testing.assert_allclose(masked_std(logits, visible).numpy(), want, rtol=0, atol=bound)
     # The eager path has only the probabilities; ln A differs from the logits by one number per row.
@@ -254,7 +254,7 @@ def test_a_head_behind_a_post_attention_norm_writes_what_the_norm_adds(post_norm
 @pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "olmo2", "granite", "llama"])
 def test_what_reaches_the_residual_stream_equals_the_plain_computation(architecture, tmp_path, corpus_lines):
     """Post-attention norms (Gemma 2 and 3, OLMo 2), a scaled residual add (Granite's residual_multiplier) and the
-    plain add (Llama): every column against tests/reference_writes.py, which writes each path out by hand."""
+    plain add (Llama): every column against tests/support/reference_writes.py, which writes each path out by hand."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_class, config = tiny_architectures()[architecture]

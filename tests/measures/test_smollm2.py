@@ -179,13 +179,14 @@ def test_batch_size_does_not_change_importance(smollm2, importance, corpus_lines
 @pytest.mark.parametrize("what", ["output", "values"])
 def test_patching_matches_hooks_on_the_real_model(smollm2, what):
     """headscope patch on SmolLM2 (9 query heads on 3 KV heads) and the shipped IOI pairs equals the independent
-    reference (tests/reference_patching.py: pre-hooks on o_proj, or a plain attention function) one pair at a time."""
+    reference (tests/support/reference_patching.py: pre-hooks on o_proj, or a plain attention function) one pair at a
+    time."""
     import json
     from pathlib import Path
 
     from reference_patching import Reference
 
-    lines = (Path(__file__).resolve().parents[1] / "corpora" / "ioi-pairs.jsonl").read_text().splitlines()[:3]
+    lines = (Path(__file__).resolve().parents[2] / "corpora" / "ioi-pairs.jsonl").read_text().splitlines()[:3]
     pairs = [json.loads(line) for line in lines]
     heads = [(5, 1), (20, 0), (23, 3)]
     found = headscope.patch(smollm2, pairs, what=what, heads=heads, bootstrap=0, batch_size=4)

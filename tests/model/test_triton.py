@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 @pytest.mark.slow
@@ -29,8 +29,8 @@ def test_the_triton_kernel_under_the_interpreter_equals_the_reference():
     pytest.importorskip("triton", reason="Triton is not installed (the test extras install it on Linux x86-64)")
     # CUDA hidden: on a GPU machine the child would otherwise run the compiled kernel (tested below), not this one
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}  # fmt: skip
-    script = str(TESTS / "triton_interpreted.py")
+           "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}  # fmt: skip
+    script = str(SUPPORT / "triton_interpreted.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     for case, worst in json.loads(done.stdout.splitlines()[-1]).items():

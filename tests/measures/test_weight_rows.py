@@ -24,8 +24,8 @@ from helpers import statistics
 from tolerances import row_statistic
 
 T = 40
-# Two float32 reductions of the same probabilities, each within row_statistic of float64's (tests/tolerances.py): a
-# row's values within twice that, a sum over a sentence's rows within T times more.
+# Two float32 reductions of the same probabilities, each within row_statistic of float64's
+# (tests/support/tolerances.py): a row's values within twice that, a sum over a sentence's rows within T times more.
 ROW = 2 * row_statistic(T, math.log(T) + 1)
 
 

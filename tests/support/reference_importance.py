@@ -1,5 +1,5 @@
-"""A plain computation of head importance (tests/test_smollm2.py, tests/test_importance.py): hooks on a layer's
-output projection, one sentence at a time, float64 losses, nothing shared with headscope."""
+"""A plain computation of head importance (tests/measures/test_smollm2.py, tests/interventions/test_importance.py):
+hooks on a layer's output projection, one sentence at a time, float64 losses, nothing shared with headscope."""
 
 from __future__ import annotations
 

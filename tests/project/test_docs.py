@@ -15,7 +15,7 @@ import typer
 from headscope.cli import app
 from headscope.columns import HEADS_COLUMNS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted((REPO / "docs").rglob("*.md"))
 
 

@@ -199,7 +199,7 @@ def test_an_unknown_option_of_analyze_is_named(planted_gpt2, corpus_lines):
         headscope.analyze(str(planted_gpt2), corpus_lines[:2], typo=1, loader=refuse_to_load)
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""headscope patch: every kind of patch against an independent computation (tests/reference_patching.py), on a
+"""headscope patch: every kind of patch against an independent computation (tests/support/reference_patching.py), on a
 grouped-KV Llama and on GPT-2 (Conv1D), any batch size and padding side; the effect's formula and interval."""
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from headscope.model.masks import causal_visible_keys, visible_keys
 from reference import corpus_means
 from tolerances import row_statistic
 
-# Tolerances: float32 row statistics against float64 sums of the same probabilities (tests/tolerances.py), for the
-# longest row and the largest magnitude a test's sentences have.
+# Tolerances: float32 row statistics against float64 sums of the same probabilities (tests/support/tolerances.py), for
+# the longest row and the largest magnitude a test's sentences have.
 
 
 def uniform_causal(n: int) -> torch.Tensor:

@@ -91,8 +91,11 @@ def test_every_option_reaches_the_code(reader, pairs):
         "layers": ((1,), lambda r: set(r.effects["layer"]) == {1} and len(r.effects) == 4),
         "fast": (True, lambda r: r.record["method"] == "attribution"),
         "bootstrap": (0, lambda r: r.effects["effect_ci_low"].isna().all()),
-        "bootstrap_seed": (7, lambda r: r.record["bootstrap"]["seed"] == 7),  # the draws: tests/test_patch.py
-        # fewer replicas per forward: tests/test_patch.py (this model is too small for a budget to bind)
+        "bootstrap_seed": (
+            7,
+            lambda r: r.record["bootstrap"]["seed"] == 7,
+        ),  # the draws: tests/interventions/test_patch.py
+        # fewer replicas per forward: tests/interventions/test_patch.py (this model is too small for a budget to bind)
         "max_memory": ("1MiB", lambda r: r.record["settings"]["max_memory"] == 2**20),
         "batch_size": (2, lambda r: r.record["timing"]["batches"] == 3),
     }

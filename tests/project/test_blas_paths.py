@@ -14,20 +14,21 @@ import pytest
 
 # The tests that compare float32 computations with float64 references or with each other.
 NUMERIC = (
-    "test_fused.py",
-    "test_native.py",
-    "test_metrics.py",
-    "test_writes.py",
-    "test_fast_path.py",
-    "test_layer_attention.py",
-    "test_dormant.py",
+    "measures/test_fused.py",
+    "model/test_native.py",
+    "measures/test_metrics.py",
+    "measures/test_writes.py",
+    "model/test_fast_path.py",
+    "measures/test_layer_attention.py",
+    "interventions/test_dormant.py",
+    "measures/test_kernel_sums.py",
 )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("code_path", ["COMPATIBLE"])
 def test_the_numeric_tests_hold_under_another_sgemm(code_path):
-    here = Path(__file__).parent
+    here = Path(__file__).resolve().parents[1]  # tests/
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *NUMERIC],
         cwd=here,

@@ -15,9 +15,9 @@ from planted import BETA, FIRST, N_POSITIONS, PREVIOUS, UNIFORM, expected_attent
 from reference import corpus_means, sentence_rows
 from tolerances import UNIT, row_statistic
 
-# How far the planted layer's numbers may be from the float64 hand computation (tests/tolerances.py). Each planted
-# logit is one product of one-hot keys and a query scale through GPT-2's LayerNorm (2 non-zero inputs: exact sums),
-# so it is within a few roundings of BETA: 8 u BETA bounds it. A logit error d moves each probability by at most
+# How far the planted layer's numbers may be from the float64 hand computation (tests/support/tolerances.py). Each
+# planted logit is one product of one-hot keys and a query scale through GPT-2's LayerNorm (2 non-zero inputs: exact
+# sums), so it is within a few roundings of BETA: 8 u BETA bounds it. A logit error d moves each probability by at most
 # 2 d p, so a mass by 2 d and an entropy by 2 d (H + 1); the row's float32 sums add row_statistic.
 LOGIT = 8 * UNIT * BETA
 PLANTED = 2 * LOGIT * (np.log(N_POSITIONS) + 1) + row_statistic(N_POSITIONS, np.log(N_POSITIONS) + 1)

@@ -179,7 +179,7 @@ def test_importance_refuses_a_sentence_beyond_its_memory_budget_before_measuring
 def test_importance_behind_a_post_attention_norm_equals_the_plain_computation(architecture, tmp_path, corpus_lines):
     """Gemma 2 and OLMo 2 normalise the attention output before adding it: a removal's exact cost, its first-order
     estimate and the curvature term (estimate_*) act on the head's output before the output projection, through
-    the norm, and must equal hooks on o_proj with autograd (tests/reference_importance.py), head by head."""
+    the norm, and must equal hooks on o_proj with autograd (tests/support/reference_importance.py), head by head."""
     import transformers as t
 
     shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
