@@ -16,7 +16,7 @@ import random
 import numpy as np
 from scipy.stats import spearmanr
 
-from headscope.interventions.losses import loss_model
+from headscope.interventions.loss_model import loss_model
 from headscope.model.loading import load_for_run
 from headscope.run.setup import CommandRun
 

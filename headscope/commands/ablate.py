@@ -6,7 +6,7 @@
     the output     ablation.json: per group its heads, tokens, clean and ablated loss, the delta and its 95%
                    paired bootstrap interval over sentences
 
-Every group shares each batch's clean pass (interventions.groups.group_losses).
+Every group shares each batch's clean pass (interventions.group_losses.group_losses).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from headscope.arguments import as_head_groups, as_path, as_texts, head_name
 from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
-from headscope.interventions.groups import SCORINGS, PassPlan, group_effect
-from headscope.interventions.losses import loss_model
+from headscope.interventions.group_losses import SCORINGS, PassPlan, group_effect
+from headscope.interventions.loss_model import loss_model
 from headscope.interventions.removal import Head
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD

@@ -25,9 +25,9 @@ from headscope.arguments import as_number, as_path, head_name
 from headscope.config import CHART_FORMATS, DEFAULT_REMOVAL, PRUNE_PATIENCE, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.files import atomic_path
-from headscope.interventions.groups import PassPlan
+from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
-from headscope.interventions.losses import LossModel, loss_model, plain_loss
+from headscope.interventions.loss_model import LossModel, loss_model, plain_loss
 from headscope.interventions.prune_passes import FIRST_SHORTLIST, SHORTLIST, TRIES, search_on_model
 from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult

@@ -3,8 +3,8 @@ measured, and the label stands only for a group whose removal costs at most the 
 
 `dormant` says a head can go (it writes under 2.5% of the residual stream). The run proves it where it can: with the
 LM head loaded, the candidates (every head the role rule calls dormant), least written first, are removed together
-as nested prefixes, every set verified by the exact loss (interventions.groups: one replicated pass per round). The
-largest prefix whose cost stays within the tolerance keeps the label; the heads after it are *demoted*: the role
+as nested prefixes, every set verified by the exact loss (interventions.group_losses: one replicated pass per round).
+The largest prefix whose cost stays within the tolerance keeps the label; the heads after it are *demoted*: the role
 rule goes on to its next test for them. The verified cost, with its paired bootstrap interval, goes into run.json.
 
 The search (`verified_prefix`) is a pure function over a `verify` callable, tested on known cost functions:
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from headscope.arguments import head_name
-from headscope.interventions.groups import group_effect, shared_group_losses
+from headscope.interventions.group_losses import group_effect, shared_group_losses
 from headscope.interventions.removal import Head, Removal
 from headscope.progress import Reporter
 from headscope.run.distributed import ONE_PROCESS, Ranks, share_of

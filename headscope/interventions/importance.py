@@ -15,11 +15,11 @@ Definitions (docs/importance.md has them too):
   of ((r - o) . dL/do)^2 (an empirical-Fisher term, as prune ranks heads by: Spearman 0.85 against exact mean
   ablation on SmolLM2, where first order alone gives 0.53), from the same pass. The fast importance to rank by.
 
-Exact ablation removes each head as a group of one (interventions.groups, the same passes as `headscope ablate`): each
-batch runs once clean, keeping every decoder layer's output; then, per ablated layer, the batch is replicated along
-the batch axis, a different head removed in each replica, and the layers before it are skipped (they hand on the
-clean output they had). Every pass goes
-through headscope.model.capture, which freezes the parameters for the gradient pass and restores them after.
+Exact ablation removes each head as a group of one (interventions.group_losses, the same passes as `headscope
+ablate`): each batch runs once clean, keeping every decoder layer's output; then, per ablated layer, the batch is
+replicated along the batch axis, a different head removed in each replica, and the layers before it are skipped (they
+hand on the clean output they had). Every pass goes through headscope.model.capture, which freezes the parameters for
+the gradient pass and restores them after.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from scipy import stats
 from headscope.arguments import head_name
 from headscope.config import REMOVAL_MODES
 from headscope.errors import ResourceError
-from headscope.interventions.groups import SCORINGS, PassPlan, group_effect, planned_passes, shared_group_losses
+from headscope.interventions.group_losses import SCORINGS, PassPlan, group_effect, planned_passes, shared_group_losses
 from headscope.interventions.removal import Removal, shared_gradient_pass
 from headscope.labels import ROLES
 from headscope.model.batch import Batch
@@ -249,7 +249,7 @@ def _singles(layer_ids, heads: int) -> list[list[tuple[int, int]]]:
 
 def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter, ranks):
     """Summed loss increase (nats) of every (layer, head), zero- and mean-ablated, over the corpus: each head a group
-    of one (interventions.groups), the replicas of a batch sharing its clean pass and starting at their head's
+    of one (interventions.group_losses), the replicas of a batch sharing its clean pass and starting at their head's
     layer. full: (depth, heads, head_dim) means, of the measured layers."""
     singles = _singles(layer_ids, heads)
     removals = [Removal(mode, full) for mode in REMOVAL_MODES] * (len(singles) // len(REMOVAL_MODES))

@@ -7,7 +7,7 @@ are padded alike). That pass records, for every patched layer, what each head's 
 (`pattern`) or this prompt's probabilities times the other's values (`values`). A head patched alone changes
 nothing before its layer, so its patched output is a function of the two recorded runs, and every patch is one
 replacement of one head's output (`PatchedHeads`) in a pass that starts at its layer from the target prompts'
-recorded state, many patches per forward as replicas of the batch (interventions.groups does the same for
+recorded state, many patches per forward as replicas of the batch (interventions.group_losses does the same for
 ablation). `--fast` replaces those passes by one backward pass of the metric: m_patched ~ m + (z' - z) . dm/dz.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from headscope.errors import ModelLoadError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
-from headscope.interventions.groups import replica_passes
+from headscope.interventions.group_losses import replica_passes
 from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.removal import ReplicaEditor
 from headscope.model.attention.readout import RowBlock, repeat_kv

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from headscope.arguments import head_name
 from headscope.errors import ConfigError
-from headscope.interventions.groups import PassPlan
+from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
-from headscope.interventions.losses import LossModel
+from headscope.interventions.loss_model import LossModel
 from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult, prune_search
 from headscope.progress import Reporter

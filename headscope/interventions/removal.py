@@ -28,7 +28,7 @@ import torch
 
 from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES
 from headscope.errors import ConfigError
-from headscope.interventions.nll import token_losses
+from headscope.interventions.loss import token_losses
 from headscope.model.batch import Batch
 from headscope.run.distributed import Ranks, added, together
 

@@ -12,7 +12,7 @@ import torch
 import headscope
 from headscope.errors import ConfigError
 from headscope.estimates import replicate_weights
-from headscope.interventions.groups import GroupLosses, group_effect, repeat_tokens, scored_targets
+from headscope.interventions.group_losses import GroupLosses, group_effect, repeat_tokens, scored_targets
 from headscope.model.batch import collate
 from headscope.progress import NullReporter
 

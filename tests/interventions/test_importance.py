@@ -13,7 +13,7 @@ import torch
 
 import headscope
 from headscope.errors import ConfigError
-from headscope.interventions.nll import token_losses
+from headscope.interventions.loss import token_losses
 from headscope.model.batch import collate
 
 from helpers import QUICK, assert_one_line_error, hidden_leftovers, run_cli, tiny_model_folder

@@ -334,7 +334,7 @@ def test_verifying_sets_alone_stops_the_first_pass_where_the_replicas_start(redu
     """prune reads only the sets' losses: the first pass of each batch runs only the layers the replicas are handed
     (here layer 0 of 2), the sets' losses equal those of a whole first pass, and the planned layer runs equal the
     blocks the model runs."""
-    from headscope.interventions.losses import loss_model
+    from headscope.interventions.loss_model import loss_model
     from headscope.model.loading import load_for_run
     from headscope.run.setup import CommandRun
 

@@ -153,7 +153,7 @@ def test_importance_matches_a_straightforward_computation(smollm2, importance, c
 def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_lines):
     """prune's estimated cost of removing a head (mean mode, clean model): first order plus the curvature term,
     against hooks one sentence at a time."""
-    from headscope.interventions.losses import loss_model
+    from headscope.interventions.loss_model import loss_model
     from headscope.model.loading import load_for_run
     from headscope.run.setup import CommandRun
 

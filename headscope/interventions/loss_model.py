@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headscope.interventions.groups import GroupLosses, PassPlan, planned_passes, shared_group_losses
+from headscope.interventions.group_losses import GroupLosses, PassPlan, planned_passes, shared_group_losses
 from headscope.interventions.importance import check_importance_fits
-from headscope.interventions.nll import token_losses
+from headscope.interventions.loss import token_losses
 from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, shared_gradient_pass
 from headscope.model.batch import Batch
 from headscope.model.capture import Capture, attached

@@ -25,7 +25,7 @@ import torch
 
 from headscope.config import LOSS_ON
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
-from headscope.interventions.nll import token_nll
+from headscope.interventions.loss import token_nll
 from headscope.interventions.removal import Head, Removal, RemovedHeads
 from headscope.model.batch import Batch
 from headscope.model.layer_outputs import replicate
