@@ -10,6 +10,7 @@ seen.attention          # text_id, layer, head, query, key, weight: every visibl
 headscope.ablate("gpt2", heads=[[(5, 1), (5, 5)]], loss_on="repeats").groups  # heads removed together
 headscope.prune("gpt2", budget=0.05).record["heads"]  # as many heads as 0.05 nats of loss allows
 headscope.patch("gpt2", "pairs.jsonl").top(10)  # the heads whose clean output restores the behaviour
+headscope.circuit("gpt2", "pairs.jsonl").top(10)  # the edges between components that carry it
 
 `import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
 """
@@ -31,6 +32,7 @@ _LAZY = {
     "ablate": "headscope.commands.ablate",
     "prune": "headscope.commands.prune",
     "patch": "headscope.commands.patch",
+    "circuit": "headscope.commands.circuit",
     "Report": "headscope.report.report",
     "load_model": "headscope.model.loading",
 }
@@ -43,6 +45,7 @@ __all__ = [
     "__version__",
     "ablate",
     "analyze",
+    "circuit",
     "inspect",
     "load_model",
     "patch",

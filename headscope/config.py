@@ -32,6 +32,8 @@ PATCH_WHATS: tuple[str, ...] = ("output", "pattern", "values")  # what of a head
 PATCH_DIRECTIONS: tuple[str, ...] = ("denoise", "noise")  # into the corrupt prompt, or into the clean one
 PATCH_POSITIONS: tuple[str, ...] = ("all", "each")  # every position at once, or one position at a time
 PATCH_METRICS: tuple[str, ...] = ("logit_diff",)  # interventions.patching.METRICS
+EDGE_METHODS: tuple[str, ...] = ("eap-ig", "eap")  # how `circuit` scores an edge (interventions.edges)
+DEFAULT_EDGE_STEPS = 5  # EAP-IG's interpolation steps, as Hanna et al. 2024 take for EAP-IG-inputs
 COMPARE_REPLICATES = 500  # paired bootstrap replicates of `compare`
 SINK_THRESHOLD = 0.3  # a row is a sink row when its mass on the first token exceeds this (Gu et al. 2024)
 # float32 logits of one block of query rows; a layer's attention larger than this is reduced block by block

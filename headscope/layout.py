@@ -70,6 +70,12 @@ PATCHING_FILE = "patching.parquet"
 PATCHING_PAIRS_FILE = "patching_pairs.parquet"
 PATCH_CHARTS = ("patch_heatmap", "patch_positions")
 
+# What `headscope circuit` writes: every edge's score and every component's direct logit attribution, recognised by
+# circuit.json.
+CIRCUIT_RECORD = "circuit.json"
+EDGES_FILE = "edges.parquet"
+NODES_FILE = "nodes.parquet"
+
 # What `headscope prune` writes, recognised by prune.json; --save-model writes a transformers checkpoint into a
 # folder of its own, recognised by pruned.json beside the files transformers writes.
 PRUNE_RECORD = "prune.json"
@@ -105,6 +111,7 @@ KINDS = {
     "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
     "patching": Kind("a headscope patching", PATCH_RECORD, (PATCHING_FILE, PATCHING_PAIRS_FILE), PATCH_CHARTS),
     "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE,), PRUNE_CHARTS),
+    "circuit": Kind("a headscope circuit", CIRCUIT_RECORD, (EDGES_FILE, NODES_FILE)),
     "model": Kind("a headscope pruned model", PRUNED_MODEL_RECORD, CHECKPOINT_FILES, option="--save-model"),
 }
 

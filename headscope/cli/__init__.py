@@ -15,6 +15,7 @@ import typer
 import headscope.cli.options as o
 from headscope.cli.ablate import ablate
 from headscope.cli.analyze import analyze
+from headscope.cli.circuit import circuit
 from headscope.cli.classify import classify
 from headscope.cli.common import INTERRUPTED, OneLineErrors, PanelledCommand, Terminated, raise_terminated, say
 from headscope.cli.compare import compare
@@ -38,7 +39,7 @@ def _commands(version: o.Version = False) -> None:
     """Measure, classify and chart every attention head of a Hugging Face causal language model."""
 
 
-for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune):
+for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune, circuit):
     app.command(cls=PanelledCommand)(command)
 
 

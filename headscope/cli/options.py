@@ -15,9 +15,11 @@ import typer
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import (
     CHART_FORMATS,
+    DEFAULT_EDGE_STEPS,
     DEFAULT_REMOVAL,
     DEVICES,
     DTYPES,
+    EDGE_METHODS,
     ENCODING_ERRORS,
     IMPORTANCE_MODES,
     LOSS_ON,
@@ -53,6 +55,7 @@ WhatChoice = choices("WhatChoice", PATCH_WHATS)
 DirectionChoice = choices("DirectionChoice", PATCH_DIRECTIONS)
 PositionsChoice = choices("PositionsChoice", PATCH_POSITIONS)
 MetricChoice = choices("MetricChoice", PATCH_METRICS)
+EdgeMethodChoice = choices("EdgeMethodChoice", EDGE_METHODS)
 
 DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
 DEFAULT_ENCODING = EncodingChoice(DEFAULTS.encoding_errors)
@@ -62,6 +65,7 @@ DEFAULT_PATIENCE = PRUNE_PATIENCE
 DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice(DEFAULT_REMOVAL), LossOnChoice(LOSS_ON[0])
 DEFAULT_WHAT, DEFAULT_DIRECTION = WhatChoice(PATCH_WHATS[0]), DirectionChoice(PATCH_DIRECTIONS[0])
 DEFAULT_POSITIONS, DEFAULT_METRIC = PositionsChoice(PATCH_POSITIONS[0]), MetricChoice(PATCH_METRICS[0])
+DEFAULT_EDGE_METHOD, DEFAULT_STEPS = EdgeMethodChoice(EDGE_METHODS[0]), DEFAULT_EDGE_STEPS
 
 
 def _setting(kind, name: str, **option):
@@ -139,7 +143,9 @@ Corpus = Annotated[
 ]
 Report = Annotated[
     Path | None,
-    typer.Option(help="A report of this model: the heads' roles (ablate: for --role and --each-role; patch: shown)."),
+    typer.Option(
+        help="A report of this model: the heads' roles (ablate: for --role and --each-role; patch and circuit: shown)."
+    ),
 ]
 HeadsToInspect = Annotated[
     list[str] | None, typer.Option("--heads", metavar="<layer.head,...>", help="Heads written LAYER.HEAD: 18.6,17.4.")
@@ -215,6 +221,15 @@ Metric = Annotated[
 Fast = Annotated[
     bool, typer.Option(help="Attribution patching: a first-order estimate from one backward pass (not exact).")
 ]
+EdgeMethod = Annotated[
+    EdgeMethodChoice,
+    typer.Option(
+        "--method",
+        help="eap-ig: each edge's gradient averaged over --steps inputs between the corrupt prompt and the clean one; "
+        "eap: the gradient at the clean run (faster, blind where attention saturates).",
+    ),
+]
+Steps = Annotated[int, typer.Option(help="EAP-IG's interpolation steps (at least 1).")]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
 MaxRounds = Annotated[
     int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")
@@ -258,6 +273,7 @@ def _out(default: str):
 OutAnalyze = _out("reports/<model>")
 OutInspect, OutAblate = _out("reports/inspect-<model>"), _out("reports/ablate-<model>")
 OutPatch, OutPrune = _out("reports/patch-<model>"), _out("reports/prune-<model>")
+OutCircuit = _out("reports/circuit-<model>")
 OutCompare = _out("reports/compare-<A>-vs-<B>")
 OutRewrite = _out("REPORT itself, rewritten in place (atomically); a folder here is a new report instead")
 Overwrite = Annotated[bool, typer.Option(help="Replace a folder this command wrote before (and nothing else).")]
@@ -291,7 +307,8 @@ in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
 in_panel("Measures", Window, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Importance, CheckDormant,
          DormantTolerance, SentenceHeads, Examples)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
-in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, Overwrite, Resume,
+in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,
+         Resume,
          SaveModel, Charts, Page, Format)  # fmt: skip
 in_panel("Label rules", LocalMinLocality, CopyMaxNormEntropy, BroadMinNormEntropy, RoleProbeMin, RoleSinkRateMin,
          RoleDormantMaxWriteRatio, RoleOffsetShareMin)  # fmt: skip

@@ -13,7 +13,16 @@ from rich.text import Text
 
 from headscope.arguments import head_name
 from headscope.labels import HEAD_TYPES, ROLES, label_counts
-from headscope.layout import ABLATION_RECORD, HEAD_MASK_FILE, INSPECT_RECORD, PATCH_RECORD, PATCHING_FILE, PRUNE_RECORD
+from headscope.layout import (
+    ABLATION_RECORD,
+    CIRCUIT_RECORD,
+    EDGES_FILE,
+    HEAD_MASK_FILE,
+    INSPECT_RECORD,
+    PATCH_RECORD,
+    PATCHING_FILE,
+    PRUNE_RECORD,
+)
 from headscope.progress import printable
 from headscope.report.report import Report
 from headscope.summary import (
@@ -359,6 +368,34 @@ def print_patching(found, count: int = 12) -> None:
     console.print(_title(PATCH_MEANING[record["direction"]].format(what=record["what"])))
     if found.folder is not None:
         console.print(f"wrote {found.folder}/{PATCHING_FILE} and {PATCH_RECORD}")
+
+
+def print_circuit(found, count: int = 12) -> None:
+    """The strongest edges with their intervals (and the sender's role), the components that write most of m, and
+    what the numbers mean."""
+    console = _console()
+    record = found.record
+    m = record["m"]
+    console.print(_title(f"{record['model']['input']}: {record['metric']['name']} = {record['metric']['definition']}; "
+                         f"mean {m['clean']:.3f} clean, {m['corrupt']:.3f} corrupt over {record['pairs']['count']} "
+                         f"pairs; {record['graph']['edges']:,} edges scored by {record['method']}"))  # fmt: skip
+    table = Table(title=_title("the strongest edges"), box=box.SIMPLE_HEAD)
+    top = found.top(count)
+    roles = "sender_role" in top
+    for name in ("sender", "receiver", "score", "95% interval", *(["sender role"] if roles else [])):
+        table.add_column(name, justify="right" if name in ("score", "95% interval") else "left")
+    for row in top.itertuples():
+        receiver = row.receiver + (f" ({row.channel})" if row.channel else "")
+        low, high = row.score_ci_low, row.score_ci_high
+        cells = [row.sender, receiver, f"{row.score:+.4f}", "-" if pd.isna(low) else f"[{low:+.4f}, {high:+.4f}]"]
+        _row(table, *cells, *([row.sender_role or "-"] if roles else []))
+    console.print(table)
+    nodes = found.nodes.reindex(found.nodes["dla"].abs().sort_values(ascending=False).index).head(count // 2)
+    written = ", ".join(f"{row.node} {row.dla:+.3f}" for row in nodes.itertuples())
+    console.print(_title(f"direct logit attribution (the components add up to m): {written}"))
+    console.print(_title("a negative score: corrupting the edge lowers the metric; the interval is over pairs"))
+    if found.folder is not None:
+        console.print(f"wrote {found.folder}/{EDGES_FILE} and {CIRCUIT_RECORD}")
 
 
 PATCH_NOTABLE = 0.05  # |effect| from which the printout counts a head among those that carry the behaviour

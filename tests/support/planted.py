@@ -123,8 +123,10 @@ def induction_words() -> list[str]:
     return [f"w{i}" for i in range(2, IND_VOCAB)]
 
 
-def build_planted_induction(folder: Path) -> Path:
-    """A 2-layer GPT-2 holding an induction circuit, with a word-level tokenizer of IND_VOCAB tokens.
+def build_planted_induction(folder: Path, *, predicts: bool = False) -> Path:
+    """A 2-layer GPT-2 holding an induction circuit, with a word-level tokenizer of IND_VOCAB tokens. predicts: an LM
+    (GPT2LMHeadModel, its head tied to the embeddings) whose induction head also copies the token it attends to into
+    the token code, so that the logits predict it: the circuit the loss reads.
 
     The residual stream has three zero-mean codes, each a +1/-1 pair of dimensions (so GPT-2's LayerNorm
     only rescales it): the token in T = [0, 2V), the previous token in PT = [2V, 4V) (empty until layer 0
@@ -137,7 +139,7 @@ def build_planted_induction(folder: Path) -> Path:
     The other heads keep GPT-2's random weights (near-uniform attention) and their outputs are discarded,
     as are the MLPs (zero weights).
     """
-    from transformers import GPT2Config, GPT2Model
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
     vocab, positions, dim = IND_VOCAB, IND_POSITIONS, 4 * IND_VOCAB + 2 * IND_POSITIONS
     head_dim = dim // IND_HEADS
@@ -155,7 +157,8 @@ def build_planted_induction(folder: Path) -> Path:
         eos_token_id=0,
     )
     torch.manual_seed(0)
-    model = GPT2Model(config)
+    lm = GPT2LMHeadModel(config) if predicts else None
+    model = lm.transformer if predicts else GPT2Model(config)
     token, prev_token, position = 0, 2 * vocab, 4 * vocab  # where each code starts
     eps = config.layer_norm_epsilon
     c0 = 1.0 / math.sqrt(4.0 / dim + eps)  # LayerNorm's scale for token + position codes (norm^2 = 4)
@@ -197,7 +200,11 @@ def build_planted_induction(folder: Path) -> Path:
         for t in range(vocab):
             layer1.c_attn.weight[token + t, q + t] = a1
             layer1.c_attn.weight[prev_token + t, k + t] = 1.0
-    model.save_pretrained(folder)
+            if predicts:  # value: the key position's token; written into the token code, which the head reads
+                layer1.c_attn.weight[token + t, v + t] = 1.0
+                layer1.c_proj.weight[t, token + t] = IND_BETA
+                layer1.c_proj.weight[t, token + vocab + t] = -IND_BETA
+    (lm if predicts else model).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

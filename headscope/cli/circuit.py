@@ -1,0 +1,53 @@
+"""`headscope circuit`: which components feed which, by edge attribution patching on prompt pairs (over
+headscope.circuit)."""
+
+from __future__ import annotations
+
+import typer
+
+import headscope.cli.options as o
+from headscope.cli.common import seams, usage_errors, user_errors
+
+
+@o.takes(o.MODEL_OPTIONS)
+def circuit(
+    ctx: typer.Context,
+    model: o.ModelArgument,
+    pairs: o.Pairs,
+    method: o.EdgeMethod = o.DEFAULT_EDGE_METHOD,
+    steps: o.Steps = o.DEFAULT_STEPS,
+    report: o.Report = None,
+    out: o.OutCircuit = None,
+    overwrite: o.Overwrite = False,
+    bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
+    bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
+    **options,
+) -> None:
+    """Score every edge between components (EAP-IG or EAP) and each component's direct logit attribution on prompt
+    pairs (edges.parquet, nodes.parquet)."""
+    from pathlib import Path
+
+    from headscope.cli.printing import print_circuit
+    from headscope.commands.circuit import check_request
+    from headscope.commands.circuit import circuit as run_circuit
+    from headscope.config import settings_from_command_line
+    from headscope.model.loading import resolve_source
+
+    reporter, loader = seams(ctx)
+    with usage_errors(ctx):
+        settings = settings_from_command_line(ctx.params)
+        check_request(method.value, steps)
+    with user_errors(ctx):
+        found = run_circuit(
+            model,
+            pairs,
+            method=method.value,
+            steps=steps,
+            report=report,
+            out=out or Path("reports") / f"circuit-{resolve_source(model).slug}",
+            overwrite=overwrite,
+            config=settings,
+            reporter=reporter,
+            **loader,
+        )
+    print_circuit(found)

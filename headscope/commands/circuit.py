@@ -1,0 +1,236 @@
+"""circuit(): which components feed which, for prompt pairs: every edge's attribution score (EAP or EAP-IG) and every
+component's direct logit attribution, each the mean over pairs with a paired bootstrap interval.
+
+    the graph      senders embed, L.H, mlpL; receivers L.H (q), L.kvG (k, v), mlpL, logits (interventions/edges.py)
+    the scores     eap: the gradient at the clean run; eap-ig (default): averaged over `steps` interpolated inputs
+    the output     edges.parquet (every edge, ranked by |score|), nodes.parquet (each component's DLA), circuit.json
+
+Not built yet (docs/circuit.md says so): exact verification of the strongest edges, circuits and their faithfulness,
+the circuit graph and page, positions by role, and models with post-attention norms (refused in one line).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from headscope.arguments import as_path
+from headscope.config import RunConfig
+from headscope.errors import ConfigError
+from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
+from headscope.interventions.edges import DEFAULT_STEPS, METHODS, EdgeScores, edge_scores
+from headscope.interventions.pairs import as_pairs, tokenize_pairs
+from headscope.layout import CIRCUIT_RECORD, EDGES_FILE, NODES_FILE
+from headscope.model.capture import attached
+from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.progress import Reporter
+from headscope.report.report import Report
+from headscope.run.distributed import one_process_only
+from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
+from headscope.tables import write_frame, write_json
+
+EDGE_BLOCK = 4096  # edges bootstrapped at once: (replicates, EDGE_BLOCK) float64 at a time
+
+
+@dataclass
+class Circuit:
+    """What `circuit` measured: `edges` is edges.parquet, `nodes` nodes.parquet, `record` circuit.json."""
+
+    edges: pd.DataFrame
+    nodes: pd.DataFrame
+    record: dict
+    folder: Path | None = None
+
+    def top(self, count: int = 10) -> pd.DataFrame:
+        """The `count` strongest edges (largest |score|)."""
+        return self.edges.nsmallest(count, "rank")
+
+    def __repr__(self) -> str:
+        return f"Circuit(model={self.record['model']['input']!r}, {len(self.edges)} edges, {self.record['method']})"
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the settings, the strongest edges and the components that write most of m."""
+        from headscope.report.notebook import block, facts, table
+
+        record = self.record
+        top = self.top(10)
+        edges = [(r.sender, r.receiver, r.channel, r.score, r.score_ci_low, r.score_ci_high) for r in top.itertuples()]
+        strongest = self.nodes.reindex(self.nodes["dla"].abs().sort_values(ascending=False).index).head(10)
+        nodes = [(r.node, r.dla, r.dla_ci_low, r.dla_ci_high) for r in strongest.itertuples()]
+        return block(
+            f"headscope circuit: {record['model']['input']}",
+            facts(
+                [
+                    ("method", record["method"]),
+                    ("pairs", record["pairs"]["count"]),
+                    ("mean m (clean, corrupt)", f"{record['m']['clean']:.3f}, {record['m']['corrupt']:.3f}"),
+                ]
+            ),
+            table(["sender", "receiver", "channel", "score", "95% low", "95% high"], edges),
+            table(["component", "DLA", "95% low", "95% high"], nodes),
+        )
+
+    def to_html(self) -> str:
+        return self._repr_html_()
+
+
+def circuit(
+    model: str | LoadedModel,
+    pairs: str | Path | Sequence[dict],
+    *,
+    method: str = METHODS[0],
+    steps: int = DEFAULT_STEPS,
+    report: str | Path | None = None,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    config: RunConfig | None = None,
+    reporter: Reporter | None = None,
+    loader: Loader = load_for_run,
+    **options: object,
+) -> Circuit:
+    """Every edge's attribution score and every component's direct logit attribution on the pairs' metric
+    (logit[answer] - logit[distractor] at the last position), written to `out` when given.
+
+    Args:
+        model: hub id, local folder, .gguf path, alias, or an already loaded model (with its LM head).
+        pairs: a .jsonl/.csv/.tsv file or a list of dicts (clean, corrupt, answer, distractor), as patch takes.
+        method: "eap-ig" (gradients averaged over `steps` inputs between the corrupt and the clean prompt) or "eap"
+            (the gradient at the clean run).
+        steps: EAP-IG's interpolation steps (at least 1).
+        report: a report of this model, for each head's role.
+        out: the folder to write; None keeps the result in memory.
+        overwrite: replace `out` if this command wrote it before.
+        config: the settings as a RunConfig (max_memory, device, dtype, bootstrap, bootstrap_seed...).
+        reporter: progress and notes.
+        loader: loads the model.
+        **options: RunConfig fields by name.
+
+    Returns:
+        A Circuit: edges (sender, receiver, channel, score with its interval, rank), nodes (DLA with its interval)
+        and the record.
+    """
+    check_request(method, steps)
+    pairs = as_pairs(pairs)
+    report = as_path(report, "report")
+    one_process_only("circuit")
+    run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
+                             reads_corpus=False)  # fmt: skip
+    if pairs.path.is_file():
+        run.protected["the pairs file"] = pairs.path
+    settings, reporter = run.settings, run.reporter
+
+    def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
+        tokenize_pairs(pairs, tokenizer, settings.max_length)
+
+    session = run.session(model, loader, what="circuit", out=out, kind="circuit", overwrite=overwrite, lm_head=True,
+                          report=report, before_weights=pairs_fit)  # fmt: skip
+    with session as opened:
+        loaded, plan = opened.loaded, opened.plan
+        tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
+        extra = f", {steps} steps" if method == "eap-ig" else ""
+        reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
+        started = time.perf_counter()
+        with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
+            found = edge_scores(capture, loaded, plan, tokenized, method=method, steps=steps)
+        seconds = time.perf_counter() - started
+        roles = None if report is None else _roles(report)
+        result = _result(loaded, settings, pairs, found, method, steps, roles, seconds)
+        if opened.folder is not None:
+            write_frame(result.edges, opened.folder / EDGES_FILE)
+            write_frame(result.nodes, opened.folder / NODES_FILE)
+            write_json(result.record, opened.folder / CIRCUIT_RECORD)
+    result.folder = opened.target
+    run.done(opened)
+    return result
+
+
+def check_request(method: str, steps) -> None:
+    """Refuse, before anything loads, a method circuit does not know and a step count that is not a whole number of
+    at least 1."""
+    if method not in METHODS:
+        raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+        raise ConfigError(f"--steps must be a whole number of at least 1; got {steps!r}")
+
+
+def _roles(report) -> dict[str, str]:
+    heads = Report.open(report).heads
+    return {f"{int(r.layer)}.{int(r.head)}": str(r.role) for r in heads.itertuples()}
+
+
+def _mean_and_interval(values: np.ndarray, pair_ids: np.ndarray, settings: RunConfig) -> tuple[np.ndarray, ...]:
+    """(columns,) mean over pairs of (pairs, columns) values, and its paired bootstrap interval over pairs (NaN with
+    fewer than MIN_BOOTSTRAP_SENTENCES pairs or without replicates)."""
+    mean = values.mean(0)
+    low, high = np.full_like(mean, np.nan), np.full_like(mean, np.nan)
+    if settings.bootstrap and len(pair_ids) >= MIN_BOOTSTRAP_SENTENCES:
+        ones = np.ones(len(pair_ids))
+        for start in range(0, values.shape[1], EDGE_BLOCK):
+            block = slice(start, start + EDGE_BLOCK)
+            replicates = replicate_ratios(pair_ids, settings.bootstrap, settings.bootstrap_seed, values[:, block], ones)
+            low[block], high[block] = percentile_interval(replicates)
+    return mean, low, high
+
+
+def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, seconds) -> Circuit:
+    graph = found.graph
+    senders, receivers = np.nonzero(graph.edges)
+    per_pair = found.scores[:, senders, receivers]  # (pairs, edges)
+    score, low, high = _mean_and_interval(per_pair, found.pair_ids, settings)
+    rank = np.empty(len(score), dtype=np.int64)
+    rank[np.argsort(-np.abs(score), kind="stable")] = np.arange(1, len(score) + 1)
+    edges = pd.DataFrame(
+        {
+            "sender": [graph.senders[i] for i in senders],
+            "receiver": [graph.receivers[j][0] for j in receivers],
+            "channel": [graph.receivers[j][1] for j in receivers],
+            "score": score,
+            "score_ci_low": low,
+            "score_ci_high": high,
+            "method": method,
+            "rank": rank,
+        }
+    )
+    names = [*graph.senders, "bias"]
+    dla, dla_low, dla_high = _mean_and_interval(found.dla, found.pair_ids, settings)
+    nodes = pd.DataFrame({"node": names, **_placed(names), "dla": dla, "dla_ci_low": dla_low, "dla_ci_high": dla_high})
+    if roles is not None:
+        nodes["role"] = [roles.get(name) for name in names]
+        edges["sender_role"] = [roles.get(name) for name in edges["sender"]]
+    record = record_header(loaded, settings, MODEL_AND_CORPUS, None) | {
+        "method": method,
+        "steps": steps if method == "eap-ig" else None,
+        "metric": {"name": "logit_diff", "definition": "logit[answer] - logit[distractor] at the last position"},
+        "pairs": {"path": str(pairs.path), "sha256": pairs.sha256, "count": len(found.pair_ids)},
+        "m": {
+            "clean": float(found.clean.mean()),
+            "corrupt": float(found.corrupt.mean()),
+            "per_pair": [
+                {"pair": int(i), "clean": float(c), "corrupt": float(r)}
+                for i, c, r in zip(found.pair_ids, found.clean, found.corrupt, strict=True)
+            ],
+        },
+        "graph": {"senders": len(graph.senders), "receivers": len(graph.receivers), "edges": graph.edge_count},
+        "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},
+        "seconds": round(seconds, 3),
+    }
+    return Circuit(edges, nodes, record)
+
+
+def _placed(names: list[str]) -> dict[str, list]:
+    """Each node's layer, head and kind (embed and bias have no layer; an MLP no head)."""
+    layers, heads, kinds = [], [], []
+    for name in names:
+        if name in ("embed", "bias"):
+            layers.append(None), heads.append(None), kinds.append(name)
+        elif name.startswith("mlp"):
+            layers.append(int(name[3:])), heads.append(None), kinds.append("mlp")
+        else:
+            layer, head = name.split(".")
+            layers.append(int(layer)), heads.append(int(head)), kinds.append("head")
+    return {"layer": pd.array(layers, dtype="Int64"), "head": pd.array(heads, dtype="Int64"), "kind": kinds}

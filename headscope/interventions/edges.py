@@ -1,0 +1,461 @@
+"""Which components feed which: edge attribution patching (EAP, EAP-IG) over every edge of a model's graph, and
+direct logit attribution (DLA) of every component, for prompt pairs (docs/circuit.md has the definitions).
+
+The graph. Senders write into the residual stream: `embed` (what enters the first layer: token embeddings, with any
+position embedding and scaling the model applies), each head `L.H` (its output through its columns of the output
+projection) and each MLP `mlpL`. Receivers read it: each query head's query input (`L.H`, channel q), each key-value
+head's key and value inputs (`L.kvG`, channels k and v: a grouped-KV model's query heads share them), each MLP's
+input (`mlpL`) and the logits (`logits`). An edge joins a sender to every receiver that reads after it: layer L's
+heads and MLP read every sender of the layers before; layer L's MLP also reads layer L's heads; the logits read every
+sender.
+
+EAP (Syed et al. 2023): score(u -> r.c) = sum over positions t of (s_u^corrupt(t) - s_u^clean(t)) . g_r,c(t), with s_u
+the sender's write into the residual stream and g_r,c the gradient of the metric m with respect to the residual stream
+where r reads it, through r's channel c alone (r's input norm and its rows of the q, k or v projection; the MLP's input
+norm and the MLP; the final norm and the LM head), at the clean run. A negative score: corrupting the edge lowers m.
+EAP-IG (Hanna et al. 2024, "EAP-IG-inputs"): the same products, g averaged over `steps` runs whose input embeddings
+lie on the straight line from the corrupt prompt's to the clean one's (at k / steps, k = 1..steps).
+
+DLA: each sender's write at the last position through the final norm with the norm's scale frozen at the clean run,
+projected on W_U[answer] - W_U[distractor]; the biases (attention output projections', the final norm's, the LM
+head's) are one more component, `bias`, so the components add up to m.
+
+Models whose attention output is not added as it is to the residual stream the MLP reads (post-attention norms, as
+in Gemma 2 and OLMo 2; attention beside the MLP, as in GPT-J), and models that softcap their logits, are refused in
+one line: their edges need a norm's Jacobian this version does not take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from headscope.config import DEFAULT_EDGE_STEPS, EDGE_METHODS
+from headscope.errors import ConfigError, ModelLoadError
+from headscope.interventions.pairs import TokenizedPair
+from headscope.model.batch import collate
+from headscope.model.projection import output_projection
+
+METHODS, DEFAULT_STEPS = EDGE_METHODS, DEFAULT_EDGE_STEPS
+# Relative error up to which the linearised final norm must reproduce the model's own (float32 rounding of a norm).
+NORM_CHECK = 1e-4
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Every node and edge of a model's graph. senders: names; receivers: (name, channel); edges: (senders,
+    receivers) bool, True where the receiver reads after the sender writes."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    senders: tuple[str, ...]
+    receivers: tuple[tuple[str, str], ...]
+    edges: np.ndarray
+
+    @property
+    def edge_count(self) -> int:
+        return int(self.edges.sum())
+
+
+def build_graph(layers: int, heads: int, kv_heads: int) -> Graph:
+    """The graph of a decoder of `layers` layers, each `heads` query heads on `kv_heads` key-value heads and an MLP."""
+    senders, sender_step = ["embed"], [-1]
+    receivers, receiver_step = [], []
+    for layer in range(layers):
+        senders += [f"{layer}.{head}" for head in range(heads)]
+        sender_step += [2 * layer] * heads
+        senders.append(f"mlp{layer}")
+        sender_step.append(2 * layer + 1)
+        receivers += [(f"{layer}.{head}", "q") for head in range(heads)]
+        receivers += [(f"{layer}.kv{group}", channel) for channel in ("k", "v") for group in range(kv_heads)]
+        receiver_step += [2 * layer] * (heads + 2 * kv_heads)
+        receivers.append((f"mlp{layer}", ""))
+        receiver_step.append(2 * layer + 1)
+    receivers.append(("logits", ""))
+    receiver_step.append(2 * layers)
+    edges = np.array(sender_step)[:, None] < np.array(receiver_step)[None, :]
+    return Graph(layers, heads, kv_heads, tuple(senders), tuple(receivers), edges)
+
+
+@dataclass
+class EdgeScores:
+    """Per pair: every edge's score, (pairs, senders, receivers) float64 (0 where there is no edge); every sender's
+    DLA and the biases', (pairs, senders + 1) (the last column: `bias`); m on the clean and the corrupt prompt."""
+
+    graph: Graph
+    scores: np.ndarray
+    dla: np.ndarray
+    clean: np.ndarray
+    corrupt: np.ndarray
+    pair_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """Where a decoder layer's pieces are: its attention's q, k, v projections (or one fused q|k|v projection),
+    output projection, and MLP."""
+
+    q: torch.nn.Module | None
+    k: torch.nn.Module | None
+    v: torch.nn.Module | None
+    fused: torch.nn.Module | None
+    output: torch.nn.Module
+    mlp: torch.nn.Module
+
+
+def _layer_parts(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> _Parts:
+    names = dict(layer.named_modules())
+    attention = next((m for n, m in names.items() if n.rpartition(".")[2] in ("self_attn", "attn", "attention")), None)
+    mlp = getattr(layer, "mlp", None)
+    if attention is None or mlp is None:
+        raise ModelLoadError(f"{type(layer).__name__}: circuit finds no attention or no mlp module in a decoder layer")
+    _, out = output_projection(layer, heads * head_dim)
+    own = dict(attention.named_children())
+    if all(name in own for name in ("q_proj", "k_proj", "v_proj")):
+        return _Parts(own["q_proj"], own["k_proj"], own["v_proj"], None, out, mlp)
+    if "c_attn" in own and kv_heads == heads:  # GPT-2: one Conv1D computing q | k | v
+        return _Parts(None, None, None, own["c_attn"], out, mlp)
+    raise ModelLoadError(
+        f"{type(attention).__name__}: circuit reads q_proj, k_proj and v_proj (or GPT-2's c_attn); this attention "
+        "has neither"
+    )
+
+
+def _columns(projection: torch.nn.Module) -> torch.Tensor:
+    """(hidden, inputs) float32 weight of a Linear or GPT-2 Conv1D."""
+    weight = projection.weight.detach().float()
+    return weight.T if type(projection).__name__ == "Conv1D" else weight
+
+
+class _Recorder:
+    """Hooks on every decoder layer for one pass: the residual stream entering each layer (r_L), the heads' outputs
+    before the output projection, the q, k and v projections' outputs, the MLP's input residual (h_L) and output, and
+    the final norm's input; torch tensors of the pass's graph (with gradients where the pass builds them)."""
+
+    def __init__(self, model, decoder, parts: list[_Parts], final_norm: torch.nn.Module, mlp_norms: list) -> None:
+        self.model, self.decoder, self.parts = model, decoder, parts
+        self.final_norm, self.mlp_norms = final_norm, mlp_norms
+        self.kept: dict[str, list] = {}
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[dict[str, list]]:
+        depth = len(self.decoder)
+        kept = {name: [None] * depth for name in ("r", "z", "q", "k", "v", "h", "mlp", "attn")}
+        kept["final"] = [None]
+        handles = []
+
+        def keep(name, index, *, position: str):
+            def hook(module, args, third):  # third: a pre-hook's kwargs, or a hook's output
+                if position == "input":
+                    value = args[0] if args else third.get("hidden_states", next(iter(third.values())))
+                else:
+                    value = third[0] if isinstance(third, tuple) else third
+                kept[name][index] = value
+
+            return hook
+
+        for index, (layer, parts) in enumerate(zip(self.decoder, self.parts, strict=True)):
+            handles.append(layer.register_forward_pre_hook(keep("r", index, position="input"), with_kwargs=True))
+            handles.append(parts.output.register_forward_pre_hook(keep("z", index, position="input"), with_kwargs=True))
+            handles.append(parts.output.register_forward_hook(keep("attn", index, position="output")))
+            handles.append(parts.mlp.register_forward_hook(keep("mlp", index, position="output")))
+            norm = self.mlp_norms[index]
+            handles.append(norm.register_forward_pre_hook(keep("h", index, position="input"), with_kwargs=True))
+            if parts.fused is not None:
+                handles.append(parts.fused.register_forward_hook(keep("q", index, position="output")))
+            else:
+                for name in ("q", "k", "v"):
+                    handles.append(getattr(parts, name).register_forward_hook(keep(name, index, position="output")))
+        handles.append(self.final_norm.register_forward_pre_hook(keep("final", 0, position="input"), with_kwargs=True))
+        try:
+            yield kept
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _find_norms(capture, model, decoder, parts: list[_Parts], ids: list[int], device) -> tuple[list, torch.nn.Module]:
+    """Each layer's MLP input norm (the module whose output is the MLP's input) and the final norm (whose output is
+    the LM head's input), found by one pass on `ids`: the data flow, not module names."""
+    outputs, handles = {}, []
+    wanted = {}
+
+    def remember(module, args, output):
+        # By storage: the LM head may read a view of the final norm's output (logits_to_keep slices it); the first
+        # module to produce a storage made it (dropout and identity modules pass it on). Kept alive with the map,
+        # so that no later tensor takes its storage.
+        if isinstance(output, torch.Tensor):
+            outputs.setdefault(output.untyped_storage().data_ptr(), (module, output))
+
+    def want(name):
+        def hook(module, args):
+            wanted[name] = (args[0].untyped_storage().data_ptr(), args[0])
+
+        return hook
+
+    for layer, part in zip(decoder, parts, strict=True):
+        for child in layer.children():
+            handles.append(child.register_forward_hook(remember))
+        handles.append(part.mlp.register_forward_pre_hook(want(id(part.mlp))))
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if module is not head and not any(module is layer for layer in decoder) and len(list(module.children())) == 0:
+            handles.append(module.register_forward_hook(remember))
+    handles.append(head.register_forward_pre_hook(want("head")))
+    try:
+        capture.run(collate([0], [ids]).to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def producer(name):
+        found = outputs.get(wanted[name][0]) if name in wanted else None
+        return None if found is None else found[0]
+
+    norms = []
+    for index, part in enumerate(parts):
+        norm = producer(id(part.mlp))
+        if norm is None or norm is part.mlp:
+            raise ModelLoadError(f"layer {index}'s MLP reads no norm of the residual stream; circuit cannot place it")
+        norms.append(norm)
+    final = producer("head")
+    if final is None:
+        raise ModelLoadError("the LM head reads no final norm; circuit cannot place the logits' input")
+    return norms, final
+
+
+class _FrozenNorm:
+    """The final norm as a linear map, its scale frozen at the clean run: LayerNorm's g (x - mean x) / sigma or an RMS
+    norm's g x / rms (g or 1 + w, whichever reproduces the module), its bias kept apart."""
+
+    def __init__(self, norm: torch.nn.Module, residual: torch.Tensor, output: torch.Tensor) -> None:
+        x = residual.detach().double()
+        want = output.detach().double()
+        weight = getattr(norm, "weight", None)
+        bias = getattr(norm, "bias", None)
+        eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+        w = torch.ones(x.shape[-1], dtype=torch.float64) if weight is None else weight.detach().double().cpu()
+        w = w.to(x.device)
+        b = torch.zeros_like(w) if bias is None else bias.detach().double().to(x.device)
+        centred = x - x.mean(-1, keepdim=True)
+        candidates = {
+            "layer": (True, w, centred.square().mean(-1, keepdim=True).add(eps).rsqrt()),
+            "rms": (False, w, x.square().mean(-1, keepdim=True).add(eps).rsqrt()),
+            "rms 1 + w": (False, 1 + w, x.square().mean(-1, keepdim=True).add(eps).rsqrt()),
+        }
+        for kind, (centre, gain, scale) in candidates.items():
+            got = (centred if centre else x) * scale * gain + b
+            if (got - want).abs().max() <= NORM_CHECK * want.abs().max() + 1e-30:
+                self.kind, self.centre, self.gain, self.scale, self.bias = kind, centre, gain, scale, b
+                return
+        raise ModelLoadError(
+            f"circuit cannot linearise the final norm ({type(norm).__name__}): neither a LayerNorm nor an RMS norm"
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (rows, n, hidden), writes at the one position per row `scale` was frozen at."""
+        x = x.double()
+        if self.centre:
+            x = x - x.mean(-1, keepdim=True)
+        return x * self.scale * self.gain
+
+
+def edge_scores(capture, loaded, plan, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
+    """Every edge's score and every sender's DLA for each pair (EdgeScores). capture: `loaded.lm` attached; pairs of
+    one length go through together."""
+    if method not in METHODS:
+        raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
+    architecture = plan.architecture
+    model = loaded.lm
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ConfigError("circuit does not take models that softcap their logits (final_logit_softcapping)")
+    heads, kv_heads, head_dim = architecture["heads"], architecture["kv_heads"], architecture["head_dim"]
+    decoder = capture.decoder
+    parts = [_layer_parts(layer, heads, kv_heads, head_dim) for layer in decoder]
+    device = loaded.device
+    mlp_norms, final_norm = _find_norms(capture, model, decoder, parts, pairs[0].clean_ids, device)
+    graph = build_graph(len(decoder), heads, kv_heads)
+    recorder = _Recorder(model, decoder, parts, final_norm, mlp_norms)
+    columns = [_columns(part.output).to(device) for part in parts]  # (hidden, heads * head_dim)
+    unembed = model.get_output_embeddings()
+    found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": []}
+    by_length: dict[int, list[TokenizedPair]] = {}
+    for pair in pairs:
+        by_length.setdefault(pair.length, []).append(pair)
+    rows = max(1, plan.limits("importance").max_tokens)
+    for length, same in sorted(by_length.items()):
+        per_batch = max(1, rows // length)
+        for start in range(0, len(same), per_batch):
+            chunk = same[start : start + per_batch]
+            got = _batch_scores(capture, recorder, graph, parts, columns, unembed, chunk, device, method, steps,
+                                heads, kv_heads, head_dim)  # fmt: skip
+            for key, value in got.items():
+                found[key].append(value)
+            found["ids"].append(np.array([p.pair.pair_id for p in chunk]))
+    order = np.argsort(np.concatenate(found["ids"]), kind="stable")  # pair order, whatever the batching
+    return EdgeScores(graph, *(np.concatenate(found[key])[order] for key in ("scores", "dla", "clean", "corrupt")),
+                      np.concatenate(found["ids"])[order])  # fmt: skip
+
+
+def _run(capture, recorder: _Recorder, ids: list[list[int]], device, *, grad: bool, embeds=None):
+    """One pass of the rows `ids` (one length: no padding), with the recorder's hooks; embeds: what the embedding
+    module returns instead (EAP-IG's interpolated inputs). Returns (logits at the last position, kept tensors)."""
+    batch = collate(list(range(len(ids))), ids).to(device)
+    with contextlib.ExitStack() as stack:
+        kept = stack.enter_context(recorder.hooks())
+        if embeds is not None:
+            hook = recorder.model.get_input_embeddings().register_forward_hook(lambda module, args, output: embeds)
+            stack.callback(hook.remove)
+        output = capture.run(batch, grad=grad)
+    return output.logits[:, -1], kept
+
+
+def _writes(kept, columns, heads: int, head_dim: int) -> torch.Tensor:
+    """(senders, rows, t, hidden) float32: what each sender writes into the residual stream, in graph order: embed,
+    then per layer its heads and its MLP."""
+    writes = [kept["r"][0].detach().float()]
+    for layer, weight in enumerate(columns):
+        z = kept["z"][layer].detach().float()
+        rows, t = z.shape[:2]
+        per_head = torch.einsum("rthd,mhd->hrtm", z.view(rows, t, heads, head_dim), weight.view(-1, heads, head_dim))
+        writes += list(per_head)
+        writes.append(kept["mlp"][layer].detach().float())
+    return torch.stack(writes)
+
+
+def _receiver_gradients(metric, kept, parts, heads, kv_heads, head_dim) -> torch.Tensor:
+    """(receivers, rows, t, hidden) float32: the metric's gradient with respect to the residual stream where each
+    receiver reads it, through that receiver's channel alone (graph order)."""
+    depth = len(parts)
+    fused = parts[0].fused is not None
+    wanted = [kept["q"][layer] for layer in range(depth)]
+    if not fused:
+        wanted += [kept[name][layer] for name in ("k", "v") for layer in range(depth)]
+    wanted += [kept["mlp"][layer] for layer in range(depth)] + [kept["final"][0]]
+    grads = torch.autograd.grad(metric.sum(), wanted, retain_graph=True, allow_unused=True)
+    grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wanted, grads, strict=True)]
+    q_grads = grads[:depth]
+    k_grads, v_grads = (None, None) if fused else (grads[depth : 2 * depth], grads[2 * depth : 3 * depth])
+    mlp_grads = grads[-depth - 1 : -1]
+    found = []
+    width = heads * head_dim
+    for layer in range(depth):
+        residual = kept["r"][layer]
+        slices = []  # (projection output, its gradient restricted to one head's features)
+        for head in range(heads):
+            slices.append((kept["q"][layer], q_grads[layer], slice(head * head_dim, (head + 1) * head_dim)))
+        for channel in ("k", "v"):
+            for group in range(kv_heads):
+                if fused:  # GPT-2's c_attn: q | k | v
+                    offset = width if channel == "k" else 2 * width
+                    slices.append((kept["q"][layer], q_grads[layer],
+                                   slice(offset + group * head_dim, offset + (group + 1) * head_dim)))  # fmt: skip
+                else:
+                    own = k_grads if channel == "k" else v_grads
+                    tensor, grad = kept[channel][layer], own[layer]
+                    slices.append((tensor, grad, slice(group * head_dim, (group + 1) * head_dim)))
+        for tensor, grad, features in slices:
+            masked = torch.zeros_like(grad)
+            masked[..., features] = grad[..., features]
+            (through,) = torch.autograd.grad(tensor, residual, grad_outputs=masked, retain_graph=True)
+            found.append(through.float())
+        (through_mlp,) = torch.autograd.grad(kept["mlp"][layer], kept["h"][layer], grad_outputs=mlp_grads[layer],
+                                              retain_graph=True)  # fmt: skip
+        found.append(through_mlp.float())
+    found.append(grads[-1].float())  # the logits read the final norm's input directly
+    return torch.stack(found)
+
+
+def _check_residual(kept, parts, layer_count: int) -> None:
+    """The attention's output is added as it is to the stream the MLP reads, and the MLP's output to the next
+    layer's input: else this model's edges need a norm's Jacobian (a post-norm) or see no such stream (parallel)."""
+    for layer in range(layer_count):
+        r, attention, h = (kept[name][layer].detach().double() for name in ("r", "attn", "h"))
+        scale = r.abs().max() + attention.abs().max() + 1e-30
+        if (r + attention - h).abs().max() > NORM_CHECK * scale:
+            raise ConfigError(
+                f"layer {layer}'s attention output does not reach the MLP's input as it is (a post-attention norm, or "
+                "attention in parallel with the MLP): circuit does not take this architecture yet"
+            )
+        if layer + 1 < layer_count:
+            following = kept["r"][layer + 1].detach().double()
+            mlp = kept["mlp"][layer].detach().double()
+            if (h + mlp - following).abs().max() > NORM_CHECK * (h.abs().max() + mlp.abs().max() + 1e-30):
+                raise ConfigError(f"layer {layer}'s MLP output does not reach the next layer as it is (a post-MLP "
+                                  "norm): circuit does not take this architecture yet")  # fmt: skip
+
+
+def _batch_scores(capture, recorder, graph, parts, columns, unembed, chunk, device, method, steps, heads, kv_heads,
+                  head_dim) -> dict[str, np.ndarray]:  # fmt: skip
+    answers = torch.tensor([p.answer_id for p in chunk], device=device)
+    distractors = torch.tensor([p.distractor_id for p in chunk], device=device)
+    clean_ids, corrupt_ids = [p.clean_ids for p in chunk], [p.corrupt_ids for p in chunk]
+
+    def metric(logits):
+        logits = logits.float()
+        return logits.gather(1, answers[:, None])[:, 0] - logits.gather(1, distractors[:, None])[:, 0]
+
+    corrupt_logits, corrupt_kept = _run(capture, recorder, corrupt_ids, device, grad=False)
+    corrupt_writes = _writes(corrupt_kept, columns, heads, head_dim)
+    corrupt_embeds = _embeddings(recorder.model, corrupt_ids, device)
+    with torch.enable_grad():
+        clean_logits, kept = _run(capture, recorder, clean_ids, device, grad=True)
+        _check_residual(kept, parts, len(parts))
+        clean_writes = _writes(kept, columns, heads, head_dim)
+        m_clean = metric(clean_logits)
+        if method == "eap":
+            gradients = _receiver_gradients(m_clean, kept, parts, heads, kv_heads, head_dim)
+        else:
+            clean_embeds = _embeddings(recorder.model, clean_ids, device)
+            gradients = None
+            for k in range(1, steps + 1):
+                between = torch.lerp(corrupt_embeds, clean_embeds, k / steps)  # the last: the clean inputs exactly
+                step_logits, step_kept = _run(capture, recorder, clean_ids, device, grad=True, embeds=between)
+                found = _receiver_gradients(metric(step_logits), step_kept, parts, heads, kv_heads, head_dim)
+                gradients = found if gradients is None else gradients + found
+            gradients = gradients / steps
+        dla = _dla(recorder, kept, clean_writes, parts, columns, unembed, answers, distractors)
+    change = (corrupt_writes - clean_writes).double()  # (senders, rows, t, hidden)
+    scores = torch.einsum("srth,crth->rsc", change, gradients.double())  # (rows, senders, receivers)
+    scores = scores * torch.as_tensor(graph.edges, device=scores.device)
+    return {
+        "scores": scores.cpu().numpy(),
+        "dla": dla.cpu().numpy(),
+        "clean": m_clean.detach().double().cpu().numpy(),
+        "corrupt": metric(corrupt_logits).double().cpu().numpy(),
+    }
+
+
+def _embeddings(model, ids: list[list[int]], device) -> torch.Tensor:
+    """What the model's embedding module returns for these rows (before any position embedding or scaling)."""
+    with torch.no_grad():
+        return model.get_input_embeddings()(torch.tensor(ids, device=device)).detach()
+
+
+def _dla(recorder, kept, writes, parts, columns, unembed, answers, distractors) -> torch.Tensor:
+    """(rows, senders + 1) float64: each sender's write at the last position through the frozen final norm, on
+    W_U[answer] - W_U[distractor]; last, the biases' (the attention output projections', the final norm's, the LM
+    head's)."""
+    final_in = kept["final"][0].detach()[:, -1:]  # (rows, 1, hidden): the last position
+    with torch.no_grad():
+        frozen = _FrozenNorm(recorder.final_norm, final_in, recorder.final_norm(final_in))
+    weight = unembed.weight.detach().double()
+    direction = weight[answers] - weight[distractors]  # (rows, hidden)
+    last = writes[:, :, -1].double().transpose(0, 1)  # (rows, senders, hidden)
+    dla = (frozen(last) * direction[:, None, :]).sum(-1)  # (rows, senders)
+    biases = torch.zeros(direction.shape[-1], dtype=torch.float64, device=direction.device)
+    for part in parts:
+        bias = getattr(part.output, "bias", None)
+        if bias is not None:
+            biases = biases + bias.detach().double()
+    through = frozen(biases.expand(len(direction), 1, -1))[:, 0]  # (rows, hidden)
+    bias_term = (through * direction).sum(-1) + (frozen.bias * direction).sum(-1)
+    head_bias = getattr(unembed, "bias", None)
+    if head_bias is not None:
+        bias_term = bias_term + head_bias.detach().double()[answers] - head_bias.detach().double()[distractors]
+    return torch.cat([dla, bias_term[:, None]], dim=1)
