@@ -16,6 +16,9 @@ def circuit(
     pairs: o.Pairs,
     method: o.EdgeMethod = o.DEFAULT_EDGE_METHOD,
     steps: o.Steps = o.DEFAULT_STEPS,
+    verify: o.Verify = 10,
+    target: o.Target = 0.8,
+    curve: o.Curve = True,
     report: o.Report = None,
     out: o.OutCircuit = None,
     overwrite: o.Overwrite = False,
@@ -36,13 +39,16 @@ def circuit(
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
-        check_request(method.value, steps)
+        check_request(method.value, steps, verify, target)
     with user_errors(ctx):
         found = run_circuit(
             model,
             pairs,
             method=method.value,
             steps=steps,
+            verify=verify,
+            target=target,
+            curve=curve,
             report=report,
             out=out or Path("reports") / f"circuit-{resolve_source(model).slug}",
             overwrite=overwrite,

@@ -230,6 +230,12 @@ EdgeMethod = Annotated[
     ),
 ]
 Steps = Annotated[int, typer.Option(help="EAP-IG's interpolation steps (at least 1).")]
+Verify = Annotated[int, typer.Option(help="Patch the N strongest edges exactly, one at a time, beside their scores.")]
+Target = Annotated[float, typer.Option(help="The faithfulness (0 to 1] the smallest circuit must reach.")]
+Curve = Annotated[
+    bool,
+    typer.Option(help="Measure the faithfulness curve: circuits of 0.1% to 50% of the edges, each patched exactly."),
+]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
 MaxRounds = Annotated[
     int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")

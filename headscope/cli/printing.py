@@ -382,18 +382,32 @@ def print_circuit(found, count: int = 12) -> None:
     table = Table(title=_title("the strongest edges"), box=box.SIMPLE_HEAD)
     top = found.top(count)
     roles = "sender_role" in top
-    for name in ("sender", "receiver", "score", "95% interval", *(["sender role"] if roles else [])):
-        table.add_column(name, justify="right" if name in ("score", "95% interval") else "left")
+    numbers = ("score", "95% interval", "exact")
+    for name in ("sender", "receiver", *numbers, *(["sender role"] if roles else [])):
+        table.add_column(name, justify="right" if name in numbers else "left")
     for row in top.itertuples():
         receiver = row.receiver + (f" ({row.channel})" if row.channel else "")
         low, high = row.score_ci_low, row.score_ci_high
-        cells = [row.sender, receiver, f"{row.score:+.4f}", "-" if pd.isna(low) else f"[{low:+.4f}, {high:+.4f}]"]
+        cells = [row.sender, receiver, f"{row.score:+.4f}", "-" if pd.isna(low) else f"[{low:+.4f}, {high:+.4f}]",
+                 "-" if pd.isna(row.exact) else f"{row.exact:+.4f}"]  # fmt: skip
         _row(table, *cells, *([row.sender_role or "-"] if roles else []))
     console.print(table)
+    if record["faithfulness"]:
+        curve = ", ".join(f"{p['share']:.1%} {p['faithfulness']:.2f}" for p in record["faithfulness"][1:-1])
+        console.print(_title(f"faithfulness by circuit size (share of edges): {curve}; CPR {record['cpr']:.3f}, "
+                             f"CMD {record['cmd']:.3f}"))  # fmt: skip
+        smallest = record["circuit"]
+        if smallest is None:
+            console.print(_title(f"no circuit of the curve reaches faithfulness {record['target']}"))
+        else:
+            size = f"{smallest['edges']:,} edges ({smallest['share']:.1%})"
+            console.print(_title(f"the smallest circuit reaching {record['target']}: {size}, faithfulness "
+                                 f"{smallest['faithfulness']:.3f}"))  # fmt: skip
     nodes = found.nodes.reindex(found.nodes["dla"].abs().sort_values(ascending=False).index).head(count // 2)
     written = ", ".join(f"{row.node} {row.dla:+.3f}" for row in nodes.itertuples())
     console.print(_title(f"direct logit attribution (the components add up to m): {written}"))
-    console.print(_title("a negative score: corrupting the edge lowers the metric; the interval is over pairs"))
+    console.print(_title("a negative score: corrupting the edge lowers the metric (exact: the same, patched); the "
+                         "interval is over pairs"))  # fmt: skip
     if found.folder is not None:
         console.print(f"wrote {found.folder}/{EDGES_FILE} and {CIRCUIT_RECORD}")
 

@@ -3,10 +3,13 @@ component's direct logit attribution, each the mean over pairs with a paired boo
 
     the graph      senders embed, L.H, mlpL; receivers L.H (q), L.kvG (k, v), mlpL, logits (interventions/edges.py)
     the scores     eap: the gradient at the clean run; eap-ig (default): averaged over `steps` interpolated inputs
+    the check      the `verify` strongest edges patched exactly, one at a time
+    the circuits   the strongest edges at sizes from 0.1% to 50% of them, every other edge carrying the corrupt
+                   prompt's sender: the faithfulness curve, CPR, CMD and the smallest circuit that reaches `target`
     the output     edges.parquet (every edge, ranked by |score|), nodes.parquet (each component's DLA), circuit.json
 
-Not built yet (docs/circuit.md says so): exact verification of the strongest edges, circuits and their faithfulness,
-the circuit graph and page, positions by role, and models with post-attention norms (refused in one line).
+Not built yet (docs/circuit.md says so): the circuit graph and page, positions by role, MIB's greedy growth, and
+models with post-attention norms (refused in one line).
 """
 
 from __future__ import annotations
@@ -23,7 +26,18 @@ from headscope.arguments import as_path
 from headscope.config import RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
-from headscope.interventions.edges import DEFAULT_STEPS, METHODS, EdgeScores, edge_scores
+from headscope.interventions.edges import (
+    CURVE_SHARES,
+    DEFAULT_STEPS,
+    METHODS,
+    EdgeModel,
+    EdgeScores,
+    circuit_size,
+    curve_areas,
+    faithfulness,
+    outside,
+    ranked_edges,
+)
 from headscope.interventions.pairs import as_pairs, tokenize_pairs
 from headscope.layout import CIRCUIT_RECORD, EDGES_FILE, NODES_FILE
 from headscope.model.capture import attached
@@ -35,6 +49,8 @@ from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
 from headscope.tables import write_frame, write_json
 
 EDGE_BLOCK = 4096  # edges bootstrapped at once: (replicates, EDGE_BLOCK) float64 at a time
+DEFAULT_VERIFY = 10  # the strongest edges patched exactly
+DEFAULT_TARGET = 0.8  # the faithfulness the smallest circuit must reach
 
 
 @dataclass
@@ -85,6 +101,9 @@ def circuit(
     *,
     method: str = METHODS[0],
     steps: int = DEFAULT_STEPS,
+    verify: int = DEFAULT_VERIFY,
+    target: float = DEFAULT_TARGET,
+    curve: bool = True,
     report: str | Path | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -102,6 +121,9 @@ def circuit(
         method: "eap-ig" (gradients averaged over `steps` inputs between the corrupt and the clean prompt) or "eap"
             (the gradient at the clean run).
         steps: EAP-IG's interpolation steps (at least 1).
+        verify: how many of the strongest edges are patched exactly, one at a time (0: none).
+        target: the faithfulness (in (0, 1]) the smallest circuit must reach.
+        curve: measure the faithfulness curve (nine patched passes over the pairs).
         report: a report of this model, for each head's role.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
@@ -114,7 +136,7 @@ def circuit(
         A Circuit: edges (sender, receiver, channel, score with its interval, rank), nodes (DLA with its interval)
         and the record.
     """
-    check_request(method, steps)
+    check_request(method, steps, verify, target)
     pairs = as_pairs(pairs)
     report = as_path(report, "report")
     one_process_only("circuit")
@@ -136,10 +158,14 @@ def circuit(
         reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
         started = time.perf_counter()
         with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
-            found = edge_scores(capture, loaded, plan, tokenized, method=method, steps=steps)
+            edges = EdgeModel(capture, loaded, plan, tokenized[0])
+            found = edges.scores(tokenized, method=method, steps=steps)
+            if verify > found.graph.edge_count:
+                raise ConfigError(f"--verify {verify} is more than the {found.graph.edge_count:,} edges of this model")
+            checked = _checked(edges, tokenized, found, verify, curve, target, reporter)
         seconds = time.perf_counter() - started
         roles = None if report is None else _roles(report)
-        result = _result(loaded, settings, pairs, found, method, steps, roles, seconds)
+        result = _result(loaded, settings, pairs, found, method, steps, roles, seconds, checked)
         if opened.folder is not None:
             write_frame(result.edges, opened.folder / EDGES_FILE)
             write_frame(result.nodes, opened.folder / NODES_FILE)
@@ -149,13 +175,58 @@ def circuit(
     return result
 
 
-def check_request(method: str, steps) -> None:
-    """Refuse, before anything loads, a method circuit does not know and a step count that is not a whole number of
-    at least 1."""
+def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARGET) -> None:
+    """Refuse, before anything loads, a method circuit does not know, a step count that is not a whole number of at
+    least 1, a negative --verify and a --target outside (0, 1] (a --verify beyond the edges is refused once the model
+    says how many there are)."""
     if method not in METHODS:
         raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
     if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
         raise ConfigError(f"--steps must be a whole number of at least 1; got {steps!r}")
+    if isinstance(verify, bool) or not isinstance(verify, int | np.integer) or verify < 0:
+        raise ConfigError(f"--verify must be a whole number of at least 0; got {verify!r}")
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
+        raise ConfigError(f"--target must be in (0, 1]; got {target!r}")
+
+
+@dataclass
+class _Checked:
+    """What the patched passes found: the verified edges' exact effects and the faithfulness curve."""
+
+    ranked: np.ndarray  # (edges, 2): sender and receiver index, strongest first
+    exact: dict  # (sender, receiver) index -> (pairs,) m with that edge patched
+    curve: list  # {"edges", "share", "faithfulness"}, from the empty circuit to the full one
+    target: float
+    smallest: dict | None  # the smallest curve point at or above target
+
+
+def _checked(edges: EdgeModel, tokenized, found: EdgeScores, verify: int, curve: bool, target: float, reporter):
+    graph = found.graph
+    ranked = ranked_edges(graph, found.scores.mean(0))
+    count = graph.edge_count
+    masks, exact_keys = [], []
+    for sender, receiver in ranked[:verify]:
+        mask = np.zeros_like(graph.edges)
+        mask[sender, receiver] = True
+        masks.append(mask)
+        exact_keys.append((int(sender), int(receiver)))
+    sizes = sorted({circuit_size(share, count) for share in CURVE_SHARES if circuit_size(share, count) < count})
+    if curve:
+        masks += [outside(graph, ranked, size) for size in sizes]
+    if masks:
+        circuits = len(sizes) if curve else 0
+        reporter.stage(f"patching {len(masks)} edge sets exactly ({verify} edges, {circuits} circuits)")
+    patched = edges.patched(tokenized, masks) if masks else np.zeros((0, len(found.pair_ids)))
+    exact = {key: patched[i] for i, key in enumerate(exact_keys)}
+    points = []
+    if curve:
+        points.append({"edges": 0, "share": 0.0, "faithfulness": 0.0})  # the corrupt run itself
+        for size, values in zip(sizes, patched[len(exact_keys) :], strict=True):
+            points.append({"edges": size, "share": size / count,
+                           "faithfulness": faithfulness(values, found.clean, found.corrupt)})  # fmt: skip
+        points.append({"edges": count, "share": 1.0, "faithfulness": 1.0})  # the clean run itself
+    reached = [point for point in points if point["edges"] and point["faithfulness"] >= target]
+    return _Checked(ranked, exact, points, target, reached[0] if reached else None)
 
 
 def _roles(report) -> dict[str, str]:
@@ -177,7 +248,7 @@ def _mean_and_interval(values: np.ndarray, pair_ids: np.ndarray, settings: RunCo
     return mean, low, high
 
 
-def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, seconds) -> Circuit:
+def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, seconds, checked) -> Circuit:
     graph = found.graph
     senders, receivers = np.nonzero(graph.edges)
     per_pair = found.scores[:, senders, receivers]  # (pairs, edges)
@@ -196,9 +267,25 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
             "rank": rank,
         }
     )
+    # The verified edges' exact effect: m with that edge alone patched, minus m, mean over pairs (noising, as the
+    # score: corrupting the edge); the circuit: the smallest curve point that reached the target.
+    position = {(int(s), int(r)): i for i, (s, r) in enumerate(zip(senders, receivers, strict=True))}
+    exact = np.full(len(score), np.nan)
+    for key, values in checked.exact.items():
+        exact[position[key]] = float((values - found.clean).mean())
+    edges["exact"] = exact
+    in_circuit = np.zeros(len(score), dtype=bool)
+    if checked.smallest is not None:
+        for sender, receiver in checked.ranked[: checked.smallest["edges"]]:
+            in_circuit[position[(int(sender), int(receiver))]] = True
+    edges["in_circuit"] = in_circuit
     names = [*graph.senders, "bias"]
     dla, dla_low, dla_high = _mean_and_interval(found.dla, found.pair_ids, settings)
     nodes = pd.DataFrame({"node": names, **_placed(names), "dla": dla, "dla_ci_low": dla_low, "dla_ci_high": dla_high})
+    # A node is in the circuit where one of its edges is: as a sender, or as a receiver (a KV head's channels count
+    # for none of its query heads: they are nodes of their own in edges.parquet).
+    touched = set(edges.loc[in_circuit, "sender"]) | set(edges.loc[in_circuit, "receiver"])
+    nodes["in_circuit"] = [name in touched for name in names]
     if roles is not None:
         nodes["role"] = [roles.get(name) for name in names]
         edges["sender_role"] = [roles.get(name) for name in edges["sender"]]
@@ -216,10 +303,23 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
             ],
         },
         "graph": {"senders": len(graph.senders), "receivers": len(graph.receivers), "edges": graph.edge_count},
+        "verified": len(checked.exact),
+        "faithfulness": checked.curve,
+        **_areas(checked.curve),
+        "target": checked.target,
+        "circuit": checked.smallest,
         "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},
         "seconds": round(seconds, 3),
     }
     return Circuit(edges, nodes, record)
+
+
+def _areas(curve: list[dict]) -> dict[str, float | None]:
+    """CPR and CMD of the faithfulness curve (None without one)."""
+    if not curve:
+        return {"cpr": None, "cmd": None}
+    cpr, cmd = curve_areas([point["share"] for point in curve], [point["faithfulness"] for point in curve])
+    return {"cpr": cpr, "cmd": cmd}
 
 
 def _placed(names: list[str]) -> dict[str, list]:

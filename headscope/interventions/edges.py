@@ -28,6 +28,7 @@ one line: their edges need a norm's Jacobian this version does not take.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ from headscope.model.batch import collate
 from headscope.model.projection import output_projection
 
 METHODS, DEFAULT_STEPS = EDGE_METHODS, DEFAULT_EDGE_STEPS
+# The faithfulness curve's circuits, as shares of the edges (MIB's sizes from 0.1%; the empty circuit and the full one
+# are 0 and 1 by definition, and cost no pass): nine patched passes.
+CURVE_SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 # Relative error up to which the linearised final norm must reproduce the model's own (float32 rounding of a norm).
 NORM_CHECK = 1e-4
 
@@ -179,9 +183,12 @@ class _Recorder:
                 handle.remove()
 
 
-def _find_norms(capture, model, decoder, parts: list[_Parts], ids: list[int], device) -> tuple[list, torch.nn.Module]:
-    """Each layer's MLP input norm (the module whose output is the MLP's input) and the final norm (whose output is
-    the LM head's input), found by one pass on `ids`: the data flow, not module names."""
+def _find_norms(
+    capture, model, decoder, parts: list[_Parts], ids: list[int], device
+) -> tuple[list, list, torch.nn.Module]:
+    """Each layer's attention input norm (whose output the q projection reads) and MLP input norm (whose output is the
+    MLP's input), and the final norm (whose output is the LM head's input), found by one pass on `ids`: the data
+    flow, not module names."""
     outputs, handles = {}, []
     wanted = {}
 
@@ -202,6 +209,8 @@ def _find_norms(capture, model, decoder, parts: list[_Parts], ids: list[int], de
         for child in layer.children():
             handles.append(child.register_forward_hook(remember))
         handles.append(part.mlp.register_forward_pre_hook(want(id(part.mlp))))
+        reads = part.fused if part.fused is not None else part.q
+        handles.append(reads.register_forward_pre_hook(want(id(reads))))
     head = model.get_output_embeddings()
     for module in model.modules():
         if module is not head and not any(module is layer for layer in decoder) and len(list(module.children())) == 0:
@@ -217,16 +226,23 @@ def _find_norms(capture, model, decoder, parts: list[_Parts], ids: list[int], de
         found = outputs.get(wanted[name][0]) if name in wanted else None
         return None if found is None else found[0]
 
-    norms = []
+    norms, inputs = [], []
     for index, part in enumerate(parts):
         norm = producer(id(part.mlp))
         if norm is None or norm is part.mlp:
             raise ModelLoadError(f"layer {index}'s MLP reads no norm of the residual stream; circuit cannot place it")
         norms.append(norm)
+        reads = part.fused if part.fused is not None else part.q
+        norm = producer(id(reads))
+        if norm is None:
+            raise ModelLoadError(
+                f"layer {index}'s attention reads no norm of the residual stream; circuit cannot place its inputs"
+            )
+        inputs.append(norm)
     final = producer("head")
     if final is None:
         raise ModelLoadError("the LM head reads no final norm; circuit cannot place the logits' input")
-    return norms, final
+    return inputs, norms, final
 
 
 class _FrozenNorm:
@@ -265,41 +281,209 @@ class _FrozenNorm:
         return x * self.scale * self.gain
 
 
-def edge_scores(capture, loaded, plan, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
-    """Every edge's score and every sender's DLA for each pair (EdgeScores). capture: `loaded.lm` attached; pairs of
-    one length go through together."""
-    if method not in METHODS:
-        raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
-    architecture = plan.architecture
-    model = loaded.lm
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ConfigError("circuit does not take models that softcap their logits (final_logit_softcapping)")
-    heads, kv_heads, head_dim = architecture["heads"], architecture["kv_heads"], architecture["head_dim"]
-    decoder = capture.decoder
-    parts = [_layer_parts(layer, heads, kv_heads, head_dim) for layer in decoder]
-    device = loaded.device
-    mlp_norms, final_norm = _find_norms(capture, model, decoder, parts, pairs[0].clean_ids, device)
-    graph = build_graph(len(decoder), heads, kv_heads)
-    recorder = _Recorder(model, decoder, parts, final_norm, mlp_norms)
-    columns = [_columns(part.output).to(device) for part in parts]  # (hidden, heads * head_dim)
-    unembed = model.get_output_embeddings()
-    found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": []}
-    by_length: dict[int, list[TokenizedPair]] = {}
-    for pair in pairs:
-        by_length.setdefault(pair.length, []).append(pair)
-    rows = max(1, plan.limits("importance").max_tokens)
-    for length, same in sorted(by_length.items()):
-        per_batch = max(1, rows // length)
-        for start in range(0, len(same), per_batch):
-            chunk = same[start : start + per_batch]
-            got = _batch_scores(capture, recorder, graph, parts, columns, unembed, chunk, device, method, steps,
-                                heads, kv_heads, head_dim)  # fmt: skip
-            for key, value in got.items():
+class EdgeModel:
+    """A model attached for edges: its graph, where each sender writes and each receiver reads (found once, on the
+    first pair), and the passes over pairs: `scores` (EAP, EAP-IG and DLA) and `patched` (the metric with chosen
+    edges carrying the corrupt prompt's sender)."""
+
+    def __init__(self, capture, loaded, plan, first: TokenizedPair) -> None:
+        model = loaded.lm
+        if getattr(model.config, "final_logit_softcapping", None):
+            raise ConfigError("circuit does not take models that softcap their logits (final_logit_softcapping)")
+        architecture = plan.architecture
+        self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
+        self.capture, self.model, self.plan, self.device = capture, model, plan, loaded.device
+        self.decoder = capture.decoder
+        self.parts = [_layer_parts(layer, self.heads, self.kv_heads, self.head_dim) for layer in self.decoder]
+        self.input_norms, mlp_norms, final_norm = _find_norms(capture, model, self.decoder, self.parts, first.clean_ids,
+                                                              self.device)  # fmt: skip
+        self.graph = build_graph(len(self.decoder), self.heads, self.kv_heads)
+        self.recorder = _Recorder(model, self.decoder, self.parts, final_norm, mlp_norms)
+        self.columns = [_columns(part.output).to(self.device) for part in self.parts]  # (hidden, heads * head_dim)
+
+    def batches(self, pairs: Sequence[TokenizedPair]) -> Iterator[list[TokenizedPair]]:
+        """Pairs of one length together (no padding), as many as a gradient pass of --max-memory holds."""
+        by_length: dict[int, list[TokenizedPair]] = {}
+        for pair in pairs:
+            by_length.setdefault(pair.length, []).append(pair)
+        rows = max(1, self.plan.limits("importance").max_tokens)
+        for length, same in sorted(by_length.items()):
+            per_batch = max(1, rows // length)
+            for start in range(0, len(same), per_batch):
+                yield same[start : start + per_batch]
+
+    def scores(self, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
+        """Every edge's score and every sender's DLA for each pair (EdgeScores), in pair order."""
+        if method not in METHODS:
+            raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
+        found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": []}
+        for chunk in self.batches(pairs):
+            for key, value in self._batch_scores(chunk, method, steps).items():
                 found[key].append(value)
             found["ids"].append(np.array([p.pair.pair_id for p in chunk]))
-    order = np.argsort(np.concatenate(found["ids"]), kind="stable")  # pair order, whatever the batching
-    return EdgeScores(graph, *(np.concatenate(found[key])[order] for key in ("scores", "dla", "clean", "corrupt")),
-                      np.concatenate(found["ids"])[order])  # fmt: skip
+        order = np.argsort(np.concatenate(found["ids"]), kind="stable")  # pair order, whatever the batching
+        return EdgeScores(self.graph, *(np.concatenate(found[key])[order] for key in ("scores", "dla", "clean",
+                          "corrupt")), np.concatenate(found["ids"])[order])  # fmt: skip
+
+    def patched(self, pairs: Sequence[TokenizedPair], excluded: Sequence[np.ndarray]) -> np.ndarray:
+        """(sets, pairs) float64, in pair order: the metric on each clean prompt when every edge of each set (a
+        (senders, receivers) bool mask) carries the corrupt prompt's write of its sender into its receiver, every other
+        edge the write of this very pass (which the changed edges change downstream)."""
+        found, ids = [], []
+        for chunk in self.batches(pairs):
+            answers, distractors = _targets(chunk, self.device)
+            _, corrupt_kept = _run(self.capture, self.recorder, [p.corrupt_ids for p in chunk], self.device, grad=False)
+            corrupt = _writes(corrupt_kept, self.columns, self.heads, self.head_dim)
+            rows = []
+            for mask in excluded:
+                logits = self._patched_run(chunk, corrupt, torch.as_tensor(mask, device=self.device))
+                rows.append(_metric(logits, answers, distractors).double().cpu().numpy())
+            found.append(np.stack(rows))
+            ids.append(np.array([p.pair.pair_id for p in chunk]))
+        order = np.argsort(np.concatenate(ids), kind="stable")
+        return np.concatenate(found, axis=1)[:, order]
+
+    def _batch_scores(self, chunk, method, steps) -> dict[str, np.ndarray]:
+        return _batch_scores(self.capture, self.recorder, self.graph, self.parts, self.columns,
+                             self.model.get_output_embeddings(), chunk, self.device, method, steps, self.heads,
+                             self.kv_heads, self.head_dim)  # fmt: skip
+
+    def _patched_run(self, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
+        """The clean prompts' last logits, the `excluded` edges carrying `corrupt` writes (senders, rows, t, hidden)."""
+        graph, heads, kv_heads, head_dim = self.graph, self.heads, self.kv_heads, self.head_dim
+        receiver_index = {receiver: index for index, receiver in enumerate(graph.receivers)}
+        sender_index = {sender: index for index, sender in enumerate(graph.senders)}
+        senders = corrupt.shape[0]
+        # corrupt - this pass's write, per sender, set as each sender writes; `written` sums them (every sender so far)
+        difference = corrupt.clone()
+        written = torch.zeros_like(corrupt[0])
+        edges = torch.as_tensor(graph.edges, device=excluded.device)
+        kept, handles = {}, []
+
+        def wrote(first: int, writes: torch.Tensor) -> None:
+            difference[first : first + len(writes)] = corrupt[first : first + len(writes)] - writes
+            written.add_(difference[first : first + len(writes)].sum(0))
+
+        def change(receivers: list[int]) -> torch.Tensor | None:
+            """(receivers, rows, t, hidden): what the excluded edges into each of them change, or None if none: the
+            sum over those edges of (corrupt - this pass's) sender write, taken over the fewer of the edges it
+            excludes and those it keeps (then as everything written so far, every earlier sender's, minus those)."""
+            chosen = excluded[:, receivers]
+            if not bool(chosen.any()):
+                return None
+            kept_edges = edges[:, receivers] & ~chosen
+            flat = difference.view(senders, -1)
+            if int(chosen.sum()) <= int(kept_edges.sum()):
+                rows = chosen.any(1).nonzero()[:, 0]
+                found = chosen[rows].T.to(flat.dtype) @ flat[rows]
+            else:
+                rows = kept_edges.any(1).nonzero()[:, 0]
+                found = written.view(1, -1) - kept_edges[rows].T.to(flat.dtype) @ flat[rows]
+            return found.view(len(receivers), *corrupt.shape[1:])
+
+        for layer, (block, part) in enumerate(zip(self.decoder, self.parts, strict=True)):
+
+            def entering(module, args, kwargs, layer=layer):
+                residual = args[0] if args else kwargs["hidden_states"]
+                kept[("r", layer)] = residual
+                if layer == 0:
+                    wrote(0, residual.detach().float()[None])
+
+            handles.append(block.register_forward_pre_hook(entering, with_kwargs=True))
+
+            def heads_written(module, args, layer=layer):
+                z = args[0].detach().float()
+                rows, t = z.shape[:2]
+                weight = self.columns[layer].view(-1, heads, head_dim)
+                per_head = torch.einsum("rthd,mhd->hrtm", z.view(rows, t, heads, head_dim), weight)
+                wrote(sender_index[f"{layer}.0"], per_head)
+
+            handles.append(part.output.register_forward_pre_hook(heads_written))
+
+            def mlp_written(module, args, output, layer=layer):
+                wrote(sender_index[f"mlp{layer}"], output.detach().float()[None])
+
+            handles.append(part.mlp.register_forward_hook(mlp_written))
+            # The attention's inputs: each receiver channel of the layer reads its own changed stream.
+            width = heads * head_dim
+            # (channel, head or group, receiver name, where the channel's features start in a fused q|k|v output)
+            fused = part.fused is not None
+            channels = [("q", head, f"{layer}.{head}", 0) for head in range(heads)]
+            channels += [(channel, group, f"{layer}.kv{group}", width if channel == "k" else 2 * width)
+                         for channel in ("k", "v") for group in range(kv_heads)]  # fmt: skip
+            by_module = {}
+            for channel, unit, name, offset in channels:
+                module = part.fused if fused else getattr(part, channel)
+                start = (offset if fused else 0) + unit * head_dim
+                read = (receiver_index[(name, channel)], slice(start, start + head_dim))
+                by_module.setdefault(module, []).append(read)
+            for module, reads in by_module.items():
+
+                def reading(module, args, output, layer=layer, reads=reads):
+                    found = change([index for index, _ in reads])
+                    if found is None:
+                        return None
+                    output = output.clone()
+                    residual = kept[("r", layer)]
+                    for (_, features), changed in zip(reads, found, strict=True):
+                        if not bool(changed.any()):
+                            continue
+                        normed = self.input_norms[layer](residual + changed.to(residual.dtype))
+                        output[..., features] = _project(module, normed)[..., features]
+                    return output
+
+                handles.append(module.register_forward_hook(reading))
+            mlp_index = receiver_index[(f"mlp{layer}", "")]
+
+            def mlp_reads(module, args, layer=layer, mlp_index=mlp_index):
+                found = change([mlp_index])
+                if found is None:
+                    return None
+                h = kept[("h", layer)]
+                return (self.recorder.mlp_norms[layer](h + found[0].to(h.dtype)),)
+
+            def mlp_stream(module, args, layer=layer):
+                kept[("h", layer)] = args[0]
+
+            handles.append(self.recorder.mlp_norms[layer].register_forward_pre_hook(mlp_stream))
+            handles.append(part.mlp.register_forward_pre_hook(mlp_reads))
+
+        logits_index = receiver_index[("logits", "")]
+
+        def final_reads(module, args):
+            found = change([logits_index])
+            return None if found is None else (args[0] + found[0].to(args[0].dtype),)
+
+        handles.append(self.recorder.final_norm.register_forward_pre_hook(final_reads))
+        try:
+            batch = collate(list(range(len(chunk))), [p.clean_ids for p in chunk]).to(self.device)
+            return self.capture.run(batch).logits[:, -1]
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def edge_scores(capture, loaded, plan, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
+    """Every edge's score and every sender's DLA for each pair (EdgeModel.scores). capture: `loaded.lm` attached."""
+    return EdgeModel(capture, loaded, plan, pairs[0]).scores(pairs, method=method, steps=steps)
+
+
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A q, k or v projection by hand (calling the module would run its hooks again): a Linear, or GPT-2's Conv1D."""
+    if type(module).__name__ == "Conv1D":
+        return x @ module.weight + module.bias
+    return torch.nn.functional.linear(x, module.weight, module.bias)
+
+
+def _targets(chunk, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([p.answer_id for p in chunk], device=device),
+            torch.tensor([p.distractor_id for p in chunk], device=device))  # fmt: skip
+
+
+def _metric(logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor) -> torch.Tensor:
+    """(rows,) logit[answer] - logit[distractor] of last-position logits."""
+    logits = logits.float()
+    return logits.gather(1, answers[:, None])[:, 0] - logits.gather(1, distractors[:, None])[:, 0]
 
 
 def _run(capture, recorder: _Recorder, ids: list[list[int]], device, *, grad: bool, embeds=None):
@@ -392,13 +576,11 @@ def _check_residual(kept, parts, layer_count: int) -> None:
 
 def _batch_scores(capture, recorder, graph, parts, columns, unembed, chunk, device, method, steps, heads, kv_heads,
                   head_dim) -> dict[str, np.ndarray]:  # fmt: skip
-    answers = torch.tensor([p.answer_id for p in chunk], device=device)
-    distractors = torch.tensor([p.distractor_id for p in chunk], device=device)
+    answers, distractors = _targets(chunk, device)
     clean_ids, corrupt_ids = [p.clean_ids for p in chunk], [p.corrupt_ids for p in chunk]
 
     def metric(logits):
-        logits = logits.float()
-        return logits.gather(1, answers[:, None])[:, 0] - logits.gather(1, distractors[:, None])[:, 0]
+        return _metric(logits, answers, distractors)
 
     corrupt_logits, corrupt_kept = _run(capture, recorder, corrupt_ids, device, grad=False)
     corrupt_writes = _writes(corrupt_kept, columns, heads, head_dim)
@@ -459,3 +641,43 @@ def _dla(recorder, kept, writes, parts, columns, unembed, answers, distractors) 
     if head_bias is not None:
         bias_term = bias_term + head_bias.detach().double()[answers] - head_bias.detach().double()[distractors]
     return torch.cat([dla, bias_term[:, None]], dim=1)
+
+
+def ranked_edges(graph: Graph, mean_scores: np.ndarray) -> np.ndarray:
+    """(edges, 2) sender and receiver indices of every edge, strongest |mean score| first (ties in graph order)."""
+    senders, receivers = np.nonzero(graph.edges)
+    order = np.argsort(-np.abs(mean_scores[senders, receivers]), kind="stable")
+    return np.stack([senders[order], receivers[order]], axis=1)
+
+
+def circuit_size(share: float, edge_count: int) -> int:
+    """The edges a circuit of `share` of them holds: at least one, the share rounded up."""
+    return max(1, math.ceil(share * edge_count - 1e-9))
+
+
+def outside(graph: Graph, ranked: np.ndarray, size: int) -> np.ndarray:
+    """(senders, receivers) bool: every edge but the `size` strongest, the edges a circuit of that size leaves out
+    (they carry the corrupt prompt's sender)."""
+    mask = graph.edges.copy()
+    kept = ranked[:size]
+    mask[kept[:, 0], kept[:, 1]] = False
+    return mask
+
+
+def faithfulness(circuit: np.ndarray, clean: np.ndarray, corrupt: np.ndarray) -> float:
+    """(mean m with the circuit - mean m corrupt) / (mean m clean - mean m corrupt), means over pairs; NaN where the
+    clean and corrupt means are equal (nothing to recover)."""
+    gap = float(clean.mean() - corrupt.mean())
+    return float("nan") if gap == 0 else float((circuit.mean() - corrupt.mean()) / gap)
+
+
+def curve_areas(shares: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
+    """CPR (the area under faithfulness against the share of edges, 0 to 1) and CMD (the area of |1 - faithfulness|),
+    by trapezoids through the curve's points."""
+    x, f = np.asarray(shares, dtype=float), np.asarray(values, dtype=float)
+    width = np.diff(x)  # by hand: numpy 1.26 (which headscope takes) names it trapz, numpy 2 trapezoid
+
+    def area(y: np.ndarray) -> float:
+        return float((width * (y[1:] + y[:-1]) / 2).sum())
+
+    return area(f), area(np.abs(1 - f))

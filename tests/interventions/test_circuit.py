@@ -16,7 +16,16 @@ from typer.testing import CliRunner
 import headscope
 from headscope.cli import app
 from headscope.config import RunConfig
-from headscope.interventions.edges import build_graph, edge_scores
+from headscope.interventions.edges import (
+    EdgeModel,
+    build_graph,
+    circuit_size,
+    curve_areas,
+    edge_scores,
+    faithfulness,
+    outside,
+    ranked_edges,
+)
 from headscope.interventions.pairs import pairs_from_records, tokenize_pairs
 from headscope.model.capture import attached
 from headscope.run.plan import plan_for_model
@@ -114,6 +123,51 @@ def test_eap_ig_of_one_step_is_eap_and_steps_reach_the_scores(tiny_lm):
     assert np.abs(scores(loaded, pairs, "eap-ig", steps=4).scores - eap).max() > 100 * CLOSE
 
 
+def test_an_edge_patched_exactly_equals_the_plain_computation(tiny_lm):
+    """One edge carrying the corrupt sender's write into its receiver alone: m as the plain computation gets it with
+    the whole change added (e = 1); no edge patched: the clean run's m exactly; every edge: the corrupt run's."""
+    loaded, pairs = tiny_lm
+    plan = plan_for_model(RunConfig(), loaded)
+    reference = Reference(loaded.lm)
+    with attached(loaded.lm) as capture:
+        model = EdgeModel(capture, loaded, plan, pairs[0])
+        found = model.scores(pairs, method="eap", steps=1)
+        graph = model.graph
+        strongest = ranked_edges(graph, found.scores.mean(0))[:5]
+        masks = []
+        for sender, receiver in strongest:
+            mask = np.zeros_like(graph.edges)
+            mask[sender, receiver] = True
+            masks.append(mask)
+        patched = model.patched(pairs, [*masks, np.zeros_like(graph.edges), graph.edges])
+    for (sender, receiver), got in zip(strongest, patched, strict=False):
+        name, channel = graph.receivers[receiver]
+        writes = (reference.writes(pairs[0].corrupt_ids), reference.writes(pairs[0].clean_ids))
+        change = (writes[0][graph.senders[sender]] - writes[1][graph.senders[sender]]).detach()
+        want = float(reference.metric(pairs[0], name, channel, change, 1.0))
+        assert got[0] == pytest.approx(want, abs=CLOSE)
+    assert np.abs(patched[: len(masks)] - found.clean).max() > 100 * CLOSE  # the edges move m
+    np.testing.assert_array_equal(patched[-2], found.clean)
+    np.testing.assert_allclose(patched[-1], found.corrupt, atol=CLOSE)
+
+
+def test_the_faithfulness_of_a_circuit_and_the_curves_areas():
+    """By hand: the strongest edges first; a circuit of a share rounds up; faithfulness (m - corrupt) / (clean -
+    corrupt) of the means; CPR and CMD by trapezoids."""
+    graph = build_graph(layers=1, heads=1, kv_heads=1)  # 10 edges
+    scores = np.zeros(graph.edges.shape)
+    scores[0, -1], scores[1, -1] = -3.0, 2.0  # embed -> logits, then 0.0 -> logits
+    ranked = ranked_edges(graph, scores)
+    assert tuple(ranked[0]) == (0, len(graph.receivers) - 1) and tuple(ranked[1]) == (1, len(graph.receivers) - 1)
+    assert circuit_size(0.001, 10) == 1 and circuit_size(0.25, 10) == 3 and circuit_size(0.2, 10) == 2
+    left_out = outside(graph, ranked, 2)
+    assert left_out.sum() == graph.edge_count - 2 and not left_out[0, -1] and not left_out[1, -1]
+    assert faithfulness(np.array([1.0, 3.0]), np.array([4.0, 4.0]), np.array([0.0, 0.0])) == 0.5
+    assert np.isnan(faithfulness(np.array([1.0]), np.array([2.0]), np.array([2.0])))
+    cpr, cmd = curve_areas([0.0, 0.5, 1.0], [0.0, 1.0, 1.0])
+    assert (cpr, cmd) == (0.75, 0.25)
+
+
 def test_batching_and_pair_order_change_no_number(tiny_lm):
     loaded, pairs = tiny_lm
     together = scores(loaded, pairs, "eap")
@@ -165,6 +219,25 @@ def test_the_planted_induction_circuit_is_found(induction_lm):
     assert dla["1.0"] == pytest.approx(found.clean.mean(), rel=1e-4)
 
 
+def test_the_planted_circuit_is_the_smallest_faithful_one(induction_lm, tmp_path):
+    """The strongest few edges (the induction head into the logits, the previous-token head into its key, the
+    embeddings into the previous-token head's value) recover m; the empty circuit gives 0 and the full one 1."""
+    _, loaded, pairs = induction_lm
+    records = [{"clean": p.pair.clean, "corrupt": p.pair.corrupt, "answer": p.pair.answer,
+                "distractor": p.pair.distractor} for p in pairs]  # fmt: skip
+    found = headscope.circuit(loaded, records, method="eap-ig", verify=3, target=0.9)
+    curve = found.record["faithfulness"]
+    assert curve[0] == {"edges": 0, "share": 0.0, "faithfulness": 0.0}
+    assert curve[-1] == {"edges": found.record["graph"]["edges"], "share": 1.0, "faithfulness": 1.0}
+    smallest = found.record["circuit"]
+    assert smallest is not None and smallest["edges"] <= 5 and smallest["faithfulness"] >= 0.9
+    chosen = found.edges[found.edges["in_circuit"]]
+    assert len(chosen) == smallest["edges"]
+    chosen_edges = set(zip(chosen.sender, chosen.receiver, chosen.channel, strict=True))
+    assert {("0.0", "1.kv0", "k"), ("1.0", "logits", "")} <= chosen_edges
+    assert found.edges["exact"].notna().sum() == 3 and 0 < found.record["cpr"] <= 1
+
+
 def test_post_attention_norms_and_softcapped_logits_are_refused_in_one_line(tmp_path, corpus_lines):
     """A planted Gemma 2: its logits softcapped (the config's default), then, without that, its post-attention norm."""
     folder = build_planted_post_norm(tmp_path / "gemma", corpus_lines, causal_lm=True)
@@ -188,17 +261,25 @@ def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tm
     out = tmp_path / "circuit"
     runner = CliRunner()
     done = runner.invoke(app, ["circuit", str(folder), "--pairs", str(pairs), "--out", str(out), "--steps", "2",
-                               "--bootstrap", "50", "--device", "cpu"])  # fmt: skip
+                               "--bootstrap", "50", "--device", "cpu", "--verify", "2", "--no-curve"])  # fmt: skip
     assert done.exit_code == 0, done.output
     assert "the strongest edges" in done.output and "1.0" in done.output
     edges, nodes = pd.read_parquet(out / "edges.parquet"), pd.read_parquet(out / "nodes.parquet")
     record = json.loads((out / "circuit.json").read_text())
     assert record["method"] == "eap-ig" and record["steps"] == 2 and record["pairs"]["count"] == 2
+    assert record["verified"] == 2 and record["faithfulness"] == [] and record["circuit"] is None  # --no-curve
     assert len(edges) == record["graph"]["edges"] and sorted(edges["rank"]) == list(range(1, len(edges) + 1))
     top = edges.nsmallest(1, "rank").iloc[0]
     assert (top["sender"], top["receiver"]) == ("1.0", "logits") and top["score_ci_low"] <= top["score"]
     assert set(nodes["kind"]) == {"embed", "head", "mlp", "bias"}
-    for bad, option in ((["--steps", "0"], "--steps"), (["--method", "sideways"], "--method")):
+    bad_settings = (
+        (["--steps", "0"], "--steps"),
+        (["--method", "sideways"], "--method"),
+        (["--target", "0"], "--target"),
+        (["--target", "1.5"], "--target"),
+        (["--verify", "100000"], "--verify 100000 is more than"),
+    )
+    for bad, option in bad_settings:
         refused = runner.invoke(app, ["circuit", str(folder), "--pairs", str(pairs), "--out", str(tmp_path / "x"),
                                       *bad])  # fmt: skip
         assert_one_line_error(refused, option, code=2)
