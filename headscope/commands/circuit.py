@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from headscope.arguments import as_path
-from headscope.config import RunConfig
+from headscope.config import CHART_FORMATS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
 from headscope.interventions.edges import (
@@ -107,6 +107,7 @@ def circuit(
     report: str | Path | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
+    charts: str | None = CHART_FORMATS[0],
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
@@ -127,6 +128,7 @@ def circuit(
         report: a report of this model, for each head's role.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
+        charts: the chart format (the circuit as a graph, the faithfulness curve), or None.
         config: the settings as a RunConfig (max_memory, device, dtype, bootstrap, bootstrap_seed...).
         reporter: progress and notes.
         loader: loads the model.
@@ -137,6 +139,8 @@ def circuit(
         and the record.
     """
     check_request(method, steps, verify, target)
+    if charts is not None and charts not in CHART_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     pairs = as_pairs(pairs)
     report = as_path(report, "report")
     one_process_only("circuit")
@@ -170,6 +174,12 @@ def circuit(
             write_frame(result.edges, opened.folder / EDGES_FILE)
             write_frame(result.nodes, opened.folder / NODES_FILE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
+            if charts:
+                from headscope.report.circuit_charts import draw_circuit_charts
+
+                drawn = draw_circuit_charts(result.edges, result.nodes, result.record, opened.folder, charts)
+                for failed in drawn[1]:
+                    reporter.warn(f"could not draw {failed}; the tables and circuit.json are written")
     result.folder = opened.target
     run.done(opened)
     return result

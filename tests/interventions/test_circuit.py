@@ -268,6 +268,7 @@ def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tm
     record = json.loads((out / "circuit.json").read_text())
     assert record["method"] == "eap-ig" and record["steps"] == 2 and record["pairs"]["count"] == 2
     assert record["verified"] == 2 and record["faithfulness"] == [] and record["circuit"] is None  # --no-curve
+    assert (out / "circuit_graph.png").is_file() and not (out / "circuit_faithfulness.png").exists()
     assert len(edges) == record["graph"]["edges"] and sorted(edges["rank"]) == list(range(1, len(edges) + 1))
     top = edges.nsmallest(1, "rank").iloc[0]
     assert (top["sender"], top["receiver"]) == ("1.0", "logits") and top["score_ci_low"] <= top["score"]
