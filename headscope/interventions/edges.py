@@ -302,15 +302,23 @@ class EdgeModel:
         self.columns = [_columns(part.output).to(self.device) for part in self.parts]  # (hidden, heads * head_dim)
 
     def batches(self, pairs: Sequence[TokenizedPair]) -> Iterator[list[TokenizedPair]]:
-        """Pairs of one length together (no padding), as many as a gradient pass of --max-memory holds."""
+        """Pairs of one length together (no padding), as many as --max-memory holds: a gradient pass of their
+        tokens, and the edges' own tensors (`token_bytes` a token)."""
         by_length: dict[int, list[TokenizedPair]] = {}
         for pair in pairs:
             by_length.setdefault(pair.length, []).append(pair)
-        rows = max(1, self.plan.limits("importance").max_tokens)
+        rows = max(1, min(self.plan.limits("importance").max_tokens, self.plan.memory_budget // self.token_bytes()))
         for length, same in sorted(by_length.items()):
             per_batch = max(1, rows // length)
             for start in range(0, len(same), per_batch):
                 yield same[start : start + per_batch]
+
+    def token_bytes(self) -> int:
+        """What a token of a batch holds beyond its passes: every sender's write on the clean and the corrupt prompt
+        and its change, every receiver's gradient, and their copies laid out by position for the products (float32,
+        the width of the residual stream)."""
+        hidden = self.columns[0].shape[0]
+        return (4 * len(self.graph.senders) + 2 * len(self.graph.receivers)) * hidden * 4
 
     def scores(self, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
         """Every edge's score and every sender's DLA for each pair (EdgeScores), in pair order."""

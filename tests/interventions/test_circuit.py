@@ -177,6 +177,20 @@ def test_batching_and_pair_order_change_no_number(tiny_lm):
         np.testing.assert_allclose(getattr(apart, name), getattr(together, name), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_max_memory_sizes_the_batches(tiny_lm):
+    """--max-memory bounds a batch's tokens by what the edges hold a token (EdgeModel.token_bytes), not only by a
+    gradient pass: at the smallest budget (1 MiB) a batch holds at most 1 MiB of them."""
+    loaded, pairs = tiny_lm
+    pairs = pairs * 40  # 120 pairs of two lengths
+    plan = plan_for_model(RunConfig(), loaded)
+    with attached(loaded.lm) as capture:
+        roomy = [len(batch) for batch in EdgeModel(capture, loaded, plan, pairs[0]).batches(pairs)]
+        tight = EdgeModel(capture, loaded, plan_for_model(RunConfig(max_memory="1MiB"), loaded), pairs[0])
+        sizes = [(len(batch), batch[0].length) for batch in tight.batches(pairs)]
+    assert all(rows * length * tight.token_bytes() <= 2**20 for rows, length in sizes)
+    assert len(sizes) > len(roomy) and sum(rows for rows, _ in sizes) == len(pairs)
+
+
 def test_the_graph_joins_each_sender_to_every_later_reader():
     graph = build_graph(layers=2, heads=2, kv_heads=1)
     assert graph.senders == ("embed", "0.0", "0.1", "mlp0", "1.0", "1.1", "mlp1")
