@@ -36,9 +36,10 @@ import numpy as np
 import torch
 
 from headscope.config import DEFAULT_EDGE_STEPS, EDGE_METHODS
-from headscope.errors import ConfigError, ModelLoadError
+from headscope.errors import ConfigError, ModelLoadError, ResourceError
 from headscope.interventions.pairs import TokenizedPair
 from headscope.model.batch import collate
+from headscope.model.memory import readable
 from headscope.model.projection import output_projection
 
 METHODS, DEFAULT_STEPS = EDGE_METHODS, DEFAULT_EDGE_STEPS
@@ -307,7 +308,15 @@ class EdgeModel:
         by_length: dict[int, list[TokenizedPair]] = {}
         for pair in pairs:
             by_length.setdefault(pair.length, []).append(pair)
-        rows = max(1, min(self.plan.limits("importance").max_tokens, self.plan.memory_budget // self.token_bytes()))
+        budget, token_bytes = self.plan.memory_budget, self.token_bytes()
+        longest = max(pair.length for pair in pairs)
+        if longest * token_bytes > budget:
+            raise ResourceError(
+                f"circuit holds {readable(token_bytes)} a token (every sender's write and every receiver's gradient): "
+                f"a pair of {longest} tokens needs {readable(longest * token_bytes)} and --max-memory allows "
+                f"{readable(budget)}; raise --max-memory or shorten the prompts"
+            )
+        rows = max(1, min(self.plan.limits("importance").max_tokens, budget // token_bytes))
         for length, same in sorted(by_length.items()):
             per_batch = max(1, rows // length)
             for start in range(0, len(same), per_batch):

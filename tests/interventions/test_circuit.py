@@ -189,6 +189,12 @@ def test_max_memory_sizes_the_batches(tiny_lm):
         sizes = [(len(batch), batch[0].length) for batch in tight.batches(pairs)]
     assert all(rows * length * tight.token_bytes() <= 2**20 for rows, length in sizes)
     assert len(sizes) > len(roomy) and sum(rows for rows, _ in sizes) == len(pairs)
+    words = [w for w in loaded.tokenizer.get_vocab() if w.isalpha()][:3]
+    long = " ".join(words[:2] * (2**20 // tight.token_bytes()))  # more tokens than 1 MiB holds
+    record = {"clean": long, "corrupt": long.replace(words[0], words[1], 1), "answer": words[2], "distractor": words[0]}
+    too_long = tokenize_pairs(pairs_from_records([record]), loaded.tokenizer, None)
+    with pytest.raises(headscope.HeadscopeError, match="raise --max-memory or shorten the prompts"):
+        list(tight.batches(too_long))
 
 
 def test_the_graph_joins_each_sender_to_every_later_reader():
