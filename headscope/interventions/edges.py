@@ -145,7 +145,6 @@ class _Recorder:
     def __init__(self, model, decoder, parts: list[_Parts], final_norm: torch.nn.Module, mlp_norms: list) -> None:
         self.model, self.decoder, self.parts = model, decoder, parts
         self.final_norm, self.mlp_norms = final_norm, mlp_norms
-        self.kept: dict[str, list] = {}
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[dict[str, list]]:
@@ -478,11 +477,6 @@ class EdgeModel:
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def edge_scores(capture, loaded, plan, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
-    """Every edge's score and every sender's DLA for each pair (EdgeModel.scores). capture: `loaded.lm` attached."""
-    return EdgeModel(capture, loaded, plan, pairs[0]).scores(pairs, method=method, steps=steps)
 
 
 def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ from headscope.interventions.edges import (
     build_graph,
     circuit_size,
     curve_areas,
-    edge_scores,
     faithfulness,
     outside,
     ranked_edges,
@@ -68,7 +67,7 @@ def tiny_lm(request, tmp_path_factory, corpus_lines):
 def scores(loaded, pairs, method, steps=3, **settings):
     plan = plan_for_model(RunConfig(**settings), loaded)
     with attached(loaded.lm) as capture:
-        return edge_scores(capture, loaded, plan, pairs, method=method, steps=steps)
+        return EdgeModel(capture, loaded, plan, pairs[0]).scores(pairs, method=method, steps=steps)
 
 
 @pytest.mark.parametrize("method", ["eap", "eap-ig"])
