@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headscope.arguments import as_path
+from headscope.arguments import as_number, as_path
 from headscope.config import CHART_FORMATS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
@@ -138,7 +138,7 @@ def circuit(
         A Circuit: edges (sender, receiver, channel, score with its interval, rank), nodes (DLA with its interval)
         and the record.
     """
-    check_request(method, steps, verify, target)
+    steps, verify, target = check_request(method, steps, verify, target)
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     pairs = as_pairs(pairs)
@@ -185,18 +185,22 @@ def circuit(
     return result
 
 
-def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARGET) -> None:
+def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARGET) -> tuple[int, int, float]:
     """Refuse, before anything loads, a method circuit does not know, a step count that is not a whole number of at
     least 1, a negative --verify and a --target outside (0, 1] (a --verify beyond the edges is refused once the model
-    says how many there are)."""
+    says how many there are). Numbers of any type are taken as numbers (arguments.as_number); returns them as the
+    code uses them."""
     if method not in METHODS:
         raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
-        raise ConfigError(f"--steps must be a whole number of at least 1; got {steps!r}")
-    if isinstance(verify, bool) or not isinstance(verify, int | np.integer) or verify < 0:
-        raise ConfigError(f"--verify must be a whole number of at least 0; got {verify!r}")
-    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
-        raise ConfigError(f"--target must be in (0, 1]; got {target!r}")
+    steps, verify = as_number(steps, "--steps", whole=True), as_number(verify, "--verify", whole=True)
+    target = as_number(target, "--target")
+    if steps < 1:
+        raise ConfigError(f"--steps must be a whole number of at least 1; got {steps}")
+    if verify < 0:
+        raise ConfigError(f"--verify must be a whole number of at least 0; got {verify}")
+    if not 0 < target <= 1:
+        raise ConfigError(f"--target must be in (0, 1]; got {target}")
+    return steps, verify, target
 
 
 @dataclass

@@ -271,6 +271,26 @@ def test_post_attention_norms_and_softcapped_logits_are_refused_in_one_line(tmp_
         headscope.circuit(loaded, pairs, method="eap")
 
 
+def test_numbers_of_any_type_are_taken_as_numbers():
+    """The API takes numpy's numbers and numeric text as the CLI would (arguments.as_number), and refuses in one line
+    what is no number or out of range."""
+    from headscope.commands.circuit import check_request
+
+    assert check_request("eap-ig", np.int64(3), np.int32(2), np.float32(0.3)) == (3, 2, 0.3)
+    assert check_request("eap", "4", 0, "1") == (4, 0, 1)
+    refused = (
+        ((0, 10, 0.8), "--steps"),
+        ((2.5, 10, 0.8), "--steps"),
+        ((5, -1, 0.8), "--verify"),
+        ((5, True, 0.8), "--verify"),
+        ((5, 10, 0.0), "--target"),
+        ((5, 10, "high"), "--target"),
+    )
+    for bad, option in refused:
+        with pytest.raises(headscope.HeadscopeError, match=option):
+            check_request("eap-ig", *bad)
+
+
 def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tmp_path):
     folder, _, _ = induction_lm
     pairs = tmp_path / "pairs.jsonl"
