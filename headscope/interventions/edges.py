@@ -38,6 +38,7 @@ import torch
 from headscope.config import DEFAULT_EDGE_STEPS, EDGE_METHODS
 from headscope.errors import ConfigError, ModelLoadError, ResourceError
 from headscope.interventions.pairs import TokenizedPair
+from headscope.interventions.patching import logit_difference
 from headscope.model.batch import collate
 from headscope.model.memory import readable
 from headscope.model.projection import output_projection
@@ -264,10 +265,10 @@ class _FrozenNorm:
             "rms": (False, w, x.square().mean(-1, keepdim=True).add(eps).rsqrt()),
             "rms 1 + w": (False, 1 + w, x.square().mean(-1, keepdim=True).add(eps).rsqrt()),
         }
-        for kind, (centre, gain, scale) in candidates.items():
+        for centre, gain, scale in candidates.values():
             got = (centred if centre else x) * scale * gain + b
             if (got - want).abs().max() <= NORM_CHECK * want.abs().max() + 1e-30:
-                self.kind, self.centre, self.gain, self.scale, self.bias = kind, centre, gain, scale, b
+                self.centre, self.gain, self.scale, self.bias = centre, gain, scale, b
                 return
         raise ModelLoadError(
             f"circuit cannot linearise the final norm ({type(norm).__name__}): neither a LayerNorm nor an RMS norm"
@@ -353,16 +354,51 @@ class EdgeModel:
             rows = []
             for mask in excluded:
                 logits = self._patched_run(chunk, corrupt, torch.as_tensor(mask, device=self.device))
-                rows.append(_metric(logits, answers, distractors).double().cpu().numpy())
+                rows.append(logit_difference(logits, answers, distractors).double().cpu().numpy())
             found.append(np.stack(rows))
             ids.append(np.array([p.pair.pair_id for p in chunk]))
         order = np.argsort(np.concatenate(ids), kind="stable")
         return np.concatenate(found, axis=1)[:, order]
 
-    def _batch_scores(self, chunk, method, steps) -> dict[str, np.ndarray]:
-        return _batch_scores(self.capture, self.recorder, self.graph, self.parts, self.columns,
-                             self.model.get_output_embeddings(), chunk, self.device, method, steps, self.heads,
-                             self.kv_heads, self.head_dim)  # fmt: skip
+    def _batch_scores(self, chunk, method: str, steps: int) -> dict[str, np.ndarray]:
+        """One batch's edge scores, DLA and m on both prompts: a corrupt pass, a clean pass with gradients (and, for
+        EAP-IG, `steps` interpolated ones), the receivers' gradients, the products."""
+        capture, recorder, parts, device = self.capture, self.recorder, self.parts, self.device
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        answers, distractors = _targets(chunk, device)
+        clean_ids, corrupt_ids = [p.clean_ids for p in chunk], [p.corrupt_ids for p in chunk]
+
+        def metric(logits):
+            return logit_difference(logits, answers, distractors)
+
+        corrupt_logits, corrupt_kept = _run(capture, recorder, corrupt_ids, device, grad=False)
+        corrupt_writes = _writes(corrupt_kept, self.columns, heads, head_dim)
+        corrupt_embeds = _embeddings(self.model, corrupt_ids, device)
+        with torch.enable_grad():
+            clean_logits, kept = _run(capture, recorder, clean_ids, device, grad=True)
+            _check_residual(kept, parts, len(parts))
+            clean_writes = _writes(kept, self.columns, heads, head_dim)
+            m_clean = metric(clean_logits)
+            if method == "eap":
+                gradients = _receiver_gradients(m_clean, kept, parts, heads, kv_heads, head_dim)
+            else:
+                clean_embeds = _embeddings(self.model, clean_ids, device)
+                gradients = None
+                for k in range(1, steps + 1):
+                    between = torch.lerp(corrupt_embeds, clean_embeds, k / steps)  # the last: the clean inputs exactly
+                    step_logits, step_kept = _run(capture, recorder, clean_ids, device, grad=True, embeds=between)
+                    found = _receiver_gradients(metric(step_logits), step_kept, parts, heads, kv_heads, head_dim)
+                    gradients = found if gradients is None else gradients + found
+                gradients = gradients / steps
+            unembed = self.model.get_output_embeddings()
+            dla = _dla(recorder, kept, clean_writes, parts, unembed, answers, distractors)
+        scores = _products(self.graph, corrupt_writes - clean_writes, gradients)
+        return {
+            "scores": scores.cpu().numpy(),
+            "dla": dla.cpu().numpy(),
+            "clean": m_clean.detach().double().cpu().numpy(),
+            "corrupt": metric(corrupt_logits).double().cpu().numpy(),
+        }
 
     def _patched_run(self, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
         """The clean prompts' last logits, the `excluded` edges carrying `corrupt` writes (senders, rows, t, hidden)."""
@@ -408,11 +444,7 @@ class EdgeModel:
             handles.append(block.register_forward_pre_hook(entering, with_kwargs=True))
 
             def heads_written(module, args, layer=layer):
-                z = args[0].detach().float()
-                rows, t = z.shape[:2]
-                weight = self.columns[layer].view(-1, heads, head_dim)
-                per_head = torch.einsum("rthd,mhd->hrtm", z.view(rows, t, heads, head_dim), weight)
-                wrote(sender_index[f"{layer}.0"], per_head)
+                wrote(sender_index[f"{layer}.0"], _head_writes(args[0], self.columns[layer], heads, head_dim))
 
             handles.append(part.output.register_forward_pre_hook(heads_written))
 
@@ -491,12 +523,6 @@ def _targets(chunk, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor([p.distractor_id for p in chunk], device=device))  # fmt: skip
 
 
-def _metric(logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor) -> torch.Tensor:
-    """(rows,) logit[answer] - logit[distractor] of last-position logits."""
-    logits = logits.float()
-    return logits.gather(1, answers[:, None])[:, 0] - logits.gather(1, distractors[:, None])[:, 0]
-
-
 def _run(capture, recorder: _Recorder, ids: list[list[int]], device, *, grad: bool, embeds=None):
     """One pass of the rows `ids` (one length: no padding), with the recorder's hooks; embeds: what the embedding
     module returns instead (EAP-IG's interpolated inputs). Returns (logits at the last position, kept tensors)."""
@@ -510,15 +536,20 @@ def _run(capture, recorder: _Recorder, ids: list[list[int]], device, *, grad: bo
     return output.logits[:, -1], kept
 
 
+def _head_writes(z: torch.Tensor, columns: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """(heads, rows, t, hidden) float32: each head's output z (rows, t, heads * head_dim) through its columns of the
+    output projection (hidden, heads * head_dim), no bias."""
+    rows, t = z.shape[:2]
+    per_head = z.detach().float().view(rows, t, heads, head_dim)
+    return torch.einsum("rthd,mhd->hrtm", per_head, columns.view(-1, heads, head_dim))
+
+
 def _writes(kept, columns, heads: int, head_dim: int) -> torch.Tensor:
     """(senders, rows, t, hidden) float32: what each sender writes into the residual stream, in graph order: embed,
     then per layer its heads and its MLP."""
     writes = [kept["r"][0].detach().float()]
     for layer, weight in enumerate(columns):
-        z = kept["z"][layer].detach().float()
-        rows, t = z.shape[:2]
-        per_head = torch.einsum("rthd,mhd->hrtm", z.view(rows, t, heads, head_dim), weight.view(-1, heads, head_dim))
-        writes += list(per_head)
+        writes += list(_head_writes(kept["z"][layer], weight, heads, head_dim))
         writes.append(kept["mlp"][layer].detach().float())
     return torch.stack(writes)
 
@@ -591,43 +622,6 @@ def _check_residual(kept, parts, layer_count: int) -> None:
                                   "norm): circuit does not take this architecture yet")  # fmt: skip
 
 
-def _batch_scores(capture, recorder, graph, parts, columns, unembed, chunk, device, method, steps, heads, kv_heads,
-                  head_dim) -> dict[str, np.ndarray]:  # fmt: skip
-    answers, distractors = _targets(chunk, device)
-    clean_ids, corrupt_ids = [p.clean_ids for p in chunk], [p.corrupt_ids for p in chunk]
-
-    def metric(logits):
-        return _metric(logits, answers, distractors)
-
-    corrupt_logits, corrupt_kept = _run(capture, recorder, corrupt_ids, device, grad=False)
-    corrupt_writes = _writes(corrupt_kept, columns, heads, head_dim)
-    corrupt_embeds = _embeddings(recorder.model, corrupt_ids, device)
-    with torch.enable_grad():
-        clean_logits, kept = _run(capture, recorder, clean_ids, device, grad=True)
-        _check_residual(kept, parts, len(parts))
-        clean_writes = _writes(kept, columns, heads, head_dim)
-        m_clean = metric(clean_logits)
-        if method == "eap":
-            gradients = _receiver_gradients(m_clean, kept, parts, heads, kv_heads, head_dim)
-        else:
-            clean_embeds = _embeddings(recorder.model, clean_ids, device)
-            gradients = None
-            for k in range(1, steps + 1):
-                between = torch.lerp(corrupt_embeds, clean_embeds, k / steps)  # the last: the clean inputs exactly
-                step_logits, step_kept = _run(capture, recorder, clean_ids, device, grad=True, embeds=between)
-                found = _receiver_gradients(metric(step_logits), step_kept, parts, heads, kv_heads, head_dim)
-                gradients = found if gradients is None else gradients + found
-            gradients = gradients / steps
-        dla = _dla(recorder, kept, clean_writes, parts, columns, unembed, answers, distractors)
-    scores = _products(graph, corrupt_writes - clean_writes, gradients)
-    return {
-        "scores": scores.cpu().numpy(),
-        "dla": dla.cpu().numpy(),
-        "clean": m_clean.detach().double().cpu().numpy(),
-        "corrupt": metric(corrupt_logits).double().cpu().numpy(),
-    }
-
-
 def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
     """(rows, senders, receivers) float64: sum over positions and features of change (senders, rows, t, hidden) times
     gradients (receivers, rows, t, hidden), 0 where there is no edge. Senders and receivers are in the order of the
@@ -659,7 +653,7 @@ def _embeddings(model, ids: list[list[int]], device) -> torch.Tensor:
         return model.get_input_embeddings()(torch.tensor(ids, device=device)).detach()
 
 
-def _dla(recorder, kept, writes, parts, columns, unembed, answers, distractors) -> torch.Tensor:
+def _dla(recorder, kept, writes, parts, unembed, answers, distractors) -> torch.Tensor:
     """(rows, senders + 1) float64: each sender's write at the last position through the frozen final norm, on
     W_U[answer] - W_U[distractor]; last, the biases' (the attention output projections', the final norm's, the LM
     head's)."""
