@@ -8,8 +8,8 @@ component's direct logit attribution, each the mean over pairs with a paired boo
                    prompt's sender: the faithfulness curve, CPR, CMD and the smallest circuit that reaches `target`
     the output     edges.parquet (every edge, ranked by |score|), nodes.parquet (each component's DLA), circuit.json
 
-Not built yet (docs/circuit.md says so): the circuit graph and page, positions by role, MIB's greedy growth, and
-models with post-attention norms (refused in one line).
+Not built yet (docs/circuit.md says so): the circuit page, positions by role, MIB's greedy growth, attention beside
+the MLP (refused in one line).
 """
 
 from __future__ import annotations
@@ -26,18 +26,15 @@ from headscope.arguments import as_number, as_path
 from headscope.config import CHART_FORMATS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
-from headscope.interventions.edges import (
+from headscope.interventions.edge_graph import (
     CURVE_SHARES,
-    DEFAULT_STEPS,
-    METHODS,
-    EdgeModel,
-    EdgeScores,
     circuit_size,
     curve_areas,
     faithfulness,
     outside,
     ranked_edges,
 )
+from headscope.interventions.edges import DEFAULT_STEPS, METHODS, EdgeModel, EdgeScores
 from headscope.interventions.pairs import as_pairs, tokenize_pairs
 from headscope.layout import CIRCUIT_RECORD, EDGES_FILE, NODES_FILE
 from headscope.model.capture import attached

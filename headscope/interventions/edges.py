@@ -1,34 +1,28 @@
-"""Which components feed which: edge attribution patching (EAP, EAP-IG) over every edge of a model's graph, and
-direct logit attribution (DLA) of every component, for prompt pairs (docs/circuit.md has the definitions).
-
-The graph. Senders write into the residual stream: `embed` (what enters the first layer: token embeddings, with any
-position embedding and scaling the model applies), each head `L.H` (its output through its columns of the output
-projection) and each MLP `mlpL`. Receivers read it: each query head's query input (`L.H`, channel q), each key-value
-head's key and value inputs (`L.kvG`, channels k and v: a grouped-KV model's query heads share them), each MLP's
-input (`mlpL`) and the logits (`logits`). An edge joins a sender to every receiver that reads after it: layer L's
-heads and MLP read every sender of the layers before; layer L's MLP also reads layer L's heads; the logits read every
-sender.
+"""Which components feed which: edge attribution patching (EAP, EAP-IG) over every edge of a model's graph
+(edge_graph), and direct logit attribution (DLA) of every component, for prompt pairs (docs/circuit.md has the
+definitions). Where each layer's pieces sit, and the maps of its norms: edge_layers.
 
 EAP (Syed et al. 2023): score(u -> r.c) = sum over positions t of (s_u^corrupt(t) - s_u^clean(t)) . g_r,c(t), with s_u
 the sender's write into the residual stream and g_r,c the gradient of the metric m with respect to the residual stream
 where r reads it, through r's channel c alone (r's input norm and its rows of the q, k or v projection; the MLP's input
-norm and the MLP; the final norm and the LM head), at the clean run. A negative score: corrupting the edge lowers m.
-EAP-IG (Hanna et al. 2024, "EAP-IG-inputs"): the same products, g averaged over `steps` runs whose input embeddings
-lie on the straight line from the corrupt prompt's to the clean one's (at k / steps, k = 1..steps).
+norm, the MLP and its post-norm; the final norm and the LM head), at the clean run. A negative score: corrupting the
+edge lowers m. A head behind a post-attention norm P (Gemma 2 and 3, OLMo 2) changes the stream by P's Jacobian at
+the clean run times W_h (z_h corrupt - z_h clean). EAP-IG (Hanna et al. 2024, "EAP-IG-inputs"): the same products, g
+averaged over `steps` runs whose input embeddings lie on the straight line from the corrupt prompt's to the clean
+one's (at k / steps, k = 1..steps).
 
-DLA: each sender's write at the last position through the final norm with the norm's scale frozen at the clean run,
-projected on W_U[answer] - W_U[distractor]; the biases (attention output projections', the final norm's, the LM
-head's) are one more component, `bias`, so the components add up to m.
+DLA: each sender's write at the last position through the norms after it with their scales frozen at the clean run (a
+post-attention norm's, then the final norm's), projected on W_U[answer] - W_U[distractor]; the biases (the output
+projections', the norms', the LM head's) are one more component, `bias`, so the components add up to m. Softcapped
+logits (Gemma 2): every component times m over the uncapped sum, the softcap's secant at the clean run.
 
-Models whose attention output is not added as it is to the residual stream the MLP reads (post-attention norms, as
-in Gemma 2 and OLMo 2; attention beside the MLP, as in GPT-J), and models that softcap their logits, are refused in
-one line: their edges need a norm's Jacobian this version does not take.
+Attention beside the MLP (GPT-J) and residual multipliers (Granite) are refused in one line: the stream the graph
+adds up is not the model's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -36,56 +30,24 @@ import numpy as np
 import torch
 
 from headscope.config import DEFAULT_EDGE_STEPS, EDGE_METHODS
-from headscope.errors import ConfigError, ModelLoadError, ResourceError
+from headscope.errors import ConfigError, ResourceError
+from headscope.interventions.edge_graph import Graph, build_graph
+from headscope.interventions.edge_layers import (
+    NORM_CHECK,
+    FrozenNorm,
+    LayerPlaces,
+    find_places,
+    head_columns,
+    norm_jvp,
+    project,
+    through,
+)
 from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.patching import logit_difference
 from headscope.model.batch import collate
 from headscope.model.memory import readable
-from headscope.model.projection import output_projection
 
 METHODS, DEFAULT_STEPS = EDGE_METHODS, DEFAULT_EDGE_STEPS
-# The faithfulness curve's circuits, as shares of the edges (MIB's sizes from 0.1%; the empty circuit and the full one
-# are 0 and 1 by definition, and cost no pass): nine patched passes.
-CURVE_SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-# Relative error up to which the linearised final norm must reproduce the model's own (float32 rounding of a norm).
-NORM_CHECK = 1e-4
-
-
-@dataclass(frozen=True)
-class Graph:
-    """Every node and edge of a model's graph. senders: names; receivers: (name, channel); edges: (senders,
-    receivers) bool, True where the receiver reads after the sender writes."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    senders: tuple[str, ...]
-    receivers: tuple[tuple[str, str], ...]
-    edges: np.ndarray
-
-    @property
-    def edge_count(self) -> int:
-        return int(self.edges.sum())
-
-
-def build_graph(layers: int, heads: int, kv_heads: int) -> Graph:
-    """The graph of a decoder of `layers` layers, each `heads` query heads on `kv_heads` key-value heads and an MLP."""
-    senders, sender_step = ["embed"], [-1]
-    receivers, receiver_step = [], []
-    for layer in range(layers):
-        senders += [f"{layer}.{head}" for head in range(heads)]
-        sender_step += [2 * layer] * heads
-        senders.append(f"mlp{layer}")
-        sender_step.append(2 * layer + 1)
-        receivers += [(f"{layer}.{head}", "q") for head in range(heads)]
-        receivers += [(f"{layer}.kv{group}", channel) for channel in ("k", "v") for group in range(kv_heads)]
-        receiver_step += [2 * layer] * (heads + 2 * kv_heads)
-        receivers.append((f"mlp{layer}", ""))
-        receiver_step.append(2 * layer + 1)
-    receivers.append(("logits", ""))
-    receiver_step.append(2 * layers)
-    edges = np.array(sender_step)[:, None] < np.array(receiver_step)[None, :]
-    return Graph(layers, heads, kv_heads, tuple(senders), tuple(receivers), edges)
 
 
 @dataclass
@@ -101,56 +63,19 @@ class EdgeScores:
     pair_ids: np.ndarray
 
 
-@dataclass(frozen=True)
-class _Parts:
-    """Where a decoder layer's pieces are: its attention's q, k, v projections (or one fused q|k|v projection),
-    output projection, and MLP."""
-
-    q: torch.nn.Module | None
-    k: torch.nn.Module | None
-    v: torch.nn.Module | None
-    fused: torch.nn.Module | None
-    output: torch.nn.Module
-    mlp: torch.nn.Module
-
-
-def _layer_parts(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> _Parts:
-    names = dict(layer.named_modules())
-    attention = next((m for n, m in names.items() if n.rpartition(".")[2] in ("self_attn", "attn", "attention")), None)
-    mlp = getattr(layer, "mlp", None)
-    if attention is None or mlp is None:
-        raise ModelLoadError(f"{type(layer).__name__}: circuit finds no attention or no mlp module in a decoder layer")
-    _, out = output_projection(layer, heads * head_dim)
-    own = dict(attention.named_children())
-    if all(name in own for name in ("q_proj", "k_proj", "v_proj")):
-        return _Parts(own["q_proj"], own["k_proj"], own["v_proj"], None, out, mlp)
-    if "c_attn" in own and kv_heads == heads:  # GPT-2: one Conv1D computing q | k | v
-        return _Parts(None, None, None, own["c_attn"], out, mlp)
-    raise ModelLoadError(
-        f"{type(attention).__name__}: circuit reads q_proj, k_proj and v_proj (or GPT-2's c_attn); this attention "
-        "has neither"
-    )
-
-
-def _columns(projection: torch.nn.Module) -> torch.Tensor:
-    """(hidden, inputs) float32 weight of a Linear or GPT-2 Conv1D."""
-    weight = projection.weight.detach().float()
-    return weight.T if type(projection).__name__ == "Conv1D" else weight
-
-
 class _Recorder:
-    """Hooks on every decoder layer for one pass: the residual stream entering each layer (r_L), the heads' outputs
-    before the output projection, the q, k and v projections' outputs, the MLP's input residual (h_L) and output, and
-    the final norm's input; torch tensors of the pass's graph (with gradients where the pass builds them)."""
+    """Hooks on every decoder layer for one pass: the residual stream entering each layer (r), the heads' outputs
+    before the output projection (z) and its result (attn), the post-attention norm's output (post), the q, k and v
+    projections' outputs, the stream the MLP reads (h), the MLP's write (mlp: after its post-norm where there is one)
+    and the final norm's input; torch tensors of the pass's graph (with gradients where the pass builds them)."""
 
-    def __init__(self, model, decoder, parts: list[_Parts], final_norm: torch.nn.Module, mlp_norms: list) -> None:
-        self.model, self.decoder, self.parts = model, decoder, parts
-        self.final_norm, self.mlp_norms = final_norm, mlp_norms
+    def __init__(self, model, decoder, places: list[LayerPlaces], final_norm: torch.nn.Module) -> None:
+        self.model, self.decoder, self.places, self.final_norm = model, decoder, places, final_norm
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[dict[str, list]]:
         depth = len(self.decoder)
-        kept = {name: [None] * depth for name in ("r", "z", "q", "k", "v", "h", "mlp", "attn")}
+        kept = {name: [None] * depth for name in ("r", "z", "q", "k", "v", "h", "mlp", "attn", "post")}
         kept["final"] = [None]
         handles = []
 
@@ -164,122 +89,30 @@ class _Recorder:
 
             return hook
 
-        for index, (layer, parts) in enumerate(zip(self.decoder, self.parts, strict=True)):
-            handles.append(layer.register_forward_pre_hook(keep("r", index, position="input"), with_kwargs=True))
-            handles.append(parts.output.register_forward_pre_hook(keep("z", index, position="input"), with_kwargs=True))
-            handles.append(parts.output.register_forward_hook(keep("attn", index, position="output")))
-            handles.append(parts.mlp.register_forward_hook(keep("mlp", index, position="output")))
-            norm = self.mlp_norms[index]
-            handles.append(norm.register_forward_pre_hook(keep("h", index, position="input"), with_kwargs=True))
-            if parts.fused is not None:
-                handles.append(parts.fused.register_forward_hook(keep("q", index, position="output")))
+        def on(module, name, index, position):
+            if position == "input":
+                handles.append(module.register_forward_pre_hook(keep(name, index, position=position), with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(keep(name, index, position=position)))
+
+        for index, (layer, place) in enumerate(zip(self.decoder, self.places, strict=True)):
+            on(layer, "r", index, "input")
+            on(place.output, "z", index, "input")
+            on(place.output, "attn", index, "output")
+            on(place.post_attention or place.output, "post", index, "output")
+            on(place.post_mlp or place.mlp, "mlp", index, "output")
+            on(place.mlp_norm or place.mlp, "h", index, "input")
+            if place.fused is not None:
+                on(place.fused, "q", index, "output")
             else:
                 for name in ("q", "k", "v"):
-                    handles.append(getattr(parts, name).register_forward_hook(keep(name, index, position="output")))
-        handles.append(self.final_norm.register_forward_pre_hook(keep("final", 0, position="input"), with_kwargs=True))
+                    on(getattr(place, name), name, index, "output")
+        on(self.final_norm, "final", 0, "input")
         try:
             yield kept
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def _find_norms(
-    capture, model, decoder, parts: list[_Parts], ids: list[int], device
-) -> tuple[list, list, torch.nn.Module]:
-    """Each layer's attention input norm (whose output the q projection reads) and MLP input norm (whose output is the
-    MLP's input), and the final norm (whose output is the LM head's input), found by one pass on `ids`: the data
-    flow, not module names."""
-    outputs, handles = {}, []
-    wanted = {}
-
-    def remember(module, args, output):
-        # By storage: the LM head may read a view of the final norm's output (logits_to_keep slices it); the first
-        # module to produce a storage made it (dropout and identity modules pass it on). Kept alive with the map,
-        # so that no later tensor takes its storage.
-        if isinstance(output, torch.Tensor):
-            outputs.setdefault(output.untyped_storage().data_ptr(), (module, output))
-
-    def want(name):
-        def hook(module, args):
-            wanted[name] = (args[0].untyped_storage().data_ptr(), args[0])
-
-        return hook
-
-    for layer, part in zip(decoder, parts, strict=True):
-        for child in layer.children():
-            handles.append(child.register_forward_hook(remember))
-        handles.append(part.mlp.register_forward_pre_hook(want(id(part.mlp))))
-        reads = part.fused if part.fused is not None else part.q
-        handles.append(reads.register_forward_pre_hook(want(id(reads))))
-    head = model.get_output_embeddings()
-    for module in model.modules():
-        if module is not head and not any(module is layer for layer in decoder) and len(list(module.children())) == 0:
-            handles.append(module.register_forward_hook(remember))
-    handles.append(head.register_forward_pre_hook(want("head")))
-    try:
-        capture.run(collate([0], [ids]).to(device))
-    finally:
-        for handle in handles:
-            handle.remove()
-
-    def producer(name):
-        found = outputs.get(wanted[name][0]) if name in wanted else None
-        return None if found is None else found[0]
-
-    norms, inputs = [], []
-    for index, part in enumerate(parts):
-        norm = producer(id(part.mlp))
-        if norm is None or norm is part.mlp:
-            raise ModelLoadError(f"layer {index}'s MLP reads no norm of the residual stream; circuit cannot place it")
-        norms.append(norm)
-        reads = part.fused if part.fused is not None else part.q
-        norm = producer(id(reads))
-        if norm is None:
-            raise ModelLoadError(
-                f"layer {index}'s attention reads no norm of the residual stream; circuit cannot place its inputs"
-            )
-        inputs.append(norm)
-    final = producer("head")
-    if final is None:
-        raise ModelLoadError("the LM head reads no final norm; circuit cannot place the logits' input")
-    return inputs, norms, final
-
-
-class _FrozenNorm:
-    """The final norm as a linear map, its scale frozen at the clean run: LayerNorm's g (x - mean x) / sigma or an RMS
-    norm's g x / rms (g or 1 + w, whichever reproduces the module), its bias kept apart."""
-
-    def __init__(self, norm: torch.nn.Module, residual: torch.Tensor, output: torch.Tensor) -> None:
-        x = residual.detach().double()
-        want = output.detach().double()
-        weight = getattr(norm, "weight", None)
-        bias = getattr(norm, "bias", None)
-        eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
-        w = torch.ones(x.shape[-1], dtype=torch.float64) if weight is None else weight.detach().double().cpu()
-        w = w.to(x.device)
-        b = torch.zeros_like(w) if bias is None else bias.detach().double().to(x.device)
-        centred = x - x.mean(-1, keepdim=True)
-        candidates = {
-            "layer": (True, w, centred.square().mean(-1, keepdim=True).add(eps).rsqrt()),
-            "rms": (False, w, x.square().mean(-1, keepdim=True).add(eps).rsqrt()),
-            "rms 1 + w": (False, 1 + w, x.square().mean(-1, keepdim=True).add(eps).rsqrt()),
-        }
-        for centre, gain, scale in candidates.values():
-            got = (centred if centre else x) * scale * gain + b
-            if (got - want).abs().max() <= NORM_CHECK * want.abs().max() + 1e-30:
-                self.centre, self.gain, self.scale, self.bias = centre, gain, scale, b
-                return
-        raise ModelLoadError(
-            f"circuit cannot linearise the final norm ({type(norm).__name__}): neither a LayerNorm nor an RMS norm"
-        )
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (rows, n, hidden), writes at the one position per row `scale` was frozen at."""
-        x = x.double()
-        if self.centre:
-            x = x - x.mean(-1, keepdim=True)
-        return x * self.scale * self.gain
 
 
 class EdgeModel:
@@ -289,18 +122,17 @@ class EdgeModel:
 
     def __init__(self, capture, loaded, plan, first: TokenizedPair) -> None:
         model = loaded.lm
-        if getattr(model.config, "final_logit_softcapping", None):
-            raise ConfigError("circuit does not take models that softcap their logits (final_logit_softcapping)")
         architecture = plan.architecture
         self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
         self.capture, self.model, self.plan, self.device = capture, model, plan, loaded.device
         self.decoder = capture.decoder
-        self.parts = [_layer_parts(layer, self.heads, self.kv_heads, self.head_dim) for layer in self.decoder]
-        self.input_norms, mlp_norms, final_norm = _find_norms(capture, model, self.decoder, self.parts, first.clean_ids,
-                                                              self.device)  # fmt: skip
+        self.places, final_norm = find_places(capture, model, self.decoder, self.heads, self.kv_heads, self.head_dim,
+                                              first.clean_ids, self.device)  # fmt: skip
         self.graph = build_graph(len(self.decoder), self.heads, self.kv_heads)
-        self.recorder = _Recorder(model, self.decoder, self.parts, final_norm, mlp_norms)
-        self.columns = [_columns(part.output).to(self.device) for part in self.parts]  # (hidden, heads * head_dim)
+        self.recorder = _Recorder(model, self.decoder, self.places, final_norm)
+        self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)
+        # A head of a layer with a post-attention norm writes through it: not a sum of its own (see _changes).
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def batches(self, pairs: Sequence[TokenizedPair]) -> Iterator[list[TokenizedPair]]:
         """Pairs of one length together (no padding), as many as --max-memory holds: a gradient pass of their
@@ -350,7 +182,7 @@ class EdgeModel:
         for chunk in self.batches(pairs):
             answers, distractors = _targets(chunk, self.device)
             _, corrupt_kept = _run(self.capture, self.recorder, [p.corrupt_ids for p in chunk], self.device, grad=False)
-            corrupt = _writes(corrupt_kept, self.columns, self.heads, self.head_dim)
+            corrupt = self._writes(corrupt_kept)
             rows = []
             for mask in excluded:
                 logits = self._patched_run(chunk, corrupt, torch.as_tensor(mask, device=self.device))
@@ -363,36 +195,37 @@ class EdgeModel:
     def _batch_scores(self, chunk, method: str, steps: int) -> dict[str, np.ndarray]:
         """One batch's edge scores, DLA and m on both prompts: a corrupt pass, a clean pass with gradients (and, for
         EAP-IG, `steps` interpolated ones), the receivers' gradients, the products."""
-        capture, recorder, parts, device = self.capture, self.recorder, self.parts, self.device
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        capture, recorder, places, device = self.capture, self.recorder, self.places, self.device
         answers, distractors = _targets(chunk, device)
         clean_ids, corrupt_ids = [p.clean_ids for p in chunk], [p.corrupt_ids for p in chunk]
 
         def metric(logits):
             return logit_difference(logits, answers, distractors)
 
+        def gradients_of(m, kept):
+            return _receiver_gradients(m, kept, places, self.heads, self.kv_heads, self.head_dim)
+
         corrupt_logits, corrupt_kept = _run(capture, recorder, corrupt_ids, device, grad=False)
-        corrupt_writes = _writes(corrupt_kept, self.columns, heads, head_dim)
+        corrupt_writes = self._writes(corrupt_kept)
         corrupt_embeds = _embeddings(self.model, corrupt_ids, device)
         with torch.enable_grad():
             clean_logits, kept = _run(capture, recorder, clean_ids, device, grad=True)
-            _check_residual(kept, parts, len(parts))
-            clean_writes = _writes(kept, self.columns, heads, head_dim)
+            _check_residual(kept, len(places))
+            clean_writes = self._writes(kept)
             m_clean = metric(clean_logits)
             if method == "eap":
-                gradients = _receiver_gradients(m_clean, kept, parts, heads, kv_heads, head_dim)
+                gradients = gradients_of(m_clean, kept)
             else:
                 clean_embeds = _embeddings(self.model, clean_ids, device)
                 gradients = None
                 for k in range(1, steps + 1):
                     between = torch.lerp(corrupt_embeds, clean_embeds, k / steps)  # the last: the clean inputs exactly
                     step_logits, step_kept = _run(capture, recorder, clean_ids, device, grad=True, embeds=between)
-                    found = _receiver_gradients(metric(step_logits), step_kept, parts, heads, kv_heads, head_dim)
+                    found = gradients_of(metric(step_logits), step_kept)
                     gradients = found if gradients is None else gradients + found
                 gradients = gradients / steps
-            unembed = self.model.get_output_embeddings()
-            dla = _dla(recorder, kept, clean_writes, parts, unembed, answers, distractors)
-        scores = _products(self.graph, corrupt_writes - clean_writes, gradients)
+            dla = self._dla(kept, clean_writes, answers, distractors, m_clean.detach())
+        scores = _products(self.graph, self._changes(corrupt_writes - clean_writes, kept), gradients)
         return {
             "scores": scores.cpu().numpy(),
             "dla": dla.cpu().numpy(),
@@ -400,13 +233,45 @@ class EdgeModel:
             "corrupt": metric(corrupt_logits).double().cpu().numpy(),
         }
 
+    def _writes(self, kept) -> torch.Tensor:
+        """(senders, rows, t, hidden) float32, in graph order (embed, then per layer its heads and its MLP): what
+        each sender writes into the residual stream; a head of a layer with a post-attention norm: what it writes
+        into the norm (W_h z_h)."""
+        writes = [kept["r"][0].detach().float()]
+        for layer, weight in enumerate(self.columns):
+            writes += list(_head_writes(kept["z"][layer], weight, self.heads, self.head_dim))
+            writes.append(kept["mlp"][layer].detach().float())
+        return torch.stack(writes)
+
+    def _changes(self, change: torch.Tensor, kept) -> torch.Tensor:
+        """The senders' changes (corrupt - clean) as the residual stream sees them: a head behind a post-attention
+        norm P changes the stream by P's Jacobian at the clean run times its change W_h (z_h corrupt - z_h clean)
+        (EAP's direct path runs through P's full Jacobian); every other sender as it is."""
+        for layer, place in enumerate(self.places):
+            if place.post_attention is not None:
+                first = 1 + layer * (self.heads + 1)
+                heads = slice(first, first + self.heads)
+                change[heads] = norm_jvp(place.post_attention, kept["attn"][layer], change[heads])
+        return change
+
     def _patched_run(self, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
-        """The clean prompts' last logits, the `excluded` edges carrying `corrupt` writes (senders, rows, t, hidden)."""
+        """The clean prompts' last logits, the `excluded` edges carrying `corrupt` writes (senders, rows, t, hidden).
+
+        Into each receiver, an excluded edge from a sender adds (corrupt - this pass's) write of it to the stream the
+        receiver reads. Behind a post-attention norm P the layer's heads write through P together: the receiver
+        reads P(o + the excluded heads' corrupt - this pass's W_h z_h) - P(o) in place of P(o), o this pass's
+        output projection: every head outside those as this pass wrote it."""
         graph, heads, kv_heads, head_dim = self.graph, self.heads, self.kv_heads, self.head_dim
         receiver_index = {receiver: index for index, receiver in enumerate(graph.receivers)}
         sender_index = {sender: index for index, sender in enumerate(graph.senders)}
         senders = corrupt.shape[0]
-        # corrupt - this pass's write, per sender, set as each sender writes; `written` sums them (every sender so far)
+        # Senders added to the stream as they are; a post-normed layer's heads, [(layer, first sender)], apart.
+        behind_norm = [(layer, sender_index[f"{layer}.0"]) for layer, place in enumerate(self.places)
+                       if place.post_attention is not None]  # fmt: skip
+        plain = torch.ones(senders, dtype=torch.bool, device=excluded.device)
+        for _, first in behind_norm:
+            plain[first : first + heads] = False
+        # corrupt - this pass's write, per sender, set as each sender writes; `written` sums the plain ones so far
         difference = corrupt.clone()
         written = torch.zeros_like(corrupt[0])
         edges = torch.as_tensor(graph.edges, device=excluded.device)
@@ -414,26 +279,27 @@ class EdgeModel:
 
         def wrote(first: int, writes: torch.Tensor) -> None:
             difference[first : first + len(writes)] = corrupt[first : first + len(writes)] - writes
-            written.add_(difference[first : first + len(writes)].sum(0))
+            if bool(plain[first]):
+                written.add_(difference[first : first + len(writes)].sum(0))
 
         def change(receivers: list[int]) -> torch.Tensor | None:
-            """(receivers, rows, t, hidden): what the excluded edges into each of them change, or None if none: the
-            sum over those edges of (corrupt - this pass's) sender write, taken over the fewer of the edges it
-            excludes and those it keeps (then as everything written so far, every earlier sender's, minus those)."""
+            """(receivers, rows, t, hidden): what the excluded edges into each of them change, or None if none."""
             chosen = excluded[:, receivers]
             if not bool(chosen.any()):
                 return None
-            kept_edges = edges[:, receivers] & ~chosen
-            flat = difference.view(senders, -1)
-            if int(chosen.sum()) <= int(kept_edges.sum()):
-                rows = chosen.any(1).nonzero()[:, 0]
-                found = chosen[rows].T.to(flat.dtype) @ flat[rows]
-            else:
-                rows = kept_edges.any(1).nonzero()[:, 0]
-                found = written.view(1, -1) - kept_edges[rows].T.to(flat.dtype) @ flat[rows]
-            return found.view(len(receivers), *corrupt.shape[1:])
+            found = _plain_change(chosen & plain[:, None], edges[:, receivers] & plain[:, None], difference, written)
+            for layer, first in behind_norm:
+                block = chosen[first : first + heads]
+                if not bool(block.any()):
+                    continue
+                hit = block.any(0).nonzero()[:, 0]  # the receivers some of this layer's heads are excluded from
+                flat = difference[first : first + heads].view(heads, -1)
+                into = (block[:, hit].T.to(flat.dtype) @ flat).view(len(hit), *corrupt.shape[1:])
+                o, norm = kept[("o", layer)], self.places[layer].post_attention
+                found[hit] += (norm(o + into.to(o.dtype)) - norm(o)).float()
+            return found
 
-        for layer, (block, part) in enumerate(zip(self.decoder, self.parts, strict=True)):
+        for layer, (block, place) in enumerate(zip(self.decoder, self.places, strict=True)):
 
             def entering(module, args, kwargs, layer=layer):
                 residual = args[0] if args else kwargs["hidden_states"]
@@ -446,22 +312,26 @@ class EdgeModel:
             def heads_written(module, args, layer=layer):
                 wrote(sender_index[f"{layer}.0"], _head_writes(args[0], self.columns[layer], heads, head_dim))
 
-            handles.append(part.output.register_forward_pre_hook(heads_written))
+            def output_made(module, args, output, layer=layer):
+                kept[("o", layer)] = output
+
+            handles.append(place.output.register_forward_pre_hook(heads_written))
+            handles.append(place.output.register_forward_hook(output_made))
 
             def mlp_written(module, args, output, layer=layer):
                 wrote(sender_index[f"mlp{layer}"], output.detach().float()[None])
 
-            handles.append(part.mlp.register_forward_hook(mlp_written))
+            handles.append((place.post_mlp or place.mlp).register_forward_hook(mlp_written))
             # The attention's inputs: each receiver channel of the layer reads its own changed stream.
             width = heads * head_dim
             # (channel, head or group, receiver name, where the channel's features start in a fused q|k|v output)
-            fused = part.fused is not None
+            fused = place.fused is not None
             channels = [("q", head, f"{layer}.{head}", 0) for head in range(heads)]
             channels += [(channel, group, f"{layer}.kv{group}", width if channel == "k" else 2 * width)
                          for channel in ("k", "v") for group in range(kv_heads)]  # fmt: skip
             by_module = {}
             for channel, unit, name, offset in channels:
-                module = part.fused if fused else getattr(part, channel)
+                module = place.fused if fused else getattr(place, channel)
                 start = (offset if fused else 0) + unit * head_dim
                 read = (receiver_index[(name, channel)], slice(start, start + head_dim))
                 by_module.setdefault(module, []).append(read)
@@ -476,8 +346,8 @@ class EdgeModel:
                     for (_, features), changed in zip(reads, found, strict=True):
                         if not bool(changed.any()):
                             continue
-                        normed = self.input_norms[layer](residual + changed.to(residual.dtype))
-                        output[..., features] = _project(module, normed)[..., features]
+                        normed = through(self.places[layer].input_norm, residual + changed.to(residual.dtype))
+                        output[..., features] = project(module, normed)[..., features]
                     return output
 
                 handles.append(module.register_forward_hook(reading))
@@ -487,14 +357,16 @@ class EdgeModel:
                 found = change([mlp_index])
                 if found is None:
                     return None
-                h = kept[("h", layer)]
-                return (self.recorder.mlp_norms[layer](h + found[0].to(h.dtype)),)
+                norm = self.places[layer].mlp_norm
+                h = args[0] if norm is None else kept[("h", layer)]
+                return (through(norm, h + found[0].to(h.dtype)),)
 
             def mlp_stream(module, args, layer=layer):
                 kept[("h", layer)] = args[0]
 
-            handles.append(self.recorder.mlp_norms[layer].register_forward_pre_hook(mlp_stream))
-            handles.append(part.mlp.register_forward_pre_hook(mlp_reads))
+            if place.mlp_norm is not None:
+                handles.append(place.mlp_norm.register_forward_pre_hook(mlp_stream))
+            handles.append(place.mlp.register_forward_pre_hook(mlp_reads))
 
         logits_index = receiver_index[("logits", "")]
 
@@ -510,12 +382,58 @@ class EdgeModel:
             for handle in handles:
                 handle.remove()
 
+    def _dla(self, kept, writes, answers, distractors, m: torch.Tensor) -> torch.Tensor:
+        """(rows, senders + 1) float64: each sender's write at the last position through the norms after it, their
+        scales frozen at the clean run (a post-attention norm's, then the final norm's), on W_U[answer] -
+        W_U[distractor]; last, the biases' (the output projections', the norms', the LM head's). With softcapped
+        logits, every component times m / (the components' sum), the softcap's secant at the clean run, so that
+        they add up to m."""
+        final_in = kept["final"][0].detach()[:, -1:]  # (rows, 1, hidden): the last position
+        final_norm = self.recorder.final_norm
+        with torch.no_grad():
+            frozen = FrozenNorm(final_norm, final_in, final_norm(final_in))
+        last = writes[:, :, -1].double().transpose(0, 1).clone()  # (rows, senders, hidden)
+        biases = torch.zeros(last.shape[0], last.shape[2], dtype=torch.float64, device=last.device)  # (rows, hidden)
+        for layer, place in enumerate(self.places):
+            bias = getattr(place.output, "bias", None)
+            bias = torch.zeros_like(biases[0]) if bias is None else bias.detach().double()
+            if place.post_attention is None:
+                biases = biases + bias
+                continue
+            o = kept["attn"][layer].detach()[:, -1:]
+            with torch.no_grad():
+                post = FrozenNorm(place.post_attention, o, place.post_attention(o))
+            first = 1 + layer * (self.heads + 1)
+            last[:, first : first + self.heads] = post(last[:, first : first + self.heads])
+            biases = biases + post(bias.expand(len(biases), 1, -1))[:, 0] + post.bias
+        unembed = self.model.get_output_embeddings()
+        weight = unembed.weight.detach().double()
+        direction = weight[answers] - weight[distractors]  # (rows, hidden)
+        dla = (frozen(last) * direction[:, None, :]).sum(-1)  # (rows, senders)
+        bias_term = ((frozen(biases[:, None])[:, 0] + frozen.bias) * direction).sum(-1)
+        head_bias = getattr(unembed, "bias", None)
+        if head_bias is not None:
+            bias_term = bias_term + head_bias.detach().double()[answers] - head_bias.detach().double()[distractors]
+        found = torch.cat([dla, bias_term[:, None]], dim=1)
+        if self.softcap:
+            total = found.sum(1, keepdim=True)
+            found = found * torch.where(total == 0, 1.0, m.double()[:, None] / total)
+        return found
 
-def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A q, k or v projection by hand (calling the module would run its hooks again): a Linear, or GPT-2's Conv1D."""
-    if type(module).__name__ == "Conv1D":
-        return x @ module.weight + module.bias
-    return torch.nn.functional.linear(x, module.weight, module.bias)
+
+def _plain_change(chosen: torch.Tensor, edges: torch.Tensor, difference: torch.Tensor, written: torch.Tensor):
+    """(receivers, rows, t, hidden): the sum, into each receiver, over its `chosen` edges of (corrupt - this
+    pass's) sender write, taken over the fewer of the edges it chooses and those it keeps (then as everything written
+    so far, every earlier plain sender's, minus those)."""
+    flat = difference.view(difference.shape[0], -1)
+    kept_edges = edges & ~chosen
+    if int(chosen.sum()) <= int(kept_edges.sum()):
+        rows = chosen.any(1).nonzero()[:, 0]
+        found = chosen[rows].T.to(flat.dtype) @ flat[rows]
+    else:
+        rows = kept_edges.any(1).nonzero()[:, 0]
+        found = written.view(1, -1) - kept_edges[rows].T.to(flat.dtype) @ flat[rows]
+    return found.view(chosen.shape[1], *difference.shape[1:])
 
 
 def _targets(chunk, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,21 +462,11 @@ def _head_writes(z: torch.Tensor, columns: torch.Tensor, heads: int, head_dim: i
     return torch.einsum("rthd,mhd->hrtm", per_head, columns.view(-1, heads, head_dim))
 
 
-def _writes(kept, columns, heads: int, head_dim: int) -> torch.Tensor:
-    """(senders, rows, t, hidden) float32: what each sender writes into the residual stream, in graph order: embed,
-    then per layer its heads and its MLP."""
-    writes = [kept["r"][0].detach().float()]
-    for layer, weight in enumerate(columns):
-        writes += list(_head_writes(kept["z"][layer], weight, heads, head_dim))
-        writes.append(kept["mlp"][layer].detach().float())
-    return torch.stack(writes)
-
-
-def _receiver_gradients(metric, kept, parts, heads, kv_heads, head_dim) -> torch.Tensor:
+def _receiver_gradients(metric, kept, places, heads, kv_heads, head_dim) -> torch.Tensor:
     """(receivers, rows, t, hidden) float32: the metric's gradient with respect to the residual stream where each
     receiver reads it, through that receiver's channel alone (graph order)."""
-    depth = len(parts)
-    fused = parts[0].fused is not None
+    depth = len(places)
+    fused = places[0].fused is not None
     wanted = [kept["q"][layer] for layer in range(depth)]
     if not fused:
         wanted += [kept[name][layer] for name in ("k", "v") for layer in range(depth)]
@@ -603,23 +511,24 @@ def _receiver_gradients(metric, kept, parts, heads, kv_heads, head_dim) -> torch
     return torch.stack(found)
 
 
-def _check_residual(kept, parts, layer_count: int) -> None:
-    """The attention's output is added as it is to the stream the MLP reads, and the MLP's output to the next
-    layer's input: else this model's edges need a norm's Jacobian (a post-norm) or see no such stream (parallel)."""
+def _check_residual(kept, layer_count: int) -> None:
+    """What the model adds is what the graph adds: r + P_attn(o) is the stream the MLP reads, and that plus the
+    MLP's write the next layer's input (edge_layers). Else refused: attention beside the MLP (GPT-J) or a residual
+    multiplier (Granite) adds something else."""
     for layer in range(layer_count):
-        r, attention, h = (kept[name][layer].detach().double() for name in ("r", "attn", "h"))
+        r, attention, h = (kept[name][layer].detach().double() for name in ("r", "post", "h"))
         scale = r.abs().max() + attention.abs().max() + 1e-30
         if (r + attention - h).abs().max() > NORM_CHECK * scale:
             raise ConfigError(
-                f"layer {layer}'s attention output does not reach the MLP's input as it is (a post-attention norm, or "
-                "attention in parallel with the MLP): circuit does not take this architecture yet"
+                f"layer {layer}'s attention output does not reach the MLP's input as it is (attention in parallel "
+                "with the MLP, or a residual multiplier): circuit does not take this architecture yet"
             )
         if layer + 1 < layer_count:
             following = kept["r"][layer + 1].detach().double()
             mlp = kept["mlp"][layer].detach().double()
             if (h + mlp - following).abs().max() > NORM_CHECK * (h.abs().max() + mlp.abs().max() + 1e-30):
-                raise ConfigError(f"layer {layer}'s MLP output does not reach the next layer as it is (a post-MLP "
-                                  "norm): circuit does not take this architecture yet")  # fmt: skip
+                raise ConfigError(f"layer {layer}'s MLP output does not reach the next layer as it is (a residual "
+                                  "multiplier): circuit does not take this architecture yet")  # fmt: skip
 
 
 def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
@@ -651,67 +560,3 @@ def _embeddings(model, ids: list[list[int]], device) -> torch.Tensor:
     """What the model's embedding module returns for these rows (before any position embedding or scaling)."""
     with torch.no_grad():
         return model.get_input_embeddings()(torch.tensor(ids, device=device)).detach()
-
-
-def _dla(recorder, kept, writes, parts, unembed, answers, distractors) -> torch.Tensor:
-    """(rows, senders + 1) float64: each sender's write at the last position through the frozen final norm, on
-    W_U[answer] - W_U[distractor]; last, the biases' (the attention output projections', the final norm's, the LM
-    head's)."""
-    final_in = kept["final"][0].detach()[:, -1:]  # (rows, 1, hidden): the last position
-    with torch.no_grad():
-        frozen = _FrozenNorm(recorder.final_norm, final_in, recorder.final_norm(final_in))
-    weight = unembed.weight.detach().double()
-    direction = weight[answers] - weight[distractors]  # (rows, hidden)
-    last = writes[:, :, -1].double().transpose(0, 1)  # (rows, senders, hidden)
-    dla = (frozen(last) * direction[:, None, :]).sum(-1)  # (rows, senders)
-    biases = torch.zeros(direction.shape[-1], dtype=torch.float64, device=direction.device)
-    for part in parts:
-        bias = getattr(part.output, "bias", None)
-        if bias is not None:
-            biases = biases + bias.detach().double()
-    through = frozen(biases.expand(len(direction), 1, -1))[:, 0]  # (rows, hidden)
-    bias_term = (through * direction).sum(-1) + (frozen.bias * direction).sum(-1)
-    head_bias = getattr(unembed, "bias", None)
-    if head_bias is not None:
-        bias_term = bias_term + head_bias.detach().double()[answers] - head_bias.detach().double()[distractors]
-    return torch.cat([dla, bias_term[:, None]], dim=1)
-
-
-def ranked_edges(graph: Graph, mean_scores: np.ndarray) -> np.ndarray:
-    """(edges, 2) sender and receiver indices of every edge, strongest |mean score| first (ties in graph order)."""
-    senders, receivers = np.nonzero(graph.edges)
-    order = np.argsort(-np.abs(mean_scores[senders, receivers]), kind="stable")
-    return np.stack([senders[order], receivers[order]], axis=1)
-
-
-def circuit_size(share: float, edge_count: int) -> int:
-    """The edges a circuit of `share` of them holds: at least one, the share rounded up."""
-    return max(1, math.ceil(share * edge_count - 1e-9))
-
-
-def outside(graph: Graph, ranked: np.ndarray, size: int) -> np.ndarray:
-    """(senders, receivers) bool: every edge but the `size` strongest, the edges a circuit of that size leaves out
-    (they carry the corrupt prompt's sender)."""
-    mask = graph.edges.copy()
-    kept = ranked[:size]
-    mask[kept[:, 0], kept[:, 1]] = False
-    return mask
-
-
-def faithfulness(circuit: np.ndarray, clean: np.ndarray, corrupt: np.ndarray) -> float:
-    """(mean m with the circuit - mean m corrupt) / (mean m clean - mean m corrupt), means over pairs; NaN where the
-    clean and corrupt means are equal (nothing to recover)."""
-    gap = float(clean.mean() - corrupt.mean())
-    return float("nan") if gap == 0 else float((circuit.mean() - corrupt.mean()) / gap)
-
-
-def curve_areas(shares: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
-    """CPR (the area under faithfulness against the share of edges, 0 to 1) and CMD (the area of |1 - faithfulness|),
-    by trapezoids through the curve's points."""
-    x, f = np.asarray(shares, dtype=float), np.asarray(values, dtype=float)
-    width = np.diff(x)  # by hand: numpy 1.26 (which headscope takes) names it trapz, numpy 2 trapezoid
-
-    def area(y: np.ndarray) -> float:
-        return float((width * (y[1:] + y[:-1]) / 2).sum())
-
-    return area(f), area(np.abs(1 - f))

@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 import headscope
 from headscope.cli import app
 from headscope.config import RunConfig
-from headscope.interventions.edges import (
-    EdgeModel,
+from headscope.interventions.edge_graph import (
     build_graph,
     circuit_size,
     curve_areas,
@@ -25,12 +24,13 @@ from headscope.interventions.edges import (
     outside,
     ranked_edges,
 )
+from headscope.interventions.edges import EdgeModel
 from headscope.interventions.pairs import pairs_from_records, tokenize_pairs
 from headscope.model.capture import attached
 from headscope.run.plan import plan_for_model
 
 from helpers import assert_one_line_error, tiny_model_folder
-from planted import build_planted_induction, build_planted_post_norm
+from planted import build_planted_induction
 
 # The float32 scores against the float64 plain computation: the issue's bar (the differences measured 3e-8 on both
 # models, float32 rounding of sums of some hundred products of size ~1).
@@ -47,14 +47,21 @@ def word_pairs(tokenizer, count: int = 3) -> list[dict]:
     return pairs
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "gemma2"])
 def tiny_lm(request, tmp_path_factory, corpus_lines):
-    """GPT-2 (biases everywhere, a fused q|k|v projection) or a grouped-KV Llama (8 query heads on 4 KV heads)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """GPT-2 (biases everywhere, a fused q|k|v projection), a grouped-KV Llama (8 query heads on 4 KV heads) or a
+    grouped-KV Gemma 2 (post-attention and post-MLP norms, (1 + w) RMS norms, scaled embeddings, softcapped
+    attention and logits)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     # Weights ten times the default's spread: scores of order 1, where an error shows against rounding.
     if request.param == "gpt2":
         config, model_class = GPT2Config(n_layer=2, n_embd=32, n_head=4, initializer_range=0.2), GPT2LMHeadModel
+    elif request.param == "gemma2":
+        config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                              num_key_value_heads=4, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                              initializer_range=0.2, final_logit_softcapping=5.0)  # fmt: skip
+        model_class = Gemma2ForCausalLM
     else:
         config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                              num_key_value_heads=4, initializer_range=0.2)  # fmt: skip
@@ -141,9 +148,9 @@ def test_an_edge_patched_exactly_equals_the_plain_computation(tiny_lm):
         patched = model.patched(pairs, [*masks, np.zeros_like(graph.edges), graph.edges])
     for (sender, receiver), got in zip(strongest, patched, strict=False):
         name, channel = graph.receivers[receiver]
-        writes = (reference.writes(pairs[0].corrupt_ids), reference.writes(pairs[0].clean_ids))
-        change = (writes[0][graph.senders[sender]] - writes[1][graph.senders[sender]]).detach()
-        want = float(reference.metric(pairs[0], name, channel, change, 1.0))
+        added = reference.added(graph.senders[sender], reference.writes(pairs[0].clean_ids),
+                                reference.writes(pairs[0].corrupt_ids))  # fmt: skip
+        want = float(reference.metric(pairs[0], name, channel, added, 1.0))
         assert got[0] == pytest.approx(want, abs=CLOSE)
     assert np.abs(patched[: len(masks)] - found.clean).max() > 100 * CLOSE  # the edges move m
     np.testing.assert_array_equal(patched[-2], found.clean)
@@ -257,18 +264,48 @@ def test_the_planted_circuit_is_the_smallest_faithful_one(induction_lm, tmp_path
     assert found.edges["exact"].notna().sum() == 3 and 0 < found.record["cpr"] <= 1
 
 
-def test_post_attention_norms_and_softcapped_logits_are_refused_in_one_line(tmp_path, corpus_lines):
-    """A planted Gemma 2: its logits softcapped (the config's default), then, without that, its post-attention norm."""
-    folder = build_planted_post_norm(tmp_path / "gemma", corpus_lines, causal_lm=True)
+def test_attention_beside_the_mlp_is_refused_in_one_line(tmp_path, corpus_lines):
+    """GPT-J adds attention and MLP, both reading one norm, to the stream together: no stream lies between them for
+    the MLP's edges to enter, and circuit says so."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=64)
+    folder = tiny_model_folder(tmp_path / "gptj", config, GPTJForCausalLM, corpus_lines)
     words = corpus_lines[0].split()
     pairs = [{"clean": f"{words[0]} {words[1]}", "corrupt": f"{words[2]} {words[1]}", "answer": words[3],
               "distractor": words[4]}]  # fmt: skip
     loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
-    with pytest.raises(headscope.HeadscopeError, match="softcap their logits"):
+    with pytest.raises(headscope.HeadscopeError, match="attention in parallel with the MLP"):
         headscope.circuit(loaded, pairs, method="eap")
-    loaded.lm.config.final_logit_softcapping = None
-    with pytest.raises(headscope.HeadscopeError, match="post-attention norm"):
-        headscope.circuit(loaded, pairs, method="eap")
+
+
+@pytest.mark.parametrize("architecture", ["olmo2", "gemma3"])
+def test_models_without_input_norms_or_with_query_norms_add_up(architecture, tmp_path, corpus_lines):
+    """OLMo 2 reads the stream itself (no input norms; post-norms and a norm over all of q and k); Gemma 3 norms
+    each head's q and k. The plain computation does not spell them out: here the DLA adds up to m, no edge patched
+    gives the clean m and every edge the corrupt one."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Olmo2Config, Olmo2ForCausalLM
+
+    shared = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, initializer_range=0.2)  # fmt: skip
+    if architecture == "olmo2":
+        config, model_class = Olmo2Config(**shared), Olmo2ForCausalLM
+    else:
+        config = Gemma3TextConfig(**shared, head_dim=8, query_pre_attn_scalar=8, sliding_window=4)
+        model_class = Gemma3ForCausalLM
+    folder = tiny_model_folder(tmp_path / architecture, config, model_class, corpus_lines)
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    pairs = tokenize_pairs(pairs_from_records(word_pairs(loaded.tokenizer)), loaded.tokenizer, None)
+    plan = plan_for_model(RunConfig(), loaded)
+    with attached(loaded.lm) as capture:
+        model = EdgeModel(capture, loaded, plan, pairs[0])
+        found = model.scores(pairs, method="eap", steps=1)
+        graph = model.graph
+        np.testing.assert_allclose(found.dla.sum(1), found.clean, atol=CLOSE)
+        none, every = model.patched(pairs, [np.zeros_like(graph.edges), graph.edges])
+    np.testing.assert_array_equal(none, found.clean)
+    np.testing.assert_allclose(every, found.corrupt, atol=CLOSE)
+    assert np.abs(found.clean - found.corrupt).max() > 0.1
 
 
 def test_numbers_of_any_type_are_taken_as_numbers():

@@ -2,8 +2,14 @@
 time in float64, sharing nothing with headscope.interventions.edges: an edge's score is the derivative of the metric
 when the sender's change (corrupt minus clean write) is added, scaled by a scalar e, into its receiver's channel alone
 (the receiver's own norm and projection computed again on the changed stream, every other reader left as it was), at
-e = 0: autograd on e, or a central finite difference. GPT-2 (ln_1, c_attn, ln_2, ln_f) and Llama (input_layernorm,
-q_proj/k_proj/v_proj, post_attention_layernorm, norm) are spelled out by name."""
+e = 0: autograd on e, or a central finite difference. GPT-2 (ln_1, c_attn, ln_2, ln_f), Llama (input_layernorm,
+q_proj/k_proj/v_proj, post_attention_layernorm before the MLP, norm) and Gemma 2 (input_layernorm, q/k/v_proj,
+post_attention_layernorm after the attention, pre_ and post_feedforward_layernorm around the MLP, norm) are spelled out
+by name.
+
+Gemma 2's heads write through the post-attention norm P together. A head's change, scaled by e, enters its receiver
+as P(o + e (W_h z_h corrupt - W_h z_h clean)) - P(o), o the clean output projection: its derivative at e = 0 is EAP's
+product through P's Jacobian, and at e = 1 the exact edge patch."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ class Reference:
         for parameter in self.lm.parameters():
             parameter.requires_grad_(False)
         self.gpt2 = hasattr(self.lm, "transformer")
+        self.gemma = type(self.lm).__name__.startswith("Gemma")
         base = self.lm.transformer if self.gpt2 else self.lm.model
         self.layers = list(base.h if self.gpt2 else base.layers)
         self.final_norm = base.ln_f if self.gpt2 else base.norm
@@ -32,6 +39,8 @@ class Reference:
         return layer.ln_1 if self.gpt2 else layer.input_layernorm
 
     def _mlp_norm(self, layer):
+        if self.gemma:
+            return layer.pre_feedforward_layernorm
         return layer.ln_2 if self.gpt2 else layer.post_attention_layernorm
 
     def _projection(self, layer, channel):
@@ -48,7 +57,8 @@ class Reference:
 
     # ---------------------------------------------------------------- writes
     def writes(self, ids: list[int], embeds=None) -> dict[str, torch.Tensor]:
-        """Each sender's write (t, hidden) on a clean pass of `ids`, by name."""
+        """Each sender's write (t, hidden) on a clean pass of `ids`, by name (Gemma 2's heads: W_h z_h, before the
+        post-attention norm); `oL`: layer L's output projection."""
         found, handles = {}, []
         for index, layer in enumerate(self.layers):
             if index == 0:
@@ -68,7 +78,11 @@ class Reference:
 
             handles.append(projection.register_forward_pre_hook(heads_of))
             handles.append(
-                layer.mlp.register_forward_hook(lambda m, a, o, index=index: found.update({f"mlp{index}": o[0]}))
+                projection.register_forward_hook(lambda m, a, o, index=index: found.update({f"o{index}": o[0]}))
+            )
+            writer = layer.post_feedforward_layernorm if self.gemma else layer.mlp
+            handles.append(
+                writer.register_forward_hook(lambda m, a, o, index=index: found.update({f"mlp{index}": o[0]}))
             )
         try:
             self._forward(ids, embeds)
@@ -88,16 +102,25 @@ class Reference:
                 handle.remove()
 
     # ---------------------------------------------------------------- the metric with one channel changed
-    def metric(self, pair, receiver: str, channel: str, change: torch.Tensor, scale, embeds=None):
-        """m on the clean prompt with scale * change added into `receiver`'s `channel` input alone."""
+    def added(self, sender: str, clean: dict, corrupt: dict):
+        """scale -> (t, hidden): what the sender's change, times scale, adds to the stream its receivers read."""
+        change = (corrupt[sender] - clean[sender]).detach()
+        if not self.gemma or sender == "embed" or sender.startswith("mlp"):
+            return lambda scale: scale * change
+        layer = int(sender.partition(".")[0])
+        norm, o = self.layers[layer].post_attention_layernorm, clean[f"o{layer}"].detach()
+        return lambda scale: norm(o + scale * change) - norm(o)
+
+    def metric(self, pair, receiver: str, channel: str, added, scale, embeds=None):
+        """m on the clean prompt with added(scale) added into `receiver`'s `channel` input alone."""
         handles, kept = [], {}
         if receiver == "logits":
-            handles.append(self.final_norm.register_forward_pre_hook(lambda m, a: (a[0] + scale * change[None],)))
+            handles.append(self.final_norm.register_forward_pre_hook(lambda m, a: (a[0] + added(scale)[None],)))
         elif receiver.startswith("mlp"):
             layer = self.layers[int(receiver[3:])]
             norm = self._mlp_norm(layer)
             handles.append(norm.register_forward_pre_hook(lambda m, a: kept.update(h=a[0])))
-            handles.append(layer.mlp.register_forward_pre_hook(lambda m, a: (norm(kept["h"] + scale * change[None]),)))
+            handles.append(layer.mlp.register_forward_pre_hook(lambda m, a: (norm(kept["h"] + added(scale)[None]),)))
         else:
             index, _, unit = receiver.partition(".")
             layer = self.layers[int(index)]
@@ -109,7 +132,7 @@ class Reference:
                 lambda m, a, k: kept.update(r=a[0] if a else k["hidden_states"]), with_kwargs=True))  # fmt: skip
 
             def changed(module, args, output):
-                x = norm(kept["r"] + scale * change[None])
+                x = norm(kept["r"] + added(scale)[None])
                 # the projection by hand: calling the module would run this hook again
                 if self.gpt2:  # Conv1D: weight (in, out)
                     again = x @ module.weight + module.bias
@@ -130,7 +153,7 @@ class Reference:
     def edge(self, pair, sender: str, receiver: str, channel: str, *, steps: int | None = None, step=None) -> float:
         """The edge's score: dm/de at e = 0 (EAP), averaged over the interpolated inputs (EAP-IG, `steps`), or its
         central finite difference with `step`."""
-        change = (self.writes(pair.corrupt_ids)[sender] - self.writes(pair.clean_ids)[sender]).detach()
+        change = self.added(sender, self.writes(pair.clean_ids), self.writes(pair.corrupt_ids))
         points = [None]
         if steps is not None:
             embedding = self.lm.get_input_embeddings()
@@ -152,9 +175,21 @@ class Reference:
         return total / len(points)
 
     def dla(self, pair) -> dict[str, float]:
-        """Each sender's write at the last position through the final norm, its scale frozen, on the logit
-        difference's direction; `bias`: the rest of m (the biases)."""
+        """Each sender's write at the last position through the final norm (Gemma 2's heads: through the
+        post-attention norm first), each norm's scale frozen, on the logit difference's direction; `bias`: the rest
+        of m (the biases). Gemma 2's softcapped logits: every component times m / (their uncapped sum)."""
         writes = self.writes(pair.clean_ids)
+        if self.gemma:
+            for index, layer in enumerate(self.layers):
+                o, norm = writes.pop(f"o{index}")[-1], layer.post_attention_layernorm
+                rms = math.sqrt(float((o**2).mean()) + norm.eps)
+                for head in range(self.heads):
+                    write = writes[f"{index}.{head}"]
+                    writes[f"{index}.{head}"] = write.clone()
+                    writes[f"{index}.{head}"][-1] = (1 + norm.weight) * write[-1] / rms
+        else:
+            for index in range(len(self.layers)):
+                writes.pop(f"o{index}")
         kept = {}
         handle = self.final_norm.register_forward_pre_hook(lambda m, a: kept.update(x=a[0][0, -1]))
         try:
@@ -169,12 +204,21 @@ class Reference:
 
             def frozen(w):
                 return norm.weight * (w - w.mean()) / sigma
-        else:  # RMS: g x / rms
-            rms = math.sqrt(float((x**2).mean()) + norm.variance_epsilon)
+        else:  # RMS: g x / rms (Gemma's: (1 + w) x / rms)
+            rms = math.sqrt(float((x**2).mean()) + getattr(norm, "variance_epsilon", getattr(norm, "eps", None)))
+            gain = 1 + norm.weight if self.gemma else norm.weight
 
             def frozen(w):
-                return norm.weight * w / rms
+                return gain * w / rms
 
         found = {name: float(frozen(write[-1]) @ direction) for name, write in writes.items()}
-        found["bias"] = float(logits[pair.answer_id] - logits[pair.distractor_id]) - sum(found.values())
+        m = float(logits[pair.answer_id] - logits[pair.distractor_id])
+        cap = getattr(self.lm.config, "final_logit_softcapping", None)
+        if cap:  # the uncapped difference, from the capped logits: l = cap * atanh(logit / cap)
+            uncapped = cap * (
+                math.atanh(float(logits[pair.answer_id]) / cap) - math.atanh(float(logits[pair.distractor_id]) / cap)
+            )
+            found["bias"] = uncapped - sum(found.values())
+            return {name: value * m / uncapped for name, value in found.items()}
+        found["bias"] = m - sum(found.values())
         return found
