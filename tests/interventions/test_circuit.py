@@ -245,6 +245,41 @@ def test_the_planted_induction_circuit_is_found(induction_lm):
     assert dla["1.0"] == pytest.approx(found.clean.mean(), rel=1e-4)
 
 
+def test_eap_reads_a_soft_induction_head_through_its_key_and_the_edge_patch_is_computed_by_hand(tmp_path):
+    """With the induction head's attention soft (score 2 on the key it looks for), the gradient at the clean run
+    sees its key: EAP scores the previous-token head's edge into it the strongest of every edge into a query or a
+    key, negative. Patched exactly, that edge hands every key of the induction head the corrupt previous token, so
+    none matches the query: the head attends uniformly, the answer and the distractor each get 1/6 of its copy,
+    and nothing else tells them apart (zero MLPs and biases, other heads silent): m = 0 by hand. The first token
+    (w13) is the same in both prompts, so that the previous-token head (which attends to itself there) changes one
+    key only. The tolerance: see below."""
+    folder = build_planted_induction(tmp_path / "soft", predicts=True, sharpness=2.0)
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    records = [
+        {"clean": "w13 w5 w9 w12 w20 w5", "corrupt": "w13 w7 w9 w12 w20 w5", "answer": "w9", "distractor": "w12"},
+        {"clean": "w13 w3 w4 w6 w8 w11", "corrupt": "w13 w2 w4 w6 w8 w11", "answer": "w4", "distractor": "w6"},
+    ]
+    records[1]["clean"] += " w3"
+    records[1]["corrupt"] += " w3"
+    pairs = tokenize_pairs(pairs_from_records(records), loaded.tokenizer, None)
+    plan = plan_for_model(RunConfig(), loaded)
+    with attached(loaded.lm) as capture:
+        model = EdgeModel(capture, loaded, plan, pairs[0])
+        found = model.scores(pairs, method="eap", steps=1)
+        graph, mean = model.graph, found.scores.mean(0)
+        reads = [r for r, (_, channel) in enumerate(graph.receivers) if channel in ("q", "k")]
+        s, r = np.unravel_index(np.argmax(np.abs(mean[:, reads])), (len(graph.senders), len(reads)))
+        assert (graph.senders[s], graph.receivers[reads[r]]) == ("0.0", ("1.kv0", "k"))
+        assert mean[s, reads[r]] < -0.1
+        mask = np.zeros_like(graph.edges)
+        mask[s, reads[r]] = True
+        (patched,) = model.patched(pairs, [mask])
+    assert (found.clean > 10).all()
+    # By hand, up to the previous-token head's own leak (weight e^-10 = 5e-5 on every other key), which moves m by
+    # some 1e-4: the corrupt run itself gives -3e-4 where the same reasoning gives 0.
+    np.testing.assert_allclose(patched, 0.0, atol=1e-3)
+
+
 def test_the_planted_circuit_is_the_smallest_faithful_one(induction_lm, tmp_path):
     """The strongest few edges (the induction head into the logits, the previous-token head into its key, the
     embeddings into the previous-token head's value) recover m; the empty circuit gives 0 and the full one 1."""

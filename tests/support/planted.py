@@ -123,10 +123,12 @@ def induction_words() -> list[str]:
     return [f"w{i}" for i in range(2, IND_VOCAB)]
 
 
-def build_planted_induction(folder: Path, *, predicts: bool = False) -> Path:
+def build_planted_induction(folder: Path, *, predicts: bool = False, sharpness: float = IND_BETA) -> Path:
     """A 2-layer GPT-2 holding an induction circuit, with a word-level tokenizer of IND_VOCAB tokens. predicts: an LM
     (GPT2LMHeadModel, its head tied to the embeddings) whose induction head also copies the token it attends to into
-    the token code, so that the logits predict it: the circuit the loss reads.
+    the token code, so that the logits predict it: the circuit the loss reads. sharpness: the induction head's score on
+    the key it looks for (IND_BETA: a weight of 1 to float precision; a few: soft attention, whose gradient EAP
+    reads at the clean run).
 
     The residual stream has three zero-mean codes, each a +1/-1 pair of dimensions (so GPT-2's LayerNorm
     only rescales it): the token in T = [0, 2V), the previous token in PT = [2V, 4V) (empty until layer 0
@@ -196,7 +198,7 @@ def build_planted_induction(folder: Path, *, predicts: bool = False) -> Path:
             layer0.c_proj.weight[t, prev_token + vocab + t] = -1.0
         # Layer 1, head 0: induction. Query: the current token; key: the previous-token code.
         layer1 = model.h[1].attn
-        a1 = IND_BETA * math.sqrt(head_dim) / (c1**2 * c0)
+        a1 = sharpness * math.sqrt(head_dim) / (c1**2 * c0)
         for t in range(vocab):
             layer1.c_attn.weight[token + t, q + t] = a1
             layer1.c_attn.weight[prev_token + t, k + t] = 1.0
