@@ -41,7 +41,7 @@ from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
 from headscope.report.report import Report
-from headscope.run.distributed import one_process_only
+from headscope.run.distributed import Ranks, gather, share_of, together
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
 from headscope.tables import write_frame, write_json
 
@@ -140,9 +140,11 @@ def circuit(
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     pairs = as_pairs(pairs)
     report = as_path(report, "report")
-    one_process_only("circuit")
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=False)  # fmt: skip
+    run.request = {"pairs (sha256)": pairs.sha256, "method": method, "steps": steps, "verify": verify,
+                   "target": target, "curve": curve}  # fmt: skip
+    ranks = run.data_parallel(model, "circuit")
     if pairs.path.is_file():
         run.protected["the pairs file"] = pairs.path
     settings, reporter = run.settings, run.reporter
@@ -159,11 +161,11 @@ def circuit(
         reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
         started = time.perf_counter()
         with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
-            edges = EdgeModel(capture, loaded, plan, tokenized[0])
-            found = edges.scores(tokenized, method=method, steps=steps)
+            edges = _Dealt(EdgeModel(capture, loaded, plan, tokenized[0]), ranks, tokenized)
+            found = edges.scores(method=method, steps=steps)
             if verify > found.graph.edge_count:
                 raise ConfigError(f"--verify {verify} is more than the {found.graph.edge_count:,} edges of this model")
-            checked = _checked(edges, tokenized, found, verify, curve, target, reporter)
+            checked = _checked(edges, found, verify, curve, target, reporter)
         seconds = time.perf_counter() - started
         roles = None if report is None else _roles(report)
         result = _result(loaded, settings, pairs, found, method, steps, roles, seconds, checked)
@@ -211,7 +213,26 @@ class _Checked:
     smallest: dict | None  # the smallest curve point at or above target
 
 
-def _checked(edges: EdgeModel, tokenized, found: EdgeScores, verify: int, curve: bool, target: float, reporter):
+class _Dealt:
+    """An EdgeModel's passes over the pairs, under torchrun dealt round-robin to the ranks (pair i to rank i % N)
+    and gathered on every rank in pair order: a pair's numbers do not depend on which rank ran it, or with which
+    others. In one process, the passes over every pair."""
+
+    def __init__(self, model: EdgeModel, ranks: Ranks, pairs) -> None:
+        self.model, self.ranks = model, ranks
+        self.mine = list(share_of(ranks, pairs))
+        self.ids = np.concatenate(gather(ranks, np.sort([pair.pair.pair_id for pair in self.mine])))
+
+    def scores(self, *, method: str, steps: int) -> EdgeScores:
+        share = together(self.ranks, lambda: self.model.scores(self.mine, method=method, steps=steps))
+        return EdgeScores.joined(gather(self.ranks, share))
+
+    def patched(self, excluded) -> np.ndarray:
+        share = together(self.ranks, lambda: self.model.patched(self.mine, excluded))
+        return np.concatenate(gather(self.ranks, share), axis=1)[:, np.argsort(self.ids, kind="stable")]
+
+
+def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target: float, reporter):
     graph = found.graph
     ranked = ranked_edges(graph, found.scores.mean(0))
     count = graph.edge_count
@@ -227,7 +248,7 @@ def _checked(edges: EdgeModel, tokenized, found: EdgeScores, verify: int, curve:
     if masks:
         circuits = len(sizes) if curve else 0
         reporter.stage(f"patching {len(masks)} edge sets exactly ({verify} edges, {circuits} circuits)")
-    patched = edges.patched(tokenized, masks) if masks else np.zeros((0, len(found.pair_ids)))
+    patched = edges.patched(masks) if masks else np.zeros((0, len(found.pair_ids)))
     exact = {key: patched[i] for i, key in enumerate(exact_keys)}
     points = []
     if curve:

@@ -62,6 +62,13 @@ class EdgeScores:
     corrupt: np.ndarray
     pair_ids: np.ndarray
 
+    @classmethod
+    def joined(cls, parts: Sequence[EdgeScores]) -> EdgeScores:
+        """Scores of several shares of the pairs (torchrun's ranks) as one, in pair order."""
+        order = np.argsort(np.concatenate([part.pair_ids for part in parts]), kind="stable")
+        fields = ("scores", "dla", "clean", "corrupt", "pair_ids")
+        return cls(parts[0].graph, *(np.concatenate([getattr(part, name) for part in parts])[order] for name in fields))
+
 
 class _Recorder:
     """Hooks on every decoder layer for one pass: the residual stream entering each layer (r), the heads' outputs
@@ -165,6 +172,10 @@ class EdgeModel:
         """Every edge's score and every sender's DLA for each pair (EdgeScores), in pair order."""
         if method not in METHODS:
             raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
+        if not pairs:  # a rank dealt none
+            senders, receivers = self.graph.edges.shape
+            return EdgeScores(self.graph, np.zeros((0, senders, receivers)), np.zeros((0, senders + 1)),
+                              np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))  # fmt: skip
         found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": []}
         for chunk in self.batches(pairs):
             for key, value in self._batch_scores(chunk, method, steps).items():
@@ -178,6 +189,8 @@ class EdgeModel:
         """(sets, pairs) float64, in pair order: the metric on each clean prompt when every edge of each set (a
         (senders, receivers) bool mask) carries the corrupt prompt's write of its sender into its receiver, every other
         edge the write of this very pass (which the changed edges change downstream)."""
+        if not pairs:  # a rank dealt none
+            return np.zeros((len(excluded), 0))
         found, ids = [], []
         for chunk in self.batches(pairs):
             answers, distractors = _targets(chunk, self.device)

@@ -271,3 +271,35 @@ def test_patch_under_torchrun_is_refused_before_any_work(copier, tmp_path):
         "(see headscope patch --help)"
     ], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_circuit_on_two_ranks_equals_one_process(tmp_path):
+    """torchrun deals the pairs to the ranks (pair i to rank i % 2) and gathers every pair's scores and patched
+    passes: the tables and the record are one process's. Five pairs of two lengths: the ranks' batches differ from
+    one process's, so the float32 sums may round apart (the batching test's bound); the ranks, the circuit and the
+    strings are equal."""
+    from planted import build_planted_induction
+
+    model = build_planted_induction(tmp_path / "model", predicts=True)
+    rows = [("w5 w9 w12 w20 w5", "w7 w9 w12 w20 w5", "w9", "w12"), ("w3 w4 w6 w3", "w2 w4 w6 w3", "w4", "w6"),
+            ("w8 w10 w11 w14 w8", "w15 w10 w11 w14 w8", "w10", "w11"), ("w6 w2 w9 w6", "w4 w2 w9 w6", "w2", "w9"),
+            ("w12 w13 w5 w12", "w16 w13 w5 w12", "w13", "w5")]  # fmt: skip
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(dict(zip(("clean", "corrupt", "answer", "distractor"), row, strict=True)))
+                             + "\n" for row in rows))  # fmt: skip
+    args = ["circuit", model, "--pairs", pairs, "--steps", "2", "--verify", "3", "--bootstrap", "50", "--no-charts"]
+    one = command(*args, "--out", tmp_path / "one")
+    two = command(*args, "--out", tmp_path / "two", ranks=2)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    for table in ("edges", "nodes"):
+        left, right = (pd.read_parquet(tmp_path / run / f"{table}.parquet") for run in ("one", "two"))
+        numbers = [c for c in left.select_dtypes("number").columns if c != "rank"]
+        np.testing.assert_allclose(right[numbers].to_numpy(float), left[numbers].to_numpy(float), rtol=1e-5,
+                                   atol=1e-6, err_msg=table)  # fmt: skip
+        others = [c for c in left.columns if c not in numbers]
+        pd.testing.assert_frame_equal(left[others], right[others], obj=table)
+    records = [published(tmp_path / run, "circuit.json") for run in ("one", "two")]
+    assert records[0]["pairs"] == records[1]["pairs"] and records[0]["pairs"]["count"] == 5
+    assert records[0]["circuit"]["edges"] == records[1]["circuit"]["edges"]
+    np.testing.assert_allclose([p["clean"] for p in records[1]["m"]["per_pair"]],
+                               [p["clean"] for p in records[0]["m"]["per_pair"]], rtol=1e-6)  # fmt: skip
