@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from headscope.config import RunConfig
-from headscope.interventions.edges import CURVE_SHARES, EdgeModel, circuit_size, outside, ranked_edges
+from headscope.interventions.edge_graph import CURVE_SHARES, circuit_size, outside, ranked_edges
+from headscope.interventions.edges import EdgeModel
 from headscope.interventions.pairs import read_pairs, tokenize_pairs
 from headscope.model.batch import collate
 from headscope.model.capture import attached

@@ -172,14 +172,31 @@ def through(norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:
 
 class FrozenNorm:
     """A norm as a linear map, its scale frozen at the rows it was given: LayerNorm's g (x - mean x) / sigma or an
-    RMS norm's g x / rms (g or 1 + w, whichever reproduces the module), its bias kept apart."""
+    RMS norm's g x / rms (g or 1 + w, whichever reproduces the module), its bias kept apart; and its full Jacobian
+    there, transposed (`back`)."""
+
+    @classmethod
+    def found(cls, norm: torch.nn.Module, residual: torch.Tensor) -> FrozenNorm | None:
+        """The norm at every row of `residual` (its form told by the first row, its scale kept in float32 for
+        `back`), or None for a norm of neither form."""
+        first = residual.detach()[:1]
+        with torch.no_grad():
+            try:
+                frozen = cls(norm, first, norm(first))
+            except ModelLoadError:
+                return None
+        frozen.x = residual.detach().float()
+        if frozen.centre:
+            frozen.x = frozen.x - frozen.x.mean(-1, keepdim=True)
+        frozen.scale = frozen.x.square().mean(-1, keepdim=True).add(frozen.eps).rsqrt()
+        return frozen
 
     def __init__(self, norm: torch.nn.Module, residual: torch.Tensor, output: torch.Tensor) -> None:
         x = residual.detach().double()
         want = output.detach().double()
         weight = getattr(norm, "weight", None)
         bias = getattr(norm, "bias", None)
-        eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+        self.eps = eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
         w = torch.ones(x.shape[-1], dtype=torch.float64) if weight is None else weight.detach().double().cpu()
         w = w.to(x.device)
         b = torch.zeros_like(w) if bias is None else bias.detach().double().to(x.device)
@@ -193,6 +210,7 @@ class FrozenNorm:
             got = (centred if centre else x) * scale * gain + b
             if (got - want).abs().max() <= NORM_CHECK * want.abs().max() + 1e-30:
                 self.centre, self.gain, self.scale, self.bias = centre, gain, scale, b
+                self.x = centred if centre else x  # the input less its mean, for a LayerNorm
                 return
         raise ModelLoadError(
             f"circuit cannot linearise a norm ({type(norm).__name__}): neither a LayerNorm nor an RMS norm"
@@ -205,6 +223,18 @@ class FrozenNorm:
             x = x - x.mean(-1, keepdim=True)
         return x * self.scale * self.gain
 
+    def back(self, grads: torch.Tensor) -> torch.Tensor:
+        """(rows, t, n, hidden): each of `grads` (rows, t, n, hidden), gradients at the norm's output (x: rows, t,
+        hidden), carried back to its input through the full Jacobian: with u = g * grad (less its mean, for a
+        LayerNorm), c = x (less its mean) and s the scale, s u - s^3 c mean(u c). In the dtype of the rows it was
+        found at."""
+        c, s = self.x[..., None, :], self.scale[..., None, :]
+        u = grads.to(c.dtype) * self.gain.to(c.dtype)
+        if self.centre:
+            u -= u.mean(-1, keepdim=True)
+        along = torch.linalg.vecdot(u, c)[..., None] / c.shape[-1]  # mean(u c)
+        return u.mul_(s).sub_(along * (s**3 * c))
+
 
 def norm_jvp(norm: torch.nn.Module, at: torch.Tensor, changes: torch.Tensor) -> torch.Tensor:
     """(n, *at.shape) float32: the norm's Jacobian at `at` (rows, t, hidden) times each of `changes` (n, rows, t,
@@ -213,3 +243,19 @@ def norm_jvp(norm: torch.nn.Module, at: torch.Tensor, changes: torch.Tensor) -> 
     with torch.enable_grad():
         _, moved = torch.func.jvp(lambda x: norm(x).float(), (point,), (changes.float(),))
     return moved.detach()
+
+
+def norm_back(norm: torch.nn.Module | None, x: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """(rows, t, n, hidden) float32: each of `grads` (rows, t, n, hidden), gradients at norm(x) (x: rows, t, hidden),
+    carried back to x: by the Jacobian of a LayerNorm or an RMS norm, any other norm run again on n copies of x (one
+    backward); as they are where there is no norm."""
+    if norm is None:
+        return grads.float()
+    known = FrozenNorm.found(norm, x)
+    if known is not None:
+        return known.back(grads)
+    with torch.enable_grad():
+        copies = x.detach()[:, :, None].expand(grads.shape).contiguous().requires_grad_()
+        normed = norm(copies)
+        (back,) = torch.autograd.grad(normed, copies, grad_outputs=grads.to(normed.dtype))
+    return back.float()

@@ -38,6 +38,7 @@ from headscope.interventions.edge_layers import (
     LayerPlaces,
     find_places,
     head_columns,
+    norm_back,
     norm_jvp,
     project,
     through,
@@ -73,8 +74,9 @@ class EdgeScores:
 class _Recorder:
     """Hooks on every decoder layer for one pass: the residual stream entering each layer (r), the heads' outputs
     before the output projection (z) and its result (attn), the post-attention norm's output (post), the q, k and v
-    projections' outputs, the stream the MLP reads (h), the MLP's write (mlp: after its post-norm where there is one)
-    and the final norm's input; torch tensors of the pass's graph (with gradients where the pass builds them)."""
+    projections' outputs, the stream the MLP reads (h) and its input (reads: N_mlp(h)), the MLP's write (mlp: after
+    its post-norm where there is one) and the final norm's input; torch tensors of the pass's graph (with gradients
+    where the pass builds them)."""
 
     def __init__(self, model, decoder, places: list[LayerPlaces], final_norm: torch.nn.Module) -> None:
         self.model, self.decoder, self.places, self.final_norm = model, decoder, places, final_norm
@@ -82,7 +84,7 @@ class _Recorder:
     @contextlib.contextmanager
     def hooks(self) -> Iterator[dict[str, list]]:
         depth = len(self.decoder)
-        kept = {name: [None] * depth for name in ("r", "z", "q", "k", "v", "h", "mlp", "attn", "post")}
+        kept = {name: [None] * depth for name in ("r", "z", "q", "k", "v", "h", "reads", "mlp", "attn", "post")}
         kept["final"] = [None]
         handles = []
 
@@ -109,6 +111,7 @@ class _Recorder:
             on(place.post_attention or place.output, "post", index, "output")
             on(place.post_mlp or place.mlp, "mlp", index, "output")
             on(place.mlp_norm or place.mlp, "h", index, "input")
+            on(place.mlp, "reads", index, "input")
             if place.fused is not None:
                 on(place.fused, "q", index, "output")
             else:
@@ -138,7 +141,6 @@ class EdgeModel:
         self.graph = build_graph(len(self.decoder), self.heads, self.kv_heads)
         self.recorder = _Recorder(model, self.decoder, self.places, final_norm)
         self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)
-        # A head of a layer with a post-attention norm writes through it: not a sum of its own (see _changes).
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def batches(self, pairs: Sequence[TokenizedPair]) -> Iterator[list[TokenizedPair]]:
@@ -219,12 +221,10 @@ class EdgeModel:
             return _receiver_gradients(m, kept, places, self.heads, self.kv_heads, self.head_dim)
 
         corrupt_logits, corrupt_kept = _run(capture, recorder, corrupt_ids, device, grad=False)
-        corrupt_writes = self._writes(corrupt_kept)
         corrupt_embeds = _embeddings(self.model, corrupt_ids, device)
         with torch.enable_grad():
             clean_logits, kept = _run(capture, recorder, clean_ids, device, grad=True)
             _check_residual(kept, len(places))
-            clean_writes = self._writes(kept)
             m_clean = metric(clean_logits)
             if method == "eap":
                 gradients = gradients_of(m_clean, kept)
@@ -237,8 +237,8 @@ class EdgeModel:
                     found = gradients_of(metric(step_logits), step_kept)
                     gradients = found if gradients is None else gradients + found
                 gradients = gradients / steps
-            dla = self._dla(kept, clean_writes, answers, distractors, m_clean.detach())
-        scores = _products(self.graph, self._changes(corrupt_writes - clean_writes, kept), gradients)
+            dla = self._dla(kept, self._writes(kept, last=True), answers, distractors, m_clean.detach())
+        scores = _products(self.graph, self._changes(corrupt_kept, kept), gradients)
         return {
             "scores": scores.cpu().numpy(),
             "dla": dla.cpu().numpy(),
@@ -246,25 +246,39 @@ class EdgeModel:
             "corrupt": metric(corrupt_logits).double().cpu().numpy(),
         }
 
-    def _writes(self, kept) -> torch.Tensor:
+    def _writes(self, kept, *, last: bool = False) -> torch.Tensor:
         """(senders, rows, t, hidden) float32, in graph order (embed, then per layer its heads and its MLP): what
-        each sender writes into the residual stream; a head of a layer with a post-attention norm: what it writes
-        into the norm (W_h z_h)."""
-        writes = [kept["r"][0].detach().float()]
+        each sender writes into the residual stream (last: at the last position only, t = 1); a head of a layer
+        with a post-attention norm: what it writes into the norm (W_h z_h)."""
+        at = slice(-1, None) if last else slice(None)
+        writes = [kept["r"][0][:, at].detach().float()]
         for layer, weight in enumerate(self.columns):
-            writes += list(_head_writes(kept["z"][layer], weight, self.heads, self.head_dim))
-            writes.append(kept["mlp"][layer].detach().float())
+            writes += list(_head_writes(kept["z"][layer][:, at], weight, self.heads, self.head_dim))
+            writes.append(kept["mlp"][layer][:, at].detach().float())
         return torch.stack(writes)
 
-    def _changes(self, change: torch.Tensor, kept) -> torch.Tensor:
-        """The senders' changes (corrupt - clean) as the residual stream sees them: a head behind a post-attention
-        norm P changes the stream by P's Jacobian at the clean run times its change W_h (z_h corrupt - z_h clean)
-        (EAP's direct path runs through P's full Jacobian); every other sender as it is."""
-        for layer, place in enumerate(self.places):
+    def _changes(self, corrupt, clean) -> torch.Tensor:
+        """(rows, t, senders, hidden) float32, laid out by position for the products: each sender's change (its
+        corrupt write minus its clean one) as the residual stream sees it. A head's: W_h (z_h corrupt - z_h clean);
+        behind a post-attention norm P, that times P's Jacobian at the clean run (EAP's direct path runs through
+        P's full Jacobian)."""
+        rows, t, hidden = clean["r"][0].shape
+        change = torch.empty(rows, t, len(self.graph.senders), hidden, device=self.device)
+
+        def difference(name, layer):
+            return corrupt[name][layer].detach().float() - clean[name][layer].detach().float()
+
+        change[:, :, 0] = difference("r", 0)
+        for layer, (place, weight) in enumerate(zip(self.places, self.columns, strict=True)):
+            first = 1 + layer * (self.heads + 1)
+            heads = slice(first, first + self.heads)
+            moved = difference("z", layer).view(rows, t, self.heads, self.head_dim)
+            written = torch.einsum("rthd,mhd->rthm", moved, weight.view(hidden, self.heads, self.head_dim))
             if place.post_attention is not None:
-                first = 1 + layer * (self.heads + 1)
-                heads = slice(first, first + self.heads)
-                change[heads] = norm_jvp(place.post_attention, kept["attn"][layer], change[heads])
+                written = norm_jvp(place.post_attention, clean["attn"][layer], written.permute(2, 0, 1, 3))
+                written = written.permute(1, 2, 0, 3)
+            change[:, :, heads] = written
+            change[:, :, first + self.heads] = difference("mlp", layer)
         return change
 
     def _patched_run(self, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
@@ -476,52 +490,50 @@ def _head_writes(z: torch.Tensor, columns: torch.Tensor, heads: int, head_dim: i
 
 
 def _receiver_gradients(metric, kept, places, heads, kv_heads, head_dim) -> torch.Tensor:
-    """(receivers, rows, t, hidden) float32: the metric's gradient with respect to the residual stream where each
-    receiver reads it, through that receiver's channel alone (graph order)."""
+    """(rows, t, receivers, hidden) float32: the metric's gradient with respect to the residual stream where each
+    receiver reads it, through that receiver's channel alone (graph order). One backward pass gives the gradient at
+    each projection's output and at each MLP's input; a channel's, through its rows of the projection (a product
+    with the weight) and then the input norm; the MLP's, through its input norm (each norm run again on copies of
+    its input, one backward for all of a layer's channels). An MLP that reads the stream itself (no input norm)
+    gets a backward pass of its own."""
     depth = len(places)
     fused = places[0].fused is not None
     wanted = [kept["q"][layer] for layer in range(depth)]
     if not fused:
         wanted += [kept[name][layer] for name in ("k", "v") for layer in range(depth)]
-    wanted += [kept["mlp"][layer] for layer in range(depth)] + [kept["final"][0]]
+    wanted += [kept["reads" if place.mlp_norm is not None else "mlp"][layer] for layer, place in enumerate(places)]
+    wanted.append(kept["final"][0])
     grads = torch.autograd.grad(metric.sum(), wanted, retain_graph=True, allow_unused=True)
     grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wanted, grads, strict=True)]
-    q_grads = grads[:depth]
-    k_grads, v_grads = (None, None) if fused else (grads[depth : 2 * depth], grads[2 * depth : 3 * depth])
-    mlp_grads = grads[-depth - 1 : -1]
-    found = []
-    width = heads * head_dim
-    for layer in range(depth):
-        residual = kept["r"][layer]
-        slices = []  # (projection output, its gradient restricted to one head's features)
-        for head in range(heads):
-            slices.append((kept["q"][layer], q_grads[layer], slice(head * head_dim, (head + 1) * head_dim)))
-        for channel in ("k", "v"):
-            for group in range(kv_heads):
-                if fused:  # GPT-2's c_attn: q | k | v
-                    offset = width if channel == "k" else 2 * width
-                    slices.append((kept["q"][layer], q_grads[layer],
-                                   slice(offset + group * head_dim, offset + (group + 1) * head_dim)))  # fmt: skip
-                else:
-                    own = k_grads if channel == "k" else v_grads
-                    tensor, grad = kept[channel][layer], own[layer]
-                    slices.append((tensor, grad, slice(group * head_dim, (group + 1) * head_dim)))
-        # One batched vector-Jacobian product per projection: each slice's gradient, the rest of the features 0.
-        by_tensor: dict[int, list] = {}
-        for tensor, grad, features in slices:
-            by_tensor.setdefault(id(tensor), [tensor, grad, []])[2].append(features)
-        for tensor, grad, all_features in by_tensor.values():
-            masked = torch.zeros((len(all_features), *grad.shape), dtype=grad.dtype, device=grad.device)
-            for index, features in enumerate(all_features):
-                masked[index, ..., features] = grad[..., features]
-            (through,) = torch.autograd.grad(tensor, residual, grad_outputs=masked, retain_graph=True,
-                                             is_grads_batched=True)  # fmt: skip
-            found.extend(through.float())
-        (through_mlp,) = torch.autograd.grad(kept["mlp"][layer], kept["h"][layer], grad_outputs=mlp_grads[layer],
-                                              retain_graph=True)  # fmt: skip
-        found.append(through_mlp.float())
-    found.append(grads[-1].float())  # the logits read the final norm's input directly
-    return torch.stack(found)
+    rows, t, hidden = kept["r"][0].shape
+    per_layer = heads + 2 * kv_heads + 1
+    found = torch.empty(rows, t, depth * per_layer + 1, hidden, device=kept["r"][0].device)
+    for layer, place in enumerate(places):
+        if fused:  # GPT-2's c_attn: q | k | v, a Conv1D (weight: in, out)
+            channels = [(grads[layer], place.fused.weight.T, heads + 2 * kv_heads)]
+        else:
+            channels = [
+                (grads[layer + depth * index], getattr(place, name).weight, units)
+                for index, (name, units) in enumerate((("q", heads), ("k", kv_heads), ("v", kv_heads)))
+            ]
+        pre = []  # per channel: (rows, t, units, hidden), the gradient at the norm's output
+        for grad, weight, units in channels:
+            per_unit = grad.float().view(rows, t, units, head_dim)
+            pre.append(torch.einsum("rtud,udm->rtum", per_unit, weight.detach().float().view(units, head_dim, -1)))
+        start = layer * per_layer
+        found[:, :, start : start + per_layer - 1] = norm_back(place.input_norm, kept["r"][layer],
+                                                                   torch.cat(pre, dim=2))  # fmt: skip
+        at_mlp = grads[-depth - 1 + layer]
+        if place.mlp_norm is not None:
+            found[:, :, start + per_layer - 1] = norm_back(place.mlp_norm, kept["h"][layer], at_mlp[:, :, None])[
+                :, :, 0
+            ]
+        else:
+            (through_mlp,) = torch.autograd.grad(kept["mlp"][layer], kept["h"][layer], grad_outputs=at_mlp,
+                                                  retain_graph=True)  # fmt: skip
+            found[:, :, start + per_layer - 1] = through_mlp.float()
+    found[:, :, -1] = grads[-1].float()  # the logits read the final norm's input directly
+    return found
 
 
 def _check_residual(kept, layer_count: int) -> None:
@@ -545,15 +557,15 @@ def _check_residual(kept, layer_count: int) -> None:
 
 
 def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
-    """(rows, senders, receivers) float64: sum over positions and features of change (senders, rows, t, hidden) times
-    gradients (receivers, rows, t, hidden), 0 where there is no edge. Senders and receivers are in the order of the
+    """(rows, senders, receivers) float64: sum over positions and features of change (rows, t, senders, hidden) times
+    gradients (rows, t, receivers, hidden), 0 where there is no edge. Senders and receivers are in the order of the
     computation, so each receiver reads a prefix of the senders: the products run receiver group by receiver group
     over that prefix only (about half of all pairs). Each position's sum over the hidden features is a float32
     product (within gamma_hidden of its terms' magnitudes: 3.4e-5 of them at SmolLM2's 576), the positions added in
     float64."""
-    senders, rows, t, hidden = change.shape
-    by_position = change.permute(1, 2, 0, 3).reshape(rows * t, senders, hidden).float()
-    read_by_position = gradients.permute(1, 2, 3, 0).reshape(rows * t, hidden, -1).float()
+    rows, t, senders, hidden = change.shape
+    by_position = change.view(rows * t, senders, hidden)
+    read_by_position = gradients.view(rows * t, -1, hidden)
     scores = torch.zeros(rows, senders, len(graph.receivers), dtype=torch.float64, device=change.device)
     reads = graph.edges.sum(0)  # each receiver's prefix of senders
     start = 0
@@ -563,8 +575,9 @@ def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor) -> to
             end += 1
         prefix = int(reads[start])
         if prefix:
-            products = torch.bmm(by_position[:, :prefix], read_by_position[:, :, start:end])  # (rows * t, prefix, n)
-            scores[:, :prefix, start:end] = products.view(rows, t, prefix, end - start).sum(1, dtype=torch.float64)
+            products = torch.bmm(read_by_position[:, start:end], by_position[:, :prefix].transpose(1, 2))
+            summed = products.view(rows, t, end - start, prefix).sum(1, dtype=torch.float64)
+            scores[:, :prefix, start:end] = summed.transpose(1, 2)
         start = end
     return scores
 

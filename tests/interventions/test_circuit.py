@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from reference_edges import Reference
 from typer.testing import CliRunner
 
@@ -201,6 +202,38 @@ def test_max_memory_sizes_the_batches(tiny_lm):
     too_long = tokenize_pairs(pairs_from_records([record]), loaded.tokenizer, None)
     with pytest.raises(headscope.HeadscopeError, match="raise --max-memory or shorten the prompts"):
         list(tight.batches(too_long))
+
+
+class _SoftNorm(torch.nn.Module):
+    """No LayerNorm and no RMS norm: tanh of the RMS-normed input, which norm_back carries through by autograd."""
+
+    def forward(self, x):
+        return torch.tanh(x * x.square().mean(-1, keepdim=True).add(1e-6).rsqrt())
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms", "gemma", "other"])
+def test_a_norms_jacobian_carries_gradients_back_as_autograd_does(kind):
+    """norm_back carries each of n gradients at a norm's output back to its input: by the Jacobian written out for a
+    LayerNorm, an RMS norm and Gemma's (1 + w) one, by autograd for any other; each equals autograd's
+    vector-Jacobian product of the module itself, one gradient at a time, in float64."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from headscope.interventions.edge_layers import norm_back
+
+    torch.manual_seed(0)
+    hidden = 16
+    norm = {"layer": torch.nn.LayerNorm(hidden), "rms": LlamaRMSNorm(hidden), "gemma": Gemma2RMSNorm(hidden),
+            "other": _SoftNorm()}[kind]  # fmt: skip
+    for parameter in norm.parameters():
+        torch.nn.init.normal_(parameter)
+    x, grads = torch.randn(2, 3, hidden), torch.randn(2, 3, 4, hidden)
+    got = norm_back(norm, x, grads)
+    double = norm.double()
+    for n in range(grads.shape[2]):
+        point = x.double().requires_grad_()
+        (want,) = torch.autograd.grad(double(point), point, grad_outputs=grads[:, :, n].double())
+        np.testing.assert_allclose(got[:, :, n].numpy(), want.numpy(), atol=1e-5 * float(want.abs().max()))
 
 
 def test_the_graph_joins_each_sender_to_every_later_reader():
