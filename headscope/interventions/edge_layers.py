@@ -158,11 +158,17 @@ def head_columns(projection: torch.nn.Module) -> torch.Tensor:
     return weight.T if type(projection).__name__ == "Conv1D" else weight
 
 
-def project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A q, k or v projection by hand (calling the module would run its hooks again): a Linear, or GPT-2's Conv1D."""
-    if type(module).__name__ == "Conv1D":
-        return x @ module.weight + module.bias
-    return torch.nn.functional.linear(x, module.weight, module.bias)
+def project(module: torch.nn.Module, x: torch.Tensor, features: list[slice]) -> torch.Tensor:
+    """(n, ..., width) each x[i] (n, ..., hidden) through the output features features[i] (each `width` wide) of a
+    q, k or v projection, by hand (calling the module would run its hooks again): a Linear, or GPT-2's Conv1D."""
+    weight, bias = module.weight, module.bias
+    if type(module).__name__ == "Conv1D":  # weight: (in, out)
+        weight = weight.T
+    rows = torch.stack([weight[chosen] for chosen in features])  # (n, width, hidden)
+    out = torch.einsum("n...h,nwh->n...w", x, rows)
+    if bias is not None:
+        out = out + torch.stack([bias[chosen] for chosen in features]).view(len(features), *[1] * (x.dim() - 2), -1)
+    return out
 
 
 def through(norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:

@@ -368,13 +368,15 @@ class EdgeModel:
                     found = change([index for index, _ in reads])
                     if found is None:
                         return None
-                    output = output.clone()
+                    live = found.flatten(1).any(1).nonzero()[:, 0].tolist()  # the channels some edge changes
+                    if not live:
+                        return None
                     residual = kept[("r", layer)]
-                    for (_, features), changed in zip(reads, found, strict=True):
-                        if not bool(changed.any()):
-                            continue
-                        normed = through(self.places[layer].input_norm, residual + changed.to(residual.dtype))
-                        output[..., features] = project(module, normed)[..., features]
+                    normed = through(self.places[layer].input_norm, residual + found[live].to(residual.dtype))
+                    features = [reads[index][1] for index in live]
+                    output = output.clone()
+                    for features_of, projected in zip(features, project(module, normed, features), strict=True):
+                        output[..., features_of] = projected
                     return output
 
                 handles.append(module.register_forward_hook(reading))
