@@ -28,9 +28,16 @@ REMOVAL_MODES: tuple[str, ...] = ("zero", "mean")  # how a head is removed (inte
 DEFAULT_REMOVAL = "mean"  # the removal ablate and prune use unless told
 PRUNE_PATIENCE = 2  # prune stops after this many rounds in a row each add under 2% of the heads
 LOSS_ON: tuple[str, ...] = ("all", "repeats")  # which predicted tokens ablate scores (interventions.group_losses)
-PATCH_WHATS: tuple[str, ...] = ("output", "pattern", "values")  # what of a head `patch` puts in (commands.patch)
+PATCH_WHATS: tuple[str, ...] = (
+    "output",
+    "pattern",
+    "values",
+    "q",
+    "k",
+)  # what of a head `patch` puts in (commands.patch)
 PATCH_DIRECTIONS: tuple[str, ...] = ("denoise", "noise")  # into the corrupt prompt, or into the clean one
-PATCH_POSITIONS: tuple[str, ...] = ("all", "each")  # every position at once, or one position at a time
+# every position at once, one position at a time, or one role (marked in the pairs) at a time
+PATCH_POSITIONS: tuple[str, ...] = ("all", "each", "roles")
 PATCH_METRICS: tuple[str, ...] = ("logit_diff",)  # interventions.patching.METRICS
 EDGE_METHODS: tuple[str, ...] = ("eap-ig", "eap")  # how `circuit` scores an edge (interventions.edges)
 DEFAULT_EDGE_STEPS = 5  # EAP-IG's interpolation steps, as Hanna et al. 2024 take for EAP-IG-inputs

@@ -203,7 +203,10 @@ LossOn = Annotated[
 ]
 What = Annotated[
     WhatChoice,
-    typer.Option(help="Patch each head's output, its attention probabilities only (pattern) or its values only."),
+    typer.Option(
+        help="Patch each head's output, its attention probabilities only (pattern), its values only, its "
+        "query (q) or its key (k: its KV head's)."
+    ),
 ]
 Direction = Annotated[
     DirectionChoice,
@@ -212,7 +215,8 @@ Direction = Annotated[
 Positions = Annotated[
     PositionsChoice,
     typer.Option(
-        help="Patch every position at once, or each position alone (values: key positions; needs one length)."
+        help="Patch every position at once, each position alone (values: key positions; needs one length), or each "
+        "role marked in the pairs ([[IO:Mary]]) at its own position in each pair."
     ),
 ]
 Metric = Annotated[
@@ -220,6 +224,14 @@ Metric = Annotated[
 ]
 Fast = Annotated[
     bool, typer.Option(help="Attribution patching: a first-order estimate from one backward pass (not exact).")
+]
+Parts = Annotated[
+    bool,
+    typer.Option(
+        "--parts",
+        help="With --what output: patch each head's pattern and values too, and say how far its output's effect "
+        "goes beyond theirs (beyond_parts).",
+    ),
 ]
 EdgeMethod = Annotated[
     EdgeMethodChoice,

@@ -20,6 +20,7 @@ def patch(
     layers: o.Layers = o.DEFAULTS.layers,
     metric: o.Metric = o.DEFAULT_METRIC,
     fast: o.Fast = False,
+    parts: o.Parts = False,
     report: o.Report = None,
     out: o.OutPatch = None,
     overwrite: o.Overwrite = False,
@@ -45,7 +46,7 @@ def patch(
         settings = settings_from_command_line(ctx.params)
         chosen = sorted({head for text in heads or () for head in parse_heads(text)})
         check_request(what.value, direction.value, positions.value, metric.value, fast,
-                      chart_format.value if charts else None)  # fmt: skip
+                      chart_format.value if charts else None, parts)  # fmt: skip
     with user_errors(ctx):
         found = run_patching(
             model,
@@ -56,6 +57,7 @@ def patch(
             heads=chosen,
             metric=metric.value,
             fast=fast,
+            parts=parts,
             report=report,
             out=out or Path("reports") / f"patch-{resolve_source(model).slug}",
             overwrite=overwrite,

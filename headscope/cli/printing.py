@@ -348,17 +348,30 @@ def print_patching(found, count: int = 12) -> None:
     title = f"heads whose {record['what']} carries the behaviour ({record['direction']}){estimate}"
     table = Table(title=_title(title), box=box.SIMPLE_HEAD)
     top = found.top(count)
-    columns = ["head", *(["position", "token"] if "position" in top else []), "effect", "95% interval"]
+    by_role = "position_role" in top
+    columns = ["head", *(["position", "role at" if by_role else "token"] if "position" in top else []), "effect",
+               "95% interval"]  # fmt: skip
+    parts = "beyond_parts" in top
+    columns += ["pattern", "values", "beyond", "beyond 95%"] if parts else []
     columns += ["role"] if "role" in top else []
+    numbers = ("effect", "95% interval", "position", "pattern", "values", "beyond", "beyond 95%")
     for name in columns:
-        table.add_column(name, justify="right" if name in ("effect", "95% interval", "position") else "left")
+        table.add_column(name, justify="right" if name in numbers else "left")
+
+    def signed(value) -> str:
+        return "-" if pd.isna(value) else f"{value:+.3f}"
+
+    def interval(low, high) -> str:
+        return "-" if pd.isna(low) else f"[{low:+.3f}, {high:+.3f}]"
+
     for row in top.itertuples():
         cells = [head_name(row.layer, row.head)]
         if "position" in top:
-            cells += [str(row.position), printable(repr(row.clean_token))]
-        low, high = row.effect_ci_low, row.effect_ci_high
-        cells += ["-" if pd.isna(row.effect) else f"{row.effect:+.3f}",
-                  "-" if pd.isna(low) else f"[{low:+.3f}, {high:+.3f}]"]  # fmt: skip
+            cells += [str(row.position), row.position_role if by_role else printable(repr(row.clean_token))]
+        cells += [signed(row.effect), interval(row.effect_ci_low, row.effect_ci_high)]
+        if parts:
+            cells += [signed(row.pattern_effect), signed(row.values_effect), signed(row.beyond_parts),
+                      interval(row.beyond_ci_low, row.beyond_ci_high)]  # fmt: skip
         if "role" in top:
             cells.append(row.role)
         _row(table, *cells)

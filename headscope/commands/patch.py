@@ -2,8 +2,9 @@
 
     the pairs      clean and corrupt prompts of the same length, and the answer and distractor tokens
                    (interventions/pairs.py); the metric m = logit[answer] - logit[distractor] at the last position
-    the patch      one head's output (`output`), its attention probabilities (`pattern`) or the values it reads
-                   (`values`) taken from the other prompt of the pair, at every position or one at a time
+    the patch      one head's output (`output`), its attention probabilities (`pattern`), the values it reads
+                   (`values`), its query (`q`) or its key (`k`) taken from the other prompt of the pair, at every
+                   position, one at a time, or one marked role at a time
     the effect     denoise: (mean m_patched - mean m_corrupt) / (mean m_clean - mean m_corrupt), patching into the
                    corrupt prompt (1: the head alone restores the behaviour); noise: (mean m_clean - mean
                    m_patched) / the same gap, patching into the clean prompt (1: the head alone destroys it); a 95%
@@ -15,6 +16,7 @@ interventions/patching.py does the passes (exact, or --fast's first-order estima
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,9 +33,12 @@ from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.pairs import PairsFile, TokenizedPair, as_pairs, tokenize_pairs
 from headscope.interventions.patching import (
     METRICS,
+    PROJECTED,
     PairRecorder,
+    ProjectionPatch,
     Unit,
     attributed_metrics,
+    beyond_parts,
     exact_metrics,
     kept_logits,
     metric_of,
@@ -120,6 +125,7 @@ def patch(
     heads: Sequence = (),
     metric: str = "logit_diff",
     fast: bool = False,
+    parts: bool = False,
     report: str | Path | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -134,13 +140,17 @@ def patch(
     Args:
         model: hub id, local folder, .gguf path, alias, or an already loaded model (with its LM head).
         pairs: a .jsonl/.csv/.tsv file or a list of dicts (clean, corrupt, answer, distractor).
-        what: "output", "pattern" or "values": which activation of the head is patched.
+        what: "output", "pattern", "values", "q" or "k": which activation of the head is patched (q, k: its query or
+            key projection's output; k is its KV head's, shared by a grouped-KV model's query heads).
         direction: "denoise" (clean into corrupt) or "noise" (corrupt into clean).
-        positions: "all" at once, or "each" position apart.
+        positions: "all" at once, "each" position apart, or "roles": each role marked in the pairs ([[IO:Mary]]) at
+            its own position in each pair.
         heads: (layer, head) pairs to patch (default: every head of the layers in `options["layers"]`, else every
             head).
         metric: "logit_diff": logit[answer] - logit[distractor] at the last position.
         fast: first-order estimates (attribution patching) instead of a pass per patch.
+        parts: with what="output", patch each head's pattern and values too: their effects and how far the
+            output's effect goes beyond their sum (beyond_parts, with its interval).
         report: a report of this model, for each head's role.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
@@ -155,7 +165,7 @@ def patch(
         A Patching: each head's effect with its interval, the per-pair values, and the record.
     """
     heads = as_heads(heads) if heads else ()
-    check_request(what, direction, positions, metric, fast, charts)
+    check_request(what, direction, positions, metric, fast, charts, parts)
     pairs = as_pairs(pairs)
     report = as_path(report, "report")
     one_process_only("patch")
@@ -171,25 +181,34 @@ def patch(
         found = tokenize_pairs(pairs, tokenizer, settings.max_length)
         if positions == "each":
             _common_length(found, pairs)
+        elif positions == "roles":
+            _common_roles(found, pairs)
 
     session = run.session(model, loader, what="patch", out=out, kind="patching", overwrite=overwrite, lm_head=True,
                           report=report, before_weights=pairs_fit)  # fmt: skip
     with session as opened:
         loaded, plan = opened.loaded, opened.plan
-        roles = _roles(report)
+        head_roles = _roles(report)
         plan.check_heads(heads)
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
-        width = _common_length(tokenized, pairs) if positions == "each" else None
+        roles = _common_roles(tokenized, pairs) if positions == "roles" else None
+        width = _common_length(tokenized, pairs) if positions == "each" else None if roles is None else len(roles)
         units = _units(plan, heads, width)
-        reporter.stage(f"patching {len(units):,} {'head positions' if width else 'heads'} ({what}, {direction}"
+        unit_name = "heads" if width is None else "head positions" if roles is None else "head roles"
+        reporter.stage(f"patching {len(units):,} {unit_name} ({what}, {direction}"
                        f"{', first-order estimate' if fast else ''}) on {len(tokenized)} pairs")  # fmt: skip
         started = time.perf_counter()
         with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
-            found = _measure(capture, plan, loaded, tokenized, units, what, direction, width, METRICS[metric],
-                             fast, reporter)  # fmt: skip
+            found = _measure(capture, plan, loaded, tokenized, units, what, direction, width, roles,
+                             METRICS[metric], fast, reporter)  # fmt: skip
+            apart = {}
+            for part in ("pattern", "values") if parts else ():
+                reporter.stage(f"patching the same {unit_name}' {part} (--parts)")
+                apart[part] = _measure(capture, plan, loaded, tokenized, units, part, direction, width, roles,
+                                       METRICS[metric], fast, reporter)  # fmt: skip
         seconds = time.perf_counter() - started
         result = _result(loaded, settings, pairs, tokenized, units, found, what, direction, positions, metric, fast,
-                         roles, seconds)  # fmt: skip
+                         head_roles, roles, seconds, apart)  # fmt: skip
         if opened.folder is not None:
             _write(opened.folder, result, charts, reporter)
     for note in result.notes:
@@ -199,7 +218,7 @@ def patch(
     return result
 
 
-def check_request(what: str, direction: str, positions: str, metric: str, fast, charts) -> None:
+def check_request(what: str, direction: str, positions: str, metric: str, fast, charts, parts=False) -> None:
     """Refuse a choice outside its list, before anything loads."""
     asked = {"--what": (what, PATCH_WHATS), "--direction": (direction, PATCH_DIRECTIONS),
              "--positions": (positions, PATCH_POSITIONS), "--metric": (metric, PATCH_METRICS)}  # fmt: skip
@@ -208,6 +227,14 @@ def check_request(what: str, direction: str, positions: str, metric: str, fast, 
             raise ConfigError(f"{name} takes {', '.join(allowed)}; got {value!r}")
     if not isinstance(fast, bool):
         raise ConfigError(f"fast takes True or False; got {fast!r}")
+    if not isinstance(parts, bool):
+        raise ConfigError(f"parts takes True or False; got {parts!r}")
+    if parts and what != "output":
+        raise ConfigError(f"--parts compares output patching with pattern and values patching; it takes --what "
+                          f"output, not {what}")  # fmt: skip
+    if fast and what in PROJECTED:
+        raise ConfigError(f"--fast estimates output, pattern and values patching; --what {what} is patched exactly "
+                          "(leave out --fast)")  # fmt: skip
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
 
@@ -232,6 +259,22 @@ def _common_length(tokenized: list[TokenizedPair], pairs: PairsFile) -> int:
     return first.length
 
 
+def _common_roles(tokenized: list[TokenizedPair], pairs: PairsFile) -> list[str]:
+    """--positions roles compares roles across pairs: every pair must mark the first pair's roles (END, the last
+    token, is every pair's). Returns them in the first pair's order of position."""
+    first = tokenized[0]
+    roles = sorted(first.positions, key=first.positions.get)
+    for pair in tokenized:
+        missing = [role for role in roles if role not in pair.positions]
+        extra = [role for role in pair.positions if role not in first.positions]
+        if missing or extra:
+            which = f"marks no {missing[0]!r}" if missing else f"marks {extra[0]!r}"
+            raise CorpusError(f"{pairs.path}:{pair.pair.line}: {which}, but line {first.pair.line} marks "
+                              f"{', '.join(roles)}; --positions roles needs every pair to mark the same roles "
+                              "([[ROLE:text]] in the prompt)")  # fmt: skip
+    return roles
+
+
 def _units(plan, heads, width: int | None) -> list[Unit]:
     chosen = sorted(heads) if heads else [(layer, head) for layer in plan.layers for head in range(plan.heads)]
     positions = [None] if width is None else list(range(width))
@@ -248,7 +291,8 @@ class _Found:
     batches: int
 
 
-def _measure(capture, plan, loaded, tokenized, units, what, direction, width, metric, fast, reporter) -> _Found:
+def _measure(capture, plan, loaded, tokenized, units, what, direction, width, roles, metric, fast,
+             reporter) -> _Found:  # fmt: skip
     layers = sorted({layer for layer, _, _ in units})
     count = len(tokenized)
     clean, corrupt, patched = np.zeros(count), np.zeros(count), np.zeros((len(units), count))
@@ -261,23 +305,30 @@ def _measure(capture, plan, loaded, tokenized, units, what, direction, width, me
         forwards += 1
         reporter.advance(len(batch.sentence_ids), batch.n_tokens)
 
+    projections = ProjectionPatch(capture.decoder, plan.architecture, what, layers) if what in PROJECTED else None
     for batch in pair_batches(tokenized, plan, loaded.device, direction):
         recorder = PairRecorder(what, layers, batch.target_rows, batch.source_rows, each=width is not None,
                                 keep=fast)  # fmt: skip
         both = batch.both
         kept = kept_logits(capture, both)
-        output, outputs = capture.run_keeping_layers(both, editors=[recorder],
-                                                     measures=[recorder] if what != "output" else [],
-                                                     logits_to_keep=kept)  # fmt: skip
+        recording = projections.recording(batch.source_rows) if projections else contextlib.nullcontext()
+        with recording:
+            output, outputs = capture.run_keeping_layers(both, editors=[recorder],
+                                                         measures=[recorder] if recorder.wants(layers[0]) else [],
+                                                         logits_to_keep=kept)  # fmt: skip
         metrics = metric_of(metric, output.logits, both, kept, batch.answer.repeat(2), batch.distractor.repeat(2))
         del output
         metrics = metrics.double().cpu().numpy()
         rows = [order[i] for i in batch.pair_ids]
         clean[rows], corrupt[rows] = metrics[: len(rows)], metrics[len(rows) :]
-        columns = None
+        columns = None  # (pairs, positions): each pair's column of each patched position (its role's, by role)
         if width is not None:
             start = batch.target.seq_start[:, None]
-            columns = start + torch.arange(width, device=start.device)[None, :]
+            if roles is None:
+                columns = start + torch.arange(width, device=start.device)[None, :]
+            else:
+                by_role = [[tokenized[order[i]].positions[role] for role in roles] for i in batch.pair_ids]
+                columns = start + torch.tensor(by_role, dtype=torch.long, device=start.device)
         forwards, batches = forwards + 1, batches + 1
         if fast:
             patched[:, rows] = attributed_metrics(capture, batch, recorder, units, metric, columns)
@@ -285,18 +336,25 @@ def _measure(capture, plan, loaded, tokenized, units, what, direction, width, me
             reporter.advance(len(rows) * len(units), batch.target.n_tokens)
         else:
             patched[:, rows] = exact_metrics(capture, batch, recorder, outputs, units, metric, columns,
-                                             max(1, plan.replicas(batch.target)), on_forward)  # fmt: skip
+                                             max(1, plan.replicas(batch.target)), on_forward, projections)  # fmt: skip
     reporter.finish()
     return _Found([pair.pair.pair_id for pair in tokenized], clean, corrupt, patched, forwards, batches)
 
 
 def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found, what, direction, positions,
-            metric, fast, roles, seconds) -> Patching:  # fmt: skip
+            metric, fast, roles, position_roles, seconds, apart: dict[str, _Found]) -> Patching:  # fmt: skip
     effects = patch_effects(found.patched, found.clean, found.corrupt, direction, np.asarray(found.pair_ids),
                             replicates=settings.bootstrap, seed=settings.bootstrap_seed)  # fmt: skip
+    if apart:
+        effects |= beyond_parts(found.patched, apart["pattern"].patched, apart["values"].patched, found.clean,
+                                found.corrupt, direction, np.asarray(found.pair_ids), replicates=settings.bootstrap,
+                                seed=settings.bootstrap_seed)  # fmt: skip
     method = "attribution" if fast else "exact"
     table = pd.DataFrame({"layer": [u[0] for u in units], "head": [u[1] for u in units]})
     first = tokenized[0]
+    if positions == "roles":
+        table["position"] = [u[2] for u in units]
+        table["position_role"] = [position_roles[u[2]] for u in units]
     if positions == "each":
         table["position"] = [u[2] for u in units]
         clean_tokens, corrupt_tokens = (token_texts(loaded.tokenizer, ids) for ids in (first.clean_ids,
@@ -307,13 +365,14 @@ def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found,
     if roles is not None:
         # a head the report did not measure (a --layers report) has no role: "other" is a role it was not given
         table["role"] = [roles.get((u[0], u[1]), UNMEASURED) for u in units]
-    keys = ["layer", "head", *(["position"] if positions == "each" else [])]
+    keys = ["layer", "head", *(["position"] if positions != "all" else [])]
     per_pair = pd.DataFrame(
         {
             "pair": np.repeat([found.pair_ids], len(units), axis=0).ravel(),
             "line": np.repeat([[pair.pair.line for pair in tokenized]], len(units), axis=0).ravel(),
             **{key: np.repeat(table[key].to_numpy(), len(tokenized)) for key in keys},
             "m_patched": found.patched.ravel(),
+            **{f"m_patched_{part}": done.patched.ravel() for part, done in apart.items()},
         }
     )
     gap = found.clean.mean() - found.corrupt.mean()
@@ -328,21 +387,24 @@ def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found,
                      "and every effect is empty (NaN)")  # fmt: skip
     elif settings.bootstrap and len(tokenized) < 2:
         notes.append(ONE_SENTENCE_NOTE.replace("sentences", "pairs"))
-    units_done = len(units) * len(tokenized)
+    units_done = len(units) * len(tokenized) * (1 + len(apart))
     record = record_header(loaded, settings, PATCH_SETTINGS, None) | {
         "pairs": {"path": str(pairs.path), "sha256": pairs.sha256, "count": len(tokenized),
                   "lengths": sorted({pair.length for pair in tokenized})},
         "metric": {"name": metric, "definition": METRICS[metric].definition},
-        "what": what, "direction": direction, "positions": positions, "method": method,
+        "what": what, "direction": direction, "positions": positions, "method": method, "parts": bool(apart),
         "heads_patched": len({(u[0], u[1]) for u in units}), "units": len(units),
         "m_clean_mean": float(found.clean.mean()), "m_corrupt_mean": float(found.corrupt.mean()), "gap": float(gap),
         "per_pair": [{"pair": pair.pair.pair_id, "line": pair.pair.line, "m_clean": float(c), "m_corrupt": float(r),
                       "no_difference": bool(same)}
                      for pair, c, r, same in zip(tokenized, found.clean, found.corrupt, flagged, strict=True)],
         "tokens": token_texts(loaded.tokenizer, first.clean_ids),
+        "roles": position_roles,
         "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95,
                       "over": "pairs"},
-        "timing": {"seconds": round(seconds, 3), "forwards": found.forwards, "batches": found.batches,
+        "timing": {"seconds": round(seconds, 3),
+                   "forwards": found.forwards + sum(done.forwards for done in apart.values()),
+                   "batches": found.batches,
                    "patched_runs_per_second": round(units_done / seconds, 2) if seconds > 0 else None},
     }  # fmt: skip
     return Patching(table, per_pair, record, notes=notes)

@@ -50,7 +50,8 @@ class LayerPlaces:
         return self.fused if self.fused is not None else self.q
 
 
-def _modules(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> LayerPlaces:
+def layer_modules(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> LayerPlaces:
+    """A decoder layer's projections and MLP (its norms unknown: find_places finds them from a pass)."""
     names = dict(layer.named_modules())
     attention = next((m for n, m in names.items() if n.rpartition(".")[2] in ("self_attn", "attn", "attention")), None)
     mlp = getattr(layer, "mlp", None)
@@ -78,7 +79,7 @@ def _first(args, kwargs):
 
 def find_places(capture, model, decoder, heads: int, kv_heads: int, head_dim: int, ids: list[int], device):
     """([LayerPlaces] per decoder layer, the final norm), found by one pass on `ids`."""
-    places = [_modules(layer, heads, kv_heads, head_dim) for layer in decoder]
+    places = [layer_modules(layer, heads, kv_heads, head_dim) for layer in decoder]
     made, taken, seen, handles = {}, [], {}, []
 
     def remember(module, args, output):

@@ -9,10 +9,15 @@ nothing before its layer, so its patched output is a function of the two recorde
 replacement of one head's output (`PatchedHeads`) in a pass that starts at its layer from the target prompts'
 recorded state, many patches per forward as replicas of the batch (interventions.group_losses does the same for
 ablation). `--fast` replaces those passes by one backward pass of the metric: m_patched ~ m + (z' - z) . dm/dz.
+
+`q` and `k` patch a head's inputs instead (`ProjectionPatch`): its features of the query projection's output, or
+its KV head's features of the key projection's output, taken from the other prompt in the same replicated passes;
+the head then attends with them, and everything after it follows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +27,7 @@ import torch
 
 from headscope.errors import ModelLoadError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
+from headscope.interventions.edge_layers import layer_modules
 from headscope.interventions.group_losses import replica_passes
 from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.removal import ReplicaEditor
@@ -126,7 +132,7 @@ class PairRecorder:
         self._blocks, self._valid = {}, batch.attention_mask.bool()
 
     def wants(self, layer: int) -> bool:
-        return self.what != "output" and layer in self.layers
+        return self.what in ("pattern", "values") and layer in self.layers
 
     def last_layer(self) -> int | None:
         return None  # the pass runs to the end: it keeps every layer's output and the logits
@@ -136,6 +142,8 @@ class PairRecorder:
 
     def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
         if layer not in self.layers:
+            return output
+        if self.what in PROJECTED:  # ProjectionPatch keeps what q and k patch
             return output
         z = output.detach().float()  # (rows, t, heads, head_dim)
         if self.keep:
@@ -198,20 +206,93 @@ class PatchedHeads(ReplicaEditor):
             block[pairs, column, head] = replacement[pairs, column, head]
 
 
+PROJECTED = {"q": "query", "k": "key"}  # --what that patches a head's input: its projection's output
+
+
+class ProjectionPatch:
+    """--what q / k: what a head reads, its query (or its KV head's key: a grouped-KV model's query heads share
+    it, so the heads of one group patch the same key), as the q or k projection makes it. `recording` keeps the
+    source prompts' projection outputs on the [clean; corrupt] pass; `patching` puts one head's features of them
+    into each replica of the target rows, at every position or at each pair's column of one position."""
+
+    def __init__(self, decoder, architecture: dict, channel: str, layers: Sequence[int]) -> None:
+        self.channel, self.layers = channel, sorted(set(layers))
+        self.heads, kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
+        self.group = self.heads // kv_heads
+        self.modules, self.offsets = {}, {}
+        for layer in self.layers:
+            place = layer_modules(decoder[layer], self.heads, kv_heads, self.head_dim)
+            fused = place.fused is not None  # GPT-2's c_attn: q | k | v
+            self.modules[layer] = place.fused if fused else getattr(place, channel)
+            self.offsets[layer] = self.heads * self.head_dim if fused and channel == "k" else 0
+        self.source: dict[int, torch.Tensor] = {}
+
+    def features(self, layer: int, head: int) -> slice:
+        unit = head if self.channel == "q" else head // self.group
+        start = self.offsets[layer] + unit * self.head_dim
+        return slice(start, start + self.head_dim)
+
+    @contextlib.contextmanager
+    def recording(self, source_rows: slice) -> Iterator[None]:
+        self.source = {}
+
+        def keep(layer):
+            def hook(module, args, output):
+                self.source[layer] = output[source_rows].detach()
+
+            return hook
+
+        handles = [self.modules[layer].register_forward_hook(keep(layer)) for layer in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def patching(self, layer: int, units: Sequence[Unit], rows: int, columns: torch.Tensor | None) -> Iterator[None]:
+        """Replica r (rows r * rows ...) of the pass reads units[r]'s head's features from the source."""
+        source = self.source[layer]
+
+        def put(module, args, output):
+            output = output.clone()
+            for replica, (_, head, position) in enumerate(units):
+                features, block = self.features(layer, head), output[replica * rows : (replica + 1) * rows]
+                if position is None:
+                    block[..., features] = source[..., features]
+                else:
+                    pairs = torch.arange(rows, device=block.device)
+                    column = columns[:, position]
+                    block[pairs, column, features] = source[pairs, column, features]
+            return output
+
+        handle = self.modules[layer].register_forward_hook(put)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
 def exact_metrics(capture, batch: PairBatch, recorder: PairRecorder, outputs: list, units: Sequence[Unit],
-                  metric: Metric, columns: torch.Tensor, replicas: int,
-                  on_forward: Callable[[Batch], None]) -> np.ndarray:  # fmt: skip
+                  metric: Metric, columns: torch.Tensor, replicas: int, on_forward: Callable[[Batch], None],
+                  projections: ProjectionPatch | None = None) -> np.ndarray:  # fmt: skip
     """(units, pairs) the metric with each unit patched, each by its own replica of the target rows, in passes
     starting at the unit's layer; outputs: every decoder layer's output on the [clean; corrupt] pass; on_forward: told
-    each pass's replicated batch."""
+    each pass's replicated batch; projections: for --what q / k, what patches the heads' inputs."""
     target = batch.target
     found = np.zeros((len(units), len(batch.pair_ids)))
     for layer, chunk in replica_passes([[(layer, head)] for layer, head, _ in units], set(), len(outputs), replicas):
         replicated = target.replicated(len(chunk))
-        editor = PatchedHeads(recorder, layer, [units[i] for i in chunk], len(batch.pair_ids), columns)
+        members = [units[i] for i in chunk]
         handed_on = replicate(rows_of(outputs[layer - 1], batch.target_rows), len(chunk)) if layer > 0 else None
         kept = kept_logits(capture, replicated)
-        output = capture.run(replicated, editors=[editor], start_at=layer, handed_on=handed_on, logits_to_keep=kept)
+        if projections is not None:
+            with projections.patching(layer, members, len(batch.pair_ids), columns):
+                output = capture.run(replicated, start_at=layer, handed_on=handed_on, logits_to_keep=kept)
+        else:
+            editor = PatchedHeads(recorder, layer, members, len(batch.pair_ids), columns)
+            output = capture.run(replicated, editors=[editor], start_at=layer, handed_on=handed_on,
+                                 logits_to_keep=kept)  # fmt: skip
         values = metric_of(metric, output.logits, replicated, kept, batch.answer.repeat(len(chunk)),
                            batch.distractor.repeat(len(chunk)))  # fmt: skip
         found[chunk] = values.view(len(chunk), -1).double().cpu().numpy()
@@ -289,3 +370,20 @@ def patch_effects(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, d
         draws = replicate_ratios(pair_ids, replicates, seed, moved.T, gap)  # (replicates, units)
         low, high = percentile_interval(draws)
     return {"effect": effect, "effect_ci_low": low, "effect_ci_high": high, "mean_patched": patched.mean(1)}
+
+
+def beyond_parts(output: np.ndarray, pattern: np.ndarray, values: np.ndarray, clean: np.ndarray, corrupt: np.ndarray,
+                 direction: str, pair_ids: np.ndarray, *, replicates: int, seed: int) -> dict:  # fmt: skip
+    """How far patching each unit's output moves m beyond patching its pattern and its values apart: each part's
+    effect, and effect(output) - effect(pattern) - effect(values) with its paired bootstrap interval (the same
+    draws as every effect). output, pattern, values: (units, pairs) m with the unit patched that way. 0 where the
+    head's output is its probabilities times its values and each part acts alone; nonzero where the two interact
+    (both change together) or where something besides them differs between the prompts."""
+    # the difference of the three effects as one patched array: its effect is that difference, its interval the
+    # same ratio's
+    combined = output - pattern - values + (2 * corrupt if direction == "denoise" else 2 * clean)
+    found = patch_effects(combined, clean, corrupt, direction, pair_ids, replicates=replicates, seed=seed)
+    parts = {name: patch_effects(array, clean, corrupt, direction, pair_ids, replicates=0, seed=seed)["effect"]
+             for name, array in (("pattern_effect", pattern), ("values_effect", values))}  # fmt: skip
+    return parts | {"beyond_parts": found["effect"], "beyond_ci_low": found["effect_ci_low"],
+                    "beyond_ci_high": found["effect_ci_high"]}  # fmt: skip

@@ -55,7 +55,7 @@ def patch_heatmap(effects: pd.DataFrame, record: dict) -> Figure:
 def patch_positions(effects: pd.DataFrame, record: dict) -> Figure:
     top = strongest_positions(effects).head(POSITION_ROWS).sort_values(["layer", "head"])
     names = [f"{layer}.{head}" for layer, head in zip(top["layer"], top["head"], strict=True)]
-    tokens = record["tokens"]
+    tokens = record.get("roles") or record["tokens"]
     grid = np.full((len(top), len(tokens)), np.nan)
     for row, (layer, head) in enumerate(zip(top["layer"], top["head"], strict=True)):
         mine = effects[(effects["layer"] == layer) & (effects["head"] == head)]
@@ -66,7 +66,8 @@ def patch_positions(effects: pd.DataFrame, record: dict) -> Figure:
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xticks(range(len(tokens)), [plain(t) for t in tokens], rotation=60, ha="right", fontsize=7)
     axis = "key position (the value patched)" if record["what"] == "values" else "query position (the row patched)"
-    ax.set_xlabel(f"{axis}; tokens of the first pair's clean prompt")
+    ax.set_xlabel(f"{axis}; {'roles marked in the pairs' if record.get('roles') else 'tokens of the first pair'}"
+                  f"{'' if record.get('roles') else chr(39) + 's clean prompt'}")  # fmt: skip
     ax.set_ylabel("layer.head")
     fig.colorbar(image, ax=ax, label="effect")
     ax.set_title(_title(record), fontsize=9)

@@ -105,7 +105,7 @@ def _check(found, reference: Reference, pairs: list[dict], what: str, direction:
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
-@pytest.mark.parametrize("what", ["output", "pattern", "values"])
+@pytest.mark.parametrize("what", ["output", "pattern", "values", "q", "k"])
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
 def test_every_head_equals_the_reference(models, references, pair_files, model, what, direction):
     pairs = pair_files[model, "mixed"]
@@ -114,13 +114,94 @@ def test_every_head_equals_the_reference(models, references, pair_files, model, 
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
-@pytest.mark.parametrize("what", ["output", "pattern", "values"])
+@pytest.mark.parametrize("what", ["output", "pattern", "values", "q", "k"])
 def test_each_position_equals_the_reference(models, references, pair_files, model, what):
     heads = [(1, 3), (2, 1)]
     pairs = pair_files[model, "one"]
     found = patch(models[model], pairs, what=what, positions="each", heads=heads, device="cpu", bootstrap=0)
     assert sorted(set(found.effects["position"])) == list(range(6))
     _check(found, references[model], _records(pairs), what, "denoise")
+
+
+def _marked(record: dict, roles: dict[str, int]) -> dict:
+    """The pair with words of its clean prompt marked as roles ({role: word index}, counted from the end if
+    negative)."""
+    words = record["clean"].split()
+    for role, index in roles.items():
+        words[index] = f"[[{role}:{words[index]}]]"
+    return {**record, "clean": " ".join(words)}
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("what", ["output", "values", "k"])
+def test_positions_by_role_patch_each_pairs_own_position(models, references, pair_files, tmp_path, model, what):
+    """Pairs of 4 to 9 words, each marking its second word A and its word before last B: --positions roles patches
+    A, B and END (the last token) at each pair's own token, as the plain computation does at that position."""
+    records = _records(pair_files[model, "mixed"])
+    assert len({len(r["clean"].split()) for r in records}) > 1  # several templates' lengths
+    marked = tmp_path / "marked.jsonl"
+    marked.write_text("".join(json.dumps(_marked(r, {"A": 1, "B": -2})) + "\n" for r in records))
+    heads = [(1, 3), (2, 1)]
+    found = patch(models[model], marked, what=what, positions="roles", heads=heads, device="cpu", bootstrap=0)
+    assert found.record["roles"] == ["A", "B", "END"]
+    assert list(found.effects["position_role"].unique()) == ["A", "B", "END"]
+    reference, tokenizer = references[model], references[model].tokenizer
+    for row in found.per_pair.itertuples():
+        record = records[row.pair]
+        words = record["clean"].split()
+        index = {0: 1, 1: len(words) - 2, 2: len(words) - 1}[row.position]
+        position = len(tokenizer(" ".join(words[: index + 1]))["input_ids"]) - 1
+        want = reference.patched(record, what, "denoise", row.layer, row.head, position)
+        assert abs(row.m_patched - want) < 1e-4, (row, want)
+
+
+def test_roles_that_differ_between_pairs_or_are_marked_wrong_are_one_line(models, pair_files, tmp_path):
+    from headscope.errors import HeadscopeError
+
+    records = _records(pair_files["gpt2", "mixed"])
+    cases = [
+        ([_marked(records[0], {"A": 1}), _marked(records[1], {"B": 1})], "marks no 'A'"),
+        ([_marked(records[0], {"A": 1, "END": 2})], "END is every pair's last token"),
+        ([{**records[0], "clean": records[0]["clean"].replace(" ", " [[A:]]", 1)}], "role 'A' marks no text"),
+        ([_marked(_marked(records[0], {"A": 1}), {"A": 2})], "role 'A' is marked twice"),
+    ]
+    for pairs, message in cases:
+        with pytest.raises(HeadscopeError, match=message):
+            patch(models["gpt2"], pairs, positions="roles", heads=[(0, 0)], device="cpu", bootstrap=0)
+    with pytest.raises(HeadscopeError, match="--fast estimates output, pattern and values"):
+        patch(models["gpt2"], records, what="q", fast=True)
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_parts_are_the_pattern_and_values_runs_and_beyond_is_what_they_leave(models, pair_files, direction):
+    """--parts: each head's pattern and values effects equal their own runs', and beyond_parts is output - pattern -
+    values, its interval drawn as every effect's (the same replicates)."""
+    pairs, model = pair_files["llama", "mixed"], models["llama"]
+    settings = dict(direction=direction, device="cpu", bootstrap=200, bootstrap_seed=3)
+    found = patch(model, pairs, parts=True, **settings)
+    apart = {what: patch(model, pairs, what=what, **settings).effects["effect"].to_numpy()
+             for what in ("pattern", "values")}  # fmt: skip
+    effects = found.effects
+    # two runs of one patch may round m apart in float32 (m ~ 5: 6e-7), over a gap above 0.5
+    np.testing.assert_allclose(effects["pattern_effect"], apart["pattern"], atol=2e-6)
+    np.testing.assert_allclose(effects["values_effect"], apart["values"], atol=2e-6)
+    beyond = effects["effect"] - effects["pattern_effect"] - effects["values_effect"]
+    np.testing.assert_allclose(effects["beyond_parts"], beyond, atol=1e-9)
+    assert (effects["beyond_ci_low"] <= effects["beyond_parts"] + 1e-12).all()
+    assert (effects["beyond_parts"] <= effects["beyond_ci_high"] + 1e-12).all()
+    assert np.abs(beyond).max() > 0.01  # random heads: pattern and values interact
+    assert found.record["parts"] and {"m_patched_pattern", "m_patched_values"} <= set(found.per_pair.columns)
+
+
+def test_a_planted_head_that_moves_its_values_alone_goes_nowhere_beyond_its_parts(reader, tmp_path):
+    """The reader's head 0.0 looks at position 1 in both prompts and moves what is there: output 1 = values 1 +
+    pattern 0, nothing beyond."""
+    pairs = write_reader_pairs(tmp_path / "pairs.jsonl")
+    found = patch(reader, pairs, parts=True, heads=[(0, 0)], device="cpu", bootstrap=0)
+    row = found.effects.iloc[0]
+    assert abs(row["effect"] - 1) < 1e-3 and abs(row["values_effect"] - 1) < 1e-3 and abs(row["beyond_parts"]) < 1e-3
+    with pytest.raises(Exception, match="--parts compares output patching"):
+        patch(reader, pairs, what="values", parts=True)
 
 
 @pytest.mark.parametrize("options", [{"batch_size": 1}, {"batch_size": 3, "padding_side": "left"},

@@ -77,6 +77,8 @@ class Reference:
         source, target = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
         if what == "output":
             return self._patched_output(source, target, answer, distractor, layer, head, position)
+        if what in ("q", "k"):
+            return self._patched_input(source, target, answer, distractor, what, layer, head, position)
         return self._patched_attention(source, target, answer, distractor, what, layer, head, position)
 
     def baseline(self, pair: dict) -> tuple[float, float]:
@@ -101,6 +103,37 @@ class Reference:
             self.model(torch.tensor([source]))
         hook.remove()
         hook = projection.register_forward_pre_hook(put)
+        try:
+            return self.metric(target, answer, distractor)
+        finally:
+            hook.remove()
+
+    def _patched_input(self, source, target, answer, distractor, channel, layer, head, position) -> float:
+        """The head's query (q), or its KV head's key (k), as the q or k projection outputs it, from the source: by
+        name (Llama's q_proj / k_proj, GPT-2's c_attn: q | k | v)."""
+        block = self.model.base_model.layers[layer] if hasattr(self.model.base_model, "layers") else \
+            self.model.base_model.h[layer]  # fmt: skip
+        config = self.model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        unit = head if channel == "q" else head // (self.heads // kv_heads)
+        if hasattr(block, "self_attn"):
+            module, offset = getattr(block.self_attn, f"{channel}_proj"), 0
+        else:
+            module, offset = block.attn.c_attn, 0 if channel == "q" else self.heads * self.head_dim
+        columns = slice(offset + unit * self.head_dim, offset + (unit + 1) * self.head_dim)
+        kept = {}
+        hook = module.register_forward_hook(lambda m, a, o: kept.update(out=o.clone()))
+        with torch.no_grad():
+            self.model(torch.tensor([source]))
+        hook.remove()
+
+        def put(module, args, output):
+            output = output.clone()
+            rows = slice(None) if position is None else slice(position, position + 1)
+            output[:, rows, columns] = kept["out"][:, rows, columns]
+            return output
+
+        hook = module.register_forward_hook(put)
         try:
             return self.metric(target, answer, distractor)
         finally:
