@@ -75,6 +75,7 @@ PATCH_CHARTS = ("patch_heatmap", "patch_positions")
 CIRCUIT_RECORD = "circuit.json"
 EDGES_FILE = "edges.parquet"
 NODES_FILE = "nodes.parquet"
+EDGES_BY_ROLE_FILE = "edges_by_role.parquet"  # with --by-role
 CIRCUIT_CHARTS = ("circuit_graph", "circuit_faithfulness")
 
 # What `headscope prune` writes, recognised by prune.json; --save-model writes a transformers checkpoint into a
@@ -112,7 +113,9 @@ KINDS = {
     "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
     "patching": Kind("a headscope patching", PATCH_RECORD, (PATCHING_FILE, PATCHING_PAIRS_FILE), PATCH_CHARTS),
     "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE,), PRUNE_CHARTS),
-    "circuit": Kind("a headscope circuit", CIRCUIT_RECORD, (EDGES_FILE, NODES_FILE), CIRCUIT_CHARTS),
+    "circuit": Kind(
+        "a headscope circuit", CIRCUIT_RECORD, (EDGES_FILE, NODES_FILE, EDGES_BY_ROLE_FILE), CIRCUIT_CHARTS
+    ),
     "model": Kind("a headscope pruned model", PRUNED_MODEL_RECORD, CHECKPOINT_FILES, option="--save-model"),
 }
 

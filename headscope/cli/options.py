@@ -248,6 +248,13 @@ Curve = Annotated[
     bool,
     typer.Option(help="Measure the faithfulness curve: circuits of 0.1% to 50% of the edges, each patched exactly."),
 ]
+ByRole = Annotated[
+    bool,
+    typer.Option(
+        "--by-role",
+        help="Each edge's score at each role marked in the pairs ([[IO:Mary]]) too: edges_by_role.parquet.",
+    ),
+]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
 MaxRounds = Annotated[
     int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")

@@ -35,8 +35,8 @@ from headscope.interventions.edge_graph import (
     ranked_edges,
 )
 from headscope.interventions.edges import DEFAULT_STEPS, METHODS, EdgeModel, EdgeScores
-from headscope.interventions.pairs import as_pairs, tokenize_pairs
-from headscope.layout import CIRCUIT_RECORD, EDGES_FILE, NODES_FILE
+from headscope.interventions.pairs import as_pairs, common_roles, tokenize_pairs
+from headscope.layout import CIRCUIT_RECORD, EDGES_BY_ROLE_FILE, EDGES_FILE, NODES_FILE
 from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
@@ -58,6 +58,7 @@ class Circuit:
     nodes: pd.DataFrame
     record: dict
     folder: Path | None = None
+    by_role: pd.DataFrame | None = None  # edges_by_role.parquet, with by_role
 
     def top(self, count: int = 10) -> pd.DataFrame:
         """The `count` strongest edges (largest |score|)."""
@@ -101,6 +102,7 @@ def circuit(
     verify: int = DEFAULT_VERIFY,
     target: float = DEFAULT_TARGET,
     curve: bool = True,
+    by_role: bool = False,
     report: str | Path | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -122,6 +124,8 @@ def circuit(
         verify: how many of the strongest edges are patched exactly, one at a time (0: none).
         target: the faithfulness (in (0, 1]) the smallest circuit must reach.
         curve: measure the faithfulness curve (nine patched passes over the pairs).
+        by_role: each edge's score at each role marked in the pairs ([[IO:Mary]]; END, the last token, is every
+            pair's) too: edges_by_role.parquet.
         report: a report of this model, for each head's role.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
@@ -143,35 +147,40 @@ def circuit(
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=False)  # fmt: skip
     run.request = {"pairs (sha256)": pairs.sha256, "method": method, "steps": steps, "verify": verify,
-                   "target": target, "curve": curve}  # fmt: skip
+                   "target": target, "curve": curve, "by_role": by_role}  # fmt: skip
     ranks = run.data_parallel(model, "circuit")
     if pairs.path.is_file():
         run.protected["the pairs file"] = pairs.path
     settings, reporter = run.settings, run.reporter
 
     def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
-        tokenize_pairs(pairs, tokenizer, settings.max_length)
+        found = tokenize_pairs(pairs, tokenizer, settings.max_length)
+        if by_role:
+            common_roles(found, pairs, "--by-role")
 
     session = run.session(model, loader, what="circuit", out=out, kind="circuit", overwrite=overwrite, lm_head=True,
                           report=report, before_weights=pairs_fit)  # fmt: skip
     with session as opened:
         loaded, plan = opened.loaded, opened.plan
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
+        roles = common_roles(tokenized, pairs, "--by-role") if by_role else None
         extra = f", {steps} steps" if method == "eap-ig" else ""
         reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
         started = time.perf_counter()
         with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
             edges = _Dealt(EdgeModel(capture, loaded, plan, tokenized[0]), ranks, tokenized)
-            found = edges.scores(method=method, steps=steps)
+            found = edges.scores(method=method, steps=steps, roles=roles)
             if verify > found.graph.edge_count:
                 raise ConfigError(f"--verify {verify} is more than the {found.graph.edge_count:,} edges of this model")
             checked = _checked(edges, found, verify, curve, target, reporter)
         seconds = time.perf_counter() - started
-        roles = None if report is None else _roles(report)
-        result = _result(loaded, settings, pairs, found, method, steps, roles, seconds, checked)
+        head_roles = None if report is None else _roles(report)
+        result = _result(loaded, settings, pairs, found, method, steps, head_roles, seconds, checked, roles)
         if opened.folder is not None:
             write_frame(result.edges, opened.folder / EDGES_FILE)
             write_frame(result.nodes, opened.folder / NODES_FILE)
+            if result.by_role is not None:
+                write_frame(result.by_role, opened.folder / EDGES_BY_ROLE_FILE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
             if charts:
                 from headscope.report.circuit_charts import draw_circuit_charts
@@ -223,8 +232,8 @@ class _Dealt:
         self.mine = list(share_of(ranks, pairs))
         self.ids = np.concatenate(gather(ranks, np.sort([pair.pair.pair_id for pair in self.mine])))
 
-    def scores(self, *, method: str, steps: int) -> EdgeScores:
-        share = together(self.ranks, lambda: self.model.scores(self.mine, method=method, steps=steps))
+    def scores(self, *, method: str, steps: int, roles=None) -> EdgeScores:
+        share = together(self.ranks, lambda: self.model.scores(self.mine, method=method, steps=steps, roles=roles))
         return EdgeScores.joined(gather(self.ranks, share))
 
     def patched(self, excluded) -> np.ndarray:
@@ -280,7 +289,8 @@ def _mean_and_interval(values: np.ndarray, pair_ids: np.ndarray, settings: RunCo
     return mean, low, high
 
 
-def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, seconds, checked) -> Circuit:
+def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, seconds, checked,
+            position_roles=None) -> Circuit:  # fmt: skip
     graph = found.graph
     senders, receivers = np.nonzero(graph.edges)
     per_pair = found.scores[:, senders, receivers]  # (pairs, edges)
@@ -340,10 +350,23 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
         **_areas(checked.curve),
         "target": checked.target,
         "circuit": checked.smallest,
+        "roles": position_roles,
         "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},
         "seconds": round(seconds, 3),
     }
-    return Circuit(edges, nodes, record)
+    by_role = None
+    if position_roles is not None:  # (pairs, roles, edges) -> every edge at every role, its mean and interval
+        at_roles = found.by_role[:, :, senders, receivers].astype(np.float64)
+        mean, low, high = _mean_and_interval(at_roles.reshape(len(at_roles), -1), found.pair_ids, settings)
+        count = len(senders)
+        by_role = pd.DataFrame({
+            "sender": np.tile(edges["sender"].to_numpy(), len(position_roles)),
+            "receiver": np.tile(edges["receiver"].to_numpy(), len(position_roles)),
+            "channel": np.tile(edges["channel"].to_numpy(), len(position_roles)),
+            "position_role": np.repeat(position_roles, count),
+            "score": mean, "score_ci_low": low, "score_ci_high": high,
+        })  # fmt: skip
+    return Circuit(edges, nodes, record, by_role=by_role)
 
 
 def _areas(curve: list[dict]) -> dict[str, float | None]:

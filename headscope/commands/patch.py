@@ -30,7 +30,7 @@ from headscope.arguments import as_heads, as_path
 from headscope.config import CHART_FORMATS, PATCH_DIRECTIONS, PATCH_METRICS, PATCH_POSITIONS, PATCH_WHATS, RunConfig
 from headscope.errors import ConfigError, CorpusError
 from headscope.estimates import ONE_SENTENCE_NOTE
-from headscope.interventions.pairs import PairsFile, TokenizedPair, as_pairs, tokenize_pairs
+from headscope.interventions.pairs import PairsFile, TokenizedPair, as_pairs, common_roles, tokenize_pairs
 from headscope.interventions.patching import (
     METRICS,
     PROJECTED,
@@ -182,7 +182,7 @@ def patch(
         if positions == "each":
             _common_length(found, pairs)
         elif positions == "roles":
-            _common_roles(found, pairs)
+            common_roles(found, pairs)
 
     session = run.session(model, loader, what="patch", out=out, kind="patching", overwrite=overwrite, lm_head=True,
                           report=report, before_weights=pairs_fit)  # fmt: skip
@@ -191,7 +191,7 @@ def patch(
         head_roles = _roles(report)
         plan.check_heads(heads)
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
-        roles = _common_roles(tokenized, pairs) if positions == "roles" else None
+        roles = common_roles(tokenized, pairs) if positions == "roles" else None
         width = _common_length(tokenized, pairs) if positions == "each" else None if roles is None else len(roles)
         units = _units(plan, heads, width)
         unit_name = "heads" if width is None else "head positions" if roles is None else "head roles"
@@ -257,22 +257,6 @@ def _common_length(tokenized: list[TokenizedPair], pairs: PairsFile) -> int:
                 "--positions each needs every pair of one length (one template), or use --positions all"
             )
     return first.length
-
-
-def _common_roles(tokenized: list[TokenizedPair], pairs: PairsFile) -> list[str]:
-    """--positions roles compares roles across pairs: every pair must mark the first pair's roles (END, the last
-    token, is every pair's). Returns them in the first pair's order of position."""
-    first = tokenized[0]
-    roles = sorted(first.positions, key=first.positions.get)
-    for pair in tokenized:
-        missing = [role for role in roles if role not in pair.positions]
-        extra = [role for role in pair.positions if role not in first.positions]
-        if missing or extra:
-            which = f"marks no {missing[0]!r}" if missing else f"marks {extra[0]!r}"
-            raise CorpusError(f"{pairs.path}:{pair.pair.line}: {which}, but line {first.pair.line} marks "
-                              f"{', '.join(roles)}; --positions roles needs every pair to mark the same roles "
-                              "([[ROLE:text]] in the prompt)")  # fmt: skip
-    return roles
 
 
 def _units(plan, heads, width: int | None) -> list[Unit]:

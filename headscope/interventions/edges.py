@@ -62,13 +62,17 @@ class EdgeScores:
     clean: np.ndarray
     corrupt: np.ndarray
     pair_ids: np.ndarray
+    # with roles: (pairs, roles, senders, receivers) float32, the scores' products at each role's position alone
+    by_role: np.ndarray | None = None
 
     @classmethod
     def joined(cls, parts: Sequence[EdgeScores]) -> EdgeScores:
         """Scores of several shares of the pairs (torchrun's ranks) as one, in pair order."""
         order = np.argsort(np.concatenate([part.pair_ids for part in parts]), kind="stable")
         fields = ("scores", "dla", "clean", "corrupt", "pair_ids")
-        return cls(parts[0].graph, *(np.concatenate([getattr(part, name) for part in parts])[order] for name in fields))
+        joined = (np.concatenate([getattr(part, name) for part in parts])[order] for name in fields)
+        by_role = None if parts[0].by_role is None else np.concatenate([part.by_role for part in parts])[order]
+        return cls(parts[0].graph, *joined, by_role=by_role)
 
 
 class _Recorder:
@@ -170,22 +174,26 @@ class EdgeModel:
         hidden = self.columns[0].shape[0]
         return (4 * len(self.graph.senders) + 2 * len(self.graph.receivers)) * hidden * 4
 
-    def scores(self, pairs: Sequence[TokenizedPair], *, method: str, steps: int) -> EdgeScores:
-        """Every edge's score and every sender's DLA for each pair (EdgeScores), in pair order."""
+    def scores(self, pairs: Sequence[TokenizedPair], *, method: str, steps: int,
+               roles: Sequence[str] | None = None) -> EdgeScores:  # fmt: skip
+        """Every edge's score and every sender's DLA for each pair (EdgeScores), in pair order; with `roles` (marked
+        in every pair), each edge's score at each role's position too."""
         if method not in METHODS:
             raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
+        senders, receivers = self.graph.edges.shape
         if not pairs:  # a rank dealt none
-            senders, receivers = self.graph.edges.shape
+            by_role = None if roles is None else np.zeros((0, len(roles), senders, receivers), dtype=np.float32)
             return EdgeScores(self.graph, np.zeros((0, senders, receivers)), np.zeros((0, senders + 1)),
-                              np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))  # fmt: skip
-        found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": []}
+                              np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), by_role)  # fmt: skip
+        found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": [], "by_role": []}
         for chunk in self.batches(pairs):
-            for key, value in self._batch_scores(chunk, method, steps).items():
+            for key, value in self._batch_scores(chunk, method, steps, roles).items():
                 found[key].append(value)
             found["ids"].append(np.array([p.pair.pair_id for p in chunk]))
         order = np.argsort(np.concatenate(found["ids"]), kind="stable")  # pair order, whatever the batching
+        by_role = None if roles is None else np.concatenate(found["by_role"])[order]
         return EdgeScores(self.graph, *(np.concatenate(found[key])[order] for key in ("scores", "dla", "clean",
-                          "corrupt")), np.concatenate(found["ids"])[order])  # fmt: skip
+                          "corrupt")), np.concatenate(found["ids"])[order], by_role)  # fmt: skip
 
     def patched(self, pairs: Sequence[TokenizedPair], excluded: Sequence[np.ndarray]) -> np.ndarray:
         """(sets, pairs) float64, in pair order: the metric on each clean prompt when every edge of each set (a
@@ -207,7 +215,7 @@ class EdgeModel:
         order = np.argsort(np.concatenate(ids), kind="stable")
         return np.concatenate(found, axis=1)[:, order]
 
-    def _batch_scores(self, chunk, method: str, steps: int) -> dict[str, np.ndarray]:
+    def _batch_scores(self, chunk, method: str, steps: int, roles=None) -> dict[str, np.ndarray]:
         """One batch's edge scores, DLA and m on both prompts: a corrupt pass, a clean pass with gradients (and, for
         EAP-IG, `steps` interpolated ones), the receivers' gradients, the products."""
         capture, recorder, places, device = self.capture, self.recorder, self.places, self.device
@@ -238,9 +246,11 @@ class EdgeModel:
                     gradients = found if gradients is None else gradients + found
                 gradients = gradients / steps
             dla = self._dla(kept, self._writes(kept, last=True), answers, distractors, m_clean.detach())
-        scores = _products(self.graph, self._changes(corrupt_kept, kept), gradients)
+        at = None if roles is None else torch.tensor([[p.positions[r] for r in roles] for p in chunk], device=device)
+        scores, by_role = _products(self.graph, self._changes(corrupt_kept, kept), gradients, at)
         return {
             "scores": scores.cpu().numpy(),
+            **({} if by_role is None else {"by_role": by_role.cpu().numpy()}),
             "dla": dla.cpu().numpy(),
             "clean": m_clean.detach().double().cpu().numpy(),
             "corrupt": metric(corrupt_logits).double().cpu().numpy(),
@@ -558,17 +568,22 @@ def _check_residual(kept, layer_count: int) -> None:
                                   "multiplier): circuit does not take this architecture yet")  # fmt: skip
 
 
-def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
+def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor, at: torch.Tensor | None = None):
     """(rows, senders, receivers) float64: sum over positions and features of change (rows, t, senders, hidden) times
-    gradients (rows, t, receivers, hidden), 0 where there is no edge. Senders and receivers are in the order of the
-    computation, so each receiver reads a prefix of the senders: the products run receiver group by receiver group
-    over that prefix only (about half of all pairs). Each position's sum over the hidden features is a float32
-    product (within gamma_hidden of its terms' magnitudes: 3.4e-5 of them at SmolLM2's 576), the positions added in
-    float64."""
+    gradients (rows, t, receivers, hidden), 0 where there is no edge; and with `at` (rows, roles) positions, the
+    products at each row's role positions alone, (rows, roles, senders, receivers) float32 (else None). Senders and
+    receivers are in the order of the computation, so each receiver reads a prefix of the senders: the products run
+    receiver group by receiver group over that prefix only (about half of all pairs). Each position's sum over the
+    hidden features is a float32 product (within gamma_hidden of its terms' magnitudes: 3.4e-5 of them at SmolLM2's
+    576), the positions added in float64."""
     rows, t, senders, hidden = change.shape
     by_position = change.view(rows * t, senders, hidden)
     read_by_position = gradients.view(rows * t, -1, hidden)
     scores = torch.zeros(rows, senders, len(graph.receivers), dtype=torch.float64, device=change.device)
+    by_role = None
+    if at is not None:
+        by_role = torch.zeros(rows, at.shape[1], senders, len(graph.receivers), device=change.device)
+        row_index = torch.arange(rows, device=change.device)[:, None]
     reads = graph.edges.sum(0)  # each receiver's prefix of senders
     start = 0
     while start < len(graph.receivers):
@@ -578,10 +593,12 @@ def _products(graph: Graph, change: torch.Tensor, gradients: torch.Tensor) -> to
         prefix = int(reads[start])
         if prefix:
             products = torch.bmm(read_by_position[:, start:end], by_position[:, :prefix].transpose(1, 2))
-            summed = products.view(rows, t, end - start, prefix).sum(1, dtype=torch.float64)
-            scores[:, :prefix, start:end] = summed.transpose(1, 2)
+            per_position = products.view(rows, t, end - start, prefix)
+            scores[:, :prefix, start:end] = per_position.sum(1, dtype=torch.float64).transpose(1, 2)
+            if by_role is not None:
+                by_role[:, :, :prefix, start:end] = per_position[row_index, at].transpose(2, 3)
         start = end
-    return scores
+    return scores, by_role
 
 
 def _embeddings(model, ids: list[list[int]], device) -> torch.Tensor:

@@ -208,3 +208,19 @@ def tokenize_pairs(pairs: PairsFile, tokenizer, max_length: int | None) -> list[
         positions = _role_positions(pair, clean_offsets[index], corrupt_offsets[index], len(clean_ids), where)
         found.append(TokenizedPair(pair, list(clean_ids), list(corrupt_ids), answer[0], distractor[0], positions))
     return found
+
+
+def common_roles(tokenized: list[TokenizedPair], pairs: PairsFile, option: str = "--positions roles") -> list[str]:
+    """Results by role compare roles across pairs: every pair must mark the first pair's roles (END, the last token,
+    is every pair's). Returns them in the first pair's order of position; `option` names what asked, in errors."""
+    first = tokenized[0]
+    roles = sorted(first.positions, key=first.positions.get)
+    for pair in tokenized:
+        missing = [role for role in roles if role not in pair.positions]
+        extra = [role for role in pair.positions if role not in first.positions]
+        if missing or extra:
+            which = f"marks no {missing[0]!r}" if missing else f"marks {extra[0]!r}"
+            raise CorpusError(f"{pairs.path}:{pair.pair.line}: {which}, but line {first.pair.line} marks "
+                              f"{', '.join(roles)}; {option} needs every pair to mark the same roles "
+                              "([[ROLE:text]] in the prompt)")  # fmt: skip
+    return roles

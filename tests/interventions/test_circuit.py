@@ -122,6 +122,31 @@ def test_dla_adds_up_to_the_metric_and_equals_the_plain_computation(tiny_lm):
         assert max(abs(got[name] - value) for name, value in want.items()) < CLOSE
 
 
+def test_an_edges_score_at_each_role_equals_the_plain_computation_there(tiny_lm):
+    """--by-role: the pairs mark their second word A; each edge's score at A and at END (the last token) is the
+    plain computation with the sender's change added at that position alone."""
+    loaded, _ = tiny_lm
+    records = word_pairs(loaded.tokenizer)
+    for record in records:
+        words = record["clean"].split()
+        words[1] = f"[[A:{words[1]}]]"
+        record["clean"] = " ".join(words)
+    pairs = tokenize_pairs(pairs_from_records(records), loaded.tokenizer, None)
+    plan = plan_for_model(RunConfig(), loaded)
+    with attached(loaded.lm) as capture:
+        found = EdgeModel(capture, loaded, plan, pairs[0]).scores(pairs, method="eap", steps=1, roles=["A", "END"])
+    reference, graph = Reference(loaded.lm), found.graph
+    assert found.by_role.shape == (len(pairs), 2, *graph.edges.shape)
+    strongest = np.argsort(-np.abs(found.scores[0]), axis=None)[:6]
+    for index, pair in enumerate(pairs[:2]):
+        for role_index, role in enumerate(["A", "END"]):
+            for flat in strongest:
+                s, r = np.unravel_index(flat, graph.edges.shape)
+                receiver, channel = graph.receivers[r]
+                want = reference.edge(pair, graph.senders[s], receiver, channel, position=pair.positions[role])
+                assert found.by_role[index, role_index, s, r] == pytest.approx(want, abs=CLOSE)
+
+
 def test_eap_ig_of_one_step_is_eap_and_steps_reach_the_scores(tiny_lm):
     """One interpolation step is the clean input itself: EAP; more steps average other gradients."""
     loaded, pairs = tiny_lm
@@ -417,6 +442,21 @@ def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tm
     top = edges.nsmallest(1, "rank").iloc[0]
     assert (top["sender"], top["receiver"]) == ("1.0", "logits") and top["score_ci_low"] <= top["score"]
     assert set(nodes["kind"]) == {"embed", "head", "mlp", "bias"}
+    marked = tmp_path / "marked.jsonl"
+    marked.write_text(
+        pairs.read_text().replace('"clean": "w5', '"clean": "[[S:w5]]').replace('"clean": "w3', '"clean": "[[S:w3]]')
+    )
+    by_role = runner.invoke(app, ["circuit", str(folder), "--pairs", str(marked), "--out", str(tmp_path / "roles"),
+                                  "--steps", "2", "--device", "cpu", "--verify", "0", "--no-curve", "--no-charts",
+                                  "--by-role"])  # fmt: skip
+    assert by_role.exit_code == 0, by_role.output
+    table = pd.read_parquet(tmp_path / "roles" / "edges_by_role.parquet")
+    assert list(table["position_role"].unique()) == ["S", "END"] and len(table) == 2 * len(edges)
+    half = tmp_path / "half.jsonl"
+    half.write_text(pairs.read_text().replace('"clean": "w5', '"clean": "[[S:w5]]'))  # the second pair marks none
+    refused = runner.invoke(app, ["circuit", str(folder), "--pairs", str(half), "--out", str(tmp_path / "y"),
+                                  "--by-role"])  # fmt: skip
+    assert_one_line_error(refused, "marks no 'S'", code=1)
     bad_settings = (
         (["--steps", "0"], "--steps"),
         (["--method", "sideways"], "--method"),

@@ -102,9 +102,14 @@ class Reference:
                 handle.remove()
 
     # ---------------------------------------------------------------- the metric with one channel changed
-    def added(self, sender: str, clean: dict, corrupt: dict):
-        """scale -> (t, hidden): what the sender's change, times scale, adds to the stream its receivers read."""
+    def added(self, sender: str, clean: dict, corrupt: dict, position: int | None = None):
+        """scale -> (t, hidden): what the sender's change, times scale, adds to the stream its receivers read (at
+        `position` alone, if given)."""
         change = (corrupt[sender] - clean[sender]).detach()
+        if position is not None:
+            alone = torch.zeros_like(change)
+            alone[position] = change[position]
+            change = alone
         if not self.gemma or sender == "embed" or sender.startswith("mlp"):
             return lambda scale: scale * change
         layer = int(sender.partition(".")[0])
@@ -150,10 +155,11 @@ class Reference:
                 handle.remove()
         return logits[pair.answer_id] - logits[pair.distractor_id]
 
-    def edge(self, pair, sender: str, receiver: str, channel: str, *, steps: int | None = None, step=None) -> float:
+    def edge(self, pair, sender: str, receiver: str, channel: str, *, steps: int | None = None, step=None,
+             position: int | None = None) -> float:  # fmt: skip
         """The edge's score: dm/de at e = 0 (EAP), averaged over the interpolated inputs (EAP-IG, `steps`), or its
-        central finite difference with `step`."""
-        change = self.added(sender, self.writes(pair.clean_ids), self.writes(pair.corrupt_ids))
+        central finite difference with `step`; at `position` alone, if given."""
+        change = self.added(sender, self.writes(pair.clean_ids), self.writes(pair.corrupt_ids), position)
         points = [None]
         if steps is not None:
             embedding = self.lm.get_input_embeddings()
