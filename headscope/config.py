@@ -39,6 +39,8 @@ PATCH_DIRECTIONS: tuple[str, ...] = ("denoise", "noise")  # into the corrupt pro
 # every position at once, one position at a time, or one role (marked in the pairs) at a time
 PATCH_POSITIONS: tuple[str, ...] = ("all", "each", "roles")
 PATCH_METRICS: tuple[str, ...] = ("logit_diff",)  # interventions.patching.METRICS
+# how `circuit` grows its circuits from the scores: the strongest edges, or MIB's greedy growth from the logits
+CIRCUIT_SELECTIONS: tuple[str, ...] = ("top", "greedy")
 EDGE_METHODS: tuple[str, ...] = ("eap-ig", "eap")  # how `circuit` scores an edge (interventions.edges)
 DEFAULT_EDGE_STEPS = 5  # EAP-IG's interpolation steps, as Hanna et al. 2024 take for EAP-IG-inputs
 COMPARE_REPLICATES = 500  # paired bootstrap replicates of `compare`

@@ -19,6 +19,7 @@ def circuit(
     verify: o.Verify = 10,
     target: o.Target = 0.8,
     curve: o.Curve = True,
+    select: o.Select = o.DEFAULT_SELECT,
     by_role: o.ByRole = False,
     report: o.Report = None,
     out: o.OutCircuit = None,
@@ -42,7 +43,7 @@ def circuit(
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
-        check_request(method.value, steps, verify, target)
+        check_request(method.value, steps, verify, target, select.value)
     with user_errors(ctx):
         found = run_circuit(
             model,
@@ -52,6 +53,7 @@ def circuit(
             verify=verify,
             target=target,
             curve=curve,
+            selection=select.value,
             by_role=by_role,
             report=report,
             out=out or Path("reports") / f"circuit-{resolve_source(model).slug}",

@@ -15,6 +15,7 @@ import typer
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import (
     CHART_FORMATS,
+    CIRCUIT_SELECTIONS,
     DEFAULT_EDGE_STEPS,
     DEFAULT_REMOVAL,
     DEVICES,
@@ -56,6 +57,7 @@ DirectionChoice = choices("DirectionChoice", PATCH_DIRECTIONS)
 PositionsChoice = choices("PositionsChoice", PATCH_POSITIONS)
 MetricChoice = choices("MetricChoice", PATCH_METRICS)
 EdgeMethodChoice = choices("EdgeMethodChoice", EDGE_METHODS)
+SelectChoice = choices("SelectChoice", CIRCUIT_SELECTIONS)
 
 DEFAULT_DEVICE, DEFAULT_DTYPE = DeviceChoice(DEFAULTS.device), DTypeChoice(DEFAULTS.dtype)
 DEFAULT_ENCODING = EncodingChoice(DEFAULTS.encoding_errors)
@@ -66,6 +68,7 @@ DEFAULT_MODE, DEFAULT_LOSS_ON = ModeChoice(DEFAULT_REMOVAL), LossOnChoice(LOSS_O
 DEFAULT_WHAT, DEFAULT_DIRECTION = WhatChoice(PATCH_WHATS[0]), DirectionChoice(PATCH_DIRECTIONS[0])
 DEFAULT_POSITIONS, DEFAULT_METRIC = PositionsChoice(PATCH_POSITIONS[0]), MetricChoice(PATCH_METRICS[0])
 DEFAULT_EDGE_METHOD, DEFAULT_STEPS = EdgeMethodChoice(EDGE_METHODS[0]), DEFAULT_EDGE_STEPS
+DEFAULT_SELECT = SelectChoice(CIRCUIT_SELECTIONS[0])
 
 
 def _setting(kind, name: str, **option):
@@ -247,6 +250,13 @@ Target = Annotated[float, typer.Option(help="The faithfulness (0 to 1] the small
 Curve = Annotated[
     bool,
     typer.Option(help="Measure the faithfulness curve: circuits of 0.1% to 50% of the edges, each patched exactly."),
+]
+Select = Annotated[
+    SelectChoice,
+    typer.Option(
+        help="How the curve's circuits take edges: the strongest first (top), or MIB's greedy growth from "
+        "the logits (greedy: the strongest edge into a node already in the circuit)."
+    ),
 ]
 ByRole = Annotated[
     bool,

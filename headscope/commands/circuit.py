@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from headscope.arguments import as_number, as_path
-from headscope.config import CHART_FORMATS, RunConfig
+from headscope.config import CHART_FORMATS, CIRCUIT_SELECTIONS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
 from headscope.interventions.edge_graph import (
@@ -31,6 +31,7 @@ from headscope.interventions.edge_graph import (
     circuit_size,
     curve_areas,
     faithfulness,
+    greedy_edges,
     outside,
     ranked_edges,
 )
@@ -102,6 +103,7 @@ def circuit(
     verify: int = DEFAULT_VERIFY,
     target: float = DEFAULT_TARGET,
     curve: bool = True,
+    selection: str = CIRCUIT_SELECTIONS[0],
     by_role: bool = False,
     report: str | Path | None = None,
     out: str | Path | None = None,
@@ -124,6 +126,8 @@ def circuit(
         verify: how many of the strongest edges are patched exactly, one at a time (0: none).
         target: the faithfulness (in (0, 1]) the smallest circuit must reach.
         curve: measure the faithfulness curve (nine patched passes over the pairs).
+        selection: how the curve's circuits take edges: "top" (the strongest |score| first) or "greedy" (MIB's
+            greedy growth from the logits: the strongest edge into a node already in the circuit).
         by_role: each edge's score at each role marked in the pairs ([[IO:Mary]]; END, the last token, is every
             pair's) too: edges_by_role.parquet.
         report: a report of this model, for each head's role.
@@ -139,7 +143,7 @@ def circuit(
         A Circuit: edges (sender, receiver, channel, score with its interval, rank), nodes (DLA with its interval)
         and the record.
     """
-    steps, verify, target = check_request(method, steps, verify, target)
+    steps, verify, target = check_request(method, steps, verify, target, selection)
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     pairs = as_pairs(pairs)
@@ -147,7 +151,7 @@ def circuit(
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=False)  # fmt: skip
     run.request = {"pairs (sha256)": pairs.sha256, "method": method, "steps": steps, "verify": verify,
-                   "target": target, "curve": curve, "by_role": by_role}  # fmt: skip
+                   "target": target, "curve": curve, "selection": selection, "by_role": by_role}  # fmt: skip
     ranks = run.data_parallel(model, "circuit")
     if pairs.path.is_file():
         run.protected["the pairs file"] = pairs.path
@@ -172,7 +176,7 @@ def circuit(
             found = edges.scores(method=method, steps=steps, roles=roles)
             if verify > found.graph.edge_count:
                 raise ConfigError(f"--verify {verify} is more than the {found.graph.edge_count:,} edges of this model")
-            checked = _checked(edges, found, verify, curve, target, reporter)
+            checked = _checked(edges, found, verify, curve, target, selection, reporter)
         seconds = time.perf_counter() - started
         head_roles = None if report is None else _roles(report)
         result = _result(loaded, settings, pairs, found, method, steps, head_roles, seconds, checked, roles)
@@ -193,13 +197,16 @@ def circuit(
     return result
 
 
-def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARGET) -> tuple[int, int, float]:
+def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARGET,
+                  selection: str = CIRCUIT_SELECTIONS[0]) -> tuple[int, int, float]:  # fmt: skip
     """Refuse, before anything loads, a method circuit does not know, a step count that is not a whole number of at
     least 1, a negative --verify and a --target outside (0, 1] (a --verify beyond the edges is refused once the model
     says how many there are). Numbers of any type are taken as numbers (arguments.as_number); returns them as the
     code uses them."""
     if method not in METHODS:
         raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
+    if selection not in CIRCUIT_SELECTIONS:
+        raise ConfigError(f"--select takes {', '.join(CIRCUIT_SELECTIONS)}; got {selection!r}")
     steps, verify = as_number(steps, "--steps", whole=True), as_number(verify, "--verify", whole=True)
     target = as_number(target, "--target")
     if steps < 1:
@@ -215,11 +222,12 @@ def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARG
 class _Checked:
     """What the patched passes found: the verified edges' exact effects and the faithfulness curve."""
 
-    ranked: np.ndarray  # (edges, 2): sender and receiver index, strongest first
+    ranked: np.ndarray  # (edges, 2): sender and receiver index, in the order the circuits take them
     exact: dict  # (sender, receiver) index -> (pairs,) m with that edge patched
     curve: list  # {"edges", "share", "faithfulness"}, from the empty circuit to the full one
     target: float
     smallest: dict | None  # the smallest curve point at or above target
+    selection: str  # how the circuits took edges: top or greedy
 
 
 class _Dealt:
@@ -241,12 +249,13 @@ class _Dealt:
         return np.concatenate(gather(self.ranks, share), axis=1)[:, np.argsort(self.ids, kind="stable")]
 
 
-def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target: float, reporter):
+def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target: float, selection: str, reporter):
     graph = found.graph
-    ranked = ranked_edges(graph, found.scores.mean(0))
+    strongest = ranked_edges(graph, found.scores.mean(0))
+    ranked = strongest if selection == "top" else greedy_edges(graph, found.scores.mean(0))
     count = graph.edge_count
     masks, exact_keys = [], []
-    for sender, receiver in ranked[:verify]:
+    for sender, receiver in strongest[:verify]:
         mask = np.zeros_like(graph.edges)
         mask[sender, receiver] = True
         masks.append(mask)
@@ -267,7 +276,7 @@ def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target:
                            "faithfulness": faithfulness(values, found.clean, found.corrupt)})  # fmt: skip
         points.append({"edges": count, "share": 1.0, "faithfulness": 1.0})  # the clean run itself
     reached = [point for point in points if point["edges"] and point["faithfulness"] >= target]
-    return _Checked(ranked, exact, points, target, reached[0] if reached else None)
+    return _Checked(ranked, exact, points, target, reached[0] if reached else None, selection)
 
 
 def _roles(report) -> dict[str, str]:
@@ -349,6 +358,7 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
         "faithfulness": checked.curve,
         **_areas(checked.curve),
         "target": checked.target,
+        "selection": checked.selection,
         "circuit": checked.smallest,
         "roles": position_roles,
         "bootstrap": {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95},

@@ -13,6 +13,7 @@ and CMD are its areas (MIB, Mueller et al. 2025).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,46 @@ def ranked_edges(graph: Graph, mean_scores: np.ndarray) -> np.ndarray:
     senders, receivers = np.nonzero(graph.edges)
     order = np.argsort(-np.abs(mean_scores[senders, receivers]), kind="stable")
     return np.stack([senders[order], receivers[order]], axis=1)
+
+
+def greedy_edges(graph: Graph, mean_scores: np.ndarray) -> np.ndarray:
+    """(edges, 2) sender and receiver indices in the order MIB's greedy growth adds them (Mueller et al. 2025; the
+    EAP-IG code's `apply_greedy`): from the logits up, the strongest |mean score| edge into a node already in the
+    circuit, each edge's sender joining the circuit and its inputs' edges joining the candidates (a head's query, and
+    its KV head's key and value; an MLP's input). The circuit of n edges is the first n: connected to the logits by
+    construction. Edges no node of the circuit reads come last, strongest first."""
+    senders, receivers = graph.senders, graph.receivers
+    receiver_index = {receiver: index for index, receiver in enumerate(receivers)}
+    group = graph.heads // graph.kv_heads
+    inputs = {}  # sender -> the receivers where it reads (none for embed)
+    for sender, name in enumerate(senders):
+        if name.startswith("mlp"):
+            inputs[sender] = [receiver_index[(name, "")]]
+        elif name != "embed":
+            layer, head = (int(part) for part in name.split("."))
+            kv = f"{layer}.kv{head // group}"
+            inputs[sender] = [receiver_index[(name, "q")], receiver_index[(kv, "k")], receiver_index[(kv, "v")]]
+    strength = np.abs(mean_scores)
+    candidates, opened, joined, order = [], set(), set(), []
+
+    def open_receiver(receiver: int) -> None:
+        if receiver in opened:
+            return
+        opened.add(receiver)
+        for sender in np.nonzero(graph.edges[:, receiver])[0]:
+            heapq.heappush(candidates, (-strength[sender, receiver], int(sender), receiver))
+
+    open_receiver(len(receivers) - 1)  # the logits
+    while candidates:
+        _, sender, receiver = heapq.heappop(candidates)
+        order.append((sender, receiver))
+        if sender not in joined:
+            joined.add(sender)
+            for reads in inputs.get(sender, []):
+                open_receiver(reads)
+    taken = set(order)
+    rest = [tuple(edge) for edge in ranked_edges(graph, mean_scores) if tuple(edge) not in taken]
+    return np.array(order + rest, dtype=np.int64).reshape(-1, 2)
 
 
 def circuit_size(share: float, edge_count: int) -> int:

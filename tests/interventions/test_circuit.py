@@ -22,6 +22,7 @@ from headscope.interventions.edge_graph import (
     circuit_size,
     curve_areas,
     faithfulness,
+    greedy_edges,
     outside,
     ranked_edges,
 )
@@ -200,6 +201,32 @@ def test_the_faithfulness_of_a_circuit_and_the_curves_areas():
     assert (cpr, cmd) == (0.75, 0.25)
 
 
+def test_greedy_growth_takes_the_strongest_edge_into_the_circuit_so_far():
+    """By hand, on a 2-layer graph of 2 query heads on 1 KV head: the strongest edge of all (embed -> 1.0 q) waits
+    until 1.0 joins through its edge into the logits; 1.0 opens its query and its KV head's key and value, but not
+    1.1's query; every circuit of n edges is connected to the logits."""
+    graph = build_graph(layers=2, heads=2, kv_heads=1)
+    sender = {name: index for index, name in enumerate(graph.senders)}
+    receiver = {name: index for index, name in enumerate(graph.receivers)}
+    scores = np.zeros(graph.edges.shape)
+    scores[sender["embed"], receiver[("1.0", "q")]] = 9.0
+    scores[sender["embed"], receiver[("1.1", "q")]] = 8.0
+    scores[sender["1.0"], receiver[("logits", "")]] = -2.0
+    scores[sender["0.1"], receiver[("1.kv0", "k")]] = 1.5
+    scores[sender["mlp1"], receiver[("logits", "")]] = 1.0
+    order = [(graph.senders[s], graph.receivers[r]) for s, r in greedy_edges(graph, scores)]
+    assert order[:4] == [("1.0", ("logits", "")), ("embed", ("1.0", "q")), ("0.1", ("1.kv0", "k")),
+                         ("mlp1", ("logits", ""))]  # fmt: skip
+    assert order.index(("embed", ("1.1", "q"))) > order.index(("mlp1", ("logits", "")))  # 1.1 never joined first
+    assert len(order) == len(set(order)) == graph.edge_count
+    # who reads through each receiver: a query head its own query; every head of the layer its KV head's
+    readers = {("1.0", "q"): {"1.0"}, ("1.1", "q"): {"1.1"}, ("1.kv0", "k"): {"1.0", "1.1"}}
+    joined = set()
+    for name, into in order[:4]:
+        assert into == ("logits", "") or readers[into] & joined, (name, into)
+        joined.add(name)
+
+
 def test_batching_and_pair_order_change_no_number(tiny_lm):
     loaded, pairs = tiny_lm
     together = scores(loaded, pairs, "eap")
@@ -355,6 +382,9 @@ def test_the_planted_circuit_is_the_smallest_faithful_one(induction_lm, tmp_path
     chosen_edges = set(zip(chosen.sender, chosen.receiver, chosen.channel, strict=True))
     assert {("0.0", "1.kv0", "k"), ("1.0", "logits", "")} <= chosen_edges
     assert found.edges["exact"].notna().sum() == 3 and 0 < found.record["cpr"] <= 1
+    grown = headscope.circuit(loaded, records, method="eap-ig", verify=0, target=0.9, selection="greedy")
+    assert grown.record["selection"] == "greedy" and grown.record["faithfulness"][-1]["faithfulness"] == 1.0
+    assert grown.record["circuit"] is not None and grown.record["circuit"]["edges"] <= smallest["edges"] + 2
 
 
 def test_attention_beside_the_mlp_is_refused_in_one_line(tmp_path, corpus_lines):
@@ -463,6 +493,7 @@ def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tm
         (["--target", "0"], "--target"),
         (["--target", "1.5"], "--target"),
         (["--verify", "100000"], "--verify 100000 is more than"),
+        (["--select", "best"], "--select"),
     )
     for bad, option in bad_settings:
         refused = runner.invoke(app, ["circuit", str(folder), "--pairs", str(pairs), "--out", str(tmp_path / "x"),
