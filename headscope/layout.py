@@ -76,6 +76,7 @@ CIRCUIT_RECORD = "circuit.json"
 EDGES_FILE = "edges.parquet"
 NODES_FILE = "nodes.parquet"
 EDGES_BY_ROLE_FILE = "edges_by_role.parquet"  # with --by-role
+CIRCUIT_PAGE = "circuit.html"
 CIRCUIT_CHARTS = ("circuit_graph", "circuit_faithfulness")
 
 # What `headscope prune` writes, recognised by prune.json; --save-model writes a transformers checkpoint into a

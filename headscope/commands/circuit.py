@@ -6,10 +6,10 @@ component's direct logit attribution, each the mean over pairs with a paired boo
     the check      the `verify` strongest edges patched exactly, one at a time
     the circuits   the strongest edges at sizes from 0.1% to 50% of them, every other edge carrying the corrupt
                    prompt's sender: the faithfulness curve, CPR, CMD and the smallest circuit that reaches `target`
-    the output     edges.parquet (every edge, ranked by |score|), nodes.parquet (each component's DLA), circuit.json
+    the output     edges.parquet (every edge, ranked by |score|), nodes.parquet (each component's DLA), circuit.json,
+                   circuit.html (the graph, the curve and the strongest edges)
 
-Not built yet (docs/circuit.md says so): the circuit page, positions by role, MIB's greedy growth, attention beside
-the MLP (refused in one line).
+Refused in one line (docs/circuit.md says so): attention beside the MLP, residual multipliers.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ from headscope.interventions.edge_graph import (
 )
 from headscope.interventions.edges import DEFAULT_STEPS, METHODS, EdgeModel, EdgeScores
 from headscope.interventions.pairs import as_pairs, common_roles, tokenize_pairs
-from headscope.layout import CIRCUIT_RECORD, EDGES_BY_ROLE_FILE, EDGES_FILE, NODES_FILE
+from headscope.layout import CIRCUIT_PAGE, CIRCUIT_RECORD, EDGES_BY_ROLE_FILE, EDGES_FILE, NODES_FILE
 from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
+from headscope.report.circuit_page import circuit_page
+from headscope.report.page import write_page
 from headscope.report.report import Report
 from headscope.run.distributed import Ranks, gather, share_of, together
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
@@ -185,6 +187,7 @@ def circuit(
             write_frame(result.nodes, opened.folder / NODES_FILE)
             if result.by_role is not None:
                 write_frame(result.by_role, opened.folder / EDGES_BY_ROLE_FILE)
+            write_page(circuit_page(result.edges, result.nodes, result.record), opened.folder / CIRCUIT_PAGE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
             if charts:
                 from headscope.report.circuit_charts import draw_circuit_charts

@@ -327,6 +327,41 @@ def test_the_inspect_page_in_a_real_browser(browser, smollm2, tmp_path):
     browser.save_screenshot(str(tmp_path / "inspect-page.png"))
 
 
+def test_the_circuit_page_in_a_real_browser(browser, tmp_path):
+    """circuit.html on the planted induction circuit: the graph draws the smallest faithful circuit's edges and
+    their nodes, the curve its points, the table the strongest edges; a row clicked picks its edge out (the others
+    fade) and widens the graph to reach it; nothing is fetched and nothing is logged."""
+    from selenium.webdriver.common.by import By
+
+    from planted import build_planted_induction
+
+    model = build_planted_induction(tmp_path / "model", predicts=True)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"clean": "w5 w9 w12 w20 w5", "corrupt": "w7 w9 w12 w20 w5", "answer": "w9",
+                                 "distractor": "w12"}) + "\n")  # fmt: skip
+    out = tmp_path / "circuit"
+    assert run_cli("circuit", model, "--pairs", pairs, "--out", out, "--no-charts", "--steps", "2").exit_code == 0
+    html = (out / "circuit.html").read_text(encoding="utf-8")
+    assert not RESOURCE.findall(html)
+    open_page(browser, out / "circuit.html")
+    record = json.loads((out / "circuit.json").read_text())
+    shown = record["circuit"]["edges"]
+    traces = browser.execute_script("return document.getElementById('graph').data")
+    assert len(traces) == shown + 1  # an edge a line, and the nodes
+    assert (
+        browser.execute_script("return document.getElementById('curve').data[0].x.length")
+        == len(record["faithfulness"]) - 1
+    )  # every point but the empty circuit's (a log axis)
+    rows = browser.find_elements(By.CSS_SELECTOR, "#edge-table tr")
+    assert len(rows) == 1 + min(100, record["graph"]["edges"])
+    rows[shown + 2].click()  # an edge beyond the circuit
+    assert int(browser.find_element(By.ID, "count").get_attribute("value")) == shown + 2
+    faded = browser.execute_script("return document.getElementById('graph').data.slice(0, -1).map(t => t.line.color)")
+    assert sum(colour.endswith(",0.7)") for colour in faded) == 1 and len(faded) == shown + 2
+    assert all(url.startswith(("file:", "data:", "blob:")) for url in requested(browser)), requested(browser)
+    assert console_problems(browser) == []
+
+
 def test_the_page_scales_are_the_charts_colormaps():
     """The stops the page draws are matplotlib's own colormaps (the PNG charts'), sampled evenly, low to high."""
     import matplotlib
