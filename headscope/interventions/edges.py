@@ -147,23 +147,26 @@ class EdgeModel:
         self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
-    def batches(self, pairs: Sequence[TokenizedPair]) -> Iterator[list[TokenizedPair]]:
+    def batches(self, pairs: Sequence[TokenizedPair], roles: int = 0) -> Iterator[list[TokenizedPair]]:
         """Pairs of one length together (no padding), as many as --max-memory holds: a gradient pass of their
-        tokens, and the edges' own tensors (`token_bytes` a token)."""
+        tokens, and the edges' own tensors (`token_bytes` a token; with `roles`, each pair's scores at each role,
+        float32, too)."""
         by_length: dict[int, list[TokenizedPair]] = {}
         for pair in pairs:
             by_length.setdefault(pair.length, []).append(pair)
         budget, token_bytes = self.plan.memory_budget, self.token_bytes()
+        at_roles = roles * self.graph.edges.size * 4
         longest = max(pair.length for pair in pairs)
-        if longest * token_bytes > budget:
+        if longest * token_bytes + at_roles > budget:
             raise ResourceError(
-                f"circuit holds {readable(token_bytes)} a token (every sender's write and every receiver's gradient): "
-                f"a pair of {longest} tokens needs {readable(longest * token_bytes)} and --max-memory allows "
-                f"{readable(budget)}; raise --max-memory or shorten the prompts"
+                f"circuit holds {readable(token_bytes)} a token (every sender's write and every receiver's gradient)"
+                f"{f' and {readable(at_roles)} a pair by role' if roles else ''}: a pair of {longest} tokens needs "
+                f"{readable(longest * token_bytes + at_roles)} and --max-memory allows {readable(budget)}; raise "
+                "--max-memory or shorten the prompts"
             )
-        rows = max(1, min(self.plan.limits("importance").max_tokens, budget // token_bytes))
+        tokens = self.plan.limits("importance").max_tokens
         for length, same in sorted(by_length.items()):
-            per_batch = max(1, rows // length)
+            per_batch = max(1, min(tokens // length, budget // (length * token_bytes + at_roles)))
             for start in range(0, len(same), per_batch):
                 yield same[start : start + per_batch]
 
@@ -186,7 +189,7 @@ class EdgeModel:
             return EdgeScores(self.graph, np.zeros((0, senders, receivers)), np.zeros((0, senders + 1)),
                               np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), by_role)  # fmt: skip
         found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": [], "by_role": []}
-        for chunk in self.batches(pairs):
+        for chunk in self.batches(pairs, 0 if roles is None else len(roles)):
             for key, value in self._batch_scores(chunk, method, steps, roles).items():
                 found[key].append(value)
             found["ids"].append(np.array([p.pair.pair_id for p in chunk]))
