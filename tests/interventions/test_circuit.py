@@ -248,6 +248,10 @@ def test_max_memory_sizes_the_batches(tiny_lm):
         sizes = [(len(batch), batch[0].length) for batch in tight.batches(pairs)]
     assert all(rows * length * tight.token_bytes() <= 2**20 for rows, length in sizes)
     assert len(sizes) > len(roomy) and sum(rows for rows, _ in sizes) == len(pairs)
+    at_roles = 40 * tight.graph.edges.size * 4  # each pair's float32 scores at 40 roles
+    by_role = [(len(batch), batch[0].length) for batch in tight.batches(pairs, roles=40)]
+    assert all(rows * (length * tight.token_bytes() + at_roles) <= 2**20 for rows, length in by_role)
+    assert len(by_role) > len(sizes)  # the roles' scores take room: smaller batches
     words = [w for w in loaded.tokenizer.get_vocab() if w.isalpha()][:3]
     long = " ".join(words[:2] * (2**20 // tight.token_bytes()))  # more tokens than 1 MiB holds
     record = {"clean": long, "corrupt": long.replace(words[0], words[1], 1), "answer": words[2], "distractor": words[0]}
