@@ -159,6 +159,14 @@ def head_columns(projection: torch.nn.Module) -> torch.Tensor:
     return weight.T if type(projection).__name__ == "Conv1D" else weight
 
 
+def head_writes(z: torch.Tensor, columns: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """(heads, rows, t, hidden) float32: each head's output z (rows, t, heads * head_dim) through its columns of the
+    output projection (hidden, heads * head_dim), no bias."""
+    rows, t = z.shape[:2]
+    per_head = z.detach().float().view(rows, t, heads, head_dim)
+    return torch.einsum("rthd,mhd->hrtm", per_head, columns.view(-1, heads, head_dim))
+
+
 def project(module: torch.nn.Module, x: torch.Tensor, features: list[slice]) -> torch.Tensor:
     """(n, ..., width) each x[i] (n, ..., hidden) through the output features features[i] (each `width` wide) of a
     q, k or v projection, by hand (calling the module would run its hooks again): a Linear, or GPT-2's Conv1D."""

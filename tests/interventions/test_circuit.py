@@ -234,6 +234,10 @@ def test_batching_and_pair_order_change_no_number(tiny_lm):
     assert list(apart.pair_ids) == list(together.pair_ids)  # back in pair order
     for name in ("scores", "dla", "clean", "corrupt"):
         np.testing.assert_allclose(getattr(apart, name), getattr(together, name), rtol=1e-5, atol=1e-6, err_msg=name)
+    # pairs of one length go together, unpadded: the padding side reaches nothing
+    left = scores(loaded, pairs, "eap", padding_side="left")
+    for name in ("scores", "dla", "clean", "corrupt"):
+        np.testing.assert_array_equal(getattr(left, name), getattr(together, name), err_msg=name)
 
 
 def test_max_memory_sizes_the_batches(tiny_lm):
