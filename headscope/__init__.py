@@ -11,6 +11,7 @@ headscope.ablate("gpt2", heads=[[(5, 1), (5, 5)]], loss_on="repeats").groups  # 
 headscope.prune("gpt2", budget=0.05).record["heads"]  # as many heads as 0.05 nats of loss allows
 headscope.patch("gpt2", "pairs.jsonl").top(10)  # the heads whose clean output restores the behaviour
 headscope.circuit("gpt2", "pairs.jsonl").top(10)  # the edges between components that carry it
+headscope.copying("gpt2").heads  # what each head's weights copy (the OV copying score), with no data
 
 `import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
 """
@@ -33,6 +34,7 @@ _LAZY = {
     "prune": "headscope.commands.prune",
     "patch": "headscope.commands.patch",
     "circuit": "headscope.commands.circuit",
+    "copying": "headscope.commands.copying",
     "Report": "headscope.report.report",
     "load_model": "headscope.model.loading",
 }
@@ -46,6 +48,7 @@ __all__ = [
     "ablate",
     "analyze",
     "circuit",
+    "copying",
     "inspect",
     "load_model",
     "patch",

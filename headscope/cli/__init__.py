@@ -19,6 +19,7 @@ from headscope.cli.circuit import circuit
 from headscope.cli.classify import classify
 from headscope.cli.common import INTERRUPTED, OneLineErrors, PanelledCommand, Terminated, raise_terminated, say
 from headscope.cli.compare import compare
+from headscope.cli.copying import copying
 from headscope.cli.inspect import inspect
 from headscope.cli.patch import patch
 from headscope.cli.plot import plot
@@ -39,7 +40,7 @@ def _commands(version: o.Version = False) -> None:
     """Measure, classify and chart every attention head of a Hugging Face causal language model."""
 
 
-for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune, circuit):
+for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune, circuit, copying):
     app.command(cls=PanelledCommand)(command)
 
 

@@ -258,6 +258,7 @@ Select = Annotated[
         "the logits (greedy: the strongest edge into a node already in the circuit)."
     ),
 ]
+CopyingCount = Annotated[int, typer.Option("--count", help="Show the N most copying and the N most suppressing heads.")]
 ByRole = Annotated[
     bool,
     typer.Option(

@@ -459,3 +459,21 @@ def print_pruning(found) -> None:
         console.print(_title(f"saved the pruned model to {saved.path} (its own loss {saved.loss:.4f}, checked)"))
     if found.folder is not None:
         console.print(_title(f"wrote {found.folder}/ ({PRUNE_RECORD}, {HEAD_MASK_FILE})"))
+
+
+def print_copying(found, count: int = 10) -> None:
+    """The heads that copy most and those that suppress most, and what the score means."""
+    console = _console()
+    heads, record = found.heads, found.record
+    console.print(_title(f"{record['model']['input']}: the OV copying score of {len(heads)} heads (unembedding: "
+                         f"{record['unembedding']})"))  # fmt: skip
+    ordered = heads.sort_values("ov_copying", ascending=False)
+    for title, rows in (("copying most", ordered.head(count)), ("suppressing most", ordered.tail(count)[::-1])):
+        table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+        table.add_column("head")
+        table.add_column("ov_copying", justify="right")
+        for row in rows.itertuples():
+            _row(table, head_name(row.layer, row.head), f"{row.ov_copying:+.3f}")
+        console.print(table)
+    console.print(_title("ov_copying = sum(eigenvalues) / sum(|eigenvalues|) of the head's OV circuit on tokens, "
+                         "norm gains folded in: 1 copies the token it attends to, -1 suppresses it"))  # fmt: skip
