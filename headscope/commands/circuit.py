@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headscope.arguments import as_number, as_path
+from headscope.arguments import as_number, as_path, head_name
 from headscope.config import CHART_FORMATS, CIRCUIT_SELECTIONS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
@@ -283,8 +283,8 @@ def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target:
 
 
 def _roles(report) -> dict[str, str]:
-    heads = Report.open(report).heads
-    return {f"{int(r.layer)}.{int(r.head)}": str(r.role) for r in heads.itertuples()}
+    """Each head's role in `report`, by node name (L.H)."""
+    return {head_name(*head): role for head, role in Report.open(report).head_roles().items()}
 
 
 def _mean_and_interval(values: np.ndarray, pair_ids: np.ndarray, settings: RunConfig) -> tuple[np.ndarray, ...]:

@@ -28,6 +28,7 @@ from headscope.interventions.edge_layers import FrozenNorm, find_places, head_co
 from headscope.measures.ov_copying import copying_scores, token_map
 from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
+from headscope.model.write_path import dry_ids
 from headscope.progress import Reporter
 from headscope.run.setup import CommandRun, record_header
 
@@ -97,8 +98,9 @@ def copying(
         heads, kv_heads, head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
         with attached(loaded.lm or loaded.model) as capture, torch.no_grad():
             network = loaded.lm or loaded.model
-            places, final_norm = find_places(capture, network, capture.decoder, heads, kv_heads, head_dim,
-                                             _probe_ids(network), loaded.device)  # fmt: skip
+            probe = dry_ids(network.get_input_embeddings().num_embeddings).tolist()
+            places, final_norm = find_places(capture, network, capture.decoder, heads, kv_heads, head_dim, probe,
+                                             loaded.device)  # fmt: skip
             embed, unembed, where = _token_matrices(loaded, tokens)
             hidden = embed.shape[1]
             tokens_map = token_map(embed, unembed) * _gain(final_norm, hidden, embed)[None, :]
@@ -121,11 +123,6 @@ def copying(
     }
     run.done(opened)
     return Copying(frame, record)
-
-
-def _probe_ids(network) -> list[int]:
-    vocab = network.get_input_embeddings().num_embeddings
-    return torch.linspace(1, vocab - 1, 8).long().unique().tolist()
 
 
 def _token_matrices(loaded, tokens) -> tuple[torch.Tensor, torch.Tensor, str]:

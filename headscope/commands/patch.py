@@ -241,10 +241,7 @@ def check_request(what: str, direction: str, positions: str, metric: str, fast, 
 
 def _roles(report) -> dict[tuple[int, int], str] | None:
     """Each head's role in `report` (its model checked against the command's by the session), or None."""
-    if report is None:
-        return None
-    heads = Report.open(report).heads
-    return {(int(r.layer), int(r.head)): str(r.role) for r in heads.itertuples()}
+    return None if report is None else Report.open(report).head_roles()
 
 
 def _common_length(tokenized: list[TokenizedPair], pairs: PairsFile) -> int:

@@ -78,7 +78,8 @@ def _first(args, kwargs):
 
 
 def find_places(capture, model, decoder, heads: int, kv_heads: int, head_dim: int, ids: list[int], device):
-    """([LayerPlaces] per decoder layer, the final norm), found by one pass on `ids`."""
+    """([LayerPlaces] per decoder layer, the final norm), found by one pass on `ids`; `model` a causal LM, or a base
+    model without its LM head."""
     places = [layer_modules(layer, heads, kv_heads, head_dim) for layer in decoder]
     made, taken, seen, handles = {}, [], {}, []
 
@@ -114,7 +115,16 @@ def find_places(capture, model, decoder, heads: int, kv_heads: int, head_dim: in
     for module in model.modules():
         if module is not head and not any(module is layer for layer in decoder) and len(list(module.children())) == 0:
             handles.append(module.register_forward_hook(remember))
-    handles.append(head.register_forward_pre_hook(keep(("head", 0), output=False), with_kwargs=True))
+    if head is not None:  # the final norm makes what the LM head reads
+        handles.append(head.register_forward_pre_hook(keep(("head", 0), output=False), with_kwargs=True))
+    else:  # a base model (no LM head loaded): the final norm makes its output
+
+        def ends(module, args, output):
+            value = getattr(output, "last_hidden_state", None)
+            value = output[0] if value is None and isinstance(output, tuple) else value
+            seen[("head", 0)] = (_storage(value), value)
+
+        handles.append(model.register_forward_hook(ends))
     try:
         capture.run(collate([0], [ids]).to(device))
     finally:
@@ -149,7 +159,9 @@ def find_places(capture, model, decoder, heads: int, kv_heads: int, head_dim: in
                                  taker(("mlp out", index), layer, place)))  # fmt: skip
     final = producer(("head", 0))
     if final is None:
-        raise ModelLoadError("the LM head reads no final norm; circuit cannot place the logits' input")
+        raise ModelLoadError(
+            "the LM head (or the model's output) is no final norm's output; headscope cannot place the logits' input"
+        )
     return found, final
 
 

@@ -62,8 +62,7 @@ def learn_write_paths(
 
     run(input_ids): one forward pass of the model on (1, DRY_TOKENS) ids (the caller's, attached); it may stop once
     layer through - 1 has run (StopAfter is raised from its hook)."""
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.linspace(1, vocab - 1, DRY_TOKENS).long().unique()[None]  # spread over the vocabulary
+    ids = dry_ids(model.get_input_embeddings().num_embeddings)[None]
     seen: list[dict] = [{"inputs": [], "outputs": {}} for _ in range(through)]
     hooks = []
     for index in range(through):
@@ -87,6 +86,11 @@ def learn_write_paths(
         for hook in hooks:
             hook.remove()
     return [_path_of(index, kept) for index, kept in enumerate(seen)]
+
+
+def dry_ids(vocab: int) -> torch.Tensor:
+    """DRY_TOKENS token ids spread over a vocabulary of `vocab`: a short pass that learns where things sit."""
+    return torch.linspace(1, vocab - 1, DRY_TOKENS).long().unique()
 
 
 class StopAfter(Exception):

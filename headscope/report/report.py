@@ -172,6 +172,10 @@ class Report:
     def heads(self) -> pd.DataFrame:
         return self._table(HEADS_FILE)
 
+    def head_roles(self) -> dict[tuple[int, int], str]:
+        """(layer, head) -> the head's role, for commands that show the roles of a report's heads."""
+        return {(int(r.layer), int(r.head)): str(r.role) for r in self.heads.itertuples()}
+
     @property
     def layers(self) -> pd.DataFrame | None:
         return self._table(LAYERS_FILE)
