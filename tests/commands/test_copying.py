@@ -142,3 +142,15 @@ def test_the_command_prints_the_heads_that_copy_and_suppress_most(tmp_path):
     done = run_cli("copying", planted_copier(tmp_path / "copier", -1.0), "--count", "1", "--device", "cpu")
     assert done.exit_code == 0, done.output
     assert "suppressing most" in done.output and "0.0" in done.output and "-1.000" in done.output
+
+
+def test_count_says_how_many_heads_each_table_shows(random_lm):
+    """8 heads: --count 2 shows 2 that copy most and 2 that suppress most, --count 3 three of each."""
+    import re
+
+    from helpers import run_cli
+
+    for count in (2, 3):
+        done = run_cli("copying", random_lm, "--count", str(count), "--device", "cpu")
+        assert done.exit_code == 0, done.output
+        assert len(re.findall(r"^\s+\d+\.\d+\s+[+-]\d\.\d{3}\s*$", done.output, re.MULTILINE)) == 2 * count
