@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from headscope.arguments import as_number, parse_batch_size, parse_bytes, parse_layers, whole_number
+from headscope.detector_specs import as_detectors
 from headscope.errors import ConfigError
 
 Device = Literal["auto", "cuda", "cpu", "mps"]
@@ -53,6 +54,7 @@ BLOCK_BYTES = 32 * 2**20
 MAX_REPLICATES = 100_000  # --bootstrap, compare --replicates
 MAX_PROBE_SEEDS = 10_000  # --probe-seeds: 10,000 sequences of 2 x 32 tokens already take minutes on a GPU
 MAX_EXAMPLES = 50  # --examples: each keeps every head's attention on up to 32 tokens
+MAX_EXEMPLARS = 1000  # --exemplars: rows kept per head and kind
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers (the bootstrap's counter-based hash)
 
 
@@ -130,6 +132,16 @@ class RunConfig:
     threads: int | None = setting(
         None, "CPU threads torch may use during the run (changes no number). Default: torch's."
     )
+    exemplars: int = setting(
+        10,
+        "Corpus rows kept per head and kind (sharp, write, each probe's and detector's pattern): exemplars.parquet "
+        "and the page. 0 keeps none.",
+    )
+    detectors: tuple = setting(
+        (),
+        "Detectors to score every head by, NAME=SPEC each (SPEC: offset:K, same-token, after-same-token, token:REGEX, "
+        "first): a column detect_NAME with its interval and chance level. From Python also {name: spec or callable}.",
+    )
     examples: int = setting(
         3,
         "Corpus sentences (spread over lengths, up to 32 tokens) whose attention the report keeps whole, 0 to 50; "
@@ -183,6 +195,8 @@ class RunConfig:
         if self.bootstrap != 0:
             check_replicates("--bootstrap", self.bootstrap, zero="0 (no intervals) or ")
         check_seed("--bootstrap-seed", self.bootstrap_seed)
+        if not 0 <= self.exemplars <= MAX_EXEMPLARS:
+            raise ConfigError(f"--exemplars takes 0 to {MAX_EXEMPLARS} rows per head and kind; got {self.exemplars}")
         if not 0 <= self.examples <= MAX_EXAMPLES:
             raise ConfigError(f"--examples takes 0 to {MAX_EXAMPLES} sentences; got {self.examples}")
         cpus = os.cpu_count() or 1
@@ -197,6 +211,7 @@ class RunConfig:
         later. Text the CLI would parse (layers "0-5", max_memory "8GiB", batch_size "auto") is parsed the same
         way; a path where a folder is named becomes its string."""
         parsed = {"layers": parse_layers, "max_memory": parse_bytes, "batch_size": parse_batch_size}
+        object.__setattr__(self, "detectors", as_detectors(self.detectors))
         for field in dataclasses.fields(self):
             name, value, annotation = field.name, getattr(self, field.name), str(field.type)
             option = f"--{name.replace('_', '-')}"
@@ -216,7 +231,9 @@ class RunConfig:
             object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict:
-        return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+        """The settings as run.json records them: paths as text, detectors as NAME=SPEC (a callable's SPEC names it)."""
+        out = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+        return out | {"detectors": [f"{detector.name}={detector.spec}" for detector in self.detectors]}
 
 
 _KIND_WORDS = {

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from headscope.config import CHART_FORMATS
 
-SCHEMA_VERSION = 7  # of the tables and run.json; bumped when a column or key is added, changes or goes away
+SCHEMA_VERSION = 8  # of the tables and run.json; bumped when a column or key is added, changes or goes away
 
 HEADS_FILE = "heads.parquet"
 SENTENCES_FILE = "sentences.parquet"
@@ -27,8 +27,11 @@ SENTENCE_HEADS_FILE = "sentence_heads.parquet"
 EXAMPLES_FILE = "examples.parquet"
 LAYERS_FILE = "layers.parquet"
 PROBES_FILE = "probes.parquet"
+EXEMPLARS_FILE = "exemplars.parquet"
 RUN_FILE = "run.json"
-TABLE_FILES = (HEADS_FILE, LAYERS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE, PROBES_FILE)
+TABLE_FILES = (
+    *(HEADS_FILE, LAYERS_FILE, SENTENCES_FILE, SENTENCE_HEADS_FILE, EXAMPLES_FILE, PROBES_FILE, EXEMPLARS_FILE),
+)
 
 CHART_NAMES = (
     "entropy_heatmap",

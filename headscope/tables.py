@@ -28,6 +28,7 @@ from headscope.estimates import ProbeResult, metric_means
 from headscope.files import atomic_path
 from headscope.layout import (
     EXAMPLES_FILE,
+    EXEMPLARS_FILE,
     HEADS_FILE,
     LAYERS_FILE,
     PROBES_FILE,
@@ -73,6 +74,18 @@ PROBES_SCHEMA = pa.schema(
     [("layer", pa.int32()), ("head", pa.int32()), ("probe", pa.string()), ("seed", pa.int32()), ("score", pa.float64())]
 )
 
+# One row per kept exemplar (measures.exemplars): (layer, head, kind, rank), the corpus sentence and the query row
+# (positions from the sentence's first token), its key (-1: none off the first token) and weight, and the score;
+# the query's and key's tokens, and the sentence's tokens from context_start around them.
+EXEMPLARS_SCHEMA = pa.schema(
+    [
+        *(("layer", pa.int32()), ("head", pa.int32()), ("kind", pa.string()), ("rank", pa.int32())),
+        *(("sentence", pa.int64()), ("row", pa.int32()), ("key", pa.int32()), ("weight", pa.float32())),
+        *(("score", pa.float64()), ("query_token", pa.string()), ("key_token", pa.string())),
+        *(("context_start", pa.int32()), ("context", pa.list_(pa.string()))),
+    ]
+)
+
 # headscope inspect: one row per (text, chosen head, visible query-key pair), the weight the model computes; and
 # the tokens of each text.
 ATTENTION_SCHEMA = pa.schema(
@@ -108,7 +121,16 @@ REPORT_SCHEMAS: dict[str, pa.Schema] = {
     SENTENCE_HEADS_FILE: SENTENCE_HEADS_SCHEMA,
     EXAMPLES_FILE: EXAMPLES_SCHEMA,
     PROBES_FILE: PROBES_SCHEMA,
+    EXEMPLARS_FILE: EXEMPLARS_SCHEMA,
 }
+
+DETECTOR_PREFIX = "detect_"  # heads.parquet's columns of the run's detectors: detect_<name>, _ci_low, _ci_high, _chance
+
+
+def heads_schema(heads: pd.DataFrame) -> pa.Schema:
+    """The heads table's schema: every column of the registry, then the run's detectors' (float64)."""
+    detectors = [name for name in heads.columns if name.startswith(DETECTOR_PREFIX)]
+    return pa.schema([*HEADS_SCHEMA, *(pa.field(name, pa.float64()) for name in detectors)])
 
 
 def heads_frame(

@@ -33,6 +33,8 @@ def analyze(
     bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
     sink_threshold: o.SinkThreshold = o.DEFAULTS.sink_threshold,
     examples: o.Examples = o.DEFAULTS.examples,
+    exemplars: o.Exemplars = o.DEFAULTS.exemplars,
+    detectors: o.Detectors = None,
     chunk_sentences: o.ChunkSentences = o.DEFAULTS.chunk_sentences,
     charts: o.Charts = True,
     page: o.Page = True,

@@ -104,6 +104,8 @@ CheckDormant = _setting(bool, "check_dormant")
 DormantTolerance = _setting(float, "dormant_tolerance")
 Threads = _setting(int | None, "threads")
 Examples = _setting(int, "examples")
+Exemplars = _setting(int, "exemplars")
+Detectors = Annotated[list[str] | None, typer.Option("--detector", help=setting_help("detectors"), metavar="NAME=SPEC")]
 
 # ---------------------------------------------------------------- the label rules (config.Thresholds, RoleThresholds)
 
@@ -341,7 +343,7 @@ def in_panel(panel: str, *declarations) -> None:
 in_panel("Model", Revision, TrustRemoteCode, Device, DType, DeviceMap, OffloadFolder, MaxMemory, Threads)
 in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
 in_panel("Measures", Window, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Importance, CheckDormant,
-         DormantTolerance, SentenceHeads, Examples)  # fmt: skip
+         DormantTolerance, SentenceHeads, Examples, Exemplars, Detectors)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
 in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,
          Resume,

@@ -23,6 +23,7 @@ from headscope.interventions.importance import Importance
 from headscope.labels import label_heads
 from headscope.layout import (
     EXAMPLES_FILE,
+    EXEMPLARS_FILE,
     HEADS_FILE,
     LAYERS_FILE,
     PROBES_FILE,
@@ -30,15 +31,18 @@ from headscope.layout import (
     SENTENCE_HEADS_FILE,
     SENTENCES_FILE,
 )
+from headscope.measures.exemplars import exemplar_frame, with_context
 from headscope.model.loading import LoadedModel
 from headscope.run.checkpoint import PartFiles
 from headscope.run.corpus import Corpus
 from headscope.run.corpus_pass import Measured
+from headscope.run.feed import char_limit, token_texts, tokenize_sentences
 from headscope.run.plan import Plan
 from headscope.run.record import Timings, run_record
 from headscope.tables import (
     REPORT_SCHEMAS,
     heads_frame,
+    heads_schema,
     layers_frame,
     parquet_metadata,
     probes_frame,
@@ -80,14 +84,15 @@ def write_tables(
         heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates, a.dormant)
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None, plan.attention)
         probes = None if a.probes is None else probes_frame(a.probes.per_seed, np.array(plan.layers))
-        small = {LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes}
+        small = {LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes,
+                 EXEMPLARS_FILE: exemplars_of(measured, plan, a.loaded.tokenizer, a.corpus)}  # fmt: skip
         if not in_memory:
             for name, frame in small.items():
                 if frame is not None:
                     write_table(frame, folder / name, REPORT_SCHEMAS[name])
     run = run_record(analysis, heads)
     if not in_memory:
-        write_table(heads, folder / HEADS_FILE, REPORT_SCHEMAS[HEADS_FILE], metadata=parquet_metadata(run))
+        write_table(heads, folder / HEADS_FILE, heads_schema(heads), metadata=parquet_metadata(run))
         write_json(run, folder / RUN_FILE)
     return run, {HEADS_FILE: heads, **small}
 
@@ -104,7 +109,27 @@ def labelled_heads(plan, measured, probes, importance, rules, replicates=None, d
         importance=None if importance is None else importance.columns(),
         dormant_check=None if dormant is None else dormant.statuses(),
     )
+    detectors = None if measured.evidence is None else measured.evidence.detector_scores(measured.resampled)
+    if detectors is not None:  # the run's own columns, after the registry's
+        frame = frame.assign(**{name: values.reshape(-1) for name, values in detectors.columns().items()})
     return label_heads(frame, *rules)
+
+
+def exemplars_of(measured, plan, tokenizer, corpus) -> pd.DataFrame | None:
+    """exemplars.parquet's rows, each with the tokens around it (None: the run kept none, --exemplars 0). The
+    exemplars' sentences are tokenized again, as the pass tokenized them; the model does not run."""
+    evidence = measured.evidence
+    state = None if evidence is None else evidence.exemplar_state()
+    if state is None:
+        return None
+    frame = exemplar_frame(state, evidence.kinds, plan.layers)
+    wanted = set(frame["sentence"].unique().tolist())
+    texts = {s.sentence_id: s.text for s in corpus.sentences if s.sentence_id in wanted}
+    order = sorted(texts)
+    ids, _ = tokenize_sentences(tokenizer, [texts[i] for i in order], plan.max_length,
+                                max_chars=char_limit(tokenizer, plan.max_length))  # fmt: skip
+    tokens = {sentence: token_texts(tokenizer, row) for sentence, row in zip(order, ids, strict=True)}
+    return with_context(frame, tokens)
 
 
 def _merge_parts(parts: PartFiles, folder: Path, measured, corpus, plan) -> None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from headscope.columns import STATS
+from headscope.columns import EVIDENCE_FROM, STATS
 from headscope.errors import ModelLoadError
+from headscope.measures.exemplars import SHARP, WRITE, TopRows
 from headscope.measures.row_sums import head_row_sums_from_logits, head_row_sums_from_values, weight_row_values
+from headscope.measures.rows import without_first
 from headscope.measures.writes import OUTPUT_INDEX, head_write_sums, sink_value_ratios, write_norms
 from headscope.model.attention.finish_rows import RowValues
 from headscope.model.batch import Batch
@@ -38,9 +41,18 @@ class AttentionStatistics:
     """
 
     def __init__(
-        self, *, window: int, sink_threshold: float, accum_dtype: torch.dtype, layers: Sequence[int] | None = None
+        self,
+        *,
+        window: int,
+        sink_threshold: float,
+        accum_dtype: torch.dtype,
+        layers: Sequence[int] | None = None,
+        exemplars: TopRows | None = None,
     ) -> None:
         self.window = window
+        # where each row's sharpness and write norm go to find the heads' exemplars (None: nowhere)
+        self.exemplars = exemplars
+        self._top_keys: dict[int, list] = {}  # layer -> [(first row, top key, its weight)]: for the write kind
         self.sink_threshold = sink_threshold
         self.accum_dtype = accum_dtype
         self.layers = sorted(set(layers)) if layers is not None else None
@@ -54,7 +66,7 @@ class AttentionStatistics:
         self._grams: dict[int, torch.Tensor] = {}  # layer -> W_h^T W_h of its output projection, per head
 
     @classmethod
-    def from_plan(cls, plan) -> AttentionStatistics:
+    def from_plan(cls, plan, exemplars: TopRows | None = None) -> AttentionStatistics:
         """The statistics a run's plan asks for: its window, sink threshold, accumulation dtype and layers."""
         settings = plan.settings
         return cls(
@@ -62,6 +74,7 @@ class AttentionStatistics:
             sink_threshold=settings.sink_threshold,
             accum_dtype=plan.accumulate,
             layers=plan.layers,
+            exemplars=exemplars,
         )
 
     def start(self, batch: Batch) -> None:
@@ -69,6 +82,7 @@ class AttentionStatistics:
         self._first_at_zero = bool((batch.seq_start == 0).all())  # once a batch, not once a block
         self._sums = {}
         self._waiting, self._waiting_rows = {}, 0
+        self._top_keys = {}
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -85,6 +99,10 @@ class AttentionStatistics:
             "first_at_zero": self._first_at_zero,
         }
         if block.logits is not None:
+            if self.exemplars is not None:
+                probs = block.probabilities()
+                rest, shift = without_first(probs, block.seq_start, None)
+                self._offer_sharp(layer, block, rest.argmax(-1) + shift, rest.amax(-1).float())
             sums = head_row_sums_from_logits(
                 block.logits,
                 query_valid=block.query_valid,
@@ -97,6 +115,9 @@ class AttentionStatistics:
         by_torch = functools.partial(weight_row_values, block.weights, **rows)
         # headscope's C++ kernel where the capture offers it (checked against torch on its first call), else torch.
         values = by_torch() if block.native_rows is None else block.native_rows(self.window, block.first_row, by_torch)
+        if self.exemplars is not None:
+            top = values.rest_top_key
+            self._offer_sharp(layer, block, top, block.weights.gather(-1, top[..., None]).squeeze(-1).float())
         # float32 rows sum to 1 within ~1e-6; half-precision probabilities are rounded to ~3 digits.
         tolerance = 1e-3 if block.weights.dtype == torch.float32 else 2e-2
         if block.native_sums is None:
@@ -117,7 +138,40 @@ class AttentionStatistics:
 
     def row_values(self, layer: int, values: RowValues, query_valid: torch.Tensor, seq_start: torch.Tensor) -> None:
         """A whole layer's per-row values from the fused pass (attention.tile_loop), computed with our `window`."""
+        if self.exemplars is not None:
+            rows = _Rows(0, query_valid, seq_start)
+            self._offer_sharp(layer, rows, values.rest_top_key, values.rest_max_weight)
         self._wait(layer, values, query_valid, seq_start, 0, 1.0)
+
+    def _offer_sharp(self, layer: int, block, top_key: torch.Tensor, weight: torch.Tensor) -> None:
+        """A block's rows to the exemplars of kind sharp: their largest weight off the first token (rows that see
+        no other key do not count), that key kept for the write kind."""
+        counted = (
+            block.query_valid[:, None, :] & (weight > 0) & self._evidence_rows(block.first_row, block.seq_start, weight)
+        )
+        self._top_keys.setdefault(layer, []).append((block.first_row, top_key, weight))
+        self.exemplars.offer(layer, SHARP, weight, counted, top_key, weight, sentence_ids=self._batch.sentence_ids,
+                             seq_start=block.seq_start, first_row=block.first_row)  # fmt: skip
+
+    @staticmethod
+    def _evidence_rows(first_row: int, seq_start: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """(batch, 1, rows) bool: rows at EVIDENCE_FROM or after in their sentence (earlier rows see so few keys that
+        any head is sharp there), as top_offset counts its evidence."""
+        rows = torch.arange(first_row, first_row + like.shape[-1], device=like.device)
+        return (rows[None, :] - seq_start[:, None] >= EVIDENCE_FROM)[:, None, :]
+
+    def _offer_write(self, layer: int, norms: torch.Tensor, written: LayerOutput) -> None:
+        """Every row's write norm to the exemplars of kind write, with the row's top key off the first token (none,
+        -1, for a row that sees no other key)."""
+        blocks = sorted(self._top_keys.pop(layer, []), key=lambda block: block[0])
+        if not blocks:  # the layer's attention was not offered (cannot happen in a capture); no key to name
+            return
+        top = torch.cat([key for _, key, _ in blocks], dim=-1)
+        weight = torch.cat([weight for _, _, weight in blocks], dim=-1)
+        top = torch.where(weight > 0, top, written.seq_start[:, None, None] - 1)
+        counted = written.query_valid[:, None, :] & self._evidence_rows(0, written.seq_start, norms)
+        self.exemplars.offer(layer, WRITE, norms, counted, top, weight,
+                             sentence_ids=self._batch.sentence_ids, seq_start=written.seq_start)  # fmt: skip
 
     def _wait(self, layer, values: RowValues, query_valid, seq_start, row_offset: int, tolerance: float) -> None:
         """Keep a block's rows' values to be summed with other layers' (`_sum_waiting`)."""
@@ -154,6 +208,8 @@ class AttentionStatistics:
         # what reaches the residual stream: ||g * (W_h z)|| (g = 1 without a post-attention norm), times the row's
         # |scale| / rms(o) (headscope.model.write_path)
         norms = write_norms(written.output, self._grams[layer]) * share_scale(path, written.output, layer)[:, None]
+        if self.exemplars is not None:
+            self._offer_write(layer, norms, written)
 
         def visible_rows(rows: slice) -> torch.Tensor:
             return key_visibility(written.mask, written.query_valid, rows, t)
@@ -195,6 +251,14 @@ class AttentionStatistics:
         sums = torch.stack([self._sums[layer].to(device, non_blocking=asynchronous) for layer in sorted(self._sums)])
         self._sums = {}
         return sums
+
+
+class _Rows(NamedTuple):
+    """Where a block of rows lies (a RowBlock's geometry, for the fused pass's rows, which come without one)."""
+
+    first_row: int
+    query_valid: torch.Tensor
+    seq_start: torch.Tensor
 
 
 def heads_side_by_side(parts: Sequence[RowValues]) -> RowValues:

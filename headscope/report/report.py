@@ -21,6 +21,7 @@ from headscope.errors import ConfigError, OutputError
 from headscope.labels import classification_record, label_heads
 from headscope.layout import (
     EXAMPLES_FILE,
+    EXEMPLARS_FILE,
     HEADS_FILE,
     LAYERS_FILE,
     PROBES_FILE,
@@ -188,6 +189,11 @@ class Report:
     def probes(self) -> pd.DataFrame | None:
         """Each probe sequence's score per (layer, head, probe), or None without probes."""
         return self._table(PROBES_FILE)
+
+    @property
+    def exemplars(self) -> pd.DataFrame | None:
+        """Each head's strongest corpus rows per kind (measures.exemplars), or None when the run kept none."""
+        return self._table(EXEMPLARS_FILE)
 
     @property
     def sentences(self) -> pd.DataFrame | None:

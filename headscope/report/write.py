@@ -29,7 +29,7 @@ from headscope.layout import (
 from headscope.output import StagedDirectory, resolved
 from headscope.report.compare import Comparison
 from headscope.report.report import Report
-from headscope.tables import HEADS_SCHEMA, parquet_metadata, write_frame, write_json, write_table
+from headscope.tables import heads_schema, parquet_metadata, write_frame, write_json, write_table
 
 
 def write_presentation(
@@ -114,7 +114,7 @@ def reclassify(
 
 
 def _write_labels(report: Report, folder: Path) -> None:
-    write_table(report.heads, folder / HEADS_FILE, HEADS_SCHEMA, metadata=parquet_metadata(report.run))
+    write_table(report.heads, folder / HEADS_FILE, heads_schema(report.heads), metadata=parquet_metadata(report.run))
     write_json(report.run, folder / RUN_FILE)
 
 

@@ -21,6 +21,7 @@ from headscope.progress import Reporter
 from headscope.run.checkpoint import PartFiles, Progress
 from headscope.run.distributed import ONE_PROCESS, Ranks, Rounds, combined
 from headscope.run.feed import Chunk, CorpusFeed
+from headscope.run.head_evidence import HeadEvidence
 from headscope.run.plan import Plan
 from headscope.run.prefetch import prefetched
 from headscope.tables import sentence_heads_frame
@@ -43,6 +44,7 @@ class Measured:
     # how each measured layer's attention output reaches the residual stream (WritePath.describe(), by layer); empty
     # when no pass ran here (a resumed run whose checkpoint held every chunk)
     write_paths: list[str] = dataclasses.field(default_factory=list)
+    evidence: HeadEvidence | None = None  # the heads' exemplars and detector sums
 
     @property
     def resampled(self) -> bool:
@@ -74,7 +76,9 @@ def measure_corpus(
         bootstrap = Bootstrap(settings.bootstrap, settings.bootstrap_seed, len(plan.layers), plan.heads,
                               product=_torch_product)  # fmt: skip
         bootstrap.sums = running.get("bootstrap", bootstrap.sums)
-    statistics = AttentionStatistics.from_plan(plan)
+    evidence = HeadEvidence(plan, feed.tokenizer, running)
+    statistics = AttentionStatistics.from_plan(plan, exemplars=evidence.exemplars)
+    measures = [statistics, *evidence.measures]
     sums = _RunningSums(running.get("sums", np.zeros(plan.sums_shape)), bootstrap)
     reporter.start(len(feed.corpus.sentences))
     rounds = Rounds(ranks, reporter, len(feed))
@@ -87,8 +91,9 @@ def measure_corpus(
                 rounds.meet(skipped, 0)
                 continue
             if batch is not None:
-                capture.run(batch.to(device), measures=[statistics])
+                capture.run(batch.to(device), measures=measures)
                 sums.add(batch.sentence_ids, statistics.finish())
+                evidence.add(batch.sentence_ids)
                 progress.tokens += batch.n_tokens
                 progress.batches += 1
                 reporter.advance(len(batch.sentence_ids), batch.n_tokens)
@@ -100,13 +105,15 @@ def measure_corpus(
             _count_chunk(progress, chunk)
             progress.chunks_done = chunk.index + 1
             running = {"sums": sums.totals, **({"bootstrap": bootstrap.sums} if bootstrap else {})}
+            running |= evidence.running()
             parts.save_progress(progress, running, plan.record())
             rounds.meet(len(chunk.sentences), sum(len(ids) for ids in tokenized.values()))
     reporter.finish()
     write_paths = [path.describe() for path in capture.write_paths]
-    measured = Measured(sums.totals, bootstrap, progress, dict(capture.paths), write_paths)
+    measured = Measured(sums.totals, bootstrap, progress, dict(capture.paths), write_paths, evidence)
     if ranks.parallel:  # every rank's share added up
         measured = combined(ranks, measured, device, len(feed))
+        evidence.combined(ranks, device)
     if measured.progress.tokens == 0:
         raise ConfigError("no sentence produced any token; check the corpus and the tokenizer")
     return measured

@@ -34,6 +34,7 @@ from headscope.model.memory import (
     tokens_per_batch,
 )
 from headscope.run.feed import CorpusFeed
+from headscope.run.head_evidence import evidence_shapes
 from headscope.summary import depth_bands
 
 
@@ -118,7 +119,7 @@ class Plan:
         shapes = {"sums": self.sums_shape}
         if self.settings.bootstrap:
             shapes["bootstrap"] = Bootstrap.shape(self.settings.bootstrap, len(self.layers), self.heads)
-        return shapes
+        return shapes | evidence_shapes(self)
 
     @property
     def bands(self) -> dict[str, range]:

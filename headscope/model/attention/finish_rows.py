@@ -44,6 +44,9 @@ class RowValues:
     logit_std: torch.Tensor  # standard deviation of the logits over the keys the row may see
     # the row's total probability, where it was summed (probabilities the model computed); None: 1 by construction
     mass: torch.Tensor | None = None
+    # the largest weight off the sink, where the path has it at no cost (the fused read-off); None: read it from the
+    # probabilities at rest_top_key
+    rest_max_weight: torch.Tensor | None = None
 
     def columns(self) -> dict[str, torch.Tensor]:
         """The values present, by name (`mass` only where it was summed)."""
@@ -127,6 +130,7 @@ def read_off(grouped_query, key, value, visibility, rows, state, softcap, seq_st
         rest_top_key=torch.where(rest_seen, rest_top, 0),
         rest_top_tied=rest_seen & (rest_count > 1),
         logit_std=torch.sqrt(spread / with_first.clamp(min=1)),
+        rest_max_weight=torch.where(rest_seen, rest_scale / total, 0.0),
     )
     return output, values
 

@@ -1,0 +1,170 @@
+"""Exemplars: the corpus rows where each head does its thing most, streamed.
+
+For every (layer, head, kind) the `count` query rows of the corpus with the highest score are kept; the kinds are
+    sharp      the row's largest attention weight off the sentence's first token
+    write      the row's write norm ||W_h z_h(t)||, as the write statistics measure it (measures.writes)
+    <name>     a probe's or detector's match on the row (measures.detectors): induction, duplicate and previous
+               are the probes' patterns read on corpus text (after-same-token, same-token, offset:1)
+Each kept row records its sentence (corpus id), row (position from the sentence's first token), a key and its
+weight: for sharp and write the row's most attended key off the first token, for a pattern the target key it
+attends to most. Ties go to the earlier sentence, then the earlier row, so the rows kept are a pure function of
+the corpus: the same whatever the batches, their order, or how ranks split them.
+
+The state is fixed in size, (layers, kinds, heads, count, fields) float64 (`STATE_FIELDS`), whatever the corpus: it
+checkpoints and gathers across ranks like the sums. A batch's candidates are found on its device (a top-k per head
+and every row tied with the k-th), then merged into the state on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+SHARP, WRITE = "sharp", "write"
+# The probes' patterns, read on the corpus as detectors (measures.detectors SPECs).
+PROBE_KINDS = {"induction": "after-same-token", "duplicate": "same-token", "previous": "offset:1"}
+STATE_FIELDS = ("score", "sentence", "row", "key", "weight")
+
+
+def empty_state(layers: int, kinds: int, heads: int, count: int) -> np.ndarray:
+    """No row kept yet: every score -inf, every sentence -1."""
+    state = np.zeros((layers, kinds, heads, count, len(STATE_FIELDS)))
+    state[..., 0] = -np.inf
+    state[..., 1] = -1
+    return state
+
+
+class TopRows:
+    """The `count` strongest rows of every (layer, head, kind) offered so far.
+
+    kinds: the exemplar kinds in order; layers: the measured layers (the state's first axis follows them).
+    """
+
+    def __init__(self, count: int, kinds: Sequence[str], layers: Sequence[int], heads: int, state=None) -> None:
+        self.count, self.kinds = count, tuple(kinds)
+        self.layer_index = {layer: i for i, layer in enumerate(layers)}
+        self.kind_index = {kind: i for i, kind in enumerate(self.kinds)}
+        self.state = empty_state(len(self.layer_index), len(self.kinds), heads, count) if state is None else state
+
+    def offer(
+        self,
+        layer: int,
+        kind: str,
+        scores: torch.Tensor,
+        counted: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        sentence_ids: Sequence[int],
+        seq_start: torch.Tensor,
+        first_row: int = 0,
+    ) -> None:
+        """A block of rows' scores, (batch, heads, rows), with `counted` (broadcastable to it) the rows that count,
+        and each row's key (batch positions, long) and its weight. Rows query positions first_row, first_row + 1, ..."""
+        batch, heads, rows = scores.shape
+        if batch == 0 or rows == 0:
+            return
+        scores = scores.double()
+        counted = counted.expand(batch, heads, rows) & torch.isfinite(scores)
+        flat = torch.where(counted, scores, -torch.inf).transpose(0, 1).reshape(heads, batch * rows)
+        k = min(self.count, batch * rows)
+        kth = flat.topk(k, dim=-1).values[:, -1:]  # (heads, 1): the k-th score of each head
+        # A row below the weakest kept one (when `count` are kept) cannot get in: most batches offer nobody.
+        weakest = torch.from_numpy(self.state[self.layer_index[layer], self.kind_index[kind], :, -1:, 0])
+        floor = torch.maximum(kth, weakest.to(flat.device))
+        # every row at or above the floor: ties at the border are all offered, and the merge picks among them
+        head, where = torch.nonzero((flat >= floor) & (flat > -torch.inf), as_tuple=True)
+        if head.numel() == 0:
+            return
+        b, r = where // rows, where % rows
+        picked = {
+            "score": flat[head, where],
+            "key": keys.expand(batch, heads, rows)[b, head, r] - seq_start[b],
+            "weight": weights.expand(batch, heads, rows)[b, head, r].double(),
+            "row": first_row + r - seq_start[b],
+            "b": b,
+            "head": head,
+        }
+        picked = {name: value.cpu().numpy() for name, value in picked.items()}
+        picked["sentence"] = np.asarray(sentence_ids, dtype=np.int64)[picked.pop("b")]
+        self._merge(self.layer_index[layer], self.kind_index[kind], picked)
+
+    def _merge(self, layer: int, kind: int, new: dict[str, np.ndarray]) -> None:
+        kept = self.state[layer, kind]  # (heads, count, fields)
+        heads, count, _ = kept.shape
+        old_head = np.repeat(np.arange(heads), count)
+        old = kept.reshape(heads * count, -1)
+        live = old[:, 1] >= 0
+        head = np.concatenate([old_head[live], new["head"]])
+        fields = {name: np.concatenate([old[live, i], new[name]]) for i, name in enumerate(STATE_FIELDS)}
+        order = np.lexsort((fields["row"], fields["sentence"], -fields["score"], head))
+        head = head[order]
+        starts = np.searchsorted(head, np.arange(heads))
+        rank = np.arange(len(head)) - starts[head]
+        keep = rank < count
+        fresh = empty_state(1, 1, heads, count)[0, 0]
+        for i, name in enumerate(STATE_FIELDS):
+            fresh[head[keep], rank[keep], i] = fields[name][order][keep]
+        self.state[layer, kind] = fresh
+
+
+def merged_states(states: Sequence[np.ndarray], kinds: Sequence[str], layers: Sequence[int]) -> np.ndarray:
+    """Several ranks' (or runs') states as one: the strongest rows of them all, ties as one run breaks them."""
+    first = states[0]
+    top = TopRows(first.shape[3], kinds, layers, first.shape[2], state=first.copy())
+    for state in states[1:]:
+        for layer in range(state.shape[0]):
+            for kind in range(state.shape[1]):
+                rows = state[layer, kind].reshape(-1, len(STATE_FIELDS))
+                live = rows[:, 1] >= 0
+                new = {name: rows[live, i] for i, name in enumerate(STATE_FIELDS)}
+                new["head"] = np.repeat(np.arange(state.shape[2]), state.shape[3])[live]
+                top._merge(layer, kind, new)
+    return top.state
+
+
+def exemplar_frame(state: np.ndarray, kinds: Sequence[str], layers: Sequence[int]) -> pd.DataFrame:
+    """exemplars.parquet: one row per kept row, by layer, head, kind (in `kinds` order) and rank (1 = strongest)."""
+    n_layers, n_kinds, heads, count, _ = state.shape
+    index = np.indices((n_layers, n_kinds, heads, count)).reshape(4, -1)
+    flat = state.reshape(-1, len(STATE_FIELDS))
+    live = flat[:, 1] >= 0
+    layer, kind, head, rank = (axis[live] for axis in index)
+    frame = pd.DataFrame(
+        {
+            "layer": np.asarray(layers, dtype=np.int64)[layer],
+            "head": head.astype(np.int64),
+            "kind": pd.Categorical(np.asarray(kinds, dtype=object)[kind], categories=list(kinds)),
+            "rank": (rank + 1).astype(np.int64),
+            "sentence": flat[live, 1].astype(np.int64),
+            "row": flat[live, 2].astype(np.int64),
+            "key": flat[live, 3].astype(np.int64),
+            "weight": flat[live, 4].astype(np.float32),
+            "score": flat[live, 0],
+        }
+    )
+    return frame.sort_values(["layer", "head", "kind", "rank"], ignore_index=True)
+
+
+# Tokens kept around each exemplar for the page: a few before the earlier of its query and key, two after the
+# query; a key further back than FAR_KEY is shown alone (key_token) and the context runs from the query back.
+CONTEXT_BEFORE, CONTEXT_AFTER, FAR_KEY, FAR_CONTEXT = 4, 2, 40, 16
+
+
+def with_context(frame: pd.DataFrame, tokens: dict[int, list[str]]) -> pd.DataFrame:
+    """The exemplars with their query's and key's tokens, and a window of the sentence around them (context, from
+    position context_start). tokens: sentence id -> the sentence's tokens as text."""
+    starts, contexts, queries, keys = [], [], [], []
+    for sentence, row, key in zip(frame["sentence"], frame["row"], frame["key"], strict=True):
+        text = tokens[sentence]
+        near = key >= 0 and row - key <= FAR_KEY
+        start = max(0, min(row, key) - CONTEXT_BEFORE) if near else max(0, row - FAR_CONTEXT)
+        starts.append(start)
+        contexts.append(text[start : row + CONTEXT_AFTER + 1])
+        queries.append(text[row])
+        keys.append(text[key] if key >= 0 else None)
+    return frame.assign(query_token=queries, key_token=keys, context_start=np.array(starts, dtype=np.int64),
+                        context=contexts)  # fmt: skip

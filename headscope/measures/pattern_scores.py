@@ -1,0 +1,123 @@
+"""The detectors' measure: rides on the capture, reads each layer's attention probabilities block by block (the
+eager weights, or the fused path's logits recomputed) and keeps, per (sentence, layer, head, detector), the sums
+behind each score (measures.detectors): the numerator (the rows' matches) and the denominator (the rows counted,
+or a `mul` pattern's attention mass); per (sentence, detector) the same for uniform attention, the chance level.
+Each row's match also goes to the exemplars (measures.exemplars), under the detector's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from headscope.columns import EVIDENCE_FROM
+from headscope.measures.detectors import Detector, callable_targets, row_matches, targets
+from headscope.measures.exemplars import TopRows
+from headscope.model.batch import Batch
+from headscope.model.masks import count_visible
+
+# Target matrices kept for the batch's other layers (they depend on the tokens only), up to this many floats in all;
+# past it each layer builds its own (a long text's (t x t) matrices would take more memory than they save time).
+CACHED_TARGETS = 2**24
+
+
+class PatternScores:
+    """A Measure: per batch, `finish` returns ((layers, batch, heads, detectors, 2) numerator and denominator,
+    (batch, detectors, 2) the same for uniform attention), left on the batch's device.
+
+    scored: how many of `detectors` (the first ones) are scored as columns; the others (the probes' patterns) only
+    feed the exemplars. token_text(id) and token_strings(ids) give tokens' text (token:REGEX; a callable's input).
+    """
+
+    def __init__(
+        self,
+        detectors: Sequence[Detector],
+        layers: Sequence[int],
+        *,
+        token_text,
+        token_strings,
+        exemplars: TopRows | None = None,
+    ) -> None:
+        self.detectors = tuple(detectors)
+        self.layers = sorted(set(layers))
+        self.token_text, self.token_strings = token_text, token_strings
+        self.exemplars = exemplars
+        self._batch: Batch | None = None
+        self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, detectors, 2)
+        self._chance: torch.Tensor | None = None  # (batch, detectors, 2), summed over the first layer's blocks
+        self._patterns: dict[str, torch.Tensor] = {}  # a callable detector's (batch, t, t) targets, once a batch
+        self._targets: dict[tuple, list[torch.Tensor]] = {}  # (first row, rows, keys) -> each detector's targets
+
+    def start(self, batch: Batch) -> None:
+        self._batch, self._sums, self._chance, self._targets = batch, {}, None, {}
+        real = batch.attention_mask.bool()
+        self._patterns = {
+            detector.name: callable_targets(detector, batch.input_ids, real, batch.seq_start, self.token_strings)
+            for detector in self.detectors
+            if detector.family == "callable"
+        }
+
+    def wants(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def last_layer(self) -> int | None:
+        return self.layers[-1]
+
+    def attention(self, layer: int, block) -> None:
+        probs = block.probabilities().float()  # (batch, heads, rows, keys)
+        batch, heads, rows, keys = probs.shape
+        visible = block.visible[:, 0].expand(batch, rows, keys)  # (batch, rows, keys)
+        sums = probs.new_zeros(batch, heads, len(self.detectors), 2, dtype=torch.float64)
+        chance = probs.new_zeros(batch, len(self.detectors), 2, dtype=torch.float64)
+        positions = (
+            torch.arange(block.first_row, block.first_row + rows, device=probs.device) - block.seq_start[:, None]
+        )
+        uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
+        block_targets = self._block_targets(block, rows, keys)
+        for i, (detector, target) in enumerate(zip(self.detectors, block_targets, strict=True)):
+            target = target * visible
+            matches = row_matches(probs, target, detector)  # (batch, heads, rows) float64
+            if detector.weighs_rows:  # every real row, weighed by its mass (mul) or counted once (abs)
+                counted = block.query_valid[:, None, :]
+                weight = probs.sum(-1, dtype=torch.float64) if detector.mode == "mul" else torch.ones_like(matches)
+            else:  # the rows with a target key they may see
+                counted = block.query_valid[:, None, :] & (target.sum(-1) > 0)[:, None, :]
+                weight = torch.ones_like(matches)
+            sums[:, :, i, 0] = torch.where(counted, matches, 0.0).sum(-1)
+            sums[:, :, i, 1] = torch.where(counted, weight, 0.0).sum(-1)
+            if layer == self.layers[0]:  # uniform attention is the same in every layer: counted once
+                chance_matches = row_matches(uniform[:, None], target, detector)[:, 0]  # (batch, rows)
+                chance[:, i, 0] = torch.where(counted[:, 0], chance_matches, 0.0).sum(-1)
+                chance[:, i, 1] = counted[:, 0].expand(batch, rows).sum(-1)  # uniform attention's mass is 1
+            if self.exemplars is not None:
+                # the target key the row attends to most (a pattern's weights scale it), and its weight
+                top = (probs * target[:, None]).argmax(-1)
+                evidence = counted & (positions >= EVIDENCE_FROM)[:, None, :]  # as sharp and write count rows
+                self.exemplars.offer(
+                    layer, detector.name, matches, evidence, top, probs.gather(-1, top[..., None]).squeeze(-1),
+                    sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
+                )  # fmt: skip
+        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
+        if layer == self.layers[0]:
+            self._chance = chance if self._chance is None else self._chance + chance
+
+    def _block_targets(self, block, rows: int, keys: int) -> list[torch.Tensor]:
+        """Every detector's (batch, rows, keys) targets for the block (kept for the batch's other layers while
+        they are small)."""
+        where = (block.first_row, rows, keys)
+        if where in self._targets:
+            return self._targets[where]
+        batch = self._batch
+        real = batch.attention_mask.bool()
+        span = slice(block.first_row, block.first_row + rows)
+        where_ids = (batch.input_ids, real, batch.seq_start, span, keys, self.token_text)
+        made = [targets(detector, *where_ids, self._patterns.get(detector.name)) for detector in self.detectors]
+        held = sum(target.numel() for cached in self._targets.values() for target in cached)
+        if held + sum(target.numel() for target in made) <= CACHED_TARGETS:
+            self._targets[where] = made
+        return made
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's sums: (layers, batch, heads, detectors, 2) and (batch, detectors, 2), in layer order."""
+        return torch.stack([self._sums[layer] for layer in sorted(self._sums)]), self._chance
