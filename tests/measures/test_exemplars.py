@@ -42,8 +42,10 @@ def brute_force(scores, counted, keys, weights, sentence_ids, count):
 def offered(batches, scores, counted, keys, weights, sentence_ids, count=COUNT):
     top = TopRows(count, ["sharp"], layers=[0], heads=scores.shape[1])
     for picked in batches:
-        top.offer(0, "sharp", scores[picked], counted[picked], keys[picked], weights[picked],
-                  sentence_ids=[sentence_ids[i] for i in picked], seq_start=torch.zeros(len(picked), dtype=torch.long))  # fmt: skip
+        starts = torch.zeros(len(picked), dtype=torch.long)
+        ids = [sentence_ids[i] for i in picked]
+        top.offer(0, "sharp", scores[picked], counted[picked], keys[picked], weights[picked], sentence_ids=ids,
+                  seq_start=starts)  # fmt: skip
     return top
 
 
@@ -136,7 +138,8 @@ def eager_attention(loaded, texts):
         for text in texts:
             ids = loaded.tokenizer(text)["input_ids"]
             with torch.no_grad():
-                yield ids, [a[0].double().numpy() for a in model(torch.tensor([ids]), output_attentions=True).attentions]
+                attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+            yield ids, [a[0].double().numpy() for a in attentions]
     finally:
         model.config._attn_implementation = implementation
 
