@@ -30,7 +30,7 @@ from headscope.layout import (
     SENTENCES_FILE,
 )
 from headscope.summary import depth_bands, layer_entropy
-from headscope.tables import REPORT_SCHEMAS, read_table
+from headscope.tables import DETECTOR_PREFIX, REPORT_SCHEMAS, read_table
 
 
 @dataclass(frozen=True)
@@ -277,8 +277,11 @@ class Report:
     def relabelled(self, thresholds: Thresholds, roles: RoleThresholds) -> Report:
         """The same report with its heads labelled again (types and roles), and run.json saying how."""
         heads = label_heads(self.heads[list(MEASURED_COLUMNS)], thresholds, roles)
+        detectors = [name for name in self.heads.columns if name.startswith(DETECTOR_PREFIX)]
+        heads = heads.assign(**{name: self.heads[name].to_numpy() for name in detectors})  # kept as measured
         run = {**self.run, "classification": classification_record(heads, thresholds, roles)}
-        tables = {HEADS_FILE: heads, LAYERS_FILE: self.layers, EXAMPLES_FILE: self.examples}
+        tables = {HEADS_FILE: heads, LAYERS_FILE: self.layers, EXAMPLES_FILE: self.examples,
+                  EXEMPLARS_FILE: self.exemplars}  # fmt: skip
         return Report(run, folder=self.folder, tables=tables)
 
 

@@ -19,6 +19,7 @@ from headscope.layout import (
     COMPARE_PAGE,
     COMPARE_RECORD,
     EXAMPLES_FILE,
+    EXEMPLARS_FILE,
     HEADS_FILE,
     LAYERS_FILE,
     PAGE_FILE,
@@ -106,7 +107,7 @@ def reclassify(
         return relabelled, failed
     stage = StagedDirectory(Path(out), kind="report", overwrite=overwrite, protected={"the report": folder})
     with stage:
-        for name in (EXAMPLES_FILE, LAYERS_FILE):
+        for name in (EXAMPLES_FILE, LAYERS_FILE, EXEMPLARS_FILE):
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, stage.path / name)
         _write_labels(relabelled, stage.path)
