@@ -126,6 +126,8 @@ def exemplars_of(measured, plan, tokenizer, corpus) -> pd.DataFrame | None:
     wanted = set(frame["sentence"].unique().tolist())
     texts = {s.sentence_id: s.text for s in corpus.sentences if s.sentence_id in wanted}
     order = sorted(texts)
+    if not order:  # no row counted (sentences of fewer than 5 tokens): the table has no rows
+        return with_context(frame, {})
     ids, _ = tokenize_sentences(tokenizer, [texts[i] for i in order], plan.max_length,
                                 max_chars=char_limit(tokenizer, plan.max_length))  # fmt: skip
     tokens = {sentence: token_texts(tokenizer, row) for sentence, row in zip(order, ids, strict=True)}

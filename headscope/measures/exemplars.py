@@ -166,5 +166,7 @@ def with_context(frame: pd.DataFrame, tokens: dict[int, list[str]]) -> pd.DataFr
         contexts.append(text[start : row + CONTEXT_AFTER + 1])
         queries.append(text[row])
         keys.append(text[key] if key >= 0 else None)
-    return frame.assign(query_token=queries, key_token=keys, context_start=np.array(starts, dtype=np.int64),
-                        context=contexts)  # fmt: skip
+    return frame.assign(query_token=pd.Series(queries, dtype=object, index=frame.index),
+                        key_token=pd.Series(keys, dtype=object, index=frame.index),
+                        context_start=np.array(starts, dtype=np.int64),
+                        context=pd.Series(contexts, dtype=object, index=frame.index))  # fmt: skip

@@ -252,6 +252,27 @@ def check_encoding_errors(planted, texts, baseline, tmp_path):
         headscope.analyze(str(planted), path, **FAST)
 
 
+def check_exemplars(planted, texts, baseline, tmp_path):
+    """--exemplars N keeps the N strongest rows per head and kind, the first N of the default's 10 (ties aside), and
+    changes no number; 0 keeps none."""
+    report = headscope.analyze(str(planted), texts, exemplars=3, **FAST)
+    three, ten = report.exemplars, baseline.exemplars
+    assert three["rank"].max() == 3 and ten["rank"].max() == 10
+    np.testing.assert_allclose(three["score"], ten[ten["rank"] <= 3]["score"], rtol=0)
+    assert headscope.analyze(str(planted), texts, exemplars=0, **FAST).exemplars is None
+    assert_same_numbers(report, baseline)
+
+
+def check_detectors(planted, texts, baseline, tmp_path):
+    """A detector is a column of its own, its score the metric that measures the same thing; the rest unchanged."""
+    report = headscope.analyze(str(planted), texts, detectors=["prev=offset:1"], **FAST)
+    heads = report.heads
+    np.testing.assert_allclose(heads["detect_prev"], heads["prev_token"], atol=1e-6)
+    assert "detect_prev" not in baseline.heads and set(report.exemplars["kind"]) >= {"prev"}
+    detector_columns = [name for name in heads.columns if name.startswith("detect_")]
+    assert_same_numbers(report, baseline, without=tuple(detector_columns))
+
+
 def check_examples(planted, texts, baseline, tmp_path):
     """N corpus sentences spread over lengths, whole (every head, every visible pair), plus the probe sequence;
     the measured numbers unchanged."""
@@ -437,7 +458,7 @@ def check_resume(planted, texts, baseline, tmp_path):
     )  # fmt: skip
     assert interrupted.exit_code == 130
     resumed = cli(planted, tmp_path, "--corpus", corpus, *options)
-    for name in ("heads", "sentence_heads"):
+    for name in ("heads", "sentence_heads", "exemplars"):
         pd.testing.assert_frame_equal(
             pd.read_parquet(resumed / f"{name}.parquet"), pd.read_parquet(whole / f"{name}.parquet")
         )
@@ -498,6 +519,8 @@ EFFECTS = {
     "encoding_errors": check_encoding_errors,
     "device": check_device,
     "examples": check_examples,
+    "exemplars": check_exemplars,
+    "detectors": check_detectors,
     "device_map": check_device_map,
     "offload_folder": check_device_map,
     # settings that change no number

@@ -62,6 +62,7 @@ def reference(query, key, value, visible, seq_start, softcap=None, window=WINDOW
         "rest_mass": rest_mass,
         "rest_entropy": torch.special.entr(rest / rest_mass[..., None]).sum(-1),
         "rest_top_key": rest.argmax(-1),
+        "rest_max_weight": rest.amax(-1),
         "logit_std": (torch.where(shown, scores - mean[..., None], 0.0).square().sum(-1) / count).sqrt(),
         "output": (probs @ v).transpose(1, 2),
         "entropy": torch.special.entr(probs).sum(-1),
@@ -105,6 +106,7 @@ def bounds(query, key, value, visible, seq_start, softcap=None, window=WINDOW):
         "sink": mass,
         "prev_token": mass,
         "rest_mass": mass,
+        "rest_max_weight": mass,
         # the logits' spread moves at most as far as the logits; its float32 sums of n terms of size |s| + spread
         "logit_std": delta + 2 * gamma(t) * (scores + exact["logit_std"] + 1),
         "output": ((moved + rounding)[..., None] * magnitude).transpose(1, 2),
