@@ -25,13 +25,17 @@ from planted import build_planted_gpt2
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--join", type=int, default=1, help="sentences joined into one text (long texts reach the kernels)"
+    )
     args = parser.parse_args()
     lines = (Path(__file__).resolve().parents[1] / "corpora" / "english-100.txt").read_text().splitlines()
+    texts = [" ".join(lines[i : i + args.join]) for i in range(0, len(lines), args.join)]
     folder = build_planted_gpt2(Path(tempfile.mkdtemp()) / "planted", lines)
     model = headscope.load_model(str(folder), device=args.device, dtype="float32")
     common = {"probes": False, "check_dormant": False, "bootstrap": 0, "detectors": {"prev": "offset:1"}}
     runs = {
-        name: headscope.analyze(model, lines, block_bytes=budget, **common)
+        name: headscope.analyze(model, texts * args.join, block_bytes=budget, **common)
         for name, budget in (("eager", 2**30), ("fused", 4096))
     }
     for name, report in runs.items():
