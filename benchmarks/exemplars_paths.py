@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument(
         "--join", type=int, default=1, help="sentences joined into one text (long texts reach the kernels)"
     )
+    parser.add_argument("--copies", type=int, default=1, help="the texts this many times over (more work: the kernels)")
     args = parser.parse_args()
     lines = (Path(__file__).resolve().parents[1] / "corpora" / "english-100.txt").read_text().splitlines()
     texts = [" ".join(lines[i : i + args.join]) for i in range(0, len(lines), args.join)]
@@ -35,7 +36,7 @@ def main() -> None:
     model = headscope.load_model(str(folder), device=args.device, dtype="float32")
     common = {"probes": False, "check_dormant": False, "bootstrap": 0, "detectors": {"prev": "offset:1"}}
     runs = {
-        name: headscope.analyze(model, texts * args.join, block_bytes=budget, **common)
+        name: headscope.analyze(model, texts * args.copies, block_bytes=budget, **common)
         for name, budget in (("eager", 2**30), ("fused", 4096))
     }
     for name, report in runs.items():
