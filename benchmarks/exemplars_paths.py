@@ -49,6 +49,8 @@ def main() -> None:
     columns = ["sentence", "row", "key"]
     differing = (a.loc[separated, columns].to_numpy() != b.loc[separated, columns].to_numpy()).any(axis=1).sum()
     print("rows differing where scores are separated:", int(differing), "of", int(separated.sum()))
+    same_place = (a[["row", "key"]].to_numpy() == b[["row", "key"]].to_numpy()).all(axis=1)
+    print("rows whose query and key differ (copies tie, so sentences may):", int((~same_place).sum()), "of", len(a))
     detect = np.abs(runs["eager"].heads["detect_prev"] - runs["fused"].heads["detect_prev"]).max()
     print("detect_prev largest difference", float(detect))
 
