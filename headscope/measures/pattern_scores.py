@@ -23,11 +23,12 @@ CACHED_TARGETS = 2**24
 
 
 class PatternScores:
-    """A Measure: per batch, `finish` returns ((layers, batch, heads, detectors, 2) numerator and denominator,
-    (batch, detectors, 2) the same for uniform attention), left on the batch's device.
+    """A Measure: per batch, `finish` returns ((layers, batch, heads, scored, 2) numerator and denominator,
+    (batch, scored, 2) the same for uniform attention), left on the batch's device.
 
-    scored: how many of `detectors` (the first ones) are scored as columns; the others (the probes' patterns) only
-    feed the exemplars. token_text(id) and token_strings(ids) give tokens' text (token:REGEX; a callable's input).
+    scored: how many of `detectors` (the first ones; default all) are scored as columns; the others (the probes'
+    patterns) only feed the exemplars, and nothing is summed for them. token_text(id) and token_strings(ids) give
+    tokens' text (token:REGEX; a callable's input).
     """
 
     def __init__(
@@ -38,8 +39,10 @@ class PatternScores:
         token_text,
         token_strings,
         exemplars: TopRows | None = None,
+        scored: int | None = None,
     ) -> None:
         self.detectors = tuple(detectors)
+        self.scored = len(self.detectors) if scored is None else scored
         self.layers = sorted(set(layers))
         self.token_text, self.token_strings = token_text, token_strings
         self.exemplars = exemplars
@@ -68,8 +71,8 @@ class PatternScores:
         probs = block.probabilities().float()  # (batch, heads, rows, keys)
         batch, heads, rows, keys = probs.shape
         visible = block.visible[:, 0].expand(batch, rows, keys)  # (batch, rows, keys)
-        sums = probs.new_zeros(batch, heads, len(self.detectors), 2, dtype=torch.float64)
-        chance = probs.new_zeros(batch, len(self.detectors), 2, dtype=torch.float64)
+        sums = probs.new_zeros(batch, heads, self.scored, 2, dtype=torch.float64)
+        chance = probs.new_zeros(batch, self.scored, 2, dtype=torch.float64)
         positions = (
             torch.arange(block.first_row, block.first_row + rows, device=probs.device) - block.seq_start[:, None]
         )
@@ -84,9 +87,12 @@ class PatternScores:
             else:  # the rows with a target key they may see
                 counted = block.query_valid[:, None, :] & (target.sum(-1) > 0)[:, None, :]
                 weight = torch.ones_like(matches)
-            sums[:, :, i, 0] = torch.where(counted, matches, 0.0).sum(-1)
-            sums[:, :, i, 1] = torch.where(counted, weight, 0.0).sum(-1)
-            if layer == self.layers[0]:  # uniform attention is the same in every layer: counted once
+            if i < self.scored:
+                sums[:, :, i, 0] = torch.where(counted, matches, 0.0).sum(-1)
+                sums[:, :, i, 1] = torch.where(counted, weight, 0.0).sum(-1)
+            if (
+                i < self.scored and layer == self.layers[0]
+            ):  # uniform attention is the same in every layer: counted once
                 chance_matches = row_matches(uniform[:, None], target, detector)[:, 0]  # (batch, rows)
                 chance[:, i, 0] = torch.where(counted[:, 0], chance_matches, 0.0).sum(-1)
                 chance[:, i, 1] = counted[:, 0].expand(batch, rows).sum(-1)  # uniform attention's mass is 1

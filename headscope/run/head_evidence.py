@@ -90,7 +90,8 @@ class HeadEvidence:
                 return token_texts(tokenizer, ids)
 
             self.patterns = PatternScores([*self.detectors, *probe_patterns], plan.layers, token_text=token_text,
-                                          token_strings=token_strings, exemplars=self.exemplars)  # fmt: skip
+                                          token_strings=token_strings, exemplars=self.exemplars,
+                                          scored=len(self.detectors))  # fmt: skip
 
     @property
     def measures(self) -> list:
@@ -103,10 +104,9 @@ class HeadEvidence:
         sums, chance = self.patterns.finish()
         if not self.detectors:
             return
-        scored = len(self.detectors)
-        per_sentence = sums[:, :, :, :scored].double().cpu().numpy()  # (layers, batch, heads, detectors, 2)
+        per_sentence = sums.double().cpu().numpy()  # (layers, batch, heads, detectors, 2)
         self.arrays["detectors"] += per_sentence.sum(axis=1)
-        self.arrays["detector_chance"] += chance[:, :scored].double().cpu().numpy().sum(axis=0)
+        self.arrays["detector_chance"] += chance.double().cpu().numpy().sum(axis=0)
         if "detector_bootstrap" in self.arrays:
             settings = self.settings
             weights = replicate_weights(np.asarray(sentence_ids), settings.bootstrap, settings.bootstrap_seed)

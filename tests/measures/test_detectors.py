@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import headscope
 from headscope.detector_specs import detector_of
@@ -18,6 +17,7 @@ from headscope.model.batch import collate
 from headscope.model.capture import attached
 
 from helpers import assert_one_line_error, run_cli
+from reference import eager_attention
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +50,6 @@ def test_offset_one_is_prev_token_and_first_is_sink(detected):
     np.testing.assert_allclose(heads["detect_start"], heads["sink"], rtol=0, atol=1e-6)
     assert (heads["detect_prev_ci_low"] <= heads["detect_prev"]).all()
     assert (heads["detect_prev"] <= heads["detect_prev_ci_high"]).all()
-
-
-def eager_attention(loaded, texts):
-    model = loaded.model
-    implementation = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        for text in texts:
-            ids = loaded.tokenizer(text)["input_ids"]
-            with torch.no_grad():
-                attentions = model(torch.tensor([ids]), output_attentions=True).attentions
-            yield ids, [a[0].double().numpy() for a in attentions]
-    finally:
-        model.config._attn_implementation = implementation
 
 
 def test_each_detector_equals_its_formula_on_the_eager_attention(planted, corpus_lines, detected):

@@ -12,6 +12,8 @@ import torch
 import headscope
 from headscope.measures.exemplars import TopRows, exemplar_frame, merged_states
 
+from reference import eager_attention
+
 COUNT = 5
 
 
@@ -127,21 +129,6 @@ def test_exemplars_off_writes_no_table(planted_gpt2, corpus_lines, tmp_path):
     report = headscope.analyze(str(planted_gpt2), corpus_lines[:5], out=tmp_path / "r", exemplars=0, probes=False,
                                check_dormant=False, charts=None)  # fmt: skip
     assert report.exemplars is None and not (tmp_path / "r" / "exemplars.parquet").exists()
-
-
-def eager_attention(loaded, texts):
-    """Each sentence's attention, float64, from the model's own eager function, one sentence at a time."""
-    model = loaded.model
-    implementation = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        for text in texts:
-            ids = loaded.tokenizer(text)["input_ids"]
-            with torch.no_grad():
-                attentions = model(torch.tensor([ids]), output_attentions=True).attentions
-            yield ids, [a[0].double().numpy() for a in attentions]
-    finally:
-        model.config._attn_implementation = implementation
 
 
 def test_smollm2_sharp_exemplars_equal_a_float64_computation_from_the_eager_attention(smollm2, corpus_lines):

@@ -7,6 +7,7 @@ no masks, no diagonals tricks, nothing shared with headscope.measures.row_sums.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 METRIC_NAMES = ("entropy", "norm_entropy", "diagonal", "diagonal_uniform", "sink", "prev_token", "max_weight")
 
@@ -180,3 +181,18 @@ def hooked_losses(lm, layers, sentences: list[list[int]], heads, mode: str, scor
     clean, tokens = total(False)
     ablated, _ = total(True)
     return clean / tokens, ablated / tokens, tokens
+
+
+def eager_attention(loaded, texts):
+    """Each sentence's attention, float64, from the model's own eager function, one sentence at a time."""
+    model = loaded.model
+    implementation = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        for text in texts:
+            ids = loaded.tokenizer(text)["input_ids"]
+            with torch.no_grad():
+                attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+            yield ids, [a[0].double().numpy() for a in attentions]
+    finally:
+        model.config._attn_implementation = implementation
