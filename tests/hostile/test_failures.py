@@ -308,9 +308,12 @@ def test_a_large_corpus_is_streamed_in_chunks(tmp_path, corpus_lines):
     out = tmp_path / "report"
     report = headscope.analyze(loaded, corpus, out=out, charts=None, page=False, sentence_heads=False, probes=False)
     examples = report.examples.query("source == 'corpus'")["sentence_id"].nunique()
-    chunks, example_sentences = counting.calls[:-examples], counting.calls[-examples:]  # each example alone, last
+    # each example alone, then the exemplars' sentences together (tokenized again for their context), last
+    chunks, example_sentences = counting.calls[: -examples - 1], counting.calls[-examples - 1 : -1]
+    exemplar_sentences = counting.calls[-1]
     size = headscope.RunConfig().chunk_sentences
     assert max(chunks) == size and len(chunks) == -(-150_000 // size) and example_sentences == [1] * examples
+    assert exemplar_sentences == report.exemplars["sentence"].nunique()
     assert report.run["corpus"]["sentences"] == 150_000
     per_sentence = pd.read_parquet(out / "sentences.parquet", columns=["n_tokens"])["n_tokens"]
     assert report.run["corpus"]["tokens"] == int(per_sentence.sum())

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import HANG, LOG_LINE
 
-TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples", "probes")
+TABLES = ("heads", "layers", "sentences", "sentence_heads", "examples", "probes", "exemplars")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 pytestmark = [
     pytest.mark.skipif(TORCHRUN is None, reason="torchrun (installed with torch) not found"),
