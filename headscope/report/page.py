@@ -23,10 +23,18 @@ import pandas as pd
 
 from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
 from headscope.files import atomic_path
-from headscope.layout import EXAMPLES_FILE, HEADS_FILE, LAYERS_FILE, RUN_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE
+from headscope.layout import (
+    EXAMPLES_FILE,
+    EXEMPLARS_FILE,
+    HEADS_FILE,
+    LAYERS_FILE,
+    RUN_FILE,
+    SENTENCE_HEADS_FILE,
+    SENTENCES_FILE,
+)
 from headscope.report import palette
 
-FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_FILE, RUN_FILE)
+FILES = (HEADS_FILE, LAYERS_FILE, SENTENCE_HEADS_FILE, SENTENCES_FILE, EXAMPLES_FILE, EXEMPLARS_FILE, RUN_FILE)
 # The all-heads table: who the head is, its role and why, the probe scores, then its type and every other column
 # the selector offers.
 _PROBES = tuple(f"probe_{pattern}" for pattern in PROBE_PATTERNS)
@@ -75,8 +83,8 @@ def _without_urls(script: str) -> str:
     return script.replace("://", ":\\/\\/")
 
 
-def _columns(frame: pd.DataFrame, names) -> dict[str, list]:
-    """Columnar JSON-ready values: numbers rounded to 6 significant digits, NaN as null."""
+def _columns(frame: pd.DataFrame, names, digits: int = 6) -> dict[str, list]:
+    """Columnar JSON-ready values: numbers rounded to `digits` significant digits, NaN as null."""
     out = {}
     for name in names:
         if name not in frame:
@@ -85,7 +93,7 @@ def _columns(frame: pd.DataFrame, names) -> dict[str, list]:
         if pd.api.types.is_bool_dtype(values):
             out[name] = [bool(v) for v in values]
         elif pd.api.types.is_float_dtype(values):
-            out[name] = [None if not math.isfinite(v) else float(f"{v:.6g}") for v in values.to_numpy(float)]
+            out[name] = [None if not math.isfinite(v) else float(f"{v:.{digits}g}") for v in values.to_numpy(float)]
         elif pd.api.types.is_integer_dtype(values):  # a nullable one (a full-attention layer's window) holds NA
             out[name] = [None if pd.isna(v) else int(v) for v in values]
         else:
@@ -153,6 +161,50 @@ def _view(key: tuple, part: pd.DataFrame, pairs: list, n: int) -> dict:
     }
 
 
+# Context tokens of exemplars the page carries (with their row's numbers, about 9 bytes each): every head's top
+# ranks, as many ranks as fit (all ten of GPT-2's or SmolLM2's, one of a 70B model's); exemplars.parquet holds all.
+EXEMPLAR_TOKENS = 400_000
+# What each built-in kind scores a row by (a detector's kind is its SPEC).
+EXEMPLAR_KINDS = {
+    "sharp": "the row's largest attention weight off the first token",
+    "write": "the row's write norm ||W_h z_h(t)||",
+    "induction": "the row's weight on the token after an earlier occurrence of its own token (after-same-token)",
+    "duplicate": "the row's weight on earlier occurrences of its own token (same-token)",
+    "previous": "the row's weight on the previous token (offset:1)",
+}
+
+
+def _exemplars(frame: pd.DataFrame | None, run: dict) -> dict | None:
+    """Each head's exemplars for the page: the top ranks that fit EXEMPLAR_TOKENS, columnar, their contexts as
+    indices into one list of distinct token texts (a corpus repeats its tokens)."""
+    if frame is None or frame.empty:
+        return None
+    sizes = frame.groupby("rank")["context"].apply(lambda contexts: contexts.map(len).sum()).sort_index().cumsum()
+    shown, kept = int((sizes <= EXEMPLAR_TOKENS).sum()), int(frame["rank"].max())
+    kind = frame["kind"].astype(str)  # analyze's own frame holds a categorical, with every kind it could have made
+    kinds = list(dict.fromkeys(kind))  # as analyze wrote them: sharp, write, the patterns, the detectors
+    frame = frame.assign(kind_order=kind.map(kinds.index))[frame["rank"] <= shown]
+    frame = frame.sort_values(["layer", "head", "kind_order", "rank"], kind="stable")
+    codes, vocabulary = pd.factorize(pd.Series([*frame["key_token"], *frame["context"].explode()], dtype=object))
+    key_tokens, context_tokens = codes[: len(frame)], codes[len(frame) :]
+    ends = np.cumsum(frame["context"].map(len).to_numpy())
+    contexts = [chunk.tolist() for chunk in np.split(context_tokens, ends[:-1])] if len(frame) else []
+    settings = run.get("settings") if isinstance(run.get("settings"), dict) else {}
+    specs = dict(entry.split("=", 1) for entry in settings.get("detectors") or [] if "=" in entry)
+    columns = _columns(frame, ("layer", "head", "rank", "sentence", "row", "key", "context_start"))
+    columns |= _columns(frame, ("weight", "score"), digits=4)  # as the strips show them
+    return columns | {
+        "kinds": kinds,
+        "about": [EXEMPLAR_KINDS.get(kind) or f"detector {kind} = {specs.get(kind, '?')}" for kind in kinds],
+        "kind": frame["kind_order"].tolist(),
+        "key_token": [None if code < 0 else int(code) for code in key_tokens],
+        "context": contexts,
+        "tokens": [str(token) for token in vocabulary],
+        "shown": shown,
+        "kept": kept,
+    }
+
+
 def _run_summary(run: dict) -> dict:
     model, corpus, timings = (
         run.get(key) if isinstance(run.get(key), dict) else {} for key in ("model", "corpus", "timings")
@@ -208,6 +260,7 @@ def report_page(report, *, files_in: Path | Sequence[Path] | None = None) -> str
         "heads": _columns(sent, sent.columns),
         "layers": _columns(report.layers, report.layers.columns) if report.layers is not None else None,
         "views": _views(report.examples, heads),
+        "exemplars": _exemplars(report.exemplars, report.run),
         "probe_roles": list(PROBE_ROLES),
         "thresholds": report.thresholds.to_dict(),
         "columns": {

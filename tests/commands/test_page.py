@@ -198,6 +198,45 @@ def test_the_report_page_in_a_real_browser(browser, report, tmp_path):
 
 
 @needs_browser
+def test_a_heads_exemplars_are_one_click_from_its_row(browser, report, tmp_path):
+    """A click on a head's row in the table shows its corpus exemplars as token strips: the kind its role names
+    first, the query outlined and the key shaded, each as exemplars.parquet records it."""
+    from selenium.webdriver.common.by import By
+
+    table = pd.read_parquet(report / "exemplars.parquet")
+    open_page(browser, report / "report.html")
+    browser.find_element(By.ID, "filter").send_keys("layer 0, head 1")  # the planted previous-token head
+    browser.find_element(By.CSS_SELECTOR, "#heads-table tbody tr:first-child").click()
+    time.sleep(0.3)
+    assert browser.find_element(By.ID, "exemplars-title").text == "Where layer 0, head 1 does it in the corpus"
+    kinds = browser.find_elements(By.CSS_SELECTOR, "#exemplar-kinds button")
+    assert [b.get_attribute("data-kind") for b in kinds] == list(dict.fromkeys(table["kind"]))
+    assert [b.get_attribute("data-kind") for b in kinds if not b.is_enabled()] == ["previous"]  # its role's kind
+
+    def shown() -> list[tuple]:
+        strips = []
+        for strip in browser.find_elements(By.CSS_SELECTOR, "#exemplars .exemplar"):
+            query = strip.find_element(By.CSS_SELECTOR, "span.query")
+            key = strip.find_element(By.CSS_SELECTOR, "span.key")
+            strips.append((strip.find_element(By.CSS_SELECTOR, ".muted").text,
+                           int(query.get_attribute("data-position")), query.text,
+                           int(key.get_attribute("data-position")), key.text))  # fmt: skip
+        return strips
+
+    for kind in ("previous", "sharp"):
+        browser.find_element(By.CSS_SELECTOR, f"#exemplar-kinds button[data-kind='{kind}']").click()
+        expected = table[(table["layer"] == 0) & (table["head"] == 1) & (table["kind"] == kind)].sort_values("rank")
+        strips = shown()
+        assert len(strips) == len(expected) == 10
+        for (caption, row, query, key, key_text), e in zip(strips, expected.itertuples(), strict=True):
+            assert caption.startswith(f"{e.rank}. sentence {e.sentence}, row {e.row} \u2192 key {e.key} (weight ")
+            assert (row, key) == (e.row, e.key) == (e.row, e.row - 1)  # the planted head: the previous token
+            assert (query, key_text) == (e.query_token.strip(), e.key_token.strip())
+    browser.save_screenshot(str(tmp_path / "exemplars.png"))
+    assert console_problems(browser) == []
+
+
+@needs_browser
 def test_the_compare_page_in_a_real_browser(browser, report, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -236,14 +275,15 @@ def test_the_compare_page_in_a_real_browser(browser, report, tmp_path):
 
 @needs_browser
 def test_a_70b_sized_page_stays_small_and_usable(browser, tmp_path):
-    """80 layers x 64 heads (Llama-70B's grid) with a 32-token example: under 15 MB, every cell there and live."""
+    """80 layers x 64 heads (Llama-70B's grid) with a 32-token example and 10 exemplars per head and kind: under
+    16 MB (13.2 of them the grid and the example), every cell there and live, and the exemplars it has room for."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
     folder = tmp_path / "big"
-    synthetic_report(folder, 80, 64, example_tokens=32)
+    synthetic_report(folder, 80, 64, example_tokens=32, exemplars=10)
     page = write_page(report_page(Report.open(folder), files_in=folder), folder / "report.html")
-    assert page.stat().st_size < 15e6
+    assert page.stat().st_size < 16e6
     seconds = open_page(browser, page, timeout=60)
     print(f"80 x 64 page: {page.stat().st_size / 1e6:.1f} MB, interactive after {seconds:.1f} s")
     z = browser.execute_script("return document.getElementById('heatmap').data[0].z")
@@ -256,6 +296,9 @@ def test_a_70b_sized_page_stays_small_and_usable(browser, tmp_path):
     assert browser.find_element(By.ID, "panel-title").text == "layer 79, head 63"
     title = browser.execute_script("return document.getElementById('example').layout.title.text")
     assert title.startswith("layer 79, head 63 (") and title.endswith("attention on corpus sentence 0")
+    about = browser.find_element(By.ID, "exemplars-about").text
+    assert about.endswith("(the page shows the top 1 of the 10 in exemplars.parquet).")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#exemplars .exemplar")) == 1
     browser.save_screenshot(str(tmp_path / "big-page.png"))
     browser.set_window_size(1400, 1400)
     assert console_problems(browser) == []

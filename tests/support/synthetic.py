@@ -11,6 +11,7 @@ from headscope.labels import label_heads
 from headscope.layout import RUN_FILE
 from headscope.tables import (
     EXAMPLES_SCHEMA,
+    EXEMPLARS_SCHEMA,
     HEADS_SCHEMA,
     LAYERS_SCHEMA,
     heads_frame,
@@ -20,9 +21,10 @@ from headscope.tables import (
 )
 
 
-def synthetic_report(folder, layers: int, heads: int, example_tokens: int = 0):
-    """A report folder with made-up heads and layers tables of the given shape (no model), and with
-    `example_tokens` an example sentence of that many tokens with every head's (causal) attention on it."""
+def synthetic_report(folder, layers: int, heads: int, example_tokens: int = 0, exemplars: int = 0):
+    """A report folder with made-up heads and layers tables of the given shape (no model); with `example_tokens`
+    an example sentence of that many tokens with every head's (causal) attention on it; with `exemplars` that many
+    made-up exemplars per head and kind, each with a context of 9 tokens (a real corpus's mean)."""
     rng = np.random.default_rng(layers * 100 + heads)
     n = layers * heads
     sums = np.zeros((layers, heads, len(STATS)))  # every measured column, then overwritten with made-up values
@@ -58,6 +60,33 @@ def synthetic_report(folder, layers: int, heads: int, example_tokens: int = 0):
     write_json(run, folder / RUN_FILE)
     if example_tokens:
         write_table(made_up_examples(rng, layers, heads, example_tokens), folder / "examples.parquet", EXAMPLES_SCHEMA)
+    if exemplars:
+        write_table(made_up_exemplars(rng, layers, heads, exemplars), folder / "exemplars.parquet", EXEMPLARS_SCHEMA)
+
+
+def made_up_exemplars(rng, layers: int, heads: int, count: int) -> pd.DataFrame:
+    kinds = ("sharp", "write", "induction", "duplicate", "previous")
+    layer, head, kind, rank = (a.ravel() for a in np.indices((layers, heads, len(kinds), count)))
+    n = len(layer)
+    row = rng.integers(6, 60, n)
+    words = np.array([f"w{i}" for i in range(500)])
+    return pd.DataFrame(
+        {
+            "layer": layer,
+            "head": head,
+            "kind": np.array(kinds)[kind],
+            "rank": rank + 1,
+            "sentence": rng.integers(0, 10_000, n),
+            "row": row,
+            "key": row - 1,
+            "weight": rng.uniform(0, 1, n),
+            "score": rng.uniform(0, 1, n),
+            "query_token": words[rng.integers(0, 500, n)],
+            "key_token": words[rng.integers(0, 500, n)],
+            "context_start": row - 5,
+            "context": list(words[rng.integers(0, 500, (n, 9))]),
+        }
+    )
 
 
 def made_up_examples(rng, layers: int, heads: int, tokens: int) -> pd.DataFrame:

@@ -13,6 +13,14 @@ const plain = text => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").
 // "#rrggbb" at opacity `alpha`, for bands drawn in a palette colour.
 const rgba = (hex, alpha) => `rgba(${[1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16)).join(",")},${alpha})`;
 
+// A token span shaded by a weight in [0, 1]: the share scale's colour, stronger as the weight grows.
+function tint(span, w) {
+  const stops = D.palette.scales.share.stops, x = Math.max(0, Math.min(1, w));
+  const colour = (stops.slice(1).find(([at]) => x <= at) || stops[stops.length - 1])[1];
+  span.style.background = rgba(colour, 0.15 + 0.85 * x);
+  if (x > 0.5) span.style.color = "#fff";
+}
+
 // Heads as a layers x heads grid: each (layer, head)'s row in the columns of H, and any column laid out on it.
 function headGrid(H) {
   const N = H.layer.length, cell = {};  // "layer,head" -> row index

@@ -17,13 +17,6 @@ function decode(view, t) {
   return {weights, visible};
 }
 
-// A colour of the share scale for a weight in [0, 1], for the token strip.
-function shade(w) {
-  const stops = SHARE.stops, x = Math.max(0, Math.min(1, w));
-  for (let k = 1; k < stops.length; k++) if (x <= stops[k][0]) return stops[k][1];
-  return stops[stops.length - 1][1];
-}
-
 function options(select, items) {
   select.replaceChildren(...items.map(([value, label]) => {
     const o = document.createElement("option"); o.value = value; o.textContent = label; return o;
@@ -103,7 +96,7 @@ function strip(text, q) {
     let w = null;
     if (current && q !== null && current.visible[q * t + k]) w = current.weights[q * t + k];
     span.title = `${k}: ${JSON.stringify(token)}` + (w === null ? "" : ` weight ${w.toFixed(4)}`);
-    if (w !== null) { span.style.background = rgba(shade(w), 0.15 + 0.85 * w); if (w > 0.5) span.style.color = "#fff"; }
+    if (w !== null) { tint(span, w); }
     if (k === q) span.className = "query";
     span.onmouseenter = () => query(k);
     return span;

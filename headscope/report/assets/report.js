@@ -72,10 +72,69 @@ function example(i, n) {
      xaxis: {title: {text: "key (attended to)"}, tickangle: -60}}, CONFIG);
 }
 
-// Head i everywhere: the panel, its example view, a ring on its heatmap cell, its row in the table.
+// The exemplars: "layer,head" -> kind index -> rows of D.exemplars in rank order.
+const E = D.exemplars, EXEMPLARS = {};
+if (E) for (let r = 0; r < E.rank.length; r++) ((EXEMPLARS[E.layer[r] + "," + E.head[r]] ||= {})[E.kind[r]] ||= []).push(r);
+// The kind a head opens on: its role's pattern where it has one, else its sharpest rows.
+const ROLE_KIND = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"};
+
+// Head i's corpus exemplars of one kind, a token strip each: the query outlined, the key it attends to most shaded
+// by its weight (a key far back is shown before the strip, after "...").
+function exemplars(i, kind) {
+  const title = document.getElementById("exemplars-title"), about = document.getElementById("exemplars-about");
+  const pick = document.getElementById("exemplar-kinds"), box = document.getElementById("exemplars");
+  const mine = EXEMPLARS[H.layer[i] + "," + H.head[i]] || {};
+  title.textContent = `Where layer ${H.layer[i]}, head ${H.head[i]} does it in the corpus`;
+  const kinds = E ? E.kinds.map((name, k) => [name, k]).filter(([, k]) => mine[k]) : [];
+  if (!kinds.length) {
+    pick.replaceChildren(); box.replaceChildren();
+    about.textContent = !E ? "This run kept no exemplars (analyze --exemplars 0)." : E.shown ? "None for this head." :
+      `The page has no room for ${E.kept} exemplars per head and kind: see exemplars.parquet.`;
+    return;
+  }
+  if (kind === undefined || !mine[kind]) {
+    const preferred = E.kinds.indexOf(ROLE_KIND[H.role[i]]);
+    kind = mine[preferred] ? preferred : kinds[0][1];
+  }
+  pick.replaceChildren(...kinds.map(([name, k]) => {
+    const button = document.createElement("button");
+    button.textContent = name; button.title = E.about[k]; button.disabled = k === kind; button.dataset.kind = name;
+    button.onclick = () => exemplars(i, k);
+    return button;
+  }));
+  about.textContent = `The ${mine[kind].length} corpus rows with the highest score, ${E.about[kind]}` +
+    (E.shown < E.kept ? ` (the page shows the top ${E.shown} of the ${E.kept} in exemplars.parquet).` : ".");
+  box.replaceChildren(...mine[kind].map(r => strip(r)));
+}
+
+function strip(r) {
+  const div = document.createElement("div"), caption = document.createElement("span"), line = document.createElement("div");
+  div.className = "exemplar"; line.className = "tokens";
+  const key = E.key[r], row = E.row[r], start = E.context_start[r], weight = E.weight[r] || 0;
+  caption.className = "muted";
+  caption.textContent = `${E.rank[r]}. sentence ${E.sentence[r]}, row ${row}` +
+    (key === null || key < 0 ? "" : ` \u2192 key ${key} (weight ${number(E.weight[r])})`) + `; score ${fmt(E.score[r])}`;
+  const token = (text, position) => {
+    const span = document.createElement("span");
+    span.textContent = text; span.title = `${position}: ${JSON.stringify(text)}`; span.dataset.position = position;
+    if (position === key) { tint(span, weight); span.classList.add("key"); }
+    if (position === row) span.classList.add("query");
+    return span;
+  };
+  const spans = E.context[r].map((t, j) => token(E.tokens[t], start + j));
+  if (key !== null && key >= 0 && key < start) {
+    const gap = document.createElement("span"); gap.textContent = "\u2026"; gap.className = "gap";
+    spans.unshift(token(E.tokens[E.key_token[r]], key), gap);
+  }
+  line.replaceChildren(...spans);
+  div.replaceChildren(caption, line);
+  return div;
+}
+
+// Head i everywhere: the panel, its exemplars, its example view, a ring on its heatmap cell, its row in the table.
 function select(i) {
   selected = i;
-  panel(i); example(i);
+  panel(i); exemplars(i); example(i);
   Plotly.relayout("heatmap", {shapes: [{type: "rect", x0: H.head[i] - 0.5, x1: H.head[i] + 0.5,
     y0: H.layer[i] - 0.5, y1: H.layer[i] + 0.5, line: {color: "#00bcd4", width: 3}}]});
   for (const tr of document.querySelectorAll("#heads-table tbody tr")) {
@@ -133,7 +192,7 @@ const LABELS = [...Array(N).keys()].map(i => `|layer ${H.layer[i]}|head ${H.head
   `${H.role[i]}|offset ${H.top_offset[i]}|`);
 const matches = (i, t) => LABELS[i].includes(`|${t}|`) || (!/\d/.test(t) && LABELS[i].includes(t));
 const table = headTable("heads-table", H, columns, {about: C.about, text: new Set(C.text), count: "table-count",
-  onRow: i => select(i), selected: () => selected, keep: () => {
+  onRow: i => { select(i); document.getElementById("panel").scrollIntoView({block: "start"}); }, selected: () => selected, keep: () => {
     const terms = document.getElementById("filter").value.toLowerCase().split(",").map(t => t.trim())
       .filter(Boolean);
     return i => terms.every(t => matches(i, t));
