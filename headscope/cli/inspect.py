@@ -19,6 +19,7 @@ def inspect(
     heads: o.HeadsToInspect = None,
     role: o.Role = None,
     report: o.Report = None,
+    exemplars_of: o.ExemplarsOf = None,
     layers: o.Layers = o.DEFAULTS.layers,
     out: o.OutInspect = None,
     overwrite: o.Overwrite = False,
@@ -33,6 +34,7 @@ def inspect(
 
     from headscope.arguments import parse_heads, parse_ids
     from headscope.cli.printing import print_inspection
+    from headscope.commands.exemplar_texts import report_as_model
     from headscope.commands.inspect import check_request
     from headscope.commands.inspect import inspect as run_inspection
     from headscope.config import RoleThresholds, settings_from_command_line
@@ -45,10 +47,17 @@ def inspect(
         chosen = tuple(sorted({head for text in heads or () for head in parse_heads(text)}))
         ids = parse_ids(sentences, "--sentences") if sentences is not None else ()
         roles = RoleThresholds(probe_min=role_probe_min)
-        if corpus is not None and sentences is None:
+        if corpus is not None and sentences is None and exemplars_of is None:
             raise ConfigError("--corpus needs --sentences (the ids of the sentences to inspect, e.g. 0,5)")
         probes = [p.value for p in probe or ()]
-        check_request(text or (), ids, probes, chosen, role or (), report)
+        exemplar_head = None
+        if exemplars_of is not None:
+            named = parse_heads(exemplars_of, "--exemplars")
+            if len(named) != 1:
+                raise ConfigError(f"--exemplars takes one head, like 18.6; got {exemplars_of!r}")
+            exemplar_head = named[0]
+            model, report = report_as_model(model, report)
+        check_request(text or (), ids, probes, chosen, role or (), report, exemplar_head)
     with user_errors(ctx):
         found = run_inspection(
             model,
@@ -59,6 +68,7 @@ def inspect(
             heads=chosen,
             roles=role or (),
             report=report,
+            exemplars=exemplar_head,
             out=out or Path("reports") / f"inspect-{resolve_source(model).slug}",
             overwrite=overwrite,
             page=page,

@@ -152,6 +152,15 @@ Report = Annotated[
         help="A report of this model: the heads' roles (ablate: for --role and --each-role; patch and circuit: shown)."
     ),
 ]
+ExemplarsOf = Annotated[
+    str | None,
+    typer.Option(
+        "--exemplars",
+        metavar="<layer.head>",
+        help="Inspect this head on the sentences of its exemplars in a report, given as MODEL (its model and "
+        "corpus are the report's) or as --report.",
+    ),
+]
 HeadsToInspect = Annotated[
     list[str] | None, typer.Option("--heads", metavar="<layer.head,...>", help="Heads written LAYER.HEAD: 18.6,17.4.")
 ]

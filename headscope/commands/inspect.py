@@ -4,6 +4,8 @@
                    battery's sequence for seed 0: repeated random tokens)
     the heads      --heads L.H,...; --role R (from a report's roles, or for the probe roles from the probes run
                    first); --layers restricts either (alone: every head of those layers); default every head
+    exemplars      --exemplars L.H with a report: that head on the corpus sentences of its exemplars (the
+                   report's corpus; each opens at its strongest exemplar's row), commands.exemplar_texts
     the memory     the chosen heads' (t, t) float32 matrices of one text at a time, checked against the budget
                    once the texts are tokenized, before any forward pass
     the output     attention.parquet (text_id, layer, head, query, key, weight: every visible pair, the weight the
@@ -25,7 +27,8 @@ import pyarrow.parquet as pq
 
 from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_path, as_texts, head_name
 from headscope.columns import PROBE_PATTERNS
-from headscope.config import RoleThresholds, RunConfig
+from headscope.commands.exemplar_texts import ExemplarTexts, check_rows, exemplar_texts
+from headscope.config import RoleThresholds, RunConfig, run_settings
 from headscope.errors import ConfigError
 from headscope.labels import ROLES
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, TOKENS_FILE
@@ -42,7 +45,7 @@ from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
 from headscope.report.report import Report
-from headscope.run.corpus import Corpus
+from headscope.run.corpus import Corpus, as_corpus
 from headscope.run.distributed import one_process_only
 from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
 from headscope.run.plan import Plan
@@ -60,6 +63,7 @@ class Text:
     ids: list[int]
     sentence_id: int | None = None  # the corpus sentence, or the probe's seed
     truncated: bool = False
+    exemplars: tuple[dict, ...] = ()  # with --exemplars: the head's exemplar rows in this sentence, best first
 
 
 @dataclass
@@ -117,6 +121,7 @@ def inspect(
     heads: Sequence[tuple[int, int]] = (),
     roles: Sequence[str] = (),
     report: str | Path | None = None,
+    exemplars: tuple[int, int] | str | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
     page: bool = True,
@@ -139,6 +144,8 @@ def inspect(
         roles: names of labels.ROLES, read from `report`; for the probe roles without a report, from the probe battery
             run first (`probe_seeds`, `probe_length`, `role_thresholds`).
         report: a report of this model, for `roles` and each head's role.
+        exemplars: a head, (layer, head) or "L.H": inspect it on the sentences of its exemplars in `report`, read
+            from the report's corpus (or `corpus`, which must be the same file); no texts, sentences, heads or roles.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
         page: write inspect.html.
@@ -155,8 +162,14 @@ def inspect(
     texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")
     sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
     report = as_path(report, "report")
-    check_request(texts, sentences, probes, heads, roles, report)
+    exemplars = _one_head(exemplars) if exemplars is not None else None
+    check_request(texts, sentences, probes, heads, roles, report, exemplars)
     one_process_only("inspect")
+    wanted = None
+    if exemplars is not None:
+        given = as_corpus(corpus, run_settings(config, **options)) if corpus is not None else None
+        wanted = exemplar_texts(report, exemplars, given, limit=MAX_INSPECT_TEXTS - bool(probes))
+        corpus, sentences, heads = wanted.corpus, wanted.sentence_ids, (exemplars,)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=bool(sentences))  # fmt: skip
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
@@ -168,6 +181,8 @@ def inspect(
     with session as opened:  # in memory (no --out): written to a scratch folder, read back, then gone
         loaded, plan, folder = opened.loaded, opened.plan, opened.folder
         chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
+        if wanted is not None:
+            chosen_texts = _marked(chosen_texts, wanted, loaded.tokenizer)
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
             chosen, known, roles_from = _heads(
                 heads, roles, labelled, report, plan, capture, loaded, role_thresholds, reporter
@@ -193,9 +208,17 @@ def inspect(
                       tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown)  # fmt: skip
 
 
-def check_request(texts, sentences, probes, heads, roles, report) -> None:
+def check_request(texts, sentences, probes, heads, roles, report, exemplars=None) -> None:
     """Refuse what asks for nothing or contradicts itself, before anything loads (the CLI calls it to make these
     usage errors)."""
+    if exemplars is not None:
+        if report is None:
+            raise ConfigError("--exemplars reads a report's exemplars: headscope inspect --exemplars L.H REPORT")
+        given = [option for option, value in (("--text", texts), ("--sentences", sentences), ("--heads", heads),
+                                              ("--role", roles)) if value]  # fmt: skip
+        if given:
+            raise ConfigError(f"--exemplars chooses the head and its sentences: drop {given[0]}")
+        return
     if not (texts or sentences or probes):
         raise ConfigError("nothing to inspect: pass --text, --sentences (of --corpus) or --probe")
     if len(texts) + len(sentences) + bool(probes) > MAX_INSPECT_TEXTS:
@@ -217,6 +240,24 @@ def check_request(texts, sentences, probes, heads, roles, report) -> None:
             f"role {needs_report[0]} is measured on a corpus: pass --report DIR (a report of this model); "
             f"without one, --role takes {', '.join(PROBE_ROLES)} (from the probes, run first)"
         )
+
+
+def _one_head(value) -> tuple[int, int]:
+    heads = as_heads([value] if isinstance(value, tuple) else value, "--exemplars")
+    if len(heads) != 1:
+        raise ConfigError(f"--exemplars takes one head, like 18.6; got {len(heads)}")
+    return heads[0]
+
+
+def _marked(texts: list[Text], wanted: ExemplarTexts, tokenizer) -> list[Text]:
+    """The exemplar sentences labelled with their kinds and ranks, each carrying its exemplar rows; every row
+    checked to hold the token the report recorded."""
+    by_sentence = {text.sentence_id: text for text in texts if text.source == "corpus"}
+    tokens = {sentence: token_texts(tokenizer, text.ids) for sentence, text in by_sentence.items()}
+    check_rows(wanted, tokens, wanted.corpus)
+    return [dataclasses.replace(text, label=wanted.label(text.sentence_id),
+                                exemplars=tuple(wanted.rows[text.sentence_id]))
+            if text.source == "corpus" else text for text in texts]  # fmt: skip
 
 
 def _check_sentences(sentences: Sequence[int], corpus: Corpus) -> None:
@@ -356,6 +397,7 @@ def _record(loaded, plan: Plan, corpus, texts: list[Text], chosen, known, roles_
                 "sentence_id": t.sentence_id,
                 "tokens": len(t.ids),
                 "truncated": t.truncated,
+                **({"exemplars": list(t.exemplars)} if t.exemplars else {}),
             }
             for i, t in enumerate(texts)
         ],

@@ -57,7 +57,13 @@ def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:
         "title": title,
         "model": record["model"]["input"],
         "texts": [
-            {"id": entry["text_id"], "label": entry["label"], "source": entry["source"], "tokens": by_text[i]}
+            {
+                "id": entry["text_id"],
+                "label": entry["label"],
+                "source": entry["source"],
+                "tokens": by_text[i],
+                "exemplars": entry.get("exemplars", []),
+            }
             for i, entry in enumerate(record["texts"])
         ],
         "heads": [{"name": name, "role": record["roles"].get(name)} for name in record["heads"]],

@@ -237,6 +237,31 @@ def test_a_heads_exemplars_are_one_click_from_its_row(browser, report, tmp_path)
 
 
 @needs_browser
+def test_inspect_exemplars_opens_each_sentence_at_its_exemplar(browser, report, tmp_path):
+    """inspect --exemplars: the page opens each sentence at its strongest exemplar's row, one button per exemplar."""
+    from selenium.webdriver.common.by import By
+
+    out = tmp_path / "seen"
+    assert run_cli("inspect", "--exemplars", "0.1", report, "--out", out).exit_code == 0
+    texts = json.loads((out / "inspect.json").read_text())["texts"]
+    open_page(browser, out / "inspect.html")
+    for number in (0, len(texts) - 1):
+        browser.find_element(By.CSS_SELECTOR, f"#text option[value='{number}']").click()
+        time.sleep(0.3)
+        marks = texts[number]["exemplars"]
+        buttons = browser.find_elements(By.CSS_SELECTOR, "#marks button")
+        assert [int(b.get_attribute("data-row")) for b in buttons] == [m["row"] for m in marks]
+        assert browser.find_element(By.ID, "query-title").text.startswith(f"query {marks[0]['row']} ")
+        buttons[-1].click()
+        assert browser.find_element(By.ID, "query-title").text.startswith(f"query {marks[-1]['row']} ")
+        shaded = browser.find_element(By.CSS_SELECTOR, f"#tokens span[data-position='{marks[-1]['key']}']")
+        shown = float(shaded.get_attribute("title").rsplit("weight ", 1)[1])  # 4 decimals
+        assert shown == pytest.approx(marks[-1]["weight"], abs=6e-5)
+    browser.save_screenshot(str(tmp_path / "inspect-exemplars.png"))
+    assert console_problems(browser) == []
+
+
+@needs_browser
 def test_the_compare_page_in_a_real_browser(browser, report, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By

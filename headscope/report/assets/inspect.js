@@ -47,7 +47,7 @@ function show(text, head) {
   }
   if (!view) {  // purge drops the plot's listeners too
     Plotly.purge("attention"); Plotly.purge("row"); delete document.getElementById("attention").dataset.hover;
-    current = null; strip(text, null); return;
+    current = null; strip(text, null); document.getElementById("marks").replaceChildren(); return;
   }
   current = {text, head, t, ...decode(view, t)};
   const z = [];
@@ -69,7 +69,15 @@ function show(text, head) {
     if (!gd.dataset.hover) gd.on("plotly_hover", e => query(e.points[0].pointIndex[0]));  // once per element
     gd.dataset.hover = "on";
   });
-  query(t - 1);
+  const marks = D.texts[text].exemplars;
+  document.getElementById("marks").replaceChildren(...marks.map(m => {
+    const button = document.createElement("button");
+    button.textContent = `${m.kind} ${m.rank}: row ${m.row}` + (m.key < 0 ? "" : ` \u2192 key ${m.key}`);
+    button.title = `exemplar ${m.rank} of kind ${m.kind}: weight ${fmt(m.weight)}, score ${fmt(m.score)}`;
+    button.dataset.row = m.row; button.onclick = () => query(m.row);
+    return button;
+  }));
+  query(marks.length ? marks[0].row : t - 1);  // an exemplar sentence opens at its strongest exemplar's row
 }
 
 // Query q of the current view: its weights over the keys, as a line and on the tokens.
