@@ -247,6 +247,16 @@ DORMANT_CHECK = Column(
     "demoted (removing it with them cost more: the role rule went on to its next test), or empty",
 )
 
+# What the head's weights copy, with no data (interventions.ov_circuits; Elhage et al. 2021).
+OV_COPYING = Column(
+    "ov_copying",
+    "float64",
+    "the OV circuit's copying score, from the weights: sum(eigenvalues) / sum(|eigenvalues|) of W_U W_O W_V W_E, "
+    "norm gains folded in; +1 raises the attended token's logit, -1 lowers it (copy suppression)",
+    shown=True,
+    scale="diverging",
+)
+
 LABELS: tuple[Column, ...] = (
     Column(
         "locality", "float64", "(diagonal - diagonal_uniform) / (1 - diagonal_uniform)", shown=True, scale="diverging"
@@ -286,6 +296,7 @@ HEADS_COLUMNS: tuple[Column, ...] = (
     *_interval_columns(),
     *(column for pattern in PROBE_PATTERNS for column in _probe_columns(pattern)),
     *(Column(name, "float64", about, shown=True, scale="diverging") for name, about in _IMPORTANCE.items()),
+    OV_COPYING,
     DORMANT_CHECK,
     *LABELS,
 )

@@ -114,6 +114,7 @@ class RunConfig:
     )
     sink_threshold: float = setting(SINK_THRESHOLD, "sink_rate counts rows whose first-token mass exceeds this.")
     probes: bool = setting(True, "Run the probe battery (repeated random tokens: induction, duplicate, previous).")
+    copying: bool = setting(True, "Score each head's OV circuit from the weights (ov_copying; cached per model).")
     probe_seeds: int = setting(8, "Probe sequences, one per seed 0..N-1.")
     probe_length: int = setting(32, "Random tokens per copy; each probe sequence holds two copies (and the BOS).")
     bootstrap: int = setting(200, "Bootstrap replicates for the 95% intervals (0 skips them).")

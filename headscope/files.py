@@ -30,6 +30,15 @@ except ImportError:  # pragma: no cover - Windows
 MARKER = ".headscope-work"  # in every work folder: which run made it, for which target; locked while it lives
 
 
+def cache_folder() -> Path:
+    """Where headscope keeps what it computed once per model: $HEADSCOPE_CACHE, else $XDG_CACHE_HOME/headscope,
+    else ~/.cache/headscope."""
+    if os.environ.get("HEADSCOPE_CACHE"):
+        return Path(os.environ["HEADSCOPE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "headscope"
+
+
 def temporary_path(path: Path) -> Path:
     """A hidden sibling name to write `path` under before the atomic rename."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")

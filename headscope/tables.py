@@ -142,13 +142,15 @@ def heads_frame(
     probes: ProbeResult | None = None,
     importance: dict[str, np.ndarray] | None = None,
     dormant_check: dict[tuple[int, int], str] | None = None,
+    copying: np.ndarray | None = None,
 ) -> pd.DataFrame:
     """The measured columns of the heads table, from corpus-wide stat sums (layers, heads, stats).
 
     layer_ids: the model layers the sums are of; intervals: metric -> (low, high) per head, (layers, heads);
     probes: the probe battery's scores; importance: column -> (layers, heads) for the importance columns;
-    dormant_check: (layer, head) -> "verified" or "demoted", the dormant label's removal check.
-    Columns without a value (no intervals, no probes, no importance) are NaN.
+    dormant_check: (layer, head) -> "verified" or "demoted", the dormant label's removal check; copying: the
+    ov_copying scores of these layers, (layers, heads).
+    Columns without a value (no intervals, no probes, no importance, no copying) are NaN.
     """
     layers, heads = sums.shape[:2]
     layer_ids = np.arange(layers) if layer_ids is None else np.asarray(layer_ids)
@@ -174,6 +176,7 @@ def heads_frame(
     for name in IMPORTANCE_COLUMNS:
         values = (importance or {}).get(name)
         columns[name] = values.reshape(-1) if values is not None else missing
+    columns["ov_copying"] = np.reshape(copying, -1) if copying is not None else missing
     checked = dormant_check or {}
     heads_of = zip(columns["layer"], columns["head"], strict=True)
     columns["dormant_check"] = [checked.get((int(layer), int(head))) for layer, head in heads_of]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # First, before anything imports torch (tests/support/helpers.py does): never reach for the network (hub lookups must
 # fail fast and say so), and under pytest-xdist (`-n 2`: the fast loop) each worker takes one core: two workers of two
@@ -10,15 +13,19 @@ import os
 # 4x slower (oversubscribed).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
+# What headscope caches per model (ov_copying) goes to this session's own folder, never the user's cache: every
+# session computes once, and a test that wants a cold cache points HEADSCOPE_CACHE elsewhere.
+os.environ["HEADSCOPE_CACHE"] = tempfile.mkdtemp(prefix="headscope-cache-")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from helpers import refuse_to_load, run_cli
+
+atexit.register(shutil.rmtree, os.environ["HEADSCOPE_CACHE"], True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CORPUS = REPO / "corpora" / "english-100.txt"

@@ -26,6 +26,7 @@ def analyze(
     probes: o.Probes = o.DEFAULTS.probes,
     probe_seeds: o.ProbeSeeds = o.DEFAULTS.probe_seeds,
     probe_length: o.ProbeLength = o.DEFAULTS.probe_length,
+    copying: o.Copying = o.DEFAULTS.copying,
     importance: o.Importance = o.DEFAULT_IMPORTANCE,
     check_dormant: o.CheckDormant = o.DEFAULTS.check_dormant,
     dormant_tolerance: o.DormantTolerance = o.DEFAULTS.dormant_tolerance,

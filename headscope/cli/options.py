@@ -95,6 +95,7 @@ SentenceHeads = _setting(bool, "sentence_heads")
 ChunkSentences = _setting(int, "chunk_sentences")
 SinkThreshold = _setting(float, "sink_threshold")
 Probes = _setting(bool, "probes")
+Copying = _setting(bool, "copying")
 ProbeSeeds = _setting(int, "probe_seeds")
 ProbeLength = _setting(int, "probe_length")
 Bootstrap = _setting(int, "bootstrap")
@@ -351,7 +352,7 @@ def in_panel(panel: str, *declarations) -> None:
 
 in_panel("Model", Revision, TrustRemoteCode, Device, DType, DeviceMap, OffloadFolder, MaxMemory, Threads)
 in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
-in_panel("Measures", Window, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Importance, CheckDormant,
+in_panel("Measures", Window, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Copying, Importance, CheckDormant,
          DormantTolerance, SentenceHeads, Examples, Exemplars, Detectors)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
 in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,

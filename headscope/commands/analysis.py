@@ -68,6 +68,8 @@ class Analysis:
     roles: RoleThresholds
     timings: Timings
     dormant: DormantCheck | None = None  # the dormant label's removal check (interventions.dormant)
+    copying: np.ndarray | None = None  # every model layer's ov_copying scores, (layers, heads)
+    copying_from: str = "not computed"  # where W_U came from, and the cache; or why there are no scores
 
 
 def write_tables(
@@ -81,7 +83,8 @@ def write_tables(
     with a.timings.phase("write"):
         _merge_parts(parts, folder, measured, a.corpus, plan)
         replicates = measured.bootstrap.metrics() if measured.resampled else None
-        heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates, a.dormant)
+        heads = labelled_heads(plan, measured, a.probes, a.importance, (a.thresholds, a.roles), replicates, a.dormant,
+                               a.copying)  # fmt: skip
         layers = layers_frame(heads, layer_intervals(replicates) if replicates else None, plan.attention)
         probes = None if a.probes is None else probes_frame(a.probes.per_seed, np.array(plan.layers))
         small = {LAYERS_FILE: layers, EXAMPLES_FILE: a.examples, PROBES_FILE: probes,
@@ -97,9 +100,11 @@ def write_tables(
     return run, {HEADS_FILE: heads, **small}
 
 
-def labelled_heads(plan, measured, probes, importance, rules, replicates=None, dormant=None) -> pd.DataFrame:
+def labelled_heads(
+    plan, measured, probes, importance, rules, replicates=None, dormant=None, copying=None
+) -> pd.DataFrame:
     """The heads table with both labels, from what the passes measured (intervals when `replicates` are given; the
-    dormant label as its removal check, `dormant`, left it)."""
+    dormant label as its removal check, `dormant`, left it; ov_copying from `copying`, every model layer's)."""
     frame = heads_frame(
         measured.sums,
         plan.architecture["kv_heads"],
@@ -108,6 +113,7 @@ def labelled_heads(plan, measured, probes, importance, rules, replicates=None, d
         probes=probes,
         importance=None if importance is None else importance.columns(),
         dormant_check=None if dormant is None else dormant.statuses(),
+        copying=None if copying is None else copying[np.array(plan.layers)],
     )
     detectors = None if measured.evidence is None else measured.evidence.detector_scores(measured.resampled)
     if detectors is not None:  # the run's own columns, after the registry's

@@ -21,6 +21,7 @@ import torch
 
 from headscope.arguments import as_path
 from headscope.commands.analysis import Analysis, labelled_heads, write_tables
+from headscope.commands.copying import cached_copying
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules
 from headscope.errors import ConfigError, OutputError
 from headscope.estimates import ONE_SENTENCE_NOTE
@@ -165,6 +166,11 @@ def analyze(
                     dormant = DormantCheck.unverified(_unchecked_why(settings, loaded))
             if not ranks.main:
                 return None
+            with timings.phase("copying"):
+                copying, copying_from = (cached_copying(loaded, capture, plan.architecture) if settings.copying
+                                         else (None, "--no-copying"))  # fmt: skip
+                if settings.copying and copying is None:
+                    reporter.note(f"ov_copying is not computed: {copying_from}")
             lengths = measured.progress.lengths
             if out is None and isinstance(model, LoadedModel) and not ranks.parallel:
                 # A report kept in memory, of a model the caller keeps: the example views' forward pass waits until
@@ -178,7 +184,7 @@ def analyze(
             reporter.note(ONE_SENTENCE_NOTE)
         reporter.stage("writing tables")
         analysis = Analysis(loaded, corpus, plan, measured, probes, importance, examples, thresholds, roles, timings,
-                            dormant)  # fmt: skip
+                            dormant, copying, copying_from)  # fmt: skip
         run, tables = write_tables(folder, analysis, parts, in_memory=out is None)
         report = Report(run, folder=folder, tables=tables)
         if out is not None and (charts or page):  # drawn in the work folder: published with the tables, or not at all

@@ -1,38 +1,36 @@
-"""copying(): what each head's weights copy, with no data: the OV copying score (measures/ov_copying.py) of every
-head, the norms' gains folded in.
+"""copying(): what each head's weights copy, with no data: the OV copying score of every head (the map and its
+gains: interventions/ov_circuits.py; the maths: measures/ov_copying.py). analyze's ov_copying column is the same
+score, cached per model (`cached_copying`).
 
-    the map    K_h = W_V^h G_in (W_E^T W_U G_f) G_post W_O^h, (head_dim, head_dim): W_E the token embeddings, G_in
-               the gain of the norm the attention reads, G_post a post-attention norm's (Gemma 2 and 3, OLMo 2),
-               G_f the final norm's, W_U the LM head (the embeddings where they are tied); W_V^h the value rows of
-               the head's KV head, W_O^h its output columns
-    the score  sum(lambda) / sum(|lambda|) over K_h's eigenvalues (M = W_U ... W_E's non-zero ones)
-
-Left out, as Elhage et al. leave them: each norm's 1/rms (a positive scale per token), LayerNorm's centring,
-biases and position embeddings. A positive scale of the whole circuit (Gemma's sqrt(hidden) on the embeddings)
-changes no score: the ratio is the same for M and s M. Where the pieces sit is found as `circuit` finds them
-(interventions/edge_layers.py).
+The cache: one small JSON file per model under the cache folder (files.cache_folder: $HEADSCOPE_CACHE, else
+$XDG_CACHE_HOME/headscope, else ~/.cache/headscope), named by a sha256 of the weights' fingerprint (run.json's
+weights_sha256), the unembedding's bytes where it is not the tied embeddings, and CACHE_VERSION. The same weights
+loaded again, from any folder, read it back; any edit of any weight misses it. Written under a temporary name,
+then renamed: concurrent runs never read half a file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import torch
 
 from headscope.config import RunConfig
-from headscope.errors import ConfigError
-from headscope.interventions.edge_layers import FrozenNorm, find_places, head_columns
-from headscope.measures.ov_copying import copying_scores, token_map
+from headscope.errors import ConfigError, HeadscopeError, one_line
+from headscope.files import atomic_path, cache_folder
+from headscope.interventions.ov_circuits import ov_copying, unembedding
+from headscope.measures.ov_copying import DEFINITION
 from headscope.model.capture import attached
+from headscope.model.identity import parameter_digest, weights_fingerprint
 from headscope.model.loading import LoadedModel, Loader, load_for_run
-from headscope.model.write_path import dry_ids
 from headscope.progress import Reporter
 from headscope.run.setup import CommandRun, record_header
 
-DEFINITION = "sum(eigenvalues) / sum(|eigenvalues|) of W_U G_f G_post W_O^h W_V^h G_in W_E^T (Elhage et al. 2021)"
+CACHE_VERSION = 1  # bumped when the score's computation changes: every cached score is computed again
 
 
 @dataclass
@@ -94,73 +92,56 @@ def copying(
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, reads_corpus=False)
     with run.session(model, loader, what="copying", lm_head="if-present") as opened:
         loaded, plan = opened.loaded, opened.plan
-        architecture = plan.architecture
-        heads, kv_heads, head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
-        with attached(loaded.lm or loaded.model) as capture, torch.no_grad():
-            network = loaded.lm or loaded.model
-            probe = dry_ids(network.get_input_embeddings().num_embeddings).tolist()
-            places, final_norm = find_places(capture, network, capture.decoder, heads, kv_heads, head_dim, probe,
-                                             loaded.device)  # fmt: skip
-            embed, unembed, where = _token_matrices(loaded, tokens)
-            hidden = embed.shape[1]
-            tokens_map = token_map(embed, unembed) * _gain(final_norm, hidden, embed)[None, :]
-            scores = []
-            for place in places:
-                gain_in = _gain(place.input_norm, hidden, embed)
-                gain_post = _gain(place.post_attention, hidden, embed)
-                values = _value_rows(place, heads, kv_heads, head_dim)  # (heads, head_dim, hidden)
-                outputs = head_columns(place.output).double().view(hidden, heads, head_dim).permute(1, 0, 2)
-                scores.append(copying_scores(values * gain_in, tokens_map, gain_post[:, None] * outputs))
-    found = np.stack(scores)  # (layers, heads)
-    layers = len(places)
+        with attached(loaded.lm or loaded.model) as capture:
+            found, where = ov_copying(loaded, capture, plan.architecture, tokens)
+    layers, heads = found.shape
+    kv_heads = plan.architecture["kv_heads"]
     frame = pd.DataFrame({"layer": np.repeat(np.arange(layers), heads), "head": np.tile(np.arange(heads), layers),
                           "kv_head": np.tile(np.arange(heads) // (heads // kv_heads), layers),
                           "ov_copying": found.reshape(-1)})  # fmt: skip
     record = record_header(loaded, run.settings, ("device", "dtype"), None) | {
         "definition": DEFINITION,
         "unembedding": where,
-        "tokens": "every token" if tokens is None else len(embed),
+        "tokens": "every token" if tokens is None else len(tokens),
     }
     run.done(opened)
     return Copying(frame, record)
 
 
-def _token_matrices(loaded, tokens) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(W_E, W_U, where W_U came from), restricted to `tokens`."""
-    network = loaded.lm or loaded.model
-    embed = network.get_input_embeddings().weight.detach()
-    head = loaded.lm.get_output_embeddings() if loaded.lm is not None else None
-    if head is not None:
-        unembed, where = head.weight.detach(), "the LM head"
-    elif getattr(network.config, "tie_word_embeddings", False):
-        unembed, where = embed, "the token embeddings (tied)"
-    else:
-        raise ConfigError(f"{loaded.source.display} has no LM head loaded and untied embeddings: the OV circuit needs "
-                          "the unembedding")  # fmt: skip
-    if tokens is not None:
-        chosen = torch.as_tensor(list(tokens), dtype=torch.long, device=embed.device)
-        if len(chosen) == 0 or int(chosen.min()) < 0 or int(chosen.max()) >= len(embed):
-            raise ConfigError(f"tokens must be ids in [0, {len(embed)}); got {len(chosen)} ids")
-        embed, unembed = embed[chosen], unembed[chosen]
-    return embed, unembed, where
+def cached_copying(loaded: LoadedModel, capture, architecture: dict) -> tuple[np.ndarray | None, str]:
+    """(layers, heads) copying scores of every layer on the whole vocabulary, from the cache when these weights were
+    scored before; or (None, why not): no unembedding, weights not all in memory (offloaded to disk), or an
+    attention or norm whose OV circuit headscope cannot read (interventions.edge_layers)."""
+    fingerprint = weights_fingerprint(loaded.model)
+    try:
+        unembed, where = unembedding(loaded)
+    except ConfigError as err:
+        return None, str(err)
+    if fingerprint is None or unembed.device.type == "meta":
+        return None, "some weights are offloaded to disk (a device map): they are not in memory to score"
+    tied = unembed.data_ptr() == (loaded.lm or loaded.model).get_input_embeddings().weight.data_ptr()
+    key = hashlib.sha256(f"{CACHE_VERSION}|{fingerprint}|".encode() + (b"tied" if tied else parameter_digest(unembed)))
+    path = cache_folder() / "ov_copying" / f"{key.hexdigest()}.json"
+    cached = _read_cached(path, architecture)
+    if cached is not None:
+        return cached, f"{where}, cached ({path})"
+    try:
+        scores, where = ov_copying(loaded, capture, architecture)
+    except HeadscopeError as err:  # an attention or a norm the OV circuit cannot be read from: the column stays NaN
+        return None, one_line(err)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as temporary:
+            temporary.write_text(json.dumps({"definition": DEFINITION, "scores": scores.tolist()}))
+    except OSError:  # a read-only or full cache folder costs the next run the computation, nothing else
+        pass
+    return scores, where
 
 
-def _gain(norm, hidden: int, like: torch.Tensor) -> torch.Tensor:
-    """(hidden,) float64: a norm's gain g (LayerNorm's or an RMS norm's, g or 1 + w), read by fitting it on a probe;
-    ones where there is no norm."""
-    if norm is None:
-        return torch.ones(hidden, dtype=torch.float64, device=like.device)
-    probe = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(0)).to(like.device)
-    parameter = next(norm.parameters(), None)
-    probe = probe.to(parameter.dtype) if parameter is not None else probe
-    return FrozenNorm(norm, probe, norm(probe)).gain.double()
-
-
-def _value_rows(place, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """(heads, head_dim, hidden) float64: each query head's KV head's rows of the value projection."""
-    if place.fused is not None:  # GPT-2's c_attn: q | k | v, weight (in, out)
-        weight = place.fused.weight.detach().T[2 * heads * head_dim :]
-    else:
-        weight = place.v.weight.detach()
-    per_kv = weight.double().view(kv_heads, head_dim, -1)
-    return per_kv[torch.arange(heads, device=per_kv.device) // (heads // kv_heads)]
+def _read_cached(path, architecture: dict) -> np.ndarray | None:
+    """The cached scores, or None when there are none or they are not of this model's shape (a damaged file)."""
+    try:
+        scores = np.array(json.loads(path.read_text())["scores"], dtype=np.float64)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return scores if scores.shape == (architecture["layers"], architecture["heads"]) else None

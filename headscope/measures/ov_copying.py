@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+DEFINITION = "sum(eigenvalues) / sum(|eigenvalues|) of W_U G_f G_post W_O^h W_V^h G_in W_E^T (Elhage et al. 2021)"
 CHUNK_TOKENS = 8192  # vocabulary rows per product of W_E^T W_U
 
 

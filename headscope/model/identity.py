@@ -55,7 +55,7 @@ def _hashed(parameters: list[tuple[str, torch.Tensor]]) -> str | None:
     if any(parameter.device.type == "meta" for _, parameter in parameters):
         return None
     with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        digests = pool.map(_parameter_digest, [parameter for _, parameter in parameters])
+        digests = pool.map(parameter_digest, [parameter for _, parameter in parameters])
         digest = hashlib.sha256()
         for (name, parameter), one in zip(parameters, digests, strict=True):
             digest.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
@@ -63,7 +63,7 @@ def _hashed(parameters: list[tuple[str, torch.Tensor]]) -> str | None:
     return digest.hexdigest()
 
 
-def _parameter_digest(parameter: torch.Tensor) -> bytes:
+def parameter_digest(parameter: torch.Tensor) -> bytes:
     """sha256 of one parameter's bytes, CHUNK_BYTES at a time (copied to the host chunk by chunk)."""
     digest = hashlib.sha256()
     flat = parameter.detach().reshape(-1)

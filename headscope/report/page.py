@@ -44,7 +44,7 @@ TABLE += (*(c.name for c in HEADS_COLUMNS if c.shown and c.name not in _PROBES),
 PANEL_FIRST = ("role", "role_reason", "role_detail", "write_ratio", "write_norm", "head_type")
 # ... and the evidence a reader looks at next; every other column (some seventy) waits behind "every column".
 PANEL_NEXT = ("dormant_check", "entropy", "norm_entropy", "locality", "sink", "sink_rate", "active_rows",
-              "prev_token", *_PROBES, "top_offset", "top_offset_share", "sink_value_ratio", "logit_std",
+              "prev_token", *_PROBES, "ov_copying", "top_offset", "top_offset_share", "sink_value_ratio", "logit_std",
               "estimate_mean", "ablation_mean")  # fmt: skip
 # Columns report.js reads by name (the heads grid, labels, filter, classification map).
 SCRIPT_READS = ("layer", "head", "head_type", "role", "top_offset", "locality", "norm_entropy")

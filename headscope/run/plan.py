@@ -161,10 +161,11 @@ class Plan:
 def needs_lm_head(settings: RunConfig) -> bool | str:
     """Does analyze load the LM head (decided before the model, and so the plan, exists)? True for head importance,
     which cannot do without; "if-present" for the dormant label's check, which says it could not check on a
-    checkpoint without one; ablate and prune (and every intervention) always score the loss."""
+    checkpoint without one, and for ov_copying, which reads the unembedding (the tied embeddings without one);
+    ablate and prune (and every intervention) always score the loss."""
     if settings.importance != "none":
         return True
-    return IF_PRESENT if settings.check_dormant else False
+    return IF_PRESENT if settings.check_dormant or settings.copying else False
 
 
 IF_PRESENT = "if-present"  # load the LM head where the checkpoint has one

@@ -18,6 +18,7 @@ import torch
 
 from headscope.labels import classification_record
 from headscope.layout import SCHEMA_VERSION
+from headscope.measures.ov_copying import DEFINITION as COPYING_DEFINITION
 from headscope.model.identity import model_identity
 from headscope.model.placement import dtype_name
 from headscope.summary import layer_entropy
@@ -120,6 +121,7 @@ def run_record(analysis, heads) -> dict:
             "probe_seconds": round(timings.seconds.get("probes", 0.0), 3),
             "importance_seconds": round(timings.seconds.get("importance", 0.0), 3),
             "dormant_check_seconds": round(timings.seconds.get("dormant_check", 0.0), 3),
+            "copying_seconds": round(timings.seconds.get("copying", 0.0), 3),
             "kernel_build_seconds": round(timings.seconds.get("kernel_build", 0.0), 3),
             "write_seconds": round(timings.seconds.get("write", 0.0), 3),
             "tokens_per_second": round(progress.tokens / measure_seconds, 1) if measure_seconds > 0 else None,
@@ -127,6 +129,8 @@ def run_record(analysis, heads) -> dict:
         },
         # the dormant label checked by removal (interventions.dormant): its heads, what removing them together cost
         "dormant_check": analysis.dormant.record() if analysis.dormant is not None else None,
+        # ov_copying: from the weights (interventions.ov_circuits), where W_U came from and whether it was cached
+        "copying": {"definition": COPYING_DEFINITION, "from": analysis.copying_from},
         "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
         "numerics": {
             "nonfinite_rows": int(heads["nonfinite_rows"].sum()),

@@ -5,6 +5,7 @@ name, on GPT-2 (LayerNorm gains), Gemma 2 (1 + w gains, post-attention norms, sc
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -43,6 +44,41 @@ def test_a_head_planted_to_copy_scores_one_and_to_suppress_minus_one(tmp_path, s
     found = copying(str(planted_copier(tmp_path / "copier", sign)), device="cpu")
     assert found.heads["ov_copying"].tolist() == pytest.approx([sign], abs=1e-12)
     assert found.record["unembedding"].startswith("the LM head")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_model_in_half_precision_scores_as_in_float32(tmp_path, dtype):
+    """Its norms round their outputs to bfloat16 (or float16), which the gains are read through."""
+    found = copying(str(planted_copier(tmp_path / "copier", -1.0)), device="cpu", dtype=dtype)
+    assert found.heads["ov_copying"].tolist() == pytest.approx([-1.0], abs=1e-12)
+
+
+def test_analyze_writes_the_score_as_a_column_cached_per_model(tmp_path, monkeypatch):
+    """analyze's ov_copying is `copying`'s score, computed once per model: the same weights read it back from the
+    cache, other weights (the head planted the other way) miss it, and a damaged cache file is computed again."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HEADSCOPE_CACHE", str(cache))
+    copier, suppressor = (planted_copier(tmp_path / name, sign) for name, sign in (("up", 1.0), ("down", -1.0)))
+    texts = [" ".join(WORDS), " ".join(reversed(WORDS))]
+
+    def analyze(folder):
+        return headscope.analyze(str(folder), texts, probes=False, bootstrap=0, device="cpu")
+
+    first = analyze(copier)
+    assert first.heads["ov_copying"].tolist() == pytest.approx([1.0], abs=1e-12)
+    assert first.run["copying"]["from"] == "the LM head"
+    [stored] = (cache / "ov_copying").glob("*.json")
+    again = analyze(copier)
+    assert again.run["copying"]["from"] == f"the LM head, cached ({stored})"
+    assert again.heads["ov_copying"].tolist() == first.heads["ov_copying"].tolist()
+    other = analyze(suppressor)
+    assert other.heads["ov_copying"].tolist() == pytest.approx([-1.0], abs=1e-12)
+    assert other.run["copying"]["from"] == "the LM head" and len(list((cache / "ov_copying").glob("*.json"))) == 2
+    stored.write_text('{"scores": [[0.5, ')  # cut short
+    mended = analyze(copier)
+    assert mended.run["copying"]["from"] == "the LM head"
+    assert mended.heads["ov_copying"].tolist() == pytest.approx([1.0], abs=1e-12)
+    assert json.loads(stored.read_text())["scores"] == [[pytest.approx(1.0, abs=1e-12)]]
 
 
 @torch.no_grad()

@@ -137,6 +137,15 @@ def check_probes(planted, texts, baseline, tmp_path):
     assert report.run["probes"] is None
 
 
+def check_copying(planted, texts, baseline, tmp_path):
+    """--no-copying computes no ov_copying and changes no other number. (The planted GPT-2's token embeddings are
+    zero, so its scores are NaN either way: test_copying.py checks the column's values on heads planted to copy.)"""
+    report = headscope.analyze(str(planted), texts, copying=False, **FAST)
+    assert report.run["copying"]["from"] == "--no-copying" and report.run["timings"]["copying_seconds"] < 1e-3
+    assert baseline.run["copying"]["from"].startswith("the LM head")
+    assert_same_numbers(report, baseline, without=("ov_copying",))
+
+
 def check_probe_seeds(planted, texts, baseline, tmp_path):
     from transformers import GPT2Config, GPT2Model
 
@@ -507,6 +516,7 @@ EFFECTS = {
     "layers": check_layers,
     "sentence_heads": check_sentence_heads,
     "probes": check_probes,
+    "copying": check_copying,
     "probe_seeds": check_probe_seeds,
     "probe_length": check_probe_length,
     "bootstrap": check_bootstrap,
