@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from headscope.config import RunConfig
-from headscope.errors import ConfigError, HeadscopeError, one_line
+from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.files import atomic_path, cache_folder
 from headscope.interventions.ov_circuits import ov_copying, unembedding
 from headscope.measures.ov_copying import DEFINITION
@@ -133,7 +133,7 @@ def cached_copying(loaded: LoadedModel, capture, architecture: dict) -> tuple[np
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as temporary:
             temporary.write_text(json.dumps({"definition": DEFINITION, "scores": scores.tolist()}))
-    except OSError:  # a read-only or full cache folder costs the next run the computation, nothing else
+    except (OSError, OutputError):  # a cache folder that cannot be written costs the next run the computation, no more
         pass
     return scores, where
 

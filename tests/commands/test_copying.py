@@ -79,6 +79,8 @@ def test_analyze_writes_the_score_as_a_column_cached_per_model(tmp_path, monkeyp
     assert mended.run["copying"]["from"] == "the LM head"
     assert mended.heads["ov_copying"].tolist() == pytest.approx([1.0], abs=1e-12)
     assert json.loads(stored.read_text())["scores"] == [[pytest.approx(1.0, abs=1e-12)]]
+    monkeypatch.setenv("HEADSCOPE_CACHE", str(stored))  # a file, where the cache folder should be: not written
+    assert analyze(copier).heads["ov_copying"].tolist() == pytest.approx([1.0], abs=1e-12)
 
 
 @torch.no_grad()
