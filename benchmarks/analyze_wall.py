@@ -5,6 +5,7 @@ versions, run it once per checkout, interleaved, in fresh processes:
     python benchmarks/analyze_wall.py --tokens 8192 --runs 2
     PYTHONPATH=/tmp/before python benchmarks/analyze_wall.py --tokens 8192 --runs 2     # another checkout
     python benchmarks/analyze_wall.py --corpus --runs 5 --threads 1   # one thread: far less noise on a shared VM
+    python benchmarks/analyze_wall.py --corpus --runs 5 --threads 1 --exemplars 0   # what the exemplars cost
 
 A script, not a test: it reports figures.
 """
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--corpus", action="store_true", help="the shipped corpus instead of one text")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--exemplars", type=int, default=None, help="analyze's --exemplars (default: its own)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,6 +41,8 @@ def main() -> None:
     else:
         texts = [sentence_of(model.tokenizer, args.tokens)[0]]
         options = {"max_length": args.tokens, "sentence_heads": False, "probes": False}
+    if args.exemplars is not None:
+        options["exemplars"] = args.exemplars
 
     def run() -> float:
         start = time.perf_counter()
@@ -49,7 +53,8 @@ def main() -> None:
     seconds = [run() for _ in range(args.runs)]
     print(f"headscope from {headscope.__file__}")
     print("seconds:", ", ".join(f"{s:.2f}" for s in seconds))
-    print(f"min {min(seconds):.2f}  median {statistics.median(seconds):.2f}  ({torch.get_num_threads()} threads)")
+    print(f"min {min(seconds):.2f}  median {statistics.median(seconds):.2f}  ({torch.get_num_threads()} threads, "
+          f"exemplars {options.get('exemplars', 'default')})")
 
 
 if __name__ == "__main__":

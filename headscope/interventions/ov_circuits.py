@@ -49,14 +49,16 @@ def ov_copying(loaded, capture, architecture: dict, tokens: Sequence[int] | None
                                          loaded.device)  # fmt: skip
         embed, unembed, where = _token_matrices(loaded, tokens)
         hidden = embed.shape[1]
-        tokens_map = token_map(embed, unembed) * _gain(final_norm, hidden, embed)[None, :]
+        tokens_map = token_map(embed, unembed.to(embed.device)) * _gain(final_norm, hidden, embed.device)[None, :]
+        on_device = {}  # a model spread over devices (--device-map): each layer's circuit where its weights are
         scores = []
         for place in places:
-            gain_in = _gain(place.input_norm, hidden, embed)
-            gain_post = _gain(place.post_attention, hidden, embed)
             values = _value_rows(place, heads, kv_heads, head_dim)  # (heads, head_dim, hidden)
-            outputs = head_columns(place.output).double().view(hidden, heads, head_dim).permute(1, 0, 2)
-            scores.append(copying_scores(values * gain_in, tokens_map, gain_post[:, None] * outputs))
+            device = values.device
+            outputs = head_columns(place.output).double().to(device).view(hidden, heads, head_dim).permute(1, 0, 2)
+            gain_in, gain_post = (_gain(norm, hidden, device) for norm in (place.input_norm, place.post_attention))
+            tokens_here = on_device.setdefault(device, tokens_map.to(device))
+            scores.append(copying_scores(values * gain_in, tokens_here, gain_post[:, None] * outputs))
     return np.stack(scores), where
 
 
@@ -72,17 +74,17 @@ def _token_matrices(loaded, tokens) -> tuple[torch.Tensor, torch.Tensor, str]:
     return embed, unembed, where
 
 
-def _gain(norm, hidden: int, like: torch.Tensor) -> torch.Tensor:
-    """(hidden,) float64: a norm's gain g (LayerNorm's or an RMS norm's, g or 1 + w), read by fitting it on a probe;
-    ones where there is no norm."""
+def _gain(norm, hidden: int, device: torch.device) -> torch.Tensor:
+    """(hidden,) float64 on `device`: a norm's gain g (LayerNorm's or an RMS norm's, g or 1 + w), read by fitting it
+    on a probe where the norm's weights are; ones where there is no norm."""
     if norm is None:
-        return torch.ones(hidden, dtype=torch.float64, device=like.device)
+        return torch.ones(hidden, dtype=torch.float64, device=device)
     # off 0 on average, so that a LayerNorm (which centres) and an RMS norm (which does not) differ by far more than
     # a half-precision module rounds its output
-    probe = 2 + torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(0)).to(like.device)
+    probe = 2 + torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(0))
     parameter = next(norm.parameters(), None)
-    probe = probe.to(parameter.dtype) if parameter is not None else probe
-    return FrozenNorm(norm, probe, norm(probe)).gain.double()
+    probe = probe.to(parameter.device, parameter.dtype) if parameter is not None else probe
+    return FrozenNorm(norm, probe, norm(probe)).gain.double().to(device)
 
 
 def _value_rows(place, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:

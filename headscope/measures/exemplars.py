@@ -64,51 +64,76 @@ class TopRows:
     ) -> None:
         """A block of rows' scores, (batch, heads, rows), with `counted` (broadcastable to it) the rows that count,
         and each row's key (batch positions, long) and its weight. Rows query positions first_row, first_row + 1, ..."""
-        batch, heads, rows = scores.shape
+        self.offer_kinds(layer, [kind], scores[None], counted[None], keys[None], weights[None],
+                         sentence_ids=sentence_ids, seq_start=seq_start, first_row=first_row)  # fmt: skip
+
+    def offer_kinds(
+        self,
+        layer: int,
+        kinds: Sequence[str],
+        scores: torch.Tensor,
+        counted: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        sentence_ids: Sequence[int],
+        seq_start: torch.Tensor,
+        first_row: int = 0,
+    ) -> None:
+        """`offer` for several kinds at once (one pass where a measure scores several): scores (kinds, batch, heads,
+        rows), `counted`, `keys` and `weights` broadcastable to it."""
+        n, batch, heads, rows = scores.shape
         if batch == 0 or rows == 0:
             return
         scores = scores.double()
-        counted = counted.expand(batch, heads, rows) & torch.isfinite(scores)
-        flat = torch.where(counted, scores, -torch.inf).transpose(0, 1).reshape(heads, batch * rows)
+        counted = counted.expand(n, batch, heads, rows) & torch.isfinite(scores)
+        # one group per (kind, head), its rows over the whole batch
+        flat = torch.where(counted, scores, -torch.inf).transpose(1, 2).reshape(n * heads, batch * rows)
         k = min(self.count, batch * rows)
-        kth = flat.topk(k, dim=-1).values[:, -1:]  # (heads, 1): the k-th score of each head
+        kth = flat.topk(k, dim=-1).values[:, -1:]  # (groups, 1): the k-th score of each group
+        at = self.layer_index[layer]
+        kind_ids = [self.kind_index[kind] for kind in kinds]
         # A row below the weakest kept one (when `count` are kept) cannot get in: most batches offer nobody.
-        weakest = torch.from_numpy(self.state[self.layer_index[layer], self.kind_index[kind], :, -1:, 0])
+        weakest = torch.from_numpy(self.state[at, kind_ids, :, -1, 0].reshape(n * heads, 1))
         floor = torch.maximum(kth, weakest.to(flat.device))
         # every row at or above the floor: ties at the border are all offered, and the merge picks among them
-        head, where = torch.nonzero((flat >= floor) & (flat > -torch.inf), as_tuple=True)
-        if head.numel() == 0:
+        group, where = torch.nonzero((flat >= floor) & (flat > -torch.inf), as_tuple=True)
+        if group.numel() == 0:
             return
         b, r = where // rows, where % rows
+        kind, head = group // heads, group % heads
         picked = {
-            "score": flat[head, where],
-            "key": keys.expand(batch, heads, rows)[b, head, r] - seq_start[b],
-            "weight": weights.expand(batch, heads, rows)[b, head, r].double(),
+            "score": flat[group, where],
+            "key": keys.expand(n, batch, heads, rows)[kind, b, head, r] - seq_start[b],
+            "weight": weights.expand(n, batch, heads, rows)[kind, b, head, r].double(),
             "row": first_row + r - seq_start[b],
             "b": b,
-            "head": head,
+            "head": group,
         }
         picked = {name: value.cpu().numpy() for name, value in picked.items()}
         picked["sentence"] = np.asarray(sentence_ids, dtype=np.int64)[picked.pop("b")]
-        self._merge(self.layer_index[layer], self.kind_index[kind], picked)
+        self._merge(at, kind_ids, picked)
 
-    def _merge(self, layer: int, kind: int, new: dict[str, np.ndarray]) -> None:
-        kept = self.state[layer, kind]  # (heads, count, fields)
-        heads, count, _ = kept.shape
-        old_head = np.repeat(np.arange(heads), count)
-        old = kept.reshape(heads * count, -1)
+    def _merge(self, layer: int, kinds: list[int], new: dict[str, np.ndarray]) -> None:
+        """The kept rows of `kinds` of one layer and the `new` ones ("head" numbers the group: kind position in
+        `kinds` x heads + head), the strongest `count` of each group kept."""
+        kept = self.state[layer, kinds]  # (kinds, heads, count, fields), a copy
+        n, heads, count, _ = kept.shape
+        groups = n * heads
+        old_group = np.repeat(np.arange(groups), count)
+        old = kept.reshape(groups * count, -1)
         live = old[:, 1] >= 0
-        head = np.concatenate([old_head[live], new["head"]])
+        group = np.concatenate([old_group[live], new["head"]])
         fields = {name: np.concatenate([old[live, i], new[name]]) for i, name in enumerate(STATE_FIELDS)}
-        order = np.lexsort((fields["row"], fields["sentence"], -fields["score"], head))
-        head = head[order]
-        starts = np.searchsorted(head, np.arange(heads))
-        rank = np.arange(len(head)) - starts[head]
+        order = np.lexsort((fields["row"], fields["sentence"], -fields["score"], group))
+        group = group[order]
+        starts = np.searchsorted(group, np.arange(groups))
+        rank = np.arange(len(group)) - starts[group]
         keep = rank < count
-        fresh = empty_state(1, 1, heads, count)[0, 0]
+        fresh = empty_state(1, n, heads, count)[0].reshape(groups, count, -1)
         for i, name in enumerate(STATE_FIELDS):
-            fresh[head[keep], rank[keep], i] = fields[name][order][keep]
-        self.state[layer, kind] = fresh
+            fresh[group[keep], rank[keep], i] = fields[name][order][keep]
+        self.state[layer, kinds] = fresh.reshape(n, heads, count, -1)
 
 
 def merged_states(states: Sequence[np.ndarray], kinds: Sequence[str], layers: Sequence[int]) -> np.ndarray:
@@ -122,7 +147,7 @@ def merged_states(states: Sequence[np.ndarray], kinds: Sequence[str], layers: Se
                 live = rows[:, 1] >= 0
                 new = {name: rows[live, i] for i, name in enumerate(STATE_FIELDS)}
                 new["head"] = np.repeat(np.arange(state.shape[2]), state.shape[3])[live]
-                top._merge(layer, kind, new)
+                top._merge(layer, [kind], new)
     return top.state
 
 

@@ -76,18 +76,22 @@ class PatternScores:
         positions = (
             torch.arange(block.first_row, block.first_row + rows, device=probs.device) - block.seq_start[:, None]
         )
-        uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
+        if layer == self.layers[0] and self.scored:  # what uniform attention scores: the chance level
+            uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
         block_targets = self._block_targets(block, rows, keys)
+        offered = []  # each detector's exemplar candidates, offered together (one merge per block, not one each)
         for i, (detector, target) in enumerate(zip(self.detectors, block_targets, strict=True)):
             target = target * visible
             matches = row_matches(probs, target, detector)  # (batch, heads, rows) float64
             if detector.weighs_rows:  # every real row, weighed by its mass (mul) or counted once (abs)
-                counted = block.query_valid[:, None, :]
-                weight = probs.sum(-1, dtype=torch.float64) if detector.mode == "mul" else torch.ones_like(matches)
+                counted = block.query_valid[:, None, :].expand(batch, heads, rows)
             else:  # the rows with a target key they may see
-                counted = block.query_valid[:, None, :] & (target.sum(-1) > 0)[:, None, :]
-                weight = torch.ones_like(matches)
+                counted = (block.query_valid & (target.sum(-1) > 0))[:, None, :].expand(batch, heads, rows)
             if i < self.scored:
+                if detector.weighs_rows and detector.mode == "mul":
+                    weight = probs.sum(-1, dtype=torch.float64)
+                else:
+                    weight = torch.ones_like(matches)
                 sums[:, :, i, 0] = torch.where(counted, matches, 0.0).sum(-1)
                 sums[:, :, i, 1] = torch.where(counted, weight, 0.0).sum(-1)
             if (
@@ -100,10 +104,13 @@ class PatternScores:
                 # the target key the row attends to most (a pattern's weights scale it), and its weight
                 top = (probs * target[:, None]).argmax(-1)
                 evidence = counted & (positions >= EVIDENCE_FROM)[:, None, :]  # as sharp and write count rows
-                self.exemplars.offer(
-                    layer, detector.name, matches, evidence, top, probs.gather(-1, top[..., None]).squeeze(-1),
-                    sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
-                )  # fmt: skip
+                offered.append((matches, evidence, top, probs.gather(-1, top[..., None]).squeeze(-1)))
+        if offered:
+            scores, evidence, top, weights = (torch.stack(parts) for parts in zip(*offered, strict=True))
+            self.exemplars.offer_kinds(
+                layer, [detector.name for detector in self.detectors], scores, evidence, top, weights,
+                sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
+            )  # fmt: skip
         self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
         if layer == self.layers[0]:
             self._chance = chance if self._chance is None else self._chance + chance

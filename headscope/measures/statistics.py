@@ -144,14 +144,13 @@ class AttentionStatistics:
         self._wait(layer, values, query_valid, seq_start, 0, 1.0)
 
     def _offer_sharp(self, layer: int, block, top_key: torch.Tensor, weight: torch.Tensor) -> None:
-        """A block's rows to the exemplars of kind sharp: their largest weight off the first token (rows that see
-        no other key do not count), that key kept for the write kind."""
+        """A block's rows for the exemplars of kind sharp: their largest weight off the first token (rows that see
+        no other key do not count) and that key, which the write kind names too. Both kinds are offered together
+        once the layer's write norms come (`_offer_write`): one merge per layer, not two."""
         counted = (
             block.query_valid[:, None, :] & (weight > 0) & self._evidence_rows(block.first_row, block.seq_start, weight)
         )
-        self._top_keys.setdefault(layer, []).append((block.first_row, top_key, weight))
-        self.exemplars.offer(layer, SHARP, weight, counted, top_key, weight, sentence_ids=self._batch.sentence_ids,
-                             seq_start=block.seq_start, first_row=block.first_row)  # fmt: skip
+        self._top_keys.setdefault(layer, []).append((block.first_row, top_key, weight, counted))
 
     @staticmethod
     def _evidence_rows(first_row: int, seq_start: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -161,17 +160,20 @@ class AttentionStatistics:
         return (rows[None, :] - seq_start[:, None] >= EVIDENCE_FROM)[:, None, :]
 
     def _offer_write(self, layer: int, norms: torch.Tensor, written: LayerOutput) -> None:
-        """Every row's write norm to the exemplars of kind write, with the row's top key off the first token (none,
-        -1, for a row that sees no other key)."""
+        """The layer's rows to the exemplars of kinds sharp (kept by `_offer_sharp`) and write: every row's write
+        norm, with the row's top key off the first token (none, -1, for a row that sees no other key)."""
         blocks = sorted(self._top_keys.pop(layer, []), key=lambda block: block[0])
         if not blocks:  # the layer's attention was not offered (cannot happen in a capture); no key to name
             return
-        top = torch.cat([key for _, key, _ in blocks], dim=-1)
-        weight = torch.cat([weight for _, _, weight in blocks], dim=-1)
-        top = torch.where(weight > 0, top, written.seq_start[:, None, None] - 1)
+        top, weight, sharp = (torch.cat([block[i] for block in blocks], dim=-1) for i in (1, 2, 3))
+        named = torch.where(weight > 0, top, written.seq_start[:, None, None] - 1)
         counted = written.query_valid[:, None, :] & self._evidence_rows(0, written.seq_start, norms)
-        self.exemplars.offer(layer, WRITE, norms, counted, top, weight,
-                             sentence_ids=self._batch.sentence_ids, seq_start=written.seq_start)  # fmt: skip
+        shape = norms.shape
+        scores = torch.stack([weight.double().expand(shape), norms.double()])
+        rows = torch.stack([sharp.expand(shape), counted.expand(shape)])
+        keys = torch.stack([top.expand(shape), named.expand(shape)])
+        self.exemplars.offer_kinds(layer, [SHARP, WRITE], scores, rows, keys, weight.expand(shape)[None],
+                                   sentence_ids=self._batch.sentence_ids, seq_start=written.seq_start)  # fmt: skip
 
     def _wait(self, layer, values: RowValues, query_valid, seq_start, row_offset: int, tolerance: float) -> None:
         """Keep a block's rows' values to be summed with other layers' (`_sum_waiting`)."""
