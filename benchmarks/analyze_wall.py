@@ -53,8 +53,10 @@ def main() -> None:
     seconds = [run() for _ in range(args.runs)]
     print(f"headscope from {headscope.__file__}")
     print("seconds:", ", ".join(f"{s:.2f}" for s in seconds))
-    print(f"min {min(seconds):.2f}  median {statistics.median(seconds):.2f}  ({torch.get_num_threads()} threads, "
-          f"exemplars {options.get('exemplars', 'default')})")
+    print(
+        f"min {min(seconds):.2f}  median {statistics.median(seconds):.2f}  ({torch.get_num_threads()} threads, "
+        f"exemplars {options.get('exemplars', 'default')})"
+    )
 
 
 if __name__ == "__main__":

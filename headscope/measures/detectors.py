@@ -101,6 +101,21 @@ def callable_targets(
     return out.to(input_ids.device)
 
 
+def top_target_keys(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, rows) long: each row's key of largest probs x target, the target key the head attends to most.
+
+    probs: (batch, heads, rows, keys); target: (batch, rows, keys). A row with one target key (offset:K, first, a
+    token seen once before: most rows) names it without a product; only rows with several are multiplied out."""
+    batch, heads, rows, _ = probs.shape
+    if (target < 0).any():  # a callable's negative targets: the product decides every row
+        return (probs * target[:, None]).argmax(-1)
+    top = target.argmax(-1)[:, None, :].expand(batch, heads, rows).clone()
+    b, r = torch.nonzero((target != 0).sum(-1) > 1, as_tuple=True)
+    if b.numel():
+        top[b, :, r] = (probs[b, :, r] * target[b, r][:, None, :]).argmax(-1)  # (rows, heads)
+    return top
+
+
 def row_matches(probs: torch.Tensor, target: torch.Tensor, detector: Detector) -> torch.Tensor:
     """Each row's match with the pattern: sum_s A[t,s] P[t,s] (family, mul) or 1 - sum_s |A[t,s] - P[t,s]| (abs).
 

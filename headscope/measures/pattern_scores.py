@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from headscope.columns import EVIDENCE_FROM
-from headscope.measures.detectors import Detector, callable_targets, row_matches, targets
+from headscope.measures.detectors import Detector, callable_targets, row_matches, targets, top_target_keys
 from headscope.measures.exemplars import TopRows
 from headscope.model.batch import Batch
 from headscope.model.masks import count_visible
@@ -102,7 +102,7 @@ class PatternScores:
                 chance[:, i, 1] = counted[:, 0].expand(batch, rows).sum(-1)  # uniform attention's mass is 1
             if self.exemplars is not None:
                 # the target key the row attends to most (a pattern's weights scale it), and its weight
-                top = (probs * target[:, None]).argmax(-1)
+                top = top_target_keys(probs, target)
                 evidence = counted & (positions >= EVIDENCE_FROM)[:, None, :]  # as sharp and write count rows
                 offered.append((matches, evidence, top, probs.gather(-1, top[..., None]).squeeze(-1)))
         if offered:
