@@ -101,19 +101,15 @@ def callable_targets(
     return out.to(input_ids.device)
 
 
-def top_target_keys(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, rows) long: each row's key of largest probs x target, the target key the head attends to most.
-
-    probs: (batch, heads, rows, keys); target: (batch, rows, keys). A row with one target key (offset:K, first, a
-    token seen once before: most rows) names it without a product; only rows with several are multiplied out."""
-    batch, heads, rows, _ = probs.shape
-    if (target < 0).any():  # a callable's negative targets: the product decides every row
-        return (probs * target[:, None]).argmax(-1)
-    top = target.argmax(-1)[:, None, :].expand(batch, heads, rows).clone()
-    b, r = torch.nonzero((target != 0).sum(-1) > 1, as_tuple=True)
-    if b.numel():
-        top[b, :, r] = (probs[b, :, r] * target[b, r][:, None, :]).argmax(-1)  # (rows, heads)
-    return top
+def all_row_matches(probs: torch.Tensor, targets: torch.Tensor, detectors) -> torch.Tensor:
+    """`row_matches` of every detector, (detectors, batch, heads, rows) float64, from targets (detectors, batch,
+    rows, keys): the family and mul detectors in one product per row (one small matrix product, not one each)."""
+    product = torch.matmul(probs.transpose(1, 2), targets.permute(1, 2, 3, 0))  # (batch, rows, heads, detectors)
+    matches = product.permute(3, 0, 2, 1).double()
+    for i, detector in enumerate(detectors):
+        if detector.mode == "abs":
+            matches[i] = row_matches(probs, targets[i], detector)
+    return matches
 
 
 def row_matches(probs: torch.Tensor, target: torch.Tensor, detector: Detector) -> torch.Tensor:

@@ -81,7 +81,9 @@ class TopRows:
         first_row: int = 0,
     ) -> None:
         """`offer` for several kinds at once (one pass where a measure scores several): scores (kinds, batch, heads,
-        rows), `counted`, `keys` and `weights` broadcastable to it."""
+        rows), `counted`, `keys` and `weights` broadcastable to it; or `keys` a function (kind, b, head, r) ->
+        (key, weight) of the candidate rows alone, for keys that cost a pass over every key to find (`weights`
+        None)."""
         n, batch, heads, rows = scores.shape
         if batch == 0 or rows == 0:
             return
@@ -102,10 +104,17 @@ class TopRows:
             return
         b, r = where // rows, where % rows
         kind, head = group // heads, group % heads
+        if callable(keys):
+            key, weight = keys(kind, b, head, r)
+        else:
+            key, weight = (
+                keys.expand(n, batch, heads, rows)[kind, b, head, r],
+                weights.expand(n, batch, heads, rows)[kind, b, head, r],
+            )
         picked = {
             "score": flat[group, where],
-            "key": keys.expand(n, batch, heads, rows)[kind, b, head, r] - seq_start[b],
-            "weight": weights.expand(n, batch, heads, rows)[kind, b, head, r].double(),
+            "key": key - seq_start[b],
+            "weight": weight.double(),
             "row": first_row + r - seq_start[b],
             "b": b,
             "head": group,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from headscope.columns import EVIDENCE_FROM
-from headscope.measures.detectors import Detector, callable_targets, row_matches, targets, top_target_keys
+from headscope.measures.detectors import Detector, all_row_matches, callable_targets, row_matches, targets
 from headscope.measures.exemplars import TopRows
 from headscope.model.batch import Batch
 from headscope.model.masks import count_visible
@@ -78,11 +78,10 @@ class PatternScores:
         )
         if layer == self.layers[0] and self.scored:  # what uniform attention scores: the chance level
             uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
-        block_targets = self._block_targets(block, rows, keys)
-        offered = []  # each detector's exemplar candidates, offered together (one merge per block, not one each)
-        for i, (detector, target) in enumerate(zip(self.detectors, block_targets, strict=True)):
-            target = target * visible
-            matches = row_matches(probs, target, detector)  # (batch, heads, rows) float64
+        block_targets = torch.stack(self._block_targets(block, rows, keys)) * visible  # (detectors, batch, rows, keys)
+        every_match = all_row_matches(probs, block_targets, self.detectors)  # (detectors, batch, heads, rows) float64
+        offered = []  # each detector's exemplar scores, offered together (one merge per block, not one each)
+        for i, (detector, target, matches) in enumerate(zip(self.detectors, block_targets, every_match, strict=True)):
             if detector.weighs_rows:  # every real row, weighed by its mass (mul) or counted once (abs)
                 counted = block.query_valid[:, None, :].expand(batch, heads, rows)
             else:  # the rows with a target key they may see
@@ -101,14 +100,20 @@ class PatternScores:
                 chance[:, i, 0] = torch.where(counted[:, 0], chance_matches, 0.0).sum(-1)
                 chance[:, i, 1] = counted[:, 0].expand(batch, rows).sum(-1)  # uniform attention's mass is 1
             if self.exemplars is not None:
-                # the target key the row attends to most (a pattern's weights scale it), and its weight
-                top = top_target_keys(probs, target)
                 evidence = counted & (positions >= EVIDENCE_FROM)[:, None, :]  # as sharp and write count rows
-                offered.append((matches, evidence, top, probs.gather(-1, top[..., None]).squeeze(-1)))
+                offered.append((matches, evidence, target))
         if offered:
-            scores, evidence, top, weights = (torch.stack(parts) for parts in zip(*offered, strict=True))
+            scores, evidence, kept_targets = (torch.stack(parts) for parts in zip(*offered, strict=True))
+
+            def top_key(kind, b, head, r):
+                """The target key each candidate row attends to most (a pattern's weights scale it), and its weight:
+                found for the few rows that may enter the exemplars, not for every row."""
+                weights = probs[b, head, r]  # (candidates, keys)
+                key = (weights * kept_targets[kind, b, r]).argmax(-1)
+                return key, weights.gather(-1, key[:, None])[:, 0]
+
             self.exemplars.offer_kinds(
-                layer, [detector.name for detector in self.detectors], scores, evidence, top, weights,
+                layer, [detector.name for detector in self.detectors], scores, evidence, top_key, None,
                 sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
             )  # fmt: skip
         self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums

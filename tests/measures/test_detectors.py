@@ -7,12 +7,10 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import headscope
 from headscope.detector_specs import detector_of
 from headscope.errors import ConfigError
-from headscope.measures.detectors import top_target_keys
 from headscope.measures.pattern_scores import PatternScores
 from headscope.measures.probes import ProbeScores, ProbeSpec, probe_inputs
 from headscope.model.batch import collate
@@ -146,20 +144,3 @@ def test_a_bad_detector_is_one_line_before_the_model_loads(no_model_loading, pla
 def test_a_callable_of_the_wrong_shape_is_one_line(planted, corpus_lines):
     with pytest.raises(ConfigError, match="detector 'bad': the callable returned a pattern of shape"):
         headscope.analyze(planted, corpus_lines[:2], probes=False, detectors={"bad": lambda tokens: np.eye(2)})
-
-
-@pytest.mark.parametrize("negative", [False, True])
-def test_the_top_target_key_is_the_largest_weight_times_target(negative):
-    """Rows with no target, one (named without a product) or several (fractional, tied weights too): the key each
-    head attends to most among its targets, as the plain product picks it."""
-    generator = torch.Generator().manual_seed(3)
-    probs = torch.rand(4, 3, 12, 12, generator=generator).add(0.01).softmax(-1)
-    probs[0, :, 5, :3] = probs[0, :, 5, :3].mean(-1, keepdim=True)  # a tie between two target keys
-    target = (torch.rand(4, 12, 12, generator=generator) > 0.85).float() * torch.rand(4, 12, 12, generator=generator)
-    target[0, 5, :3] = 1.0
-    target[1, 2] = 0.0  # a row without targets
-    if negative:
-        target[2, 7, 4] = -0.5
-    assert ((target != 0).sum(-1) == 1).any() and ((target != 0).sum(-1) > 1).any()
-    expected = (probs * target[:, None]).argmax(-1)
-    assert torch.equal(top_target_keys(probs, target), expected)
