@@ -91,15 +91,15 @@ class TopRows:
         counted = counted.expand(n, batch, heads, rows) & torch.isfinite(scores)
         # one group per (kind, head), its rows over the whole batch
         flat = torch.where(counted, scores, -torch.inf).transpose(1, 2).reshape(n * heads, batch * rows)
-        k = min(self.count, batch * rows)
-        kth = flat.topk(k, dim=-1).values[:, -1:]  # (groups, 1): the k-th score of each group
         at = self.layer_index[layer]
         kind_ids = [self.kind_index[kind] for kind in kinds]
-        # A row below the weakest kept one (when `count` are kept) cannot get in: most batches offer nobody.
-        weakest = torch.from_numpy(self.state[at, kind_ids, :, -1, 0].reshape(n * heads, 1))
-        floor = torch.maximum(kth, weakest.to(flat.device))
-        # every row at or above the floor: ties at the border are all offered, and the merge picks among them
-        group, where = torch.nonzero((flat >= floor) & (flat > -torch.inf), as_tuple=True)
+        # A row below the weakest kept one (when `count` are kept) cannot get in: most batches offer few rows.
+        weakest = torch.from_numpy(self.state[at, kind_ids, :, -1, 0].reshape(n * heads, 1)).to(flat.device)
+        above = (flat >= weakest) & (flat > -torch.inf)
+        if int(above.sum(-1).max()) > self.count:  # more than a group keeps: only those at or above its k-th go on
+            kth = flat.topk(min(self.count, batch * rows), dim=-1).values[:, -1:]
+            above &= flat >= kth  # ties at the border all go on, and the merge picks among them
+        group, where = torch.nonzero(above, as_tuple=True)
         if group.numel() == 0:
             return
         b, r = where // rows, where % rows
@@ -111,16 +111,11 @@ class TopRows:
                 keys.expand(n, batch, heads, rows)[kind, b, head, r],
                 weights.expand(n, batch, heads, rows)[kind, b, head, r],
             )
-        picked = {
-            "score": flat[group, where],
-            "key": key - seq_start[b],
-            "weight": weight.double(),
-            "row": first_row + r - seq_start[b],
-            "b": b,
-            "head": group,
-        }
-        picked = {name: value.cpu().numpy() for name, value in picked.items()}
-        picked["sentence"] = np.asarray(sentence_ids, dtype=np.int64)[picked.pop("b")]
+        # to the host in two transfers (each one waits for an accelerator)
+        numbers = torch.stack([flat[group, where], weight.double()]).cpu().numpy()
+        ids = torch.stack([key - seq_start[b], first_row + r - seq_start[b], b, group]).cpu().numpy()
+        picked = {"score": numbers[0], "weight": numbers[1], "key": ids[0], "row": ids[1], "head": ids[3],
+                  "sentence": np.asarray(sentence_ids, dtype=np.int64)[ids[2]]}  # fmt: skip
         self._merge(at, kind_ids, picked)
 
     def _merge(self, layer: int, kinds: list[int], new: dict[str, np.ndarray]) -> None:

@@ -50,7 +50,7 @@ class PatternScores:
         self._sums: dict[int, torch.Tensor] = {}  # layer -> (batch, heads, detectors, 2)
         self._chance: torch.Tensor | None = None  # (batch, detectors, 2), summed over the first layer's blocks
         self._patterns: dict[str, torch.Tensor] = {}  # a callable detector's (batch, t, t) targets, once a batch
-        self._targets: dict[tuple, list[torch.Tensor]] = {}  # (first row, rows, keys) -> each detector's targets
+        self._targets: dict[tuple, tuple] = {}  # (first row, rows, keys) -> (visible keys, what `_block_rows` gives)
 
     def start(self, batch: Batch) -> None:
         self._batch, self._sums, self._chance, self._targets = batch, {}, None, {}
@@ -70,71 +70,73 @@ class PatternScores:
     def attention(self, layer: int, block) -> None:
         probs = block.probabilities().float()  # (batch, heads, rows, keys)
         batch, heads, rows, keys = probs.shape
-        visible = block.visible[:, 0].expand(batch, rows, keys)  # (batch, rows, keys)
-        sums = probs.new_zeros(batch, heads, self.scored, 2, dtype=torch.float64)
-        chance = probs.new_zeros(batch, self.scored, 2, dtype=torch.float64)
-        positions = (
-            torch.arange(block.first_row, block.first_row + rows, device=probs.device) - block.seq_start[:, None]
-        )
-        if layer == self.layers[0] and self.scored:  # what uniform attention scores: the chance level
-            uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
-        block_targets = torch.stack(self._block_targets(block, rows, keys)) * visible  # (detectors, batch, rows, keys)
+        block_targets, counted, evidence = self._block_rows(block, batch, rows, keys)
         every_match = all_row_matches(probs, block_targets, self.detectors)  # (detectors, batch, heads, rows) float64
-        offered = []  # each detector's exemplar scores, offered together (one merge per block, not one each)
-        for i, (detector, target, matches) in enumerate(zip(self.detectors, block_targets, every_match, strict=True)):
-            if detector.weighs_rows:  # every real row, weighed by its mass (mul) or counted once (abs)
-                counted = block.query_valid[:, None, :].expand(batch, heads, rows)
-            else:  # the rows with a target key they may see
-                counted = (block.query_valid & (target.sum(-1) > 0))[:, None, :].expand(batch, heads, rows)
-            if i < self.scored:
-                if detector.weighs_rows and detector.mode == "mul":
-                    weight = probs.sum(-1, dtype=torch.float64)
-                else:
-                    weight = torch.ones_like(matches)
-                sums[:, :, i, 0] = torch.where(counted, matches, 0.0).sum(-1)
-                sums[:, :, i, 1] = torch.where(counted, weight, 0.0).sum(-1)
-            if (
-                i < self.scored and layer == self.layers[0]
-            ):  # uniform attention is the same in every layer: counted once
-                chance_matches = row_matches(uniform[:, None], target, detector)[:, 0]  # (batch, rows)
-                chance[:, i, 0] = torch.where(counted[:, 0], chance_matches, 0.0).sum(-1)
-                chance[:, i, 1] = counted[:, 0].expand(batch, rows).sum(-1)  # uniform attention's mass is 1
-            if self.exemplars is not None:
-                evidence = counted & (positions >= EVIDENCE_FROM)[:, None, :]  # as sharp and write count rows
-                offered.append((matches, evidence, target))
-        if offered:
-            scores, evidence, kept_targets = (torch.stack(parts) for parts in zip(*offered, strict=True))
+        sums = probs.new_zeros(batch, heads, self.scored, 2, dtype=torch.float64)
+        for i, detector in enumerate(self.detectors[: self.scored]):
+            if detector.weighs_rows and detector.mode == "mul":
+                weight = probs.sum(-1, dtype=torch.float64)
+            else:
+                weight = torch.ones_like(every_match[i])
+            sums[:, :, i, 0] = torch.where(counted[i][:, None], every_match[i], 0.0).sum(-1)
+            sums[:, :, i, 1] = torch.where(counted[i][:, None], weight, 0.0).sum(-1)
+        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
+        if layer == self.layers[0]:  # uniform attention is the same in every layer: counted once
+            self._add_chance(block, block_targets, counted, batch, rows, keys)
+        if self.exemplars is not None:
 
             def top_key(kind, b, head, r):
                 """The target key each candidate row attends to most (a pattern's weights scale it), and its weight:
                 found for the few rows that may enter the exemplars, not for every row."""
                 weights = probs[b, head, r]  # (candidates, keys)
-                key = (weights * kept_targets[kind, b, r]).argmax(-1)
+                key = (weights * block_targets[kind, b, r]).argmax(-1)
                 return key, weights.gather(-1, key[:, None])[:, 0]
 
             self.exemplars.offer_kinds(
-                layer, [detector.name for detector in self.detectors], scores, evidence, top_key, None,
-                sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
+                layer, [detector.name for detector in self.detectors], every_match, evidence[:, :, None], top_key,
+                None, sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
             )  # fmt: skip
-        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
-        if layer == self.layers[0]:
-            self._chance = chance if self._chance is None else self._chance + chance
 
-    def _block_targets(self, block, rows: int, keys: int) -> list[torch.Tensor]:
-        """Every detector's (batch, rows, keys) targets for the block (kept for the batch's other layers while
-        they are small)."""
+    def _add_chance(self, block, block_targets, counted, batch: int, rows: int, keys: int) -> None:
+        chance = block_targets.new_zeros(batch, self.scored, 2, dtype=torch.float64)
+        if self.scored:
+            visible = block.visible[:, 0].expand(batch, rows, keys)
+            uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
+        for i, detector in enumerate(self.detectors[: self.scored]):
+            chance_matches = row_matches(uniform[:, None], block_targets[i], detector)[:, 0]  # (batch, rows)
+            chance[:, i, 0] = torch.where(counted[i], chance_matches, 0.0).sum(-1)
+            chance[:, i, 1] = counted[i].sum(-1)  # uniform attention's mass is 1
+        self._chance = chance if self._chance is None else self._chance + chance
+
+    def _block_rows(self, block, batch: int, rows: int, keys: int):
+        """For the block, what does not change from layer to layer: every detector's targets on the keys each row
+        may see (detectors, batch, rows, keys); the rows each counts (detectors, batch, rows): every real row for a
+        detector that weighs rows, else the rows with a target they may see; and of those, the exemplars' rows
+        (from EVIDENCE_FROM on, as sharp and write count theirs). Kept for the batch's other layers while small, and
+        while their visible keys are the same (a sliding-window layer's are not)."""
         where = (block.first_row, rows, keys)
-        if where in self._targets:
-            return self._targets[where]
+        cached = self._targets.get(where)
+        if cached is not None and torch.equal(cached[0], block.visible):
+            return cached[1]
+        visible = block.visible[:, 0].expand(batch, rows, keys)
+        made = torch.stack(self._raw_targets(block, rows, keys)) * visible
+        real = block.query_valid[None].expand(len(self.detectors), batch, rows)
+        weighs = torch.tensor([d.weighs_rows for d in self.detectors], device=made.device)[:, None, None]
+        counted = real & (weighs | (made.sum(-1) > 0))
+        positions = torch.arange(block.first_row, block.first_row + rows, device=made.device) - block.seq_start[:, None]
+        evidence = counted & (positions >= EVIDENCE_FROM)[None]
+        held = sum(entry[1][0].numel() for entry in self._targets.values())
+        if held + made.numel() <= CACHED_TARGETS:
+            self._targets[where] = (block.visible, (made, counted, evidence))
+        return made, counted, evidence
+
+    def _raw_targets(self, block, rows: int, keys: int) -> list[torch.Tensor]:
+        """Every detector's (batch, rows, keys) targets for the block, before the keys a row may see."""
         batch = self._batch
         real = batch.attention_mask.bool()
         span = slice(block.first_row, block.first_row + rows)
         where_ids = (batch.input_ids, real, batch.seq_start, span, keys, self.token_text)
-        made = [targets(detector, *where_ids, self._patterns.get(detector.name)) for detector in self.detectors]
-        held = sum(target.numel() for cached in self._targets.values() for target in cached)
-        if held + sum(target.numel() for target in made) <= CACHED_TARGETS:
-            self._targets[where] = made
-        return made
+        return [targets(detector, *where_ids, self._patterns.get(detector.name)) for detector in self.detectors]
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's sums: (layers, batch, heads, detectors, 2) and (batch, detectors, 2), in layer order."""
