@@ -23,10 +23,20 @@ import numpy as np
 import pandas as pd
 import torch
 
+from headscope.columns import EVIDENCE_FROM
+
 SHARP, WRITE = "sharp", "write"
 # The probes' patterns, read on the corpus as detectors (measures.detectors SPECs).
 PROBE_KINDS = {"induction": "after-same-token", "duplicate": "same-token", "previous": "offset:1"}
 STATE_FIELDS = ("score", "sentence", "row", "key", "weight")
+
+
+def evidence_rows(first_row: int, rows: int, seq_start: torch.Tensor) -> torch.Tensor:
+    """(batch, rows) bool: the rows of a block (query positions first_row, first_row + 1, ...) at EVIDENCE_FROM or
+    after in their sentence, the rows every kind counts (earlier rows see so few keys that any head is sharp
+    there), as top_offset counts its evidence."""
+    positions = torch.arange(first_row, first_row + rows, device=seq_start.device)
+    return positions[None, :] - seq_start[:, None] >= EVIDENCE_FROM
 
 
 def empty_state(layers: int, kinds: int, heads: int, count: int) -> np.ndarray:
@@ -52,24 +62,6 @@ class TopRows:
     def offer(
         self,
         layer: int,
-        kind: str,
-        scores: torch.Tensor,
-        counted: torch.Tensor,
-        keys: torch.Tensor,
-        weights: torch.Tensor,
-        *,
-        sentence_ids: Sequence[int],
-        seq_start: torch.Tensor,
-        first_row: int = 0,
-    ) -> None:
-        """A block of rows' scores, (batch, heads, rows), with `counted` (broadcastable to it) the rows that count,
-        and each row's key (batch positions, long) and its weight. Rows query positions first_row, first_row + 1, ..."""
-        self.offer_kinds(layer, [kind], scores[None], counted[None], keys[None], weights[None],
-                         sentence_ids=sentence_ids, seq_start=seq_start, first_row=first_row)  # fmt: skip
-
-    def offer_kinds(
-        self,
-        layer: int,
         kinds: Sequence[str],
         scores: torch.Tensor,
         counted: torch.Tensor,
@@ -80,10 +72,11 @@ class TopRows:
         seq_start: torch.Tensor,
         first_row: int = 0,
     ) -> None:
-        """`offer` for several kinds at once (one pass where a measure scores several): scores (kinds, batch, heads,
-        rows), `counted`, `keys` and `weights` broadcastable to it; or `keys` a function (kind, b, head, r) ->
-        (key, weight) of the candidate rows alone, for keys that cost a pass over every key to find (`weights`
-        None)."""
+        """A block of rows' scores for the `kinds` a measure scores together, (kinds, batch, heads, rows), with
+        `counted` (broadcastable to it) the rows that count, and each row's key (batch positions, long) and its
+        weight, broadcastable too; or `keys` a function (kind, b, head, r) -> (key, weight) of the candidate rows
+        alone, for keys that cost a pass over every key to find (`weights` None). Rows query positions first_row,
+        first_row + 1, ..."""
         n, batch, heads, rows = scores.shape
         if batch == 0 or rows == 0:
             return

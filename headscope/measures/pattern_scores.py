@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from headscope.columns import EVIDENCE_FROM
 from headscope.measures.detectors import Detector, all_row_matches, callable_targets, row_matches, targets
-from headscope.measures.exemplars import TopRows
+from headscope.measures.exemplars import TopRows, evidence_rows
 from headscope.model.batch import Batch
 from headscope.model.masks import count_visible
 
@@ -92,7 +91,7 @@ class PatternScores:
                 key = (weights * block_targets[kind, b, r]).argmax(-1)
                 return key, weights.gather(-1, key[:, None])[:, 0]
 
-            self.exemplars.offer_kinds(
+            self.exemplars.offer(
                 layer, [detector.name for detector in self.detectors], every_match, evidence[:, :, None], top_key,
                 None, sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
             )  # fmt: skip
@@ -112,7 +111,7 @@ class PatternScores:
         """For the block, what does not change from layer to layer: every detector's targets on the keys each row
         may see (detectors, batch, rows, keys); the rows each counts (detectors, batch, rows): every real row for a
         detector that weighs rows, else the rows with a target they may see; and of those, the exemplars' rows
-        (from EVIDENCE_FROM on, as sharp and write count theirs). Kept for the batch's other layers while small, and
+        (measures.exemplars.evidence_rows). Kept for the batch's other layers while small, and
         while their visible keys are the same (a sliding-window layer's are not)."""
         where = (block.first_row, rows, keys)
         cached = self._targets.get(where)
@@ -123,8 +122,7 @@ class PatternScores:
         real = block.query_valid[None].expand(len(self.detectors), batch, rows)
         weighs = torch.tensor([d.weighs_rows for d in self.detectors], device=made.device)[:, None, None]
         counted = real & (weighs | (made.sum(-1) > 0))
-        positions = torch.arange(block.first_row, block.first_row + rows, device=made.device) - block.seq_start[:, None]
-        evidence = counted & (positions >= EVIDENCE_FROM)[None]
+        evidence = counted & evidence_rows(block.first_row, rows, block.seq_start)[None]
         held = sum(entry[1][0].numel() for entry in self._targets.values())
         if held + made.numel() <= CACHED_TARGETS:
             self._targets[where] = (block.visible, (made, counted, evidence))

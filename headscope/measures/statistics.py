@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 import torch
 
-from headscope.columns import EVIDENCE_FROM, STATS
+from headscope.columns import STATS
 from headscope.errors import ModelLoadError
-from headscope.measures.exemplars import SHARP, WRITE, TopRows
+from headscope.measures.exemplars import SHARP, WRITE, TopRows, evidence_rows
 from headscope.measures.row_sums import head_row_sums_from_logits, head_row_sums_from_values, weight_row_values
 from headscope.measures.rows import without_first
 from headscope.measures.writes import OUTPUT_INDEX, head_write_sums, sink_value_ratios, write_norms
@@ -52,7 +52,7 @@ class AttentionStatistics:
         self.window = window
         # where each row's sharpness and write norm go to find the heads' exemplars (None: nowhere)
         self.exemplars = exemplars
-        self._top_keys: dict[int, list] = {}  # layer -> [(first row, top key, its weight)]: for the write kind
+        self._top_keys: dict[int, list] = {}  # layer -> [(first row, top key, its weight, rows counted)] of sharp
         self.sink_threshold = sink_threshold
         self.accum_dtype = accum_dtype
         self.layers = sorted(set(layers)) if layers is not None else None
@@ -147,17 +147,9 @@ class AttentionStatistics:
         """A block's rows for the exemplars of kind sharp: their largest weight off the first token (rows that see
         no other key do not count) and that key, which the write kind names too. Both kinds are offered together
         once the layer's write norms come (`_offer_write`): one merge per layer, not two."""
-        counted = (
-            block.query_valid[:, None, :] & (weight > 0) & self._evidence_rows(block.first_row, block.seq_start, weight)
-        )
+        evidence = evidence_rows(block.first_row, weight.shape[-1], block.seq_start)
+        counted = (block.query_valid & evidence)[:, None, :] & (weight > 0)
         self._top_keys.setdefault(layer, []).append((block.first_row, top_key, weight, counted))
-
-    @staticmethod
-    def _evidence_rows(first_row: int, seq_start: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """(batch, 1, rows) bool: rows at EVIDENCE_FROM or after in their sentence (earlier rows see so few keys that
-        any head is sharp there), as top_offset counts its evidence."""
-        rows = torch.arange(first_row, first_row + like.shape[-1], device=like.device)
-        return (rows[None, :] - seq_start[:, None] >= EVIDENCE_FROM)[:, None, :]
 
     def _offer_write(self, layer: int, norms: torch.Tensor, written: LayerOutput) -> None:
         """The layer's rows to the exemplars of kinds sharp (kept by `_offer_sharp`) and write: every row's write
@@ -167,13 +159,13 @@ class AttentionStatistics:
             return
         top, weight, sharp = (torch.cat([block[i] for block in blocks], dim=-1) for i in (1, 2, 3))
         named = torch.where(weight > 0, top, written.seq_start[:, None, None] - 1)
-        counted = written.query_valid[:, None, :] & self._evidence_rows(0, written.seq_start, norms)
+        counted = (written.query_valid & evidence_rows(0, norms.shape[-1], written.seq_start))[:, None, :]
         shape = norms.shape
         scores = torch.stack([weight.double().expand(shape), norms.double()])
         rows = torch.stack([sharp.expand(shape), counted.expand(shape)])
         keys = torch.stack([top.expand(shape), named.expand(shape)])
-        self.exemplars.offer_kinds(layer, [SHARP, WRITE], scores, rows, keys, weight.expand(shape)[None],
-                                   sentence_ids=self._batch.sentence_ids, seq_start=written.seq_start)  # fmt: skip
+        self.exemplars.offer(layer, [SHARP, WRITE], scores, rows, keys, weight.expand(shape)[None],
+                             sentence_ids=self._batch.sentence_ids, seq_start=written.seq_start)  # fmt: skip
 
     def _wait(self, layer, values: RowValues, query_valid, seq_start, row_offset: int, tolerance: float) -> None:
         """Keep a block's rows' values to be summed with other layers' (`_sum_waiting`)."""

@@ -46,8 +46,8 @@ def offered(batches, scores, counted, keys, weights, sentence_ids, count=COUNT):
     for picked in batches:
         starts = torch.zeros(len(picked), dtype=torch.long)
         ids = [sentence_ids[i] for i in picked]
-        top.offer(0, "sharp", scores[picked], counted[picked], keys[picked], weights[picked], sentence_ids=ids,
-                  seq_start=starts)  # fmt: skip
+        top.offer(0, ["sharp"], scores[picked][None], counted[picked][None], keys[picked][None],
+                  weights[picked][None], sentence_ids=ids, seq_start=starts)  # fmt: skip
     return top
 
 
