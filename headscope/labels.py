@@ -109,6 +109,9 @@ def _previous_reason(row, r: RoleThresholds, t: Thresholds) -> str:
     return f"prev_token {row.prev_token:.3f} >= {r.probe_min} (no probes)"
 
 
+# The roles the probes name -> the probe pattern (and exemplar kind) that shows each; they show on the probe sequence.
+PROBE_ROLES: dict[str, str] = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"}
+
 # role -> (test on the heads table, reason for heads that pass it). Order is the rule's order.
 RoleRule = tuple[
     Callable[[pd.DataFrame, RoleThresholds, Thresholds], pd.Series],

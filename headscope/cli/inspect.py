@@ -35,7 +35,7 @@ def inspect(
     from headscope.arguments import parse_heads, parse_ids
     from headscope.cli.printing import print_inspection
     from headscope.commands.exemplar_texts import report_as_model
-    from headscope.commands.inspect import check_request
+    from headscope.commands.inspect import check_request, one_head
     from headscope.commands.inspect import inspect as run_inspection
     from headscope.config import RoleThresholds, settings_from_command_line
     from headscope.errors import ConfigError
@@ -52,10 +52,7 @@ def inspect(
         probes = [p.value for p in probe or ()]
         exemplar_head = None
         if exemplars_of is not None:
-            named = parse_heads(exemplars_of, "--exemplars")
-            if len(named) != 1:
-                raise ConfigError(f"--exemplars takes one head, like 18.6; got {exemplars_of!r}")
-            exemplar_head = named[0]
+            exemplar_head = one_head(exemplars_of)
             model, report = report_as_model(model, report)
         check_request(text or (), ids, probes, chosen, role or (), report, exemplar_head)
     with user_errors(ctx):

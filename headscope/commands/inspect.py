@@ -30,7 +30,7 @@ from headscope.columns import PROBE_PATTERNS
 from headscope.commands.exemplar_texts import ExemplarTexts, check_rows, exemplar_texts
 from headscope.config import RoleThresholds, RunConfig, run_settings
 from headscope.errors import ConfigError
-from headscope.labels import ROLES
+from headscope.labels import PROBE_ROLES, ROLES
 from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, TOKENS_FILE
 from headscope.measures.heads import (
     HeadAttention,
@@ -53,7 +53,6 @@ from headscope.run.setup import INSPECT_SETTINGS, CommandRun, record_header
 from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
 
 PROBES = PROBE_PATTERNS  # --probe: the patterns whose score each head gets on the probe text
-PROBE_ROLES = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"}
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ def inspect(
     texts, probes, roles = as_texts(texts, "--text"), as_texts(probes, "--probe"), as_texts(roles, "--role")
     sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
     report = as_path(report, "report")
-    exemplars = _one_head(exemplars) if exemplars is not None else None
+    exemplars = one_head(exemplars) if exemplars is not None else None
     check_request(texts, sentences, probes, heads, roles, report, exemplars)
     one_process_only("inspect")
     wanted = None
@@ -242,7 +241,8 @@ def check_request(texts, sentences, probes, heads, roles, report, exemplars=None
         )
 
 
-def _one_head(value) -> tuple[int, int]:
+def one_head(value) -> tuple[int, int]:
+    """--exemplars's head: (layer, head) or "L.H", exactly one."""
     heads = as_heads([value] if isinstance(value, tuple) else value, "--exemplars")
     if len(heads) != 1:
         raise ConfigError(f"--exemplars takes one head, like 18.6; got {len(heads)}")

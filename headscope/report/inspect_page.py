@@ -12,6 +12,7 @@ import base64
 import numpy as np
 import pandas as pd
 
+from headscope.labels import PROBE_ROLES
 from headscope.report import palette
 from headscope.report.page import page_html
 
@@ -68,7 +69,7 @@ def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:
         ],
         "heads": [{"name": name, "role": record["roles"].get(name)} for name in record["heads"]],
         "roles_from": record["roles_from"],
-        "probe_roles": ["induction", "duplicate-token", "previous-token"],
+        "probe_roles": list(PROBE_ROLES),
         "summary": record["summary"],
         "views": views.views,
         "left_out": [{"text": t, "head": f"{p[0]}.{p[1]}", "why": why} for t, p, why in views.left_out],

@@ -23,6 +23,7 @@ import pandas as pd
 
 from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
 from headscope.files import atomic_path
+from headscope.labels import PROBE_ROLES
 from headscope.layout import (
     EXAMPLES_FILE,
     EXEMPLARS_FILE,
@@ -103,7 +104,6 @@ def _columns(frame: pd.DataFrame, names, digits: int = 6) -> dict[str, list]:
 
 # Example weights the page carries, one byte each; the report's examples.parquet holds them all, exactly.
 VIEW_BYTES = 6_000_000
-PROBE_ROLES = ("induction", "duplicate-token", "previous-token")  # roles that show on the probe sequence
 
 
 def _views(examples: pd.DataFrame | None, heads: pd.DataFrame) -> list[dict]:
@@ -261,7 +261,7 @@ def report_page(report, *, files_in: Path | Sequence[Path] | None = None) -> str
         "layers": _columns(report.layers, report.layers.columns) if report.layers is not None else None,
         "views": _views(report.examples, heads),
         "exemplars": _exemplars(report.exemplars, report.run),
-        "probe_roles": list(PROBE_ROLES),
+        "probe_roles": PROBE_ROLES,  # role -> the probe pattern and exemplar kind that shows it
         "thresholds": report.thresholds.to_dict(),
         "columns": {
             "selectable": shown,

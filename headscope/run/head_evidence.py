@@ -15,6 +15,7 @@ from headscope.estimates import percentile_interval, ratio, replicate_weights
 from headscope.measures.exemplars import PROBE_KINDS, SHARP, WRITE, TopRows, empty_state, merged_states
 from headscope.measures.pattern_scores import PatternScores
 from headscope.run.feed import token_texts
+from headscope.tables import DETECTOR_PREFIX
 
 
 def exemplar_kinds(settings) -> tuple[str, ...]:
@@ -54,7 +55,7 @@ class DetectorScores:
         """heads.parquet's detect_<name>, its interval's ends and its chance level, (layers, heads) each."""
         out = {}
         for i, detector in enumerate(self.detectors):
-            name = f"detect_{detector.name}"
+            name = f"{DETECTOR_PREFIX}{detector.name}"
             out[name] = self.scores[..., i]
             if self.low is not None:
                 out[f"{name}_ci_low"], out[f"{name}_ci_high"] = self.low[..., i], self.high[..., i]

@@ -49,7 +49,7 @@ function example(i, n) {
   }
   if (n === undefined || !views.some(([, m]) => m === n)) {
     const probe = views.find(([v]) => v.source === "probe");
-    n = D.probe_roles.includes(H.role[i]) && probe ? probe[1] : views[0][1];
+    n = H.role[i] in D.probe_roles && probe ? probe[1] : views[0][1];
   }
   pick.replaceChildren(...views.map(([v, m]) => {
     const button = document.createElement("button");
@@ -75,8 +75,6 @@ function example(i, n) {
 // The exemplars: "layer,head" -> kind index -> rows of D.exemplars in rank order.
 const E = D.exemplars, EXEMPLARS = {};
 if (E) for (let r = 0; r < E.rank.length; r++) ((EXEMPLARS[E.layer[r] + "," + E.head[r]] ||= {})[E.kind[r]] ||= []).push(r);
-// The kind a head opens on: its role's pattern where it has one, else its sharpest rows.
-const ROLE_KIND = {"induction": "induction", "duplicate-token": "duplicate", "previous-token": "previous"};
 
 // Head i's corpus exemplars of one kind, a token strip each: the query outlined, the key it attends to most shaded
 // by its weight (a key far back is shown before the strip, after "...").
@@ -93,7 +91,7 @@ function exemplars(i, kind) {
     return;
   }
   if (kind === undefined || !mine[kind]) {
-    const preferred = E.kinds.indexOf(ROLE_KIND[H.role[i]]);
+    const preferred = E.kinds.indexOf(D.probe_roles[H.role[i]]);  // its role's pattern, else its sharpest rows
     kind = mine[preferred] ? preferred : kinds[0][1];
   }
   pick.replaceChildren(...kinds.map(([name, k]) => {
