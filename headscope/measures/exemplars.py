@@ -7,8 +7,9 @@ For every (layer, head, kind) the `count` query rows of the corpus with the high
                are the probes' patterns read on corpus text (after-same-token, same-token, offset:1)
 Each kept row records its sentence (corpus id), row (position from the sentence's first token), a key and its
 weight: for sharp and write the row's most attended key off the first token, for a pattern the target key it
-attends to most. Ties go to the earlier sentence, then the earlier row, so the rows kept are a pure function of
-the corpus: the same whatever the batches, their order, or how ranks split them.
+attends to most. Equal scores go to the earlier sentence, then the earlier row, so merging batches, checkpoints or
+ranks keeps what one sort of every row would. (The same row computed in a batch of another shape scores the same only
+within float32 rounding: docs/exemplars.md says what holds across batchings.)
 
 The state is fixed in size, (layers, kinds, heads, count, fields) float64 (`STATE_FIELDS`), whatever the corpus: it
 checkpoints and gathers across ranks like the sums. A batch's candidates are found on its device (a top-k per head

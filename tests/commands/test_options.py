@@ -24,7 +24,7 @@ from headscope.labels import assign_roles, classify_heads
 from headscope.model.loading import load_for_run
 from headscope.progress import NullReporter
 
-from helpers import Interrupting, run_cli, tiny_model_folder
+from helpers import Interrupting, assert_same_exemplars, run_cli, tiny_model_folder
 from planted import (
     COPY_LOGIT,
     COPY_VOCAB,
@@ -467,10 +467,12 @@ def check_resume(planted, texts, baseline, tmp_path):
     )  # fmt: skip
     assert interrupted.exit_code == 130
     resumed = cli(planted, tmp_path, "--corpus", corpus, *options)
-    for name in ("heads", "sentence_heads", "exemplars"):
+    for name in ("heads", "sentence_heads"):
         pd.testing.assert_frame_equal(
             pd.read_parquet(resumed / f"{name}.parquet"), pd.read_parquet(whole / f"{name}.parquet")
         )
+    # the corpus repeats its sentences: their rows tie within float32 rounding, and the batches pick among them
+    assert_same_exemplars(pd.read_parquet(resumed / "exemplars.parquet"), pd.read_parquet(whole / "exemplars.parquet"))
 
 
 def check_charts(planted, texts, baseline, tmp_path):

@@ -12,6 +12,7 @@ import torch
 import headscope
 from headscope.measures.exemplars import TopRows, exemplar_frame, merged_states
 
+from helpers import assert_same_exemplars
 from reference import eager_attention
 
 COUNT = 5
@@ -115,14 +116,22 @@ def test_the_planted_previous_token_head_attends_to_the_previous_token_in_every_
 @pytest.mark.parametrize("other", ["one", "fused"])
 def test_exemplars_are_the_same_whatever_the_batch_size_or_attention_path(planted_runs, other):
     """Scores within float32 rounding; the rows themselves equal wherever the scores are not tied within it."""
-    a, b = planted_runs["auto"].exemplars, planted_runs[other].exemplars
-    assert len(a) == len(b)
-    np.testing.assert_allclose(b["score"], a["score"], rtol=1e-5, atol=1e-6)
-    distinct = a.groupby(["layer", "head", "kind"], observed=True)["score"].transform(
-        lambda s: s.diff().abs().fillna(1).gt(1e-5) & s.diff(-1).abs().fillna(1).gt(1e-5)
-    )
-    columns = ["layer", "head", "kind", "rank", "sentence", "row", "key"]
-    pd.testing.assert_frame_equal(a.loc[distinct, columns], b.loc[distinct, columns])
+    assert_same_exemplars(planted_runs["auto"].exemplars, planted_runs[other].exemplars)
+
+
+def test_the_batching_comparison_admits_ties_and_nothing_else():
+    """assert_same_exemplars, as the batch-size and resume tests use it: a repeated sentence kept in another copy
+    passes; a row that is not tied with what it replaces, or another key, fails."""
+    frame = pd.DataFrame({"layer": 0, "head": 0, "kind": "sharp", "rank": [1, 2, 3], "sentence": [4, 7, 9],
+                          "row": [5, 5, 6], "key": [1, 2, 3], "score": [0.9, 0.5, 0.25]})  # fmt: skip
+    repeat = frame.assign(sentence=[4, 7, 19], score=[0.9, 0.5, 0.25 + 1e-7])  # sentence 19 repeats 9: a border tie
+    assert_same_exemplars(frame, repeat)
+    # two rows tied, in the other order
+    swapped = frame.assign(sentence=[4, 9, 7], row=[5, 6, 5], key=[1, 3, 2], score=[0.9, 0.5 + 1e-7, 0.5])
+    assert_same_exemplars(frame.assign(score=[0.9, 0.5, 0.5]), swapped)
+    for other in (frame.assign(sentence=[4, 8, 9]), frame.assign(key=[1, 2, 4]), frame.assign(score=[0.9, 0.5, 0.2])):
+        with pytest.raises(AssertionError):
+            assert_same_exemplars(frame, other)
 
 
 def test_exemplars_off_writes_no_table(planted_gpt2, corpus_lines, tmp_path):

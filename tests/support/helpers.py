@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from typer.testing import CliRunner
 
@@ -166,3 +167,33 @@ def assert_same_heads(got, expected, names=METRICS, atol=1e-5):
 
 def statistics() -> AttentionStatistics:
     return AttentionStatistics(window=2, sink_threshold=0.3, accum_dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- exemplars compared across batchings
+
+# How far one row's exemplar score may move when it is computed in a batch of another shape (or on another attention
+# path): float32 rounding of the model's own activations, which differ by up to 5.5e-6 of a row between batch shapes
+# (docs/tests.md), and of the score's own sum.
+EXEMPLAR_RTOL, EXEMPLAR_ATOL = 1e-5, 1e-6
+
+
+def assert_same_exemplars(a, b, rtol: float = EXEMPLAR_RTOL, atol: float = EXEMPLAR_ATOL) -> None:
+    """Two exemplars tables of one corpus computed with other batches (or paths) agree as docs/exemplars.md
+    guarantees: rank by rank the same scores within float32 rounding (so rows that trade ranks are tied within it);
+    a row kept in one table and not in the other tied within that rounding with the other's weakest kept row (a
+    border tie, as a repeated sentence makes); and a row kept in both with the same key."""
+    group = ["layer", "head", "kind"]
+    a, b = (frame.sort_values([*group, "rank"], ignore_index=True) for frame in (a, b))
+    pd.testing.assert_frame_equal(a[[*group, "rank"]], b[[*group, "rank"]], check_dtype=False)
+    np.testing.assert_allclose(b["score"], a["score"], rtol=rtol, atol=atol)
+    for keys, mine in a.groupby(group, observed=True):
+        other = b.loc[mine.index]
+        for one, two in ((mine, other), (other, mine)):
+            both = one.merge(two, on=["sentence", "row"], suffixes=("", "_other"))
+            assert (both["key"] == both["key_other"]).all(), f"{keys}: a row kept in both names two keys"
+            alone = one[~one.set_index(["sentence", "row"]).index.isin(both.set_index(["sentence", "row"]).index)]
+            weakest = two["score"].iloc[-1]  # the row's own score moves by the rounding, and the tie by as much again
+            assert np.isclose(alone["score"], weakest, rtol=2 * rtol, atol=2 * atol).all(), (
+                f"{keys}: rows kept by one table alone are not tied with the other's weakest: "
+                f"{alone[['rank', 'sentence', 'row', 'score']].to_dict('records')} against {weakest}"
+            )
