@@ -72,6 +72,39 @@ def targets(
     return (hit & inside).float()
 
 
+def target_classes(
+    detector: Detector,
+    input_ids: torch.Tensor,
+    real: torch.Tensor,
+    seq_start: torch.Tensor,
+    token_text: Callable[[int], str],
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A built-in family's targets on a batch as classes (headscope.model.attention.key_patterns): (key_class,
+    row_class, strict), (batch, t) long each, such that key s is a target of row t where key_class[s] == row_class[t]
+    >= 0 and s <= t (s < t where strict): exactly `targets`' keys (tested). Keys of no row's target are -1, rows
+    without targets -2. A callable has no classes (ValueError)."""
+    batch, t = input_ids.shape
+    position = torch.arange(t, device=input_ids.device).expand(batch, t)
+    starts = seq_start[:, None]
+    family = detector.family
+    if family == "offset":  # the key at t - K, by its position
+        key_class, row_class = position, position - detector.parameter
+    elif family in ("same-token", "after-same-token"):
+        before = torch.cat([input_ids.new_full((batch, 1), -1), input_ids[:, :-1]], dim=1)  # token s-1 at s
+        key_class = input_ids if family == "same-token" else torch.where(position > starts, before, -1)
+        row_class = input_ids
+    elif family == "token":
+        key_class = torch.where(_matching_tokens(detector.parameter, input_ids, token_text), 0, -1)
+        row_class = torch.zeros_like(input_ids)
+    elif family == "first":
+        key_class, row_class = torch.where(position == starts, 0, -1), torch.zeros_like(input_ids)
+    else:
+        raise ValueError(f"detector family {family!r} has no target classes")
+    key_class = torch.where(real & (key_class >= 0), key_class, -1)
+    row_class = torch.where(real & (row_class >= 0), row_class, -2)
+    return key_class, row_class, family == "same-token"
+
+
 def _matching_tokens(regex: str, input_ids: torch.Tensor, token_text: Callable[[int], str]) -> torch.Tensor:
     """(batch, t) bool: each token's text matches `regex` (each distinct id decoded once)."""
     ids, where = torch.unique(input_ids, return_inverse=True)

@@ -180,16 +180,15 @@ CONTEXT_BEFORE, CONTEXT_AFTER, FAR_KEY, FAR_CONTEXT = 4, 2, 40, 16
 def with_context(frame: pd.DataFrame, tokens: dict[int, list[str]]) -> pd.DataFrame:
     """The exemplars with their query's and key's tokens, and a window of the sentence around them (context, from
     position context_start). tokens: sentence id -> the sentence's tokens as text."""
-    starts, contexts, queries, keys = [], [], [], []
-    for sentence, row, key in zip(frame["sentence"], frame["row"], frame["key"], strict=True):
-        text = tokens[sentence]
-        near = key >= 0 and row - key <= FAR_KEY
-        start = max(0, min(row, key) - CONTEXT_BEFORE) if near else max(0, row - FAR_CONTEXT)
-        starts.append(start)
-        contexts.append(text[start : row + CONTEXT_AFTER + 1])
-        queries.append(text[row])
-        keys.append(text[key] if key >= 0 else None)
+    row, key = frame["row"].to_numpy(), frame["key"].to_numpy()
+    near = (key >= 0) & (row - key <= FAR_KEY)
+    starts = np.maximum(0, np.where(near, np.minimum(row, key) - CONTEXT_BEFORE, row - FAR_CONTEXT))
+    texts = [tokens[sentence] for sentence in frame["sentence"].tolist()]
+    rows, keys, begins = row.tolist(), key.tolist(), starts.tolist()
+    contexts = [text[start : at + CONTEXT_AFTER + 1] for text, start, at in zip(texts, begins, rows, strict=True)]
+    queries = [text[at] for text, at in zip(texts, rows, strict=True)]
+    named = [text[at] if at >= 0 else None for text, at in zip(texts, keys, strict=True)]
     return frame.assign(query_token=pd.Series(queries, dtype=object, index=frame.index),
-                        key_token=pd.Series(keys, dtype=object, index=frame.index),
-                        context_start=np.array(starts, dtype=np.int64),
+                        key_token=pd.Series(named, dtype=object, index=frame.index),
+                        context_start=starts.astype(np.int64),
                         context=pd.Series(contexts, dtype=object, index=frame.index))  # fmt: skip

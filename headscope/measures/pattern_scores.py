@@ -1,8 +1,14 @@
-"""The detectors' measure: rides on the capture, reads each layer's attention probabilities block by block (the
-eager weights, or the fused path's logits recomputed) and keeps, per (sentence, layer, head, detector), the sums
-behind each score (measures.detectors): the numerator (the rows' matches) and the denominator (the rows counted,
-or a `mul` pattern's attention mass); per (sentence, detector) the same for uniform attention, the chance level.
-Each row's match also goes to the exemplars (measures.exemplars), under the detector's name.
+"""The detectors' measure: rides on the capture and keeps, per (sentence, layer, head, detector), the sums behind
+each score (measures.detectors): the numerator (the rows' matches) and the denominator (the rows counted, or a `mul`
+pattern's attention mass); per (sentence, detector) the same for uniform attention, the chance level. Each row's match
+also goes to the exemplars (measures.exemplars), under the detector's name.
+
+Two ways in, the same numbers (within float32 rounding: tested on every path):
+- where the fused pass folds a layer (long texts), its kernel reads the built-in families' targets in the same pass
+  as the statistics (`key_patterns` -> `pattern_rows`, headscope.model.attention.key_patterns): nothing is computed
+  twice;
+- elsewhere (the eager path's probabilities; a fused layer no kernel took; a callable detector, whose pattern is any
+  (t x t) array) block by block from the probabilities (`attention`).
 """
 
 from __future__ import annotations
@@ -11,8 +17,17 @@ from collections.abc import Sequence
 
 import torch
 
-from headscope.measures.detectors import Detector, all_row_matches, callable_targets, row_matches, targets
+from headscope.measures.detectors import (
+    Detector,
+    all_row_matches,
+    callable_targets,
+    row_matches,
+    target_classes,
+    targets,
+)
 from headscope.measures.exemplars import TopRows, evidence_rows
+from headscope.model.attention.finish_rows import RowValues
+from headscope.model.attention.key_patterns import KeyPatterns, PatternRows
 from headscope.model.batch import Batch
 from headscope.model.masks import count_visible
 
@@ -50,9 +65,14 @@ class PatternScores:
         self._chance: torch.Tensor | None = None  # (batch, detectors, 2), summed over the first layer's blocks
         self._patterns: dict[str, torch.Tensor] = {}  # a callable detector's (batch, t, t) targets, once a batch
         self._targets: dict[tuple, tuple] = {}  # (first row, rows, keys) -> (visible keys, what `_block_rows` gives)
+        # the built-in families (the fused pass folds their targets); callables are read block by block
+        self.folded = [i for i, detector in enumerate(self.detectors) if detector.family != "callable"]
+        self._key_patterns: dict[torch.device, KeyPatterns] = {}  # the batch's, on each device a layer runs on
+        self._read_folded: set[int] = set()  # layers of the batch whose folded detectors came by `pattern_rows`
 
     def start(self, batch: Batch) -> None:
         self._batch, self._sums, self._chance, self._targets = batch, {}, None, {}
+        self._key_patterns, self._read_folded = {}, set()
         real = batch.attention_mask.bool()
         self._patterns = {
             detector.name: callable_targets(detector, batch.input_ids, real, batch.seq_start, self.token_strings)
@@ -66,46 +86,112 @@ class PatternScores:
     def last_layer(self) -> int | None:
         return self.layers[-1]
 
+    def key_patterns(self, device: torch.device) -> KeyPatterns | None:
+        """The built-in families' targets on the batch, for the fused pass to fold (None: no such detector)."""
+        if not self.folded:
+            return None
+        if device not in self._key_patterns:
+            batch = self._batch
+            real = batch.attention_mask.bool()
+            classes = [
+                target_classes(self.detectors[i], batch.input_ids, real, batch.seq_start, self.token_text)
+                for i in self.folded
+            ]
+            key_class, row_class, strict = zip(*classes, strict=True)
+            made = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(strict), batch.seq_start)
+            self._key_patterns[device] = made.to(device)
+        return self._key_patterns[device]
+
+    def pattern_rows(self, layer: int, rows: PatternRows, values: RowValues, query_valid, seq_start) -> None:
+        """A whole layer's readings of the built-in families' targets (the `key_patterns` folded by a kernel), with
+        the layer's row `values` (each row's visible keys, for chance)."""
+        self._read_folded.add(layer)
+        counted = query_valid[None] & (rows.targets.amax(2) > 0)  # (folded, batch, rows): a target seen
+        evidence = counted & evidence_rows(0, query_valid.shape[-1], seq_start)[None]
+        scored = [j for j, i in enumerate(self.folded) if i < self.scored]
+        batch, heads = rows.match.shape[1:3]
+        sums = rows.match.new_zeros(batch, heads, self.scored, 2)
+        for j in scored:
+            i = self.folded[j]
+            sums[:, :, i, 0] = torch.where(counted[j][:, None], rows.match[j], 0.0).sum(-1)
+            sums[:, :, i, 1] = counted[j].sum(-1, dtype=torch.float64)[:, None]
+        self._add_sums(layer, sums)
+        if layer == self.layers[0]:  # uniform attention: each row's visible targets over its visible keys
+            uniform = rows.targets.amax(2).double() / values.n_visible.amax(1).clamp(min=1)[None]
+            chance = uniform.new_zeros(batch, self.scored, 2)
+            for j in scored:
+                i = self.folded[j]
+                chance[:, i, 0] = torch.where(counted[j], uniform[j], 0.0).sum(-1)
+                chance[:, i, 1] = counted[j].sum(-1)
+            self._add_chance_sums(chance)
+        if self.exemplars is not None:
+            names = [self.detectors[i].name for i in self.folded]
+            self.exemplars.offer(layer, names, rows.match, evidence[:, :, None], rows.key, rows.weight,
+                                 sentence_ids=self._batch.sentence_ids, seq_start=seq_start)  # fmt: skip
+
+    def needs_blocks(self, layer: int) -> bool:
+        """Does `layer` still want its attention block by block (`attention`)? Not where its built-in families came
+        folded (`pattern_rows`) and no callable is left."""
+        return layer not in self._read_folded or len(self.folded) < len(self.detectors)
+
     def attention(self, layer: int, block) -> None:
         probs = block.probabilities().float()  # (batch, heads, rows, keys)
         batch, heads, rows, keys = probs.shape
         block_targets, counted, evidence = self._block_rows(block, batch, rows, keys)
-        every_match = all_row_matches(probs, block_targets, self.detectors)  # (detectors, batch, heads, rows) float64
+        # where the fused pass read the built-in families' rows, only the callables are read here
+        read = [i for i in range(len(self.detectors)) if layer not in self._read_folded or i not in self.folded]
+        if not read:
+            return
+        read_targets = block_targets[read]
+        # (read, batch, heads, rows)
+        every_match = all_row_matches(probs, read_targets, [self.detectors[i] for i in read])
         sums = probs.new_zeros(batch, heads, self.scored, 2, dtype=torch.float64)
-        for i, detector in enumerate(self.detectors[: self.scored]):
+        for j, i in enumerate(read):
+            detector = self.detectors[i]
+            if i >= self.scored:
+                break
             if detector.weighs_rows and detector.mode == "mul":
                 weight = probs.sum(-1, dtype=torch.float64)
             else:
-                weight = torch.ones_like(every_match[i])
-            sums[:, :, i, 0] = torch.where(counted[i][:, None], every_match[i], 0.0).sum(-1)
+                weight = torch.ones_like(every_match[j])
+            sums[:, :, i, 0] = torch.where(counted[i][:, None], every_match[j], 0.0).sum(-1)
             sums[:, :, i, 1] = torch.where(counted[i][:, None], weight, 0.0).sum(-1)
-        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
+        self._add_sums(layer, sums)
         if layer == self.layers[0]:  # uniform attention is the same in every layer: counted once
-            self._add_chance(block, block_targets, counted, batch, rows, keys)
+            self._add_chance(block, block_targets, counted, batch, rows, keys, read)
         if self.exemplars is not None:
 
             def top_key(kind, b, head, r):
                 """The target key each candidate row attends to most (a pattern's weights scale it), and its weight:
                 found for the few rows that may enter the exemplars, not for every row."""
                 weights = probs[b, head, r]  # (candidates, keys)
-                key = (weights * block_targets[kind, b, r]).argmax(-1)
+                key = (weights * read_targets[kind, b, r]).argmax(-1)
                 return key, weights.gather(-1, key[:, None])[:, 0]
 
+            names = [self.detectors[i].name for i in read]
             self.exemplars.offer(
-                layer, [detector.name for detector in self.detectors], every_match, evidence[:, :, None], top_key,
-                None, sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
+                layer, names, every_match, evidence[read][:, :, None], top_key, None,
+                sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
             )  # fmt: skip
 
-    def _add_chance(self, block, block_targets, counted, batch: int, rows: int, keys: int) -> None:
+    def _add_sums(self, layer: int, sums: torch.Tensor) -> None:
+        self._sums[layer] = sums if layer not in self._sums else self._sums[layer] + sums
+
+    def _add_chance_sums(self, chance: torch.Tensor) -> None:
+        self._chance = chance if self._chance is None else self._chance + chance
+
+    def _add_chance(self, block, block_targets, counted, batch: int, rows: int, keys: int, read) -> None:
         chance = block_targets.new_zeros(batch, self.scored, 2, dtype=torch.float64)
         if self.scored:
             visible = block.visible[:, 0].expand(batch, rows, keys)
             uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
         for i, detector in enumerate(self.detectors[: self.scored]):
+            if i not in read:
+                continue
             chance_matches = row_matches(uniform[:, None], block_targets[i], detector)[:, 0]  # (batch, rows)
             chance[:, i, 0] = torch.where(counted[i], chance_matches, 0.0).sum(-1)
             chance[:, i, 1] = counted[i].sum(-1)  # uniform attention's mass is 1
-        self._chance = chance if self._chance is None else self._chance + chance
+        self._add_chance_sums(chance)
 
     def _block_rows(self, block, batch: int, rows: int, keys: int):
         """For the block, what does not change from layer to layer: every detector's targets on the keys each row

@@ -98,11 +98,12 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
     A token holding only part of a character (byte-level BPE splits emoji and most CJK characters into
     several tokens) decodes alone to U+FFFD; it is written as its bytes instead, e.g. ``\\xf0\\x9f``.
     """
-    texts = []
-    for token_id in ids:
-        text = tokenizer.decode([token_id])
-        texts.append(_piece_bytes(tokenizer.convert_ids_to_tokens(token_id)) if "\ufffd" in text else text)
-    return texts
+    distinct = list(dict.fromkeys(int(token_id) for token_id in ids))  # a long text repeats its tokens: each once
+    decoded = dict(zip(distinct, tokenizer.batch_decode([[token_id] for token_id in distinct]), strict=True))
+    for token_id, text in decoded.items():
+        if "\ufffd" in text:
+            decoded[token_id] = _piece_bytes(tokenizer.convert_ids_to_tokens(token_id))
+    return [decoded[int(token_id)] for token_id in ids]
 
 
 def token_labels(tokenizer, ids: list[int]) -> list[str]:

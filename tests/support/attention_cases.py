@@ -158,8 +158,10 @@ def fused(
     positions=None,
     row_state=None,
     window=WINDOW,
+    patterns=None,
 ):
-    return fused_attention(
+    """fused_attention on a test case: (output, values), and with `patterns` their PatternRows too."""
+    output, values, read = fused_attention(
         query,
         key,
         value,
@@ -173,7 +175,9 @@ def fused(
         block_rows=block_rows,
         tile_keys=tile_keys,
         row_state=row_state,
+        patterns=patterns,
     )
+    return (output, values) if patterns is None else (output, values, read)
 
 
 STATISTICS = ("entropy", "max_weight", "diagonal", "sink", "prev_token", "n_visible", "band_visible")

@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 from headscope.model.attention.finish_rows import RowValues
+from headscope.model.attention.key_patterns import KeyPatterns
 from headscope.model.masks import visible_keys
 
 _log = logging.getLogger(__name__)
@@ -171,16 +172,21 @@ def row_state(
     *,
     scaling: float,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch, heads, rows, head_dim), None
-    without `value`), as attention.tile_loop's tile loop leaves them (every key but each sentence's first,
-    first_key (batch,) long), of query rows `positions` of query * `scaling` (query: (batch, heads, t, head_dim)),
-    then the key points a kernel folds for the read-off (the C++ kernel's four, for the diagonal band of
-    half-width `window`; none from the Triton kernel). out ((batch, rows, heads, head_dim) float32, with `value`):
+    patterns: KeyPatterns | None = None,
+) -> tuple[tuple[torch.Tensor | None, ...], tuple[torch.Tensor, ...] | None]:
+    """(states, folded): the states m, A, B, n, top, seen, mean, spread ((batch, heads, rows) each) and O ((batch,
+    heads, rows, head_dim), None without `value`), as attention.tile_loop's tile loop leaves them (every key but each
+    sentence's first, first_key (batch,) long), of query rows `positions` of query * `scaling` (query: (batch, heads,
+    t, head_dim)), then the key points a kernel folds for the read-off (the C++ kernel's four, for the diagonal band
+    of half-width `window`; none from the Triton kernel). out ((batch, rows, heads, head_dim) float32, with `value`):
     where the C++ kernel writes the rows' finished output, O then None (the Triton kernel leaves it and returns O).
-    The mask must be one the kernels take (`takes_mask`: TileKernel.row_state offers a kernel only then)."""
+    folded: what the kernel read of the `patterns`' targets (headscope.model.attention.key_patterns: sum, count,
+    best, key, (patterns, batch, heads, rows) each), or None where it reads none (no patterns, or a kernel that does
+    not fold them: `folds_patterns`). The mask must be one the kernels take (`takes_mask`: TileKernel.row_state offers
+    a kernel only then)."""
     mask = None if visibility.mask is None else visible_keys(visibility.mask)[:, 0].contiguous()
     rows = query if len(positions) == query.shape[2] else query.index_select(2, positions)
+    folds = patterns is not None and getattr(module, "folds_patterns", False)
     m, total, weighted, count, top, seen, mean, spread, output, *points = module.row_state(
         rows_adjacent(rows),
         rows_adjacent(key),
@@ -192,9 +198,12 @@ def row_state(
         window=window,
         scaling=scaling,
         out=out,
+        **(patterns.kernel_arguments() if folds else {}),
     )
+    folded = tuple(points[-4:]) if folds else None
+    points = points[:-4] if folds else points
     summed = value is not None and output.numel() > 0  # O, not the finished output in `out`
-    return (m, total, weighted, count, top, seen, mean, spread, output if summed else None, *points)
+    return (m, total, weighted, count, top, seen, mean, spread, output if summed else None, *points), folded
 
 
 def rows_adjacent(x: torch.Tensor) -> torch.Tensor:

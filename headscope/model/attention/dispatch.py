@@ -15,6 +15,7 @@ import torch
 
 from headscope.model.attention import cpu_kernel
 from headscope.model.attention.finish_rows import RowValues, read_off
+from headscope.model.attention.key_patterns import fold_reference
 from headscope.model.attention.tile_loop import FOLD_STATE, TILE_KEYS, _fold, _fold_tiles, _tile_step
 
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
@@ -98,6 +99,7 @@ class TileKernel:
         self.failed_kernels: dict[str, str] = {}  # device type -> why its kernel is not used, once that is known
         self.native_runs = 0  # passes whose row states a kernel computed: run.json names the path that ran
         self._checked: set[str] = set()  # device types whose kernel's first result was checked
+        self._patterns_checked: set[str] = set()  # device types whose kernel's first patterns were checked
         self.weights_seen = 0  # probabilities offered to `weight_rows` so far
         self.weights_failed: str | None = None  # why the C++ kernel does not reduce probabilities, once that is known
         self.weight_runs = 0  # layers whose probabilities the C++ kernel reduced
@@ -148,19 +150,26 @@ class TileKernel:
         return module
 
     def _native(
-        self, module, query, key, value, positions, first_key, visibility, softcap, window, *, scaling, out=None
-    ) -> tuple | None:
-        """The kernel's `cpu_kernel.row_state(...)` (the same arguments), its first result checked against the tile
-        loop's; None where it fails or disagrees (then dropped)."""
+        self, module, query, key, value, positions, first_key, visibility, softcap, window, *, scaling, out=None,
+        patterns=None,
+    ) -> tuple | None:  # fmt: skip
+        """The kernel's `cpu_kernel.row_state(...)` (the same arguments): (states, what it read of the patterns'
+        targets), its first result checked against the tile loop's (and its first targets against
+        key_patterns.fold_reference); None where it fails or disagrees (then dropped)."""
         device = query.device.type
         arguments = (query, key, value, positions, first_key, visibility, softcap, window)
         try:
-            states = cpu_kernel.row_state(module, *arguments, scaling=scaling, out=out)
+            states, targets = cpu_kernel.row_state(module, *arguments, scaling=scaling, out=out, patterns=patterns)
         except Exception as err:  # a kernel that cannot compile here (Triton) or refuses its inputs: the tile loop
             return self._drop(device, f"failed ({cpu_kernel.one_line(err)})")
-        if device in self._checked:
+        if device in self._checked and (targets is None or device in self._patterns_checked):
             self.native_runs += 1
-            return states
+            return states, targets
+        if device in self._checked:  # the first patterns this kernel folds: checked as its first states were
+            if not self._same_folds(targets, query, key, positions, first_key, visibility, softcap, scaling, patterns):
+                return self._drop(device, "what it read of the exemplars' patterns disagreed with torch's")
+            self.native_runs += 1
+            return states, targets
         # Its first result against the tile loop, on the last rows (they see the most keys).
         batch, heads, t, head_dim = query.shape
         rows = positions[-NATIVE_CHECK_ROWS:]
@@ -197,8 +206,26 @@ class TileKernel:
         self._checked.add(device)
         if not agrees:
             return self._drop(device, "its first result disagreed with the tile loop")
+        if targets is not None and not self._same_folds(
+            targets, query, key, positions, first_key, visibility, softcap, scaling, patterns
+        ):
+            return self._drop(device, "what it read of the exemplars' patterns disagreed with torch's")
         self.native_runs += 1
-        return states
+        return states, targets
+
+    def _same_folds(self, folded, query, key, positions, first_key, visibility, softcap, scaling, patterns) -> bool:
+        """Does what a kernel folded of the patterns agree with key_patterns.fold_reference on the last rows (they
+        see the most keys)? Sums and weights within 1e-5 (float32 exponentials, summed in another order), counts and
+        keys exactly, or another key the row weighs as much within that (a near tie)."""
+        self._patterns_checked.add(query.device.type)
+        batch, heads, t, head_dim = query.shape
+        rows = positions[-NATIVE_CHECK_ROWS:]
+        grouped = query.view(batch, key.shape[1], heads // key.shape[1], t, head_dim).index_select(3, rows) * scaling
+        got = [x[..., -len(rows) :] for x in folded]
+        *expected, at_got = fold_reference(grouped, key, visibility, rows, softcap, first_key, patterns, got[3])
+        close = all(torch.allclose(got[i], expected[i], rtol=1e-5, atol=1e-6) for i in (0, 2))
+        tied = torch.isclose(at_got, expected[2], rtol=1e-5, atol=1e-6) & (got[3] >= 0)
+        return close and torch.equal(got[1], expected[1]) and bool(((got[3] == expected[3]) | tied).all())
 
     def weight_rows(self, weights: torch.Tensor, visible: torch.Tensor, seq_start: torch.Tensor) -> Callable | None:
         """The C++ kernel for the per-row values of a layer's probabilities ((batch, heads, rows, keys), the model's

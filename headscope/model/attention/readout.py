@@ -33,6 +33,7 @@ from transformers.models.llama import modeling_llama
 from headscope.errors import ModelLoadError
 from headscope.model.attention.dispatch import KERNEL_NAMES, TileKernel
 from headscope.model.attention.finish_rows import softcapped
+from headscope.model.attention.key_patterns import KeyPatterns
 from headscope.model.attention.tile_loop import fused_attention, tile_shape
 from headscope.model.masks import TileVisibility, additive_mask, key_visibility
 
@@ -258,7 +259,10 @@ class Readout:
         one_pass = row_state is not None or kwargs.get("softcap") is not None
         output = None if one_pass else sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         native_runs = self.kernel.native_runs
-        fused_output, values = _layer_fused_pass(
+        # readers of pattern targets (the exemplars' and detectors'): the kernel reads them in the same pass
+        wanted = {reader: reader.key_patterns(query.device) for reader in readers if hasattr(reader, "key_patterns")}
+        wanted = {reader: patterns for reader, patterns in wanted.items() if patterns is not None}
+        fused_output, values, read = _layer_fused_pass(
             query,
             key,
             value if one_pass else None,
@@ -270,10 +274,21 @@ class Readout:
             block_rows=rows,
             tile_keys=keys,
             row_state=row_state,
+            patterns=KeyPatterns.joined(list(wanted.values())) if wanted else None,
         )
         for reader in row_readers:
             reader.row_values(layer, values, self.query_valid, self.seq_start)
-        block_readers = [reader for reader in readers if reader not in row_readers]
+        if read is not None:  # each reader's share of the patterns, in the order they were joined
+            first = 0
+            for reader, patterns in wanted.items():
+                share = read.part(first, first + patterns.count)
+                reader.pattern_rows(layer, share, values, self.query_valid, self.seq_start)
+                first += patterns.count
+        block_readers = [
+            reader
+            for reader in readers
+            if reader not in row_readers and (not hasattr(reader, "needs_blocks") or reader.needs_blocks(layer))
+        ]
         if block_readers:
             self._blocks(block_readers, layer, query, key, value, mask, kwargs)
         # Recorded even if short batches took the eager weights: the fused path is the one worth naming.
@@ -354,7 +369,7 @@ class Readout:
     def _fused_matches(self, output, weights, query, key, value, mask, seq_start, positions, kwargs, tolerance) -> bool:
         """Do the fused pass's output and row statistics on rows `positions` of one sentence equal those of the
         model's eager `output` ((1, rows, heads, head_dim)) and `weights` ((1, heads, rows, keys), float32)?"""
-        fused_output, values = _layer_fused_pass(
+        fused_output, values, _ = _layer_fused_pass(
             query,
             key,
             value,

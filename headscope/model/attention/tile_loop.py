@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from headscope.model.attention.finish_rows import RowValues, read_off, softcapped
+from headscope.model.attention.key_patterns import KeyPatterns, PatternRows, finish
 from headscope.model.masks import TileVisibility
 
 # Query rows per block and keys per tile: a tile of logits for 9 heads is 9 x 128 x 1,024 floats (4.5 MiB),
@@ -157,16 +158,19 @@ def fused_attention(
     block_rows: int = BLOCK_ROWS,
     tile_keys: int = TILE_KEYS,
     row_state: Callable | None = None,
-) -> tuple[torch.Tensor | None, RowValues]:
-    """The attention output and per-row statistics of query rows `positions` (default: every row).
+    patterns: KeyPatterns | None = None,
+) -> tuple[torch.Tensor | None, RowValues, PatternRows | None]:
+    """The attention output, per-row statistics and pattern readings of query rows `positions` (default: every row).
 
     query: (batch, heads, t, head_dim); key, value: (batch, kv_heads, t, head_dim), unrepeated (query head h
     reads KV head h // (heads // kv_heads)); value None: the statistics alone (the output comes from elsewhere);
     seq_start: (batch,) long; positions: (rows,) long, increasing. step: `TileKernel.step(...)`
     (headscope.model.attention.dispatch), or `_tile_step` itself. row_state: `TileKernel.row_state(...)`: when given, it
     computes every row's running state (and output sum, or the finished output in place) in one call instead of the
-    tile loop. Returns the output (batch, rows, heads, head_dim) in the query's dtype, as attention functions return
-    it (None without `value`), and the rows' `RowValues`.
+    tile loop, and reads the `patterns`' targets in the same pass where it folds them
+    (headscope.model.attention.key_patterns). Returns the output (batch, rows, heads, head_dim) in the query's dtype,
+    as attention functions return it (None without `value`), the rows' `RowValues`, and their `PatternRows` (None
+    where no kernel read the patterns: the tile loop reads none).
     """
     batch, heads, t, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -182,10 +186,10 @@ def fused_attention(
     # output there, the tile loop each block's (a list of blocks joined at the end held the output three times over
     # at its peak, 57 MiB more at 8,192 tokens). In float32 where a kernel computes it, in `dtype` at the end.
     output = None if value is None else query.new_empty((batch, len(positions), heads, head_dim))
-    states = None
+    states, folded = None, None
     if row_state is not None:  # the C++ kernel reads the model's queries, keys and values where they are
         arguments = (query, key, value, positions, seq_start, visibility, softcap, window)
-        states = row_state(*arguments, scaling=scaling, out=output)
+        states, folded = row_state(*arguments, scaling=scaling, out=output, patterns=patterns) or (None, None)
     # The read-off picks single keys (no kernel, or one that folds no key points) and the tile loop reads keys tile by
     # tile: contiguous keys, once per layer, and the scaled queries. With the kernel's key points the read-off reads
     # no query (the unscaled view stands in for its shape): no scaled copy of the queries.
@@ -214,7 +218,8 @@ def fused_attention(
         values.append(row_values)
     columns = [v.columns() for v in values]
     joined = RowValues(**{name: torch.cat([present[name] for present in columns], -1) for name in columns[0]})
-    return None if output is None else output.to(dtype), joined
+    read = None if folded is None else finish(folded, joined, patterns.first_target[..., positions], seq_start)
+    return None if output is None else output.to(dtype), joined, read
 
 
 def _fold_tiles(grouped_query, key, value, visibility, rows, softcap, step, tile_keys, first_key) -> tuple:

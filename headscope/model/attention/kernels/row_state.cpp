@@ -224,10 +224,20 @@ void finish_row(const RowState& row, float first_logit, const float* first_value
 // row's dim numbers adjacent (the layout attention functions return): the rows' finished output is written there
 // (the first key's value weighed in, divided by the total over every visible key; rows seeing no key get 0s) and O
 // is returned empty (0 rows): no (batch, heads, rows, dim) sums for the caller to finish and copy.
+// Patterns (headscope/model/attention/key_patterns.py), for the exemplars and detectors: pattern_keys (patterns, batch,
+// keys) long, each sentence's keys sorted so that every row's target keys of a pattern are one ascending run of them,
+// pattern_keys[p, b, pattern_begin[p, b, row] .. pattern_end[p, b, row]) (both (patterns, batch, query positions)
+// long). Over the target keys the row folds (visible, the first key left out, as everything else), four more results,
+// each (patterns, batch, heads, rows), after the key points: sum e^(s - m) (m the row's final maximum above), how many
+// they are, the largest e^(s - m) among them and its key (the first holding it; -1: none). Read in the pass that
+// computes the exponentials anyway: a row's targets cost a look-up each, not a pass over its keys.
 std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& value,
                                   const at::Tensor& positions, const at::Tensor& first_key,
                                   const c10::optional<at::Tensor>& mask, double softcap, int64_t block_rows,
-                                  int64_t window, double scaling, const c10::optional<at::Tensor>& out) {
+                                  int64_t window, double scaling, const c10::optional<at::Tensor>& out,
+                                  const c10::optional<at::Tensor>& pattern_keys,
+                                  const c10::optional<at::Tensor>& pattern_begin,
+                                  const c10::optional<at::Tensor>& pattern_end) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 query and key");
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1, "query and key rows of adjacent numbers");
   TORCH_CHECK(positions.is_contiguous() && first_key.is_contiguous(), "contiguous positions and first keys");
@@ -261,6 +271,20 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
     finished = out->data_ptr<float>();
     out_stride = out->strides();
   }
+  const int64_t patterns = pattern_keys.has_value() ? pattern_keys->size(0) : 0;
+  const int64_t* target_keys = nullptr;
+  const int64_t *run_begin = nullptr, *run_end = nullptr;
+  if (patterns) {
+    TORCH_CHECK(pattern_begin.has_value() && pattern_end.has_value(), "pattern_begin and pattern_end with pattern_keys");
+    for (const at::Tensor* t : {&*pattern_keys, &*pattern_begin, &*pattern_end}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
+                      t->sizes() == at::IntArrayRef({patterns, batch, keys}),
+                  "pattern tensors: contiguous long (patterns, batch, keys)");
+    }
+    target_keys = pattern_keys->data_ptr<int64_t>();
+    run_begin = pattern_begin->data_ptr<int64_t>();
+    run_end = pattern_end->data_ptr<int64_t>();
+  }
   auto options = query.options();
   at::Tensor m_out = at::empty({batch, heads, rows}, options);
   at::Tensor total_out = at::empty_like(m_out), weighted_out = at::empty_like(m_out);
@@ -271,6 +295,11 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   const int64_t point_rows = points ? rows : 0;
   at::Tensor first_out = at::empty({batch, heads, point_rows}, options), prev_out = at::empty_like(first_out);
   at::Tensor band_out = at::empty_like(first_out), band_seen_out = at::empty_like(first_out, options.dtype(at::kLong));
+  at::Tensor pattern_sum_out = at::empty({patterns, batch, heads, rows}, options);
+  at::Tensor pattern_count_out = at::empty_like(pattern_sum_out, options.dtype(at::kLong));
+  at::Tensor pattern_best_out = at::empty_like(pattern_sum_out), pattern_key_out = at::empty_like(pattern_count_out);
+  float *pattern_sum = pattern_sum_out.data_ptr<float>(), *pattern_best = pattern_best_out.data_ptr<float>();
+  int64_t *pattern_count = pattern_count_out.data_ptr<int64_t>(), *pattern_key = pattern_key_out.data_ptr<int64_t>();
   float *first_data = first_out.data_ptr<float>(), *prev_data = prev_out.data_ptr<float>();
   float* band_data = band_out.data_ptr<float>();
   int64_t* band_seen_data = band_seen_out.data_ptr<int64_t>();
@@ -315,6 +344,12 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
     float alpha[MAX_ROWS];
     float first_logit[MAX_ROWS], prev_logit[MAX_ROWS], band[MAX_ROWS];
     int64_t band_seen[MAX_ROWS];
+    // Each (row, pattern): the next target key to read, the run's end, and where this key block's targets start; its
+    // sum of e^(s - m), targets seen, and the largest logit among them (as a logit: exact ties go to the first key)
+    // and its key.
+    const int64_t slots = MAX_ROWS * patterns;
+    std::vector<int64_t> cursor(slots), run_stop(slots), block_from(slots), targets(slots), best_key(slots);
+    std::vector<float> target_sum(slots), best_logit(slots);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads;
       const int64_t first_row = (task % row_blocks) * block_rows;
@@ -329,6 +364,15 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
         first_logit[i] = prev_logit[i] = lowest;
         band[i] = 0.f;
         band_seen[i] = 0;
+        for (int64_t p = 0; p < patterns; ++p) {
+          const int64_t slot = i * patterns + p, at = (p * batch + b) * keys + position[first_row + i];
+          cursor[slot] = run_begin[at];
+          run_stop[slot] = run_end[at];
+          target_sum[slot] = 0.f;
+          targets[slot] = 0;
+          best_logit[slot] = lowest;
+          best_key[slot] = -1;
+        }
       }
       std::fill(sums.begin(), sums.end(), 0.f);
       const int64_t skip = sentence_first[b];  // the sentence's first key: not folded
@@ -391,6 +435,27 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
             for (int64_t j = 0; j < n; ++j) s[j] = row_mask[j] ? s[j] : lowest;
           }
           if (skip_inside) s[skip - key0 - lo] = lowest;
+          // The patterns' target keys in this block, read as logits before the fold turns them into exponentials:
+          // those the row sees (hidden ones, the first key among them, hold `lowest`) are counted, and the largest
+          // kept. The runs ascend, so a cursor per (row, pattern) walks each run once over the row's key blocks.
+          for (int64_t p = 0; p < patterns; ++p) {
+            const int64_t slot = i * patterns + p;
+            const int64_t* run = target_keys + (p * batch + b) * keys;
+            int64_t c = cursor[slot];
+            while (c < run_stop[slot] && run[c] < key0 + lo) ++c;  // keys the row does not see, or the first key
+            block_from[slot] = c;
+            for (; c < run_stop[slot] && run[c] < key0 + n_seen; ++c) {
+              const float x = s[run[c] - key0 - lo];
+              if (x > lowest) {
+                ++targets[slot];
+                if (x > best_logit[slot]) {
+                  best_logit[slot] = x;
+                  best_key[slot] = run[c];
+                }
+              }
+            }
+            cursor[slot] = c;
+          }
           // The band's keys in this block, as offsets into s (the row's own key is the last one it folds).
           const int64_t band_from = points ? std::max<int64_t>(0, row - window - key0 - lo) : n;
           if (v) {
@@ -414,6 +479,17 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
               band_seen[i] += at != skip && (run[i] || sentence_mask[row * keys + at]);
             }
             band[i] = alpha[i] * band[i] + sum;
+          }
+          // The targets' e^(s - m'), rescaled as the row's other sums are.
+          for (int64_t p = 0; p < patterns; ++p) {
+            const int64_t slot = i * patterns + p;
+            const int64_t* run = target_keys + (p * batch + b) * keys;
+            float sum = 0.f;
+            for (int64_t c = block_from[slot]; c < cursor[slot]; ++c) {
+              const float x = s[run[c] - key0 - lo];
+              sum += v ? x : std::exp(x - state[i].m);
+            }
+            target_sum[slot] = alpha[i] * target_sum[slot] + sum;
           }
         }
         if (v) {
@@ -451,6 +527,16 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
       } else if (v) {
         std::copy(sums.begin(), sums.begin() + n_rows * dim, sum_data + out * dim);
       }
+      for (int64_t p = 0; p < patterns; ++p) {
+        const int64_t at = ((p * batch + b) * heads + h) * rows + first_row;
+        for (int64_t i = 0; i < n_rows; ++i) {
+          const int64_t slot = i * patterns + p;
+          pattern_sum[at + i] = target_sum[slot];
+          pattern_count[at + i] = targets[slot];
+          pattern_best[at + i] = best_key[slot] >= 0 ? std::exp(best_logit[slot] - state[i].m) : 0.f;
+          pattern_key[at + i] = best_key[slot];
+        }
+      }
       if (points) {
         std::copy(first_logit, first_logit + n_rows, first_data + out);
         std::copy(prev_logit, prev_logit + n_rows, prev_data + out);
@@ -462,6 +548,7 @@ std::vector<at::Tensor> row_state(const at::Tensor& query, const at::Tensor& key
   std::vector<at::Tensor> result = {m_out, total_out, weighted_out, count_out, top_out, seen_out, mean_out, spread_out,
                                     sum_out};
   if (points) result.insert(result.end(), {first_out, prev_out, band_out, band_seen_out});
+  if (patterns) result.insert(result.end(), {pattern_sum_out, pattern_count_out, pattern_best_out, pattern_key_out});
   return result;
 }
 
@@ -808,7 +895,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
              pybind11::arg("first_key"), pybind11::arg("mask"), pybind11::arg("softcap"),
              pybind11::arg("block_rows") = 0, pybind11::arg("window") = -1, pybind11::arg("scaling") = 1.0,
-             pybind11::arg("out") = pybind11::none());
+             pybind11::arg("out") = pybind11::none(), pybind11::arg("pattern_keys") = pybind11::none(),
+             pybind11::arg("pattern_begin") = pybind11::none(), pybind11::arg("pattern_end") = pybind11::none());
+  module.attr("folds_patterns") = true;  // row_state takes pattern_keys (headscope/model/attention/key_patterns.py)
   module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
   module.def("row_sums", &row_sums, "per-(sentence, head) sums of a block's per-row values");

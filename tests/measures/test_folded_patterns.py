@@ -1,0 +1,189 @@
+"""The exemplars' and detectors' patterns read inside the fused pass (headscope.model.attention.key_patterns): each
+family's classes are exactly its targets; what the C++ kernel folds of them equals float64 probabilities within
+float32's bound; and every path (the eager probabilities, blocks of recomputed logits, the kernel's fold) gives the
+same detector sums and exemplars."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import headscope
+from headscope.detector_specs import detector_of
+from headscope.measures.detectors import target_classes, targets
+from headscope.measures.exemplars import PROBE_KINDS, TopRows, exemplar_frame
+from headscope.measures.pattern_scores import PatternScores
+from headscope.model.attention.dispatch import TileKernel
+from headscope.model.attention.key_patterns import KeyPatterns
+from headscope.model.batch import collate
+from headscope.model.capture import attached
+from headscope.run.feed import tokenize_sentences
+
+from attention_cases import HEAD_DIM, HEADS, KV_HEADS, bounds, fused, hand_built, masks
+from helpers import assert_same_exemplars
+
+SPECS = {"prev": "offset:1", "three": "offset:3", "dup": "same-token", "ind": "after-same-token",
+         "even": "token:[02468]$", "start": "first"}  # fmt: skip
+DETECTORS = [detector_of(name, spec) for name, spec in SPECS.items()]
+
+
+def token_text(token_id: int) -> str:
+    return str(token_id)
+
+
+def patterns_of(ids: torch.Tensor, real: torch.Tensor, seq_start: torch.Tensor) -> KeyPatterns:
+    classes = [target_classes(detector, ids, real, seq_start, token_text) for detector in DETECTORS]
+    key_class, row_class, strict = zip(*classes, strict=True)
+    return KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(strict), seq_start)
+
+
+def test_each_familys_classes_are_exactly_its_targets():
+    """On a batch with left and right padding and many repeated tokens: the targets the classes say, each row's run
+    of sorted keys, and whether the first key is a target, all equal `targets`' (the eager path's) matrices."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 5, (3, 14), generator=generator)
+    real = torch.ones(3, 14, dtype=torch.bool)
+    real[1, :4] = False  # left padding: the sentence starts at 4
+    real[2, 10:] = False  # right padding
+    seq_start = torch.tensor([0, 4, 0])
+    patterns = patterns_of(ids, real, seq_start)
+    every = patterns.targets(slice(None), 14)  # (detectors, batch, rows, keys)
+    for i, detector in enumerate(DETECTORS):
+        expected = targets(detector, ids, real, seq_start, slice(0, 14), 14, token_text) > 0
+        assert torch.equal(every[i], expected), detector.spec
+        assert torch.equal(patterns.first_target[i], expected[torch.arange(3), :, seq_start]), detector.spec
+        for b in range(3):
+            for row in range(14):
+                run = patterns.sorted_keys[i, b, patterns.run_begin[i, b, row] : patterns.run_end[i, b, row]]
+                assert run.tolist() == expected[b, row].nonzero().flatten().tolist(), (detector.spec, b, row)
+    assert every.sum() > 100  # repeated tokens: every family has targets to find
+
+
+def float64_readings(query, key, visible, patterns: KeyPatterns, softcap):
+    """match, targets, the best target's float64 probability, and each row's targets' probabilities, from the whole
+    float64 probabilities: (detectors, batch, heads, rows[, keys])."""
+    scores = query.double() @ key.double().repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1, -2) * HEAD_DIM**-0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], -math.inf), -1).nan_to_num()
+    hits = patterns.targets(slice(None), query.shape[2])[:, :, None] & visible[None, :, None]
+    on_targets = torch.where(hits, probs[None], 0.0)
+    return on_targets.sum(-1), hits.sum(-1).expand(-1, -1, HEADS, -1), on_targets.amax(-1), on_targets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_values", [True, False])  # the output folded in the same pass, or the statistics alone
+@pytest.mark.parametrize("softcap", [None, 10.0])
+@pytest.mark.parametrize("mask_name", ["causal", "left padded", "sliding window"])
+def test_the_kernels_readings_equal_float64_probabilities(kernel_module, mask_name, softcap, with_values):
+    """Over 700 keys (two of the kernel's key blocks, many row blocks): each row's attention on its targets, how many
+    it sees, the target it attends to most and that weight, each within float32's bound of float64 probabilities
+    (attention_cases.bounds: any sum of a row's probabilities); the key exactly, or one the row weighs as much within
+    that bound (a tie)."""
+    t = 700
+    query, key, value = hand_built(seed=5, t=t)
+    mask, visible, seq_start = masks(t=t, window=300)[mask_name]
+    real = visible.any(-1)
+    ids = torch.randint(0, 40, (2, t), generator=torch.Generator().manual_seed(1))
+    patterns = patterns_of(ids, real, seq_start)
+    kernel = TileKernel(compile_from=0, native_loader=lambda: kernel_module, native_from=0)
+    _, _, read = fused(query, key, value if with_values else None, mask, seq_start, softcap,
+                       row_state=kernel.row_state(query, mask), patterns=patterns)  # fmt: skip
+    assert not kernel.failed_kernels and read is not None
+    match, count, best, on_targets = float64_readings(query, key, visible, patterns, softcap)
+    bound = bounds(query, key, value, visible, seq_start, softcap)["max_weight"][None]
+    rows = real[None, :, None].expand_as(match)
+    assert torch.equal(read.targets[rows], count[rows])
+    assert ((read.match.double() - match).abs() <= bound)[rows].all()
+    found = rows & (count > 0)
+    assert ((read.weight.double() - best).abs() <= bound)[found].all()
+    at_key = on_targets.gather(-1, read.key.clamp(min=0)[..., None])[..., 0]  # float64's weight at the key chosen
+    assert ((at_key - best).abs() <= 2 * bound)[found].all()
+    assert (read.key[rows & (count == 0)] == -1).all()
+    assert (read.key == on_targets.argmax(-1))[found].float().mean() > 0.99  # ties are rare on random logits
+
+
+@pytest.fixture(scope="module")
+def planted(planted_gpt2):
+    return headscope.load_model(str(planted_gpt2), device="cpu")
+
+
+def every_third(tokens: list[str]) -> np.ndarray:
+    """A callable detector's pattern (read block by block on every path): keys 0, 3, 6, ... weighed 1."""
+    n = len(tokens)
+    pattern = np.zeros((n, n))
+    pattern[:, ::3] = 1.0
+    return pattern
+
+
+def read_patterns(model, batch, layers, block_bytes: int, kernel: TileKernel | None):
+    detectors = [*DETECTORS, detector_of("third", every_third)]
+    probes = [detector_of(kind, spec) for kind, spec in PROBE_KINDS.items()]
+    kinds = [detector.name for detector in [*detectors, *probes]]
+    top = TopRows(6, kinds, layers, model.config.n_head)
+    measure = PatternScores([*detectors, *probes], layers, token_text=str, token_strings=list, exemplars=top,
+                            scored=len(detectors))  # fmt: skip
+    with attached(model, block_bytes=block_bytes, kernel=kernel) as capture:
+        capture.run(batch, measures=[measure])
+    sums, chance = measure.finish()
+    return sums, chance, exemplar_frame(top.state, kinds, layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_every_path_gives_the_same_detector_sums_and_exemplars(planted, corpus_lines, kernel_module, padding_side):
+    """A padded batch of the planted GPT-2, read three ways: the model's eager probabilities; the fused path with its
+    logits recomputed block by block (no kernel); and the fused path whose C++ kernel folds the built-in families in
+    its pass (only the callable read block by block). The detector sums and chance levels agree within float32
+    rounding, and so do the exemplars (as across batchings: tests/support/helpers.py)."""
+    ids, _ = tokenize_sentences(planted.tokenizer, corpus_lines[:8], None)
+    batch = collate(list(range(len(ids))), ids, padding_side=padding_side)
+    layers = list(range(planted.architecture["layers"]))
+    folded = []
+
+    def recording(*args, **kwargs):
+        folded.append("pattern_keys" in kwargs)
+        return kernel_module.row_state(*args, **kwargs)
+
+    module = SimpleNamespace(row_state=recording, folds_patterns=True)
+    paths = {
+        "eager": (2**30, None),
+        "blocks": (4096, TileKernel(native_loader=lambda: "no kernel here")),
+        "kernel": (4096, TileKernel(compile_from=0, native_loader=lambda: module, native_from=0)),
+    }
+    read = {name: read_patterns(planted.model, batch, layers, *options) for name, options in paths.items()}
+    assert folded and all(folded)  # the kernel ran on every layer, folding the patterns
+    sums, chance, exemplars = read["eager"]
+    for name in ("blocks", "kernel"):
+        other_sums, other_chance, other_exemplars = read[name]
+        torch.testing.assert_close(other_sums, sums, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(other_chance, chance, rtol=1e-6, atol=1e-9)
+        assert_same_exemplars(exemplars, other_exemplars)
+
+
+@pytest.mark.slow
+def test_a_kernel_whose_readings_disagree_is_dropped_and_the_blocks_read_them(planted, corpus_lines, kernel_module,
+                                                                             caplog):  # fmt: skip
+    """The first readings a kernel folds are checked against torch's on its last rows: a kernel that misreads them
+    is dropped with one warning, and the layer's patterns come from blocks, the same numbers."""
+    ids, _ = tokenize_sentences(planted.tokenizer, corpus_lines[:4], None)
+    batch = collate(list(range(len(ids))), ids)
+    layers = list(range(planted.architecture["layers"]))
+
+    def misreading(*args, **kwargs):
+        result = kernel_module.row_state(*args, **kwargs)
+        result[-4] = result[-4] * 1.01  # every row's attention on its targets, 1% off
+        return result
+
+    module = SimpleNamespace(row_state=misreading, folds_patterns=True)
+    kernel = TileKernel(compile_from=0, native_loader=lambda: module, native_from=0)
+    dropped = read_patterns(planted.model, batch, layers, 4096, kernel)
+    assert "disagreed with torch's" in kernel.failed_kernels["cpu"]
+    assert "exemplars' patterns disagreed" in caplog.text
+    eager = read_patterns(planted.model, batch, layers, 2**30, None)
+    torch.testing.assert_close(dropped[0], eager[0], rtol=1e-5, atol=1e-6)
+    assert_same_exemplars(eager[2], dropped[2])
