@@ -13,6 +13,7 @@ Two ways in, the same numbers (within float32 rounding: tested on every path):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -27,10 +28,13 @@ from headscope.measures.detectors import (
 )
 from headscope.measures.exemplars import TopRows, evidence_rows
 from headscope.model.attention.finish_rows import RowValues
-from headscope.model.attention.key_patterns import KeyPatterns, PatternRows
+from headscope.model.attention.key_patterns import KeyPatterns, PatternRows, read_probabilities
 from headscope.model.batch import Batch
 from headscope.model.masks import count_visible
 
+# Probabilities (batch x heads x rows x keys) up to which each row's top target key is found for every row (one
+# temporary of their size per pattern, 4 MiB), not for the candidate rows alone.
+EVERY_ROWS_KEY = 2**20
 # Target matrices kept for the batch's other layers (they depend on the tokens only), up to this many floats in all;
 # past it each layer builds its own (a long text's (t x t) matrices would take more memory than they save time).
 CACHED_TARGETS = 2**24
@@ -67,12 +71,13 @@ class PatternScores:
         self._targets: dict[tuple, tuple] = {}  # (first row, rows, keys) -> (visible keys, what `_block_rows` gives)
         # the built-in families (the fused pass folds their targets); callables are read block by block
         self.folded = [i for i, detector in enumerate(self.detectors) if detector.family != "callable"]
+        self.callables = [i for i, detector in enumerate(self.detectors) if detector.family == "callable"]
         self._key_patterns: dict[torch.device, KeyPatterns] = {}  # the batch's, on each device a layer runs on
-        self._read_folded: set[int] = set()  # layers of the batch whose folded detectors came by `pattern_rows`
+        self._folded_by_kernel: set[int] = set()  # layers of the batch whose built-in families a kernel read
 
     def start(self, batch: Batch) -> None:
         self._batch, self._sums, self._chance, self._targets = batch, {}, None, {}
-        self._key_patterns, self._read_folded = {}, set()
+        self._key_patterns, self._folded_by_kernel = {}, set()
         real = batch.attention_mask.bool()
         self._patterns = {
             detector.name: callable_targets(detector, batch.input_ids, real, batch.seq_start, self.token_strings)
@@ -105,9 +110,32 @@ class PatternScores:
     def pattern_rows(self, layer: int, rows: PatternRows, values: RowValues, query_valid, seq_start) -> None:
         """A whole layer's readings of the built-in families' targets (the `key_patterns` folded by a kernel), with
         the layer's row `values` (each row's visible keys, for chance)."""
-        self._read_folded.add(layer)
+        self._folded_by_kernel.add(layer)
+        self._read_rows(layer, rows, values.n_visible.amax(1), query_valid, seq_start, 0)
+
+    def needs_blocks(self, layer: int) -> bool:
+        """Does `layer` still want its attention block by block (`attention`)? Not where its built-in families came
+        folded (`pattern_rows`) and no callable is left."""
+        return layer not in self._folded_by_kernel or bool(self.callables)
+
+    def attention(self, layer: int, block) -> None:
+        probs = block.probabilities().float()  # (batch, heads, rows, keys)
+        if self.folded and layer not in self._folded_by_kernel:  # the built-in families, from their runs of keys
+            patterns = self.key_patterns(probs.device)
+            by_torch = functools.partial(read_probabilities, probs, block.visible, patterns, block.first_row)
+            # headscope's C++ kernel where the capture offers it (checked against torch on its first call), else torch
+            native = block.native_patterns
+            rows = by_torch() if native is None else native(patterns, block.first_row, by_torch)
+            n_visible = count_visible(block.visible)[:, 0]  # (batch or 1, rows)
+            self._read_rows(layer, rows, n_visible, block.query_valid, block.seq_start, block.first_row)
+        if self.callables:
+            self._read_callables(layer, block, probs)
+
+    def _read_rows(self, layer: int, rows: PatternRows, n_visible, query_valid, seq_start, first_row: int) -> None:
+        """The built-in families' readings of a block of rows (query positions first_row, ...): their sums, their
+        chance (on the first layer) and their exemplars. n_visible: (batch or 1, rows) the keys each row sees."""
         counted = query_valid[None] & (rows.targets.amax(2) > 0)  # (folded, batch, rows): a target seen
-        evidence = counted & evidence_rows(0, query_valid.shape[-1], seq_start)[None]
+        evidence = counted & evidence_rows(first_row, query_valid.shape[-1], seq_start)[None]
         scored = [j for j, i in enumerate(self.folded) if i < self.scored]
         batch, heads = rows.match.shape[1:3]
         sums = rows.match.new_zeros(batch, heads, self.scored, 2)
@@ -117,7 +145,7 @@ class PatternScores:
             sums[:, :, i, 1] = counted[j].sum(-1, dtype=torch.float64)[:, None]
         self._add_sums(layer, sums)
         if layer == self.layers[0]:  # uniform attention: each row's visible targets over its visible keys
-            uniform = rows.targets.amax(2).double() / values.n_visible.amax(1).clamp(min=1)[None]
+            uniform = rows.targets.amax(2).double() / n_visible.clamp(min=1)[None]
             chance = uniform.new_zeros(batch, self.scored, 2)
             for j in scored:
                 i = self.folded[j]
@@ -127,50 +155,39 @@ class PatternScores:
         if self.exemplars is not None:
             names = [self.detectors[i].name for i in self.folded]
             self.exemplars.offer(layer, names, rows.match, evidence[:, :, None], rows.key, rows.weight,
-                                 sentence_ids=self._batch.sentence_ids, seq_start=seq_start)  # fmt: skip
+                                 sentence_ids=self._batch.sentence_ids, seq_start=seq_start,
+                                 first_row=first_row)  # fmt: skip
 
-    def needs_blocks(self, layer: int) -> bool:
-        """Does `layer` still want its attention block by block (`attention`)? Not where its built-in families came
-        folded (`pattern_rows`) and no callable is left."""
-        return layer not in self._read_folded or len(self.folded) < len(self.detectors)
-
-    def attention(self, layer: int, block) -> None:
-        probs = block.probabilities().float()  # (batch, heads, rows, keys)
+    def _read_callables(self, layer: int, block, probs: torch.Tensor) -> None:
+        """The callable detectors on a block: their (rows x keys) patterns, whatever they hold, over every real row."""
         batch, heads, rows, keys = probs.shape
-        block_targets, counted, evidence = self._block_rows(block, batch, rows, keys)
-        # where the fused pass read the built-in families' rows, only the callables are read here
-        read = [i for i in range(len(self.detectors)) if layer not in self._read_folded or i not in self.folded]
-        if not read:
-            return
-        read_targets = block_targets[read]
-        # (read, batch, heads, rows)
-        every_match = all_row_matches(probs, read_targets, [self.detectors[i] for i in read])
+        block_targets = self._callable_targets(block, rows, keys)  # (callables, batch, rows, keys)
+        callables = [self.detectors[i] for i in self.callables]
+        every_match = all_row_matches(probs, block_targets, callables)  # (callables, batch, heads, rows)
+        real = block.query_valid[:, None]  # (batch, 1, rows): every real row counts
         sums = probs.new_zeros(batch, heads, self.scored, 2, dtype=torch.float64)
-        for j, i in enumerate(read):
-            detector = self.detectors[i]
-            if i >= self.scored:
-                break
-            if detector.weighs_rows and detector.mode == "mul":
-                weight = probs.sum(-1, dtype=torch.float64)
-            else:
-                weight = torch.ones_like(every_match[j])
-            sums[:, :, i, 0] = torch.where(counted[i][:, None], every_match[j], 0.0).sum(-1)
-            sums[:, :, i, 1] = torch.where(counted[i][:, None], weight, 0.0).sum(-1)
-        self._add_sums(layer, sums)
+        chance = probs.new_zeros(batch, self.scored, 2, dtype=torch.float64)
         if layer == self.layers[0]:  # uniform attention is the same in every layer: counted once
-            self._add_chance(block, block_targets, counted, batch, rows, keys, read)
+            visible = block.visible[:, 0].expand(batch, rows, keys)
+            uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
+        for j, (i, detector) in enumerate(zip(self.callables, callables, strict=True)):
+            if i >= self.scored:
+                continue
+            mass = probs.sum(-1, dtype=torch.float64) if detector.mode == "mul" else torch.ones_like(every_match[j])
+            sums[:, :, i, 0] = torch.where(real, every_match[j], 0.0).sum(-1)
+            sums[:, :, i, 1] = torch.where(real, mass, 0.0).sum(-1)
+            if layer == self.layers[0]:
+                chance_matches = row_matches(uniform[:, None], block_targets[j], detector)[:, 0]  # (batch, rows)
+                chance[:, i, 0] = torch.where(real[:, 0], chance_matches, 0.0).sum(-1)
+                chance[:, i, 1] = real[:, 0].sum(-1)  # uniform attention's mass is 1
+        self._add_sums(layer, sums)
+        if layer == self.layers[0]:
+            self._add_chance_sums(chance)
         if self.exemplars is not None:
-
-            def top_key(kind, b, head, r):
-                """The target key each candidate row attends to most (a pattern's weights scale it), and its weight:
-                found for the few rows that may enter the exemplars, not for every row."""
-                weights = probs[b, head, r]  # (candidates, keys)
-                key = (weights * read_targets[kind, b, r]).argmax(-1)
-                return key, weights.gather(-1, key[:, None])[:, 0]
-
-            names = [self.detectors[i].name for i in read]
+            evidence = real & evidence_rows(block.first_row, rows, block.seq_start)[:, None]
+            keys, weights = _top_keys(probs, block_targets)
             self.exemplars.offer(
-                layer, names, every_match, evidence[read][:, :, None], top_key, None,
+                layer, [detector.name for detector in callables], every_match, evidence[None], keys, weights,
                 sentence_ids=self._batch.sentence_ids, seq_start=block.seq_start, first_row=block.first_row,
             )  # fmt: skip
 
@@ -180,48 +197,44 @@ class PatternScores:
     def _add_chance_sums(self, chance: torch.Tensor) -> None:
         self._chance = chance if self._chance is None else self._chance + chance
 
-    def _add_chance(self, block, block_targets, counted, batch: int, rows: int, keys: int, read) -> None:
-        chance = block_targets.new_zeros(batch, self.scored, 2, dtype=torch.float64)
-        if self.scored:
-            visible = block.visible[:, 0].expand(batch, rows, keys)
-            uniform = visible / count_visible(visible[:, None])[:, 0, :, None].clamp(min=1)  # (batch, rows, keys)
-        for i, detector in enumerate(self.detectors[: self.scored]):
-            if i not in read:
-                continue
-            chance_matches = row_matches(uniform[:, None], block_targets[i], detector)[:, 0]  # (batch, rows)
-            chance[:, i, 0] = torch.where(counted[i], chance_matches, 0.0).sum(-1)
-            chance[:, i, 1] = counted[i].sum(-1)  # uniform attention's mass is 1
-        self._add_chance_sums(chance)
-
-    def _block_rows(self, block, batch: int, rows: int, keys: int):
-        """For the block, what does not change from layer to layer: every detector's targets on the keys each row
-        may see (detectors, batch, rows, keys); the rows each counts (detectors, batch, rows): every real row for a
-        detector that weighs rows, else the rows with a target they may see; and of those, the exemplars' rows
-        (measures.exemplars.evidence_rows). Kept for the batch's other layers while small, and
-        while their visible keys are the same (a sliding-window layer's are not)."""
+    def _callable_targets(self, block, rows: int, keys: int) -> torch.Tensor:
+        """The callables' targets on the keys each row of the block may see, (callables, batch, rows, keys): the same
+        for every layer, so kept for the batch's other layers while small, and while their visible keys are the same
+        (a sliding-window layer's are not)."""
         where = (block.first_row, rows, keys)
         cached = self._targets.get(where)
         if cached is not None and torch.equal(cached[0], block.visible):
             return cached[1]
-        visible = block.visible[:, 0].expand(batch, rows, keys)
-        made = torch.stack(self._raw_targets(block, rows, keys)) * visible
-        real = block.query_valid[None].expand(len(self.detectors), batch, rows)
-        weighs = torch.tensor([d.weighs_rows for d in self.detectors], device=made.device)[:, None, None]
-        counted = real & (weighs | (made.sum(-1) > 0))
-        evidence = counted & evidence_rows(block.first_row, rows, block.seq_start)[None]
-        held = sum(entry[1][0].numel() for entry in self._targets.values())
-        if held + made.numel() <= CACHED_TARGETS:
-            self._targets[where] = (block.visible, (made, counted, evidence))
-        return made, counted, evidence
-
-    def _raw_targets(self, block, rows: int, keys: int) -> list[torch.Tensor]:
-        """Every detector's (batch, rows, keys) targets for the block, before the keys a row may see."""
         batch = self._batch
         real = batch.attention_mask.bool()
         span = slice(block.first_row, block.first_row + rows)
-        where_ids = (batch.input_ids, real, batch.seq_start, span, keys, self.token_text)
-        return [targets(detector, *where_ids, self._patterns.get(detector.name)) for detector in self.detectors]
+        made = torch.stack([
+            targets(self.detectors[i], batch.input_ids, real, batch.seq_start, span, keys, self.token_text,
+                    self._patterns[self.detectors[i].name])
+            for i in self.callables
+        ]) * block.visible[:, 0]  # fmt: skip
+        held = sum(entry[1].numel() for entry in self._targets.values())
+        if held + made.numel() <= CACHED_TARGETS:
+            self._targets[where] = (block.visible, made)
+        return made
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's sums: (layers, batch, heads, detectors, 2) and (batch, detectors, 2), in layer order."""
         return torch.stack([self._sums[layer] for layer in sorted(self._sums)]), self._chance
+
+
+def _top_keys(probs: torch.Tensor, targets: torch.Tensor):
+    """The target key each row attends to most (a pattern's weights scale it) and its weight, for every row at once
+    ((patterns, batch, heads, rows) each) where that costs little memory, so that the exemplars take the offer with
+    the layer's others; else a function of the candidate rows alone (measures.exemplars.TopRows.offer).
+    probs: (batch, heads, rows, keys); targets: (patterns, batch, rows, keys)."""
+    if probs.numel() <= EVERY_ROWS_KEY:
+        keys = torch.stack([(probs * target[:, None]).argmax(-1) for target in targets])
+        return keys, probs[None].expand(len(targets), -1, -1, -1, -1).gather(-1, keys[..., None])[..., 0]
+
+    def top_key(kind, b, head, r):
+        weights = probs[b, head, r]  # (candidates, keys)
+        key = (weights * targets[kind, b, r]).argmax(-1)
+        return key, weights.gather(-1, key[:, None])[:, 0]
+
+    return top_key, None

@@ -136,29 +136,38 @@ def read_patterns(model, batch, layers, block_bytes: int, kernel: TileKernel | N
 @pytest.mark.slow
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_every_path_gives_the_same_detector_sums_and_exemplars(planted, corpus_lines, kernel_module, padding_side):
-    """A padded batch of the planted GPT-2, read three ways: the model's eager probabilities; the fused path with its
-    logits recomputed block by block (no kernel); and the fused path whose C++ kernel folds the built-in families in
-    its pass (only the callable read block by block). The detector sums and chance levels agree within float32
-    rounding, and so do the exemplars (as across batchings: tests/support/helpers.py)."""
+    """A padded batch of the planted GPT-2, read four ways: the model's eager probabilities, by torch and by the C++
+    kernel's look-ups (`pattern_rows`); the fused path with its logits recomputed block by block (no kernel); and the
+    fused path whose C++ kernel folds the built-in families in its pass (only the callable read block by block). The
+    detector sums and chance levels agree within float32 rounding, and so do the exemplars (as across batchings:
+    tests/support/helpers.py)."""
     ids, _ = tokenize_sentences(planted.tokenizer, corpus_lines[:8], None)
     batch = collate(list(range(len(ids))), ids, padding_side=padding_side)
     layers = list(range(planted.architecture["layers"]))
-    folded = []
+    folded, looked_up = [], []
 
     def recording(*args, **kwargs):
         folded.append("pattern_keys" in kwargs)
         return kernel_module.row_state(*args, **kwargs)
 
+    def looking_up(*args):
+        looked_up.append(args[2].shape[0])  # the patterns read
+        return kernel_module.pattern_rows(*args)
+
     module = SimpleNamespace(row_state=recording, folds_patterns=True)
+    eager = SimpleNamespace(weight_rows=kernel_module.weight_rows, row_sums=kernel_module.row_sums,
+                            write_sums=kernel_module.write_sums, pattern_rows=looking_up)  # fmt: skip
     paths = {
-        "eager": (2**30, None),
+        "eager": (2**30, TileKernel(native_loader=lambda: "no kernel here")),
+        "eager, kernel": (2**30, TileKernel(native_loader=lambda: eager, native_built=lambda: True)),
         "blocks": (4096, TileKernel(native_loader=lambda: "no kernel here")),
         "kernel": (4096, TileKernel(compile_from=0, native_loader=lambda: module, native_from=0)),
     }
     read = {name: read_patterns(planted.model, batch, layers, *options) for name, options in paths.items()}
     assert folded and all(folded)  # the kernel ran on every layer, folding the patterns
+    assert looked_up == [len(DETECTORS) + len(PROBE_KINDS)] * len(layers)  # and looked them up on every eager layer
     sums, chance, exemplars = read["eager"]
-    for name in ("blocks", "kernel"):
+    for name in ("eager, kernel", "blocks", "kernel"):
         other_sums, other_chance, other_exemplars = read[name]
         torch.testing.assert_close(other_sums, sums, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(other_chance, chance, rtol=1e-6, atol=1e-9)
@@ -187,3 +196,26 @@ def test_a_kernel_whose_readings_disagree_is_dropped_and_the_blocks_read_them(pl
     eager = read_patterns(planted.model, batch, layers, 2**30, None)
     torch.testing.assert_close(dropped[0], eager[0], rtol=1e-5, atol=1e-6)
     assert_same_exemplars(eager[2], dropped[2])
+
+
+@pytest.mark.slow
+def test_a_kernel_whose_look_ups_disagree_is_dropped_and_torch_reads_them(planted, corpus_lines, kernel_module, caplog):
+    """The kernel's first readings of the eager probabilities are checked against torch's: one that misreads them is
+    dropped with one warning, and torch reads that layer and the rest, the same numbers."""
+    ids, _ = tokenize_sentences(planted.tokenizer, corpus_lines[:4], None)
+    batch = collate(list(range(len(ids))), ids)
+    layers = list(range(planted.architecture["layers"]))
+
+    def misreading(*args):
+        match, count, key, weight = kernel_module.pattern_rows(*args)
+        return match, count, torch.where(key >= 0, key + 1, key), weight  # every key one off
+
+    module = SimpleNamespace(weight_rows=kernel_module.weight_rows, row_sums=kernel_module.row_sums,
+                             write_sums=kernel_module.write_sums, pattern_rows=misreading)  # fmt: skip
+    kernel = TileKernel(native_loader=lambda: module, native_built=lambda: True)
+    dropped = read_patterns(planted.model, batch, layers, 2**30, kernel)
+    assert kernel.patterns_failed == "its first readings disagreed with torch's"
+    assert "no longer reads the exemplars' patterns" in caplog.text
+    by_torch = read_patterns(planted.model, batch, layers, 2**30, TileKernel(native_loader=lambda: "no kernel here"))
+    torch.testing.assert_close(dropped[0], by_torch[0], rtol=0, atol=0)
+    assert_same_exemplars(by_torch[2], dropped[2], rtol=0, atol=0)

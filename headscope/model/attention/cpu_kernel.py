@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from headscope.model.attention.finish_rows import RowValues
-from headscope.model.attention.key_patterns import KeyPatterns
+from headscope.model.attention.key_patterns import KeyPatterns, PatternRows
 from headscope.model.masks import visible_keys
 
 _log = logging.getLogger(__name__)
@@ -245,6 +245,19 @@ def weight_rows(
         logit_std=logit_std,
         mass=mass,
     )
+
+
+def pattern_rows(
+    module: ModuleType, weights: torch.Tensor, visible: torch.Tensor, patterns: KeyPatterns, row_offset: int
+) -> PatternRows:
+    """headscope.model.attention.key_patterns.read_probabilities by the kernel: the patterns' readings of (batch,
+    heads, rows, keys) probabilities (any float dtype, read as float32) of query rows row_offset, ...; visible:
+    (batch or 1, 1 or heads, rows, keys) bool. A row's targets are looked up, not its keys scanned."""
+    match, targets, key, weight = module.pattern_rows(
+        weights.float().contiguous(), visible.contiguous(), patterns.sorted_keys.contiguous(),
+        patterns.run_begin.contiguous(), patterns.run_end.contiguous(), row_offset,
+    )  # fmt: skip
+    return PatternRows(match=match, targets=targets, key=key, weight=weight)
 
 
 def row_sums(

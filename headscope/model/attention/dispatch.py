@@ -15,7 +15,7 @@ import torch
 
 from headscope.model.attention import cpu_kernel
 from headscope.model.attention.finish_rows import RowValues, read_off
-from headscope.model.attention.key_patterns import fold_reference
+from headscope.model.attention.key_patterns import PatternRows, fold_reference
 from headscope.model.attention.tile_loop import FOLD_STATE, TILE_KEYS, _fold, _fold_tiles, _tile_step
 
 # Logits a capture folds op by op before compiling (see TileKernel): 2^25 is a quarter of SmolLM2's 30 layers on
@@ -106,6 +106,8 @@ class TileKernel:
         self._built: bool | None = None  # was the C++ kernel built before this capture? (asked once)
         self._weights_checked = False  # has the kernel's first reduction of probabilities been checked?
         self.sums_failed: str | None = None  # why the C++ kernel does not sum rows, once that is known
+        self.patterns_failed: str | None = None  # why the C++ kernel does not read patterns of probabilities
+        self._patterns_read_checked = False  # has its first reading of probabilities been checked?
         self._sums_checked: set[str] = set()  # the kernel's sums whose first result was checked
 
     def step(self, logits: int) -> Callable:
@@ -264,6 +266,37 @@ class TileKernel:
         self.weight_runs += 1
         return values
 
+    def pattern_rows(self, weights: torch.Tensor, visible: torch.Tensor) -> Callable | None:
+        """The C++ kernel for the patterns' readings of a layer's probabilities (the eager path; where `weight_rows`
+        offered the kernel for their statistics), as `(patterns, row_offset, reference) -> PatternRows`, `reference`
+        computing the same with torch (key_patterns.read_probabilities): run on the kernel's first call to check it,
+        and whenever the kernel fails. None where the kernel does not serve."""
+        if self.patterns_failed is not None or self.weights_failed is not None or "cpu" in self.failed_kernels:
+            return None
+        module = self._loaded("cpu")
+        if module is None or not hasattr(module, "pattern_rows"):
+            return None
+        return functools.partial(self._pattern_rows, module, weights, visible)
+
+    def _pattern_rows(self, module, weights, visible, patterns, row_offset, reference) -> PatternRows:
+        try:
+            rows = cpu_kernel.pattern_rows(module, weights, visible, patterns, row_offset)
+        except Exception as err:  # a kernel built from an older source, or refusing its inputs: torch's readings
+            return self._drop_patterns(f"failed ({cpu_kernel.one_line(err)})", reference())
+        if not self._patterns_read_checked:
+            self._patterns_read_checked = True
+            expected = reference()
+            if not _same_readings(rows, expected):
+                return self._drop_patterns("its first readings disagreed with torch's", expected)
+        return rows
+
+    def _drop_patterns(self, why: str, rows: PatternRows) -> PatternRows:
+        """Stop reading patterns with the C++ kernel, with a warning; `rows` (torch's) stand for this layer."""
+        self.patterns_failed = why
+        _log.warning("headscope's C++ kernel no longer reads the exemplars' patterns (%s): torch does, for this "
+                     "layer and the rest", why)  # fmt: skip
+        return rows
+
     def sums(self, which: str) -> Callable | None:
         """One of the C++ kernel's sums over rows (`which`: "row_sums", a block's per-row values, or "write_sums",
         what a layer's heads write; headscope.model.attention.cpu_kernel), as `(*inputs, reference=..., **settings)
@@ -334,3 +367,14 @@ def _same_rows(got: RowValues, expected: RowValues) -> bool:
         elif not torch.equal(have, want):
             return False
     return True
+
+
+def _same_readings(got: PatternRows, expected: PatternRows) -> bool:
+    """Do two readings of the same probabilities agree: sums within 1e-6 relative (float64 sums of the same float32
+    weights in another order), weights exactly (the same numbers picked), counts and keys exactly?"""
+    return (
+        torch.allclose(got.match, expected.match, rtol=1e-6, atol=1e-9)
+        and torch.equal(got.targets, expected.targets)
+        and torch.equal(got.key, expected.key)
+        and torch.equal(got.weight.float(), expected.weight.float())
+    )

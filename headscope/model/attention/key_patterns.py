@@ -101,6 +101,66 @@ class PatternRows:
         return PatternRows(*(getattr(self, name)[first:stop] for name in self.__dataclass_fields__))
 
 
+# Picked probabilities (patterns x batch x heads x rows x run width) read at once; past it, one pattern at a time. On
+# short sentences the patterns together are a few tensor operations, not a few per pattern.
+PICKED_AT_ONCE = 2**22
+
+
+def read_probabilities(probs: torch.Tensor, visible: torch.Tensor, patterns: KeyPatterns, first_row: int):
+    """PatternRows of probabilities the model computed (the eager path) or a block's recomputed from its logits: each
+    row's targets picked from its run (a few keys, not a (rows x keys) matrix).
+    probs: (batch, heads, rows, keys) of query rows first_row, first_row + 1, ...; visible: (batch or 1, 1, rows,
+    keys) bool. The first key among the targets counts as any other (these probabilities hold it)."""
+    batch, heads, rows, keys = probs.shape
+    span = slice(first_row, first_row + rows)
+    if patterns.count * probs.numel() <= PICKED_AT_ONCE:  # short rows: every key at once, fewer operations
+        return _weighed(probs, patterns.targets(span, keys) & visible[None, :, 0])
+    begin, end = patterns.run_begin[..., span], patterns.run_end[..., span]  # (patterns, batch, rows)
+    width = max(1, int((end - begin).max()))
+    offsets = begin[..., None] + torch.arange(width, device=probs.device)  # (patterns, batch, rows, width)
+    inside = offsets < end[..., None]
+    t = patterns.sorted_keys.shape[-1]
+    target = patterns.sorted_keys.gather(-1, offsets.clamp(max=t - 1).flatten(2)).view(offsets.shape)
+    target = torch.where(inside, target, 0).clamp(max=keys - 1)  # a run's keys are <= its row, < keys
+    seen = inside & visible[:, 0].expand(batch, rows, keys)[None].expand(len(target), -1, -1, -1).gather(-1, target)
+    if target.numel() * heads <= PICKED_AT_ONCE:
+        return _picked(probs, target, seen)
+    parts = [_picked(probs, one[None], hit[None]) for one, hit in zip(target, seen, strict=True)]
+    fields = PatternRows.__dataclass_fields__
+    return PatternRows(*(torch.cat([getattr(part, name) for part in parts]) for name in fields))
+
+
+def _weighed(probs: torch.Tensor, hits: torch.Tensor) -> PatternRows:
+    """PatternRows from the probabilities and every key's targets, hits (patterns, batch, rows, keys) bool."""
+    shown = hits[:, :, None]  # (patterns, batch, 1, rows, keys)
+    weight, key = torch.where(shown, probs[None], -1.0).max(-1)  # the first target (in key order) holding the most
+    count = hits.sum(-1)[:, :, None].expand_as(weight)
+    found = count > 0
+    return PatternRows(
+        match=(probs[None] * shown).sum(-1, dtype=torch.float64),
+        targets=count,
+        key=torch.where(found, key, -1),
+        weight=torch.where(found, weight, 0.0),
+    )
+
+
+def _picked(probs: torch.Tensor, target: torch.Tensor, seen: torch.Tensor) -> PatternRows:
+    """PatternRows from the probabilities at each row's targets: target, seen (patterns, batch, rows, width)."""
+    patterns, batch, rows, width = target.shape
+    heads = probs.shape[1]
+    index = target[:, :, None].expand(patterns, batch, heads, rows, width)
+    picked = probs[None].expand(patterns, -1, -1, -1, -1).gather(-1, index)
+    shown = seen[:, :, None]
+    weight, best = torch.where(shown, picked, -1.0).max(-1)  # the first target (in key order) holding the most
+    found = shown.any(-1)
+    return PatternRows(
+        match=torch.where(shown, picked, 0.0).sum(-1, dtype=torch.float64),
+        targets=seen.sum(-1)[:, :, None].expand(patterns, batch, heads, rows),
+        key=torch.where(found, index.gather(-1, best[..., None])[..., 0], -1),
+        weight=torch.where(found, weight, 0.0),
+    )
+
+
 def finish(folded: tuple, values: RowValues, first_target: torch.Tensor, seq_start: torch.Tensor) -> PatternRows:
     """The rows' PatternRows from what a kernel folded over their targets off the first key (`folded`: sum, count,
     best, key, (patterns, batch, heads, rows) each, relative to the fold's maximum), the rows' `values`, first_target

@@ -68,6 +68,9 @@ class RowBlock:
     native_rows: Callable | None = None
     # With native_rows, the same kernel's per-(sentence, head) sums of rows' values (TileKernel.sums), or None
     native_sums: Callable | None = None
+    # With native_rows, the same kernel's readings of patterns in `weights`: (patterns, row_offset, reference) ->
+    # PatternRows (TileKernel.pattern_rows), or None
+    native_patterns: Callable | None = None
 
     def probabilities(self, heads: Sequence[int] | None = None) -> torch.Tensor:
         """(batch, heads, rows, keys) attention probabilities, whichever path produced the block; with `heads`,
@@ -229,9 +232,11 @@ class Readout:
             self._check_causal(eager, name, weights, rows, real=self.query_valid)
         native_rows = self.kernel.weight_rows(weights, visible, self.seq_start)
         native_sums = None if native_rows is None else self.kernel.sums("row_sums")
+        native_patterns = None if native_rows is None else self.kernel.pattern_rows(weights, visible)
         self.kernel_reduced = native_rows is not None  # then what the heads write is summed by the kernel too
         block = RowBlock(0, visible, self.query_valid, self.seq_start, weights=weights, value=value,
-                         native_rows=native_rows, native_sums=native_sums)  # fmt: skip
+                         native_rows=native_rows, native_sums=native_sums,
+                         native_patterns=native_patterns)  # fmt: skip
         weight_runs = self.kernel.weight_runs
         for reader in readers:
             reader.attention(layer, block)

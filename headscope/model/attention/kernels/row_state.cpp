@@ -890,6 +890,71 @@ at::Tensor write_sums(const at::Tensor& norms, const at::Tensor& residual_norm, 
   return out;
 }
 
+// The patterns' readings of probabilities the model computed (the eager path), as row_state folds them from logits:
+// for each (pattern, sentence, head, row), over the row's targets (the run pattern_keys[p, b, begin .. end) of row
+// row_offset + r; headscope/model/attention/key_patterns.py) that it may see, the sum of their weights (in double),
+// how many they are, the largest weight and its key (the first holding it; -1 and 0 without a target). A row's targets
+// are a few look-ups, not a pass over its keys. weights: (batch, heads, rows, keys) float32 contiguous; visible:
+// (batch or 1, heads or 1, rows, keys) bool contiguous; pattern_keys, pattern_begin, pattern_end: (patterns, batch,
+// query positions) long.
+std::vector<at::Tensor> pattern_rows(const at::Tensor& weights, const at::Tensor& visible, const at::Tensor& pattern_keys,
+                                     const at::Tensor& pattern_begin, const at::Tensor& pattern_end, int64_t row_offset) {
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 4,
+              "float32 contiguous (batch, heads, rows, keys) weights");
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.is_contiguous() && visible.dim() == 4, "visible");
+  const int64_t batch = weights.size(0), heads = weights.size(1), rows = weights.size(2), keys = weights.size(3);
+  const int64_t visible_batch = visible.size(0), visible_heads = visible.size(1);
+  TORCH_CHECK(visible.size(2) == rows && visible.size(3) == keys && (visible_batch == 1 || visible_batch == batch) &&
+                  (visible_heads == 1 || visible_heads == heads),
+              "visible must broadcast to the weights");
+  const int64_t patterns = pattern_keys.size(0), t = pattern_keys.size(2);
+  for (const at::Tensor* x : {&pattern_keys, &pattern_begin, &pattern_end}) {
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous() && x->sizes() == at::IntArrayRef({patterns, batch, t}),
+                "pattern tensors: contiguous long (patterns, batch, positions)");
+  }
+  TORCH_CHECK(row_offset >= 0 && row_offset + rows <= t, "rows within the patterns' positions");
+  const std::vector<int64_t> shape = {patterns, batch, heads, rows};
+  at::Tensor sum_out = at::empty(shape, weights.options().dtype(at::kDouble));
+  at::Tensor count_out = at::empty(shape, weights.options().dtype(at::kLong)), key_out = at::empty_like(count_out);
+  at::Tensor best_out = at::empty(shape, weights.options());
+  double* sums = sum_out.data_ptr<double>();
+  int64_t *counts = count_out.data_ptr<int64_t>(), *best_keys = key_out.data_ptr<int64_t>();
+  float* bests = best_out.data_ptr<float>();
+  const float* p = weights.data_ptr<float>();
+  const bool* shown = visible.data_ptr<bool>();
+  const int64_t *target_keys = pattern_keys.data_ptr<int64_t>(), *run_begin = pattern_begin.data_ptr<int64_t>(),
+                *run_end = pattern_end.data_ptr<int64_t>();
+  at::parallel_for(0, patterns * batch * heads * rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t pb = index / (heads * rows), h = (index / rows) % heads, r = index % rows;
+      const int64_t b = pb % batch;
+      const float* row = p + ((b * heads + h) * rows + r) * keys;
+      const bool* row_shown = shown + (((visible_batch == 1 ? 0 : b) * visible_heads + (visible_heads == 1 ? 0 : h)) *
+                                       rows + r) * keys;
+      const int64_t* run = target_keys + pb * t;
+      const int64_t at = pb * t + row_offset + r;
+      double sum = 0.0;
+      int64_t count = 0, best_key = -1;
+      float best = 0.f;
+      for (int64_t c = run_begin[at]; c < run_end[at]; ++c) {
+        const int64_t key = run[c];
+        if (key >= keys || !row_shown[key]) continue;
+        ++count;
+        sum += row[key];
+        if (best_key < 0 || row[key] > best) {
+          best = row[key];
+          best_key = key;
+        }
+      }
+      sums[index] = sum;
+      counts[index] = count;
+      bests[index] = best;
+      best_keys[index] = best_key;
+    }
+  });
+  return {sum_out, count_out, key_out, best_out};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("row_state", &row_state, "per-row softmax state (and output sum) of causal attention logits",
              pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("positions"),
@@ -900,6 +965,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.attr("folds_patterns") = true;  // row_state takes pattern_keys (headscope/model/attention/key_patterns.py)
   module.def("block_rows", &block_rows_for, "query rows per task row_state takes for keys of this many dimensions");
   module.def("weight_rows", &weight_rows, "per-row statistics of attention probabilities");
+  module.def("pattern_rows", &pattern_rows, "per-row readings of the patterns' targets in attention probabilities");
   module.def("row_sums", &row_sums, "per-(sentence, head) sums of a block's per-row values");
   module.def("write_sums", &write_sums, "per-(sentence, head) sums of what a causal layer's heads write");
 }
