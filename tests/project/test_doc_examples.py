@@ -1,16 +1,21 @@
-"""The examples of the README and of every docs page, run as written, in order (the README, then the pages in the site's
-order), in a fresh folder: every `headscope ...` command of their bash blocks (the segments of a line that start with
-`headscope`: the install commands around them are .ci/run's) and every Python block, in one namespace, as a reader
-pasting them one after another would. A block preceded by `<!-- not run by tests/project/test_doc_examples.py: WHY
--->` needs what a test cannot have (the hub, a GPU, reports of yours). Each example must succeed: an example that
-collides with an earlier one's output, or names a file that is not there, fails here with its page and line."""
+"""The examples of the README and of every docs page, run as written, in order, page by page (each page a test, so
+that the suite's workers share them): every `headscope ...` command of their bash blocks (the segments of a line that
+start with `headscope`: the install commands around them are .ci/run's) and every Python block, in one namespace per
+page that starts with `import headscope` and `import pandas as pd`, as a reader pasting them one after another would.
+The README's first command, the main job, runs once for every page: each page starts in a fresh folder holding its
+report (reports/smollm2) and the shipped corpora, and the rest of the README is a page like the others. A block
+preceded by `<!-- not run by tests/project/test_doc_examples.py: WHY -->` needs what a test cannot have (the hub, a
+GPU, reports of yours). Each example must succeed: an example that collides with an earlier one's output, or names a
+file that is not there, fails here with its page and line."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,15 +119,45 @@ class OnceLoader:
         return self.loaded[key]
 
 
+# The pages with examples to run (the README's first, the main job, runs once for them all: `main_job`).
+PAGES = list(dict.fromkeys(example.page for example in every_example()[1:]))
+
+
+@pytest.fixture(scope="session")
+def loader() -> OnceLoader:
+    """One load of SmolLM2 for every page's commands (in each of the suite's workers)."""
+    return OnceLoader()
+
+
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory, loader) -> Path:
+    """The README's first command (the main job) run once, in a folder of its own: the report every page starts
+    with."""
+    first = every_example()[0]
+    folder = tmp_path_factory.mktemp("main-job")
+    (folder / "corpora").symlink_to(REPO / "corpora")
+    here = Path.cwd()
+    os.chdir(folder)
+    try:
+        result = run_cli(*shlex.split(first.code)[1:], loader=loader)
+    finally:
+        os.chdir(here)
+    assert result.exit_code == 0, f"{first.page}:{first.line}: {first.code}\n{result.output[-3000:]}"
+    return folder / "reports" / "smollm2"
+
+
 @pytest.mark.slow
-def test_every_example_runs_in_order(tmp_path, monkeypatch):
-    """Every example succeeds; the commands share one load of SmolLM2 (`OnceLoader`), the Python blocks load their
-    own."""
+@pytest.mark.parametrize("page", PAGES)
+def test_every_example_of_the_page_runs_in_order(page, main_job, loader, tmp_path, monkeypatch):
+    """Every example of the page succeeds, in order, in a fresh folder holding the main job's report; the commands
+    share one load of SmolLM2 (`OnceLoader`), the Python blocks load their own."""
     (tmp_path / "corpora").symlink_to(REPO / "corpora")
+    shutil.copytree(main_job, tmp_path / "reports" / "smollm2")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    loader = OnceLoader()
-    for example in every_example():
+    exec("import headscope\nimport pandas as pd", namespace)
+    examples = [example for example in every_example()[1:] if example.page == page]
+    for example in examples:
         where = f"{example.page}:{example.line}: {example.code[:200]}"
         if example.language == "bash":
             result = run_cli(*shlex.split(example.code)[1:], loader=loader)
