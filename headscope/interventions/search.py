@@ -11,15 +11,16 @@ Each round begins with a gradient pass on the model pruned so far, which ranks t
 cost (a head whose removal lowers the loss first), then:
 1. trusting the estimate: the longest prefix of the ranking (at most `first_shortlist` heads) whose estimates add
    up to within the round's allowance (half of the budget left when the round began: a round does not spend the
-   budget on heads a later round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1) in
-   one pass, and the largest verified fit accepted. If it took any head, the round is done: one gradient pass and
-   one replicated pass;
+   budget on heads a later round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1), and
+   the largest verified fit accepted: the two largest in one pass, the smaller ones in a second only where neither
+   fits (the same answer as verifying them all at once, at half the replicas where the larger sizes fit). If it
+   took any head, the round is done: one gradient pass and one replicated pass;
 2. else the estimate has stopped predicting, and the round measures: the `shortlist` (`first_shortlist` in the
    first round) best-ranked heads are each verified alone on top of the heads removed, their exact marginal costs;
 3. packing, with no further gradient pass: the shortlist, cheapest exact cost first, is predicted to add its
-   costs; the longest prefix predicted to stay within the allowance is verified with nested smaller ones in one
-   pass, the largest verified fit accepted, and packing goes on down the shortlist until the allowance is spent or
-   no verified size fits. A round that accepted nothing takes its cheapest head, if it fits the budget.
+   costs; the longest prefix predicted to stay within the allowance is verified with nested smaller ones likewise,
+   the largest verified fit accepted, and packing goes on down the shortlist until the allowance is spent or no
+   verified size fits. A round that accepted nothing takes its cheapest head, if it fits the budget.
 
 The first step is the one-shot answer: its allowance is the whole budget, so it verifies the best-ranked heads
 removed together, as many as their estimates (or, where part 1 found nothing, their exact costs alone) say the
@@ -36,6 +37,7 @@ The loss of the accepted set is always a verified one, so the result never excee
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ Head = tuple[int, int]
 MIN_GAIN_SHARE = 0.02  # a round that adds fewer than this share of the candidates (and whose budget left buys
 # fewer than as many more, at its verified cost per head) counts against patience
 ROUND_SHARE = 0.5  # a round may spend this share of the budget left when it began
+FIRST_SIZES = 2  # nested sizes verified in a packing step's first pass (the smaller ones only where neither fits)
 
 
 @dataclass
@@ -135,18 +138,16 @@ def _pack_estimated(
 ) -> None:
     """Part 1: trust the estimate. The longest prefix of `ranked` (cheapest estimate first) whose estimates add up
     to within the allowance (the whole budget for the first step: the one-shot answer; else half of what is left) is
-    verified with nested smaller ones in one pass, and the largest that fits accepted."""
+    verified with nested smaller ones (`_largest_fit`), and the largest that fits accepted."""
     first = not result.heads
     ceiling = limit if first else _allowance(result.loss, limit)
     top = _longest_fit(result.loss, [estimates[head] for head in ranked], ceiling)
     if top == 0:
         return
     sizes = nested_sizes(top, tries)
-    losses = dict(zip(sizes, _verified(verify, [result.heads + ranked[:size] for size in sizes], result), strict=True))
-    fitting = [size for size in sizes if losses[size] <= ceiling]
-    if not fitting:
+    size, losses = _largest_fit(verify, result, sizes, lambda size: result.heads + ranked[:size], ceiling)
+    if size == 0:
         return
-    size = max(fitting)
     if first:
         result.one_shot = size
     _accept(result, ranked[:size], losses[size], on_step)
@@ -167,20 +168,38 @@ def _pack(
         if top == 0 and accepted:
             break  # the round has spent its allowance: a later round may find cheaper heads
         sizes = nested_sizes(max(top, 1), tries)
-        asked = [size for size in sizes if size not in known]
-        losses = dict(known) | dict(
-            zip(asked, _verified(verify, [result.heads + pool[:size] for size in asked], result), strict=True)
-        )
-        fitting = [size for size in sizes if losses[size] <= (ceiling if top else limit)]
-        if not fitting:
+        prefixes = functools.partial(_with_prefix, result.heads, pool)
+        size, losses = _largest_fit(verify, result, sizes, prefixes, ceiling if top else limit, known)
+        if size == 0:
             break
-        size = max(fitting)
         if one_shot and not accepted:
             result.one_shot = size
             ceiling = _allowance(losses[size], limit)  # the round goes on as any
         _accept(result, pool[:size], losses[size], on_step)
         accepted += size
         pool, known = pool[size:], {}
+
+
+def _largest_fit(
+    verify, result: PruneResult, sizes: list[int], set_of, ceiling: float, known: dict[int, float] | None = None
+) -> tuple[int, dict[int, float]]:
+    """The largest of the nested `sizes` (largest first) whose set, set_of(size), verifies within `ceiling`, and the
+    losses verified (`known`: sizes verified already): (0, losses) where none does. The two largest go first, in one
+    pass; the smaller ones only where neither fits. The answer is the one verifying every size at once would give
+    (any size that fits beats every smaller one), at two replicas a pass where the larger sizes fit, as they mostly
+    do, instead of all of them."""
+    losses = dict(known or {})
+    for part in (sizes[:FIRST_SIZES], sizes[FIRST_SIZES:]):
+        asked = [size for size in part if size not in losses]
+        losses |= dict(zip(asked, _verified(verify, [set_of(size) for size in asked], result), strict=True))
+        fitting = [size for size in part if losses[size] <= ceiling]
+        if fitting:
+            return max(fitting), losses
+    return 0, losses
+
+
+def _with_prefix(heads: list[Head], pool: list[Head], size: int) -> list[Head]:
+    return heads + pool[:size]
 
 
 def _allowance(loss: float, limit: float) -> float:

@@ -108,9 +108,26 @@ def test_a_round_whose_estimate_predicts_takes_one_gradient_pass_and_one_replica
     _, verify, _, calls = cost_model(costs, {})
     estimate = lambda removed: {h: costs[h] for h in heads if h not in removed}  # noqa: E731
     result = prune_search(heads, clean_loss=1.0, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40)
-    # round 1: the one-shot, 40 heads (the longest prefix trusted); round 2: 40 more, round 3 the last 20
+    # round 1: the one-shot, 40 heads (the longest prefix trusted); round 2: 40 more, round 3 the last 20; each
+    # round's largest size fits, so its pass verifies the two largest sizes alone (40 and 20), not all four
     assert [n for n, _ in result.curve] == [0, 40, 80, 100] and result.verify_calls == result.estimates == 3
-    assert result.stopped == "every head removed" and calls["verify"] == 3 * 4
+    assert result.stopped == "every head removed" and calls["verify"] == 3 * 2
+
+
+def test_smaller_sizes_are_verified_only_where_the_two_largest_overshoot():
+    """The nested sizes of a packing step in two passes give the answer one pass of all of them would: the largest
+    that fits. Costs that make 40 and 20 heads overshoot and 10 fit: a second pass, for 10 and 1, takes 10."""
+    heads = [(layer, head) for layer in range(10) for head in range(10)]
+    costs = {h: 0.001 for h in heads}
+    ranked = sorted(heads)
+    for h in ranked[10:20]:
+        costs[h] = 0.05  # heads ranked 11 to 20 cost far more than their estimates say
+    loss, verify, _, calls = cost_model(costs, {})
+    estimate = lambda removed: {h: 0.001 for h in heads if h not in removed}  # noqa: E731
+    result = prune_search(heads, clean_loss=1.0, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40,
+                          max_rounds=1)  # fmt: skip
+    assert result.heads == ranked[:10] and result.loss == pytest.approx(loss(ranked[:10]))
+    assert result.verify_calls == 2 and calls["verify"] == 4  # 40 and 20, then 10 and 1
 
 
 def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
