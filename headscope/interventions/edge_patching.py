@@ -92,12 +92,23 @@ def patched_logits(model, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) 
             start = (offset if fused else 0) + unit * head_dim
             read = (receiver_index[(name, channel)], slice(start, start + head_dim))
             by_module.setdefault(module, []).append(read)
+        # Every channel of the layer's attention reads the stream as the layer began: their changes are one product
+        # (the senders' changes read once for q, k and v together, not once per projection), kept for the others.
+        attention_reads = [index for reads in by_module.values() for index, _ in reads]
+        modules = len(by_module)
         for module, reads in by_module.items():
 
-            def reading(module, args, output, layer=layer, reads=reads):
-                found = change([index for index, _ in reads])
-                if found is None:
+            def reading(module, args, output, layer=layer, reads=reads, every=attention_reads, modules=modules):
+                if ("change", layer) not in kept:
+                    kept[("change", layer)] = [change(every), modules]
+                held = kept[("change", layer)]
+                everything = held[0]
+                held[1] -= 1
+                if held[1] == 0:  # the layer's last projection: the changes are not kept past it
+                    del kept[("change", layer)]
+                if everything is None:
                     return None
+                found = everything[[every.index(index) for index, _ in reads]]
                 live = found.flatten(1).any(1).nonzero()[:, 0].tolist()  # the channels some edge changes
                 if not live:
                     return None
