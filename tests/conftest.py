@@ -74,9 +74,16 @@ SLOW_FIXTURES = {"smollm2", "kernel_module", "browser"}
 
 
 def pytest_collection_modifyitems(config, items):
+    first_cases = set()
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        # A family of costly cases (`first_case_fast`) keeps its first case alone in the fast loop; CI runs them all.
+        if item.get_closest_marker("first_case_fast"):
+            family = (item.path, item.originalname)
+            if family in first_cases:
+                item.add_marker(pytest.mark.slow)
+            first_cases.add(family)
 
 
 _REAL_CUDA_CHECK = []  # torch.cuda.is_available as torch has it, kept while the suite hides the GPU

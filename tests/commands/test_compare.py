@@ -192,6 +192,7 @@ def test_one_band_rule_for_the_summary_the_charts_and_compare(tmp_path, depth, b
     }
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_compare_through_the_cli(planted_pair, tmp_path):
     a, b, _ = planted_pair
     out = tmp_path / "comparison"
@@ -250,6 +251,7 @@ def two_columns(planted_gpt2, tmp_path_factory, corpus_lines):
     return reports
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_two_columns_of_one_file_are_not_paired(two_columns, tmp_path):
     result = run_cli("compare", two_columns["first"], two_columns["second"], "--out", tmp_path / "c", "--no-charts")
     assert result.exit_code == 0, result.output
@@ -272,6 +274,7 @@ def test_settings_that_change_meaning_are_named(two_columns, tmp_path):
     assert json.loads((out / "compare.json").read_text())["settings_differ"] == {"window": [2, 3]}
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_one_token_corpus_compared_with_itself_has_nothing_significant(planted_gpt2, tmp_path):
     corpus = tmp_path / "words.txt"
     corpus.write_text("cat\ndog\nbird\nfish\n")

@@ -236,6 +236,7 @@ def test_a_script_token_shows_as_text_in_the_notebook_view(smollm2, tmp_path):
         driver.quit()
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_report_in_memory_computes_its_example_views_when_first_read(copier, tmp_path):
     """A loaded model analysed without an output folder: the example views' forward pass waits for report.examples
     (forward passes counted at the embeddings), runs once, and gives the table a written report holds."""

@@ -584,5 +584,6 @@ DRAWING = {"charts", "chart_format"}  # these two draw every chart: slow (over 2
 @pytest.mark.parametrize(
     "name", [pytest.param(name, marks=pytest.mark.slow) if name in DRAWING else name for name in sorted(set(EFFECTS))]
 )
+@pytest.mark.first_case_fast
 def test_what_each_option_does(name, planted_gpt2, texts, baseline, tmp_path):
     EFFECTS[name](planted_gpt2, texts, baseline, tmp_path)

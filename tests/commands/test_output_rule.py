@@ -97,6 +97,7 @@ def test_one_rule_for_every_command_that_writes(name, state, overwrite, folders,
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder left
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_users_look_alike_folders_beside_the_output_survive(planted_gpt2, folders, tmp_path):
     """Only work folders whose marker proves headscope made them for this output are cleaned up; a user's
     .rep.old-20240101/, a bare .rep.staging-123/ and a sibling that a glob of "rep*" would match all survive."""
@@ -134,6 +135,7 @@ def test_a_killed_runs_marked_work_folder_is_removed_and_said(command, planted_g
     assert not stale.exists() and f"removed {stale}, left behind by an interrupted run" in result.output
 
 
+@pytest.mark.slow  # the module's report, comparison and charts: 4 s to make
 def test_compare_overwrite_replaces_only_a_comparison(folders, tmp_path):
     report = tmp_path / "a-report"
     shutil.copytree(folders["report"], report)
@@ -143,6 +145,7 @@ def test_compare_overwrite_replaces_only_a_comparison(folders, tmp_path):
     assert snapshot(report) == before
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_plot_in_place_and_classify_in_place_rewrite_only_their_own_files(folders, tmp_path):
     """Without --out, plot and classify write into the report itself: only the files they write change, and a
     user's notes kept in the report folder are left alone."""
@@ -154,6 +157,7 @@ def test_plot_in_place_and_classify_in_place_rewrite_only_their_own_files(folder
     assert (report / "notes.md").read_text() == "my notes\n"
 
 
+@pytest.mark.slow  # the module's report, comparison and charts: 4 s to make
 def test_a_work_folder_in_the_way_that_headscope_did_not_make_is_refused(planted_gpt2, folders, tmp_path):
     """--resume uses a fixed work folder name (.OUT.partial): a user's folder of that name is not taken over."""
     (tmp_path / ".rep.partial").mkdir()

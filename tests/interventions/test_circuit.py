@@ -80,6 +80,7 @@ def scores(loaded, pairs, method, steps=3, **settings):
 
 
 @pytest.mark.parametrize("method", ["eap", "eap-ig"])
+@pytest.mark.first_case_fast
 def test_every_edge_equals_the_plain_computation(tiny_lm, method):
     loaded, pairs = tiny_lm
     found = scores(loaded, pairs, method)
@@ -232,8 +233,10 @@ def test_batching_and_pair_order_change_no_number(tiny_lm):
     together = scores(loaded, pairs, "eap")
     apart = scores(loaded, list(reversed(pairs)), "eap", max_memory="1MiB")  # one pair a pass
     assert list(apart.pair_ids) == list(together.pair_ids)  # back in pair order
+    # Each is within CLOSE of float64 (above), and other batch shapes round otherwise (MKL picks its sgemm by shape
+    # and alignment: 3.4e-6 apart on scores of order 1 here, from run to run); a batching bug moves a score by its size.
     for name in ("scores", "dla", "clean", "corrupt"):
-        np.testing.assert_allclose(getattr(apart, name), getattr(together, name), rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(getattr(apart, name), getattr(together, name), rtol=0, atol=CLOSE, err_msg=name)
     # pairs of one length go together, unpadded: the padding side reaches nothing
     left = scores(loaded, pairs, "eap", padding_side="left")
     for name in ("scores", "dla", "clean", "corrupt"):

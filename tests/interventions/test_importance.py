@@ -81,6 +81,7 @@ def test_a_planted_head_is_the_only_one_the_loss_needs(copier):
     assert layers.loc[0] == pytest.approx(zero - clean, abs=1e-5)
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_batching_and_padding_do_not_change_importance(copier):
     folder, sentences = copier
     loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)

@@ -107,6 +107,7 @@ def _check(found, reference: Reference, pairs: list[dict], what: str, direction:
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 @pytest.mark.parametrize("what", ["output", "pattern", "values", "q", "k"])
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
+@pytest.mark.first_case_fast
 def test_every_head_equals_the_reference(models, references, pair_files, model, what, direction):
     pairs = pair_files[model, "mixed"]
     found = patch(models[model], pairs, what=what, direction=direction, device="cpu", bootstrap=0)
@@ -115,6 +116,7 @@ def test_every_head_equals_the_reference(models, references, pair_files, model, 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 @pytest.mark.parametrize("what", ["output", "pattern", "values", "q", "k"])
+@pytest.mark.first_case_fast
 def test_each_position_equals_the_reference(models, references, pair_files, model, what):
     heads = [(1, 3), (2, 1)]
     pairs = pair_files[model, "one"]

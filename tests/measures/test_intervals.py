@@ -95,6 +95,7 @@ def test_batching_padding_and_order_change_no_interval(planted_gpt2, corpus_line
     assert len(layers) == 2
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_corpus_four_times_larger_halves_the_intervals(planted_gpt2, corpus_lines):
     options = {"sentence_heads": False, "probes": False, "bootstrap": 400}
     small = headscope.analyze(str(planted_gpt2), random_sentences(corpus_lines, 100, seed=2), **options).heads
@@ -106,6 +107,7 @@ def test_a_corpus_four_times_larger_halves_the_intervals(planted_gpt2, corpus_li
         assert 0.38 < ratio < 0.65, (metric, ratio)  # 1/sqrt(4) = 0.5
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_no_bootstrap_leaves_the_intervals_empty(planted_gpt2, corpus_lines, tmp_path):
     result = headscope.analyze(str(planted_gpt2), corpus_lines[:10], bootstrap=0, probes=False, out=tmp_path / "r")
     assert result.heads[INTERVALS].isna().all().all()

@@ -62,6 +62,7 @@ def test_the_layers_table_and_run_json_say_which_layers_slide(gemma2, corpus_lin
     assert sink[1] > 0.01 and sink[0] < sink[1]
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_report_from_before_the_columns_still_opens(gemma2, corpus_lines, tmp_path):
     out = tmp_path / "report"
     assert run_cli("analyze", gemma2, "--out", out, *QUICK, "--no-charts").exit_code == 0

@@ -88,6 +88,7 @@ def test_sentences_table_and_run_record(planted_report, planted_gpt2, corpus_lin
     assert not [p.name for p in planted_report.parent.iterdir() if p.name.startswith(".")]  # no leftovers
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_max_length_truncates_and_counts(planted_gpt2, tmp_path):
     out = tmp_path / "cut"
     result = runner.invoke(app, ["analyze", str(planted_gpt2), "--max-length", "6", "--out", str(out)])

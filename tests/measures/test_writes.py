@@ -252,6 +252,7 @@ def test_a_head_behind_a_post_attention_norm_writes_what_the_norm_adds(post_norm
 
 
 @pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "olmo2", "granite", "llama"])
+@pytest.mark.first_case_fast
 def test_what_reaches_the_residual_stream_equals_the_plain_computation(architecture, tmp_path, corpus_lines):
     """Post-attention norms (Gemma 2 and 3, OLMo 2), a scaled residual add (Granite's residual_multiplier) and the
     plain add (Llama): every column against tests/support/reference_writes.py, which writes each path out by hand."""

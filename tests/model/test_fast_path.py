@@ -75,6 +75,7 @@ def test_batches_keep_padding_small():
         assert padded - sum(lengths[i] for i in batch) <= 0.2 * padded
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_memory_budget_limits_padded_tokens(planted_gpt2, corpus_lines):
     small = headscope.analyze(str(planted_gpt2), corpus_lines, max_memory=2**20 * 8, sentence_heads=False)
     batching = small.run["batching"]

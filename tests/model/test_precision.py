@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 import headscope
@@ -64,6 +65,7 @@ def test_overlapping_calls_share_one_switch_and_the_last_out_restores():
         torch.set_float32_matmul_precision("highest")
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_process_on_the_new_interface_keeps_to_it():
     """torch >= 2.9 refuses to read the old interface once `fp32_precision` was set: the switch must use the new one
     (run apart: the state it leaves would trip later tests)."""

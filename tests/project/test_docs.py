@@ -36,6 +36,7 @@ def site(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_the_site_builds_strictly_and_holds_every_page(site):
     for page in PAGES:
         name = page.relative_to(REPO / "docs").with_suffix("")

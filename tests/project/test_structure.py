@@ -180,6 +180,7 @@ def test_the_package_is_its_subpackages_and_a_few_shared_modules():
 
 
 @pytest.mark.parametrize("package", sorted(LANES))
+@pytest.mark.first_case_fast
 def test_imports_stay_in_their_lanes(package):
     """typer only in cli/; torch and transformers only where models run; matplotlib and plotly only in report/."""
     strays = [name for name in MODULES if package in all_imports(name) and not name.startswith(LANES[package])]
