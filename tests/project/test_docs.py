@@ -91,7 +91,8 @@ def test_every_option_the_docs_mention_exists():
         "--nnodes",
         "--rdzv-",
         "--strict",
-    }  # pip's, torchrun's, mkdocs'
+        "--dist",
+    }  # pip's, torchrun's, mkdocs', pytest-xdist's
     for page in [REPO / "README.md", *PAGES]:
         mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", page.read_text(encoding="utf-8")))
         unknown = mentioned - known
