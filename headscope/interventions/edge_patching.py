@@ -95,10 +95,13 @@ def patched_logits(model, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) 
         # Every channel of the layer's attention reads the stream as the layer began: their changes are one product
         # (the senders' changes read once for q, k and v together, not once per projection), kept for the others.
         attention_reads = [index for reads in by_module.values() for index, _ in reads]
-        modules = len(by_module)
+        modules, first_row = len(by_module), 0
         for module, reads in by_module.items():
+            rows = slice(first_row, first_row + len(reads))  # this module's reads: its run of attention_reads
+            first_row = rows.stop
 
-            def reading(module, args, output, layer=layer, reads=reads, every=attention_reads, modules=modules):
+            def reading(module, args, output, layer=layer, reads=reads, rows=rows, every=attention_reads,
+                        modules=modules):  # fmt: skip
                 if ("change", layer) not in kept:
                     kept[("change", layer)] = [change(every), modules]
                 held = kept[("change", layer)]
@@ -108,7 +111,7 @@ def patched_logits(model, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) 
                     del kept[("change", layer)]
                 if everything is None:
                     return None
-                found = everything[[every.index(index) for index, _ in reads]]
+                found = everything[rows]
                 live = found.flatten(1).any(1).nonzero()[:, 0].tolist()  # the channels some edge changes
                 if not live:
                     return None
