@@ -10,7 +10,6 @@ Prints Spearman's rank correlation and the median absolute error of each. A scri
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 
 import numpy as np
@@ -28,13 +27,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     run = CommandRun.prepare(args.model, None, config=None, options={}, reporter=None)
-    with contextlib.ExitStack() as stack, loss_model(stack, args.model, run, load_for_run, "prune") as lm:
+    session = run.session(args.model, load_for_run, what="prune", lm_head=True)
+    with session as opened, loss_model(opened, run, "prune") as lm:
         removal = lm.removal("mean")
         sample = sorted(random.Random(args.seed).sample(lm.all_heads, min(args.heads, len(lm.all_heads))))
         tokens, clean, ablated = lm.losses([[head] for head in sample], removal).arrays("all")
         exact = (ablated.sum(1) - clean.sum()) / tokens.sum()
-        first = lm.estimated_costs([], removal, curvature=False)
-        both = lm.estimated_costs([], removal)
+        _, first = lm.estimated_costs([], removal, curvature=False)
+        _, both = lm.estimated_costs([], removal)
     terms = {"first order": [first[h] for h in sample], "curvature": [both[h] - first[h] for h in sample],
              "first order + curvature (prune's)": [both[h] for h in sample]}  # fmt: skip
     print(f"{args.model}: {len(sample)} heads (seed {args.seed}), exact costs {exact.min():+.4f} to {exact.max():+.4f}")

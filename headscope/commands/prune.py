@@ -44,6 +44,7 @@ from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
 ESTIMATE = "first order + curvature"  # what ranks the heads; a journal of another estimate's search is refused
+JOURNAL_FORMAT = 2  # 2: an estimate's answer holds its pass's loss; a journal of another format is refused
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
 
@@ -129,7 +130,8 @@ class Pruning:
             "search": {
                 "rank": "rounds: a gradient pass ranks the remaining heads by a second-order estimate on the model "
                 "pruned so far; the longest prefix whose estimates fit the allowance is verified (with nested "
-                "smaller ones); where that takes none, a shortlist is verified alone and packed "
+                "smaller ones; the largest by the gradient pass that ranks the next round, its forward's loss); "
+                "where that takes none, a shortlist is verified alone and packed "
                 "cheapest first; the first step may spend the whole budget (the one-shot answer), later rounds "
                 "half of the budget left",
                 "estimate": ESTIMATE,
@@ -220,7 +222,8 @@ def prune(
             journal = None
             if out is not None:  # every search keeps its journal: an interrupted one can be resumed
                 key = fingerprint(lm.loaded, corpus, settings, ONE_PROCESS) | {"budget": budget, "mode": mode,
-                      "max_rounds": max_rounds, "patience": patience, "estimate": ESTIMATE}  # fmt: skip
+                      "max_rounds": max_rounds, "patience": patience, "estimate": ESTIMATE,
+                      "journal": JOURNAL_FORMAT}  # fmt: skip
                 journal = SearchJournal(opened.stage.path / PRUNE_JOURNAL, key, resume=resume, writes=ranks.main,
                                         candidates=candidates)  # fmt: skip
                 if journal.calls:

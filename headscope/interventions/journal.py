@@ -25,7 +25,7 @@ from pathlib import Path
 from headscope.arguments import head_name
 from headscope.errors import OutputError
 from headscope.files import atomic_path
-from headscope.interventions.search import Head, PruneResult
+from headscope.interventions.search import Estimate, Head, PruneResult
 
 
 class SearchJournal:
@@ -57,11 +57,14 @@ class SearchJournal:
             self.calls = saved["calls"]
         self._saved = list(self.calls)  # what a resumed search must be asked again, in order
 
-    def estimate(self, function: Callable[[list[Head]], dict[Head, float]]) -> Callable:
-        def journalled(removed: list[Head]) -> dict[Head, float]:
-            question = [list(head) for head in removed]
-            answer = self._answer("estimate", question, lambda: [[*h, v] for h, v in function(removed).items()])
-            return {(layer, head): value for layer, head, value in answer}
+    def estimate(self, function: Callable[[list[Head]], Estimate]) -> Callable:
+        def journalled(removed: list[Head]) -> Estimate:
+            def live() -> dict:
+                found = function(removed)
+                return {"loss": float(found.loss), "costs": [[*h, float(v)] for h, v in found.costs.items()]}
+
+            answer = self._answer("estimate", [list(head) for head in removed], live)
+            return Estimate(answer["loss"], {(layer, head): value for layer, head, value in answer["costs"]})
 
         return journalled
 
@@ -125,13 +128,15 @@ def _checked(path: Path, kind: str, question: list, answer, call: int, candidate
 
     if kind == "verify":
         good = isinstance(answer, list) and len(answer) == len(question) and all(map(finite, answer))
-    else:  # estimate: [layer, head, cost] for heads, none of them among the removed, each once
+    else:  # estimate: the loss, and [layer, head, cost] for heads, none of them among the removed, each once
         removed = {tuple(head) for head in question}
-        heads = [tuple(entry[:2]) for entry in answer] if isinstance(answer, list) else []
+        costs = answer.get("costs") if isinstance(answer, dict) else None
+        heads = [tuple(entry[:2]) for entry in costs] if isinstance(costs, list) else []
         good = (
-            isinstance(answer, list)
-            and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) for x in e[:2]) for e in answer)
-            and all(finite(entry[2]) for entry in answer)
+            isinstance(costs, list)
+            and finite(answer.get("loss"))
+            and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) for x in e[:2]) for e in costs)
+            and all(finite(entry[2]) for entry in costs)
             and len(set(heads)) == len(heads)
             and not removed & set(heads)
             and (candidates is None or set(heads) == candidates - removed)

@@ -4,7 +4,8 @@
 does (sentences never split, replicas within --max-memory) and answers three questions:
     means()                        each head's mean output over the corpus on the clean model (mean removal)
     losses(groups, removal, ...)   per sentence, the clean loss and the loss with each group removed together
-    estimated_costs(removed, removal)  second-order estimate of removing each further head, on the pruned model
+    estimated_costs(removed, removal)  the pruned model's loss, and a second-order estimate of removing each
+                                       further head, from one gradient pass
 
 Under torchrun the batches are dealt round-robin (batch i to rank i % N, batched as rank 0 batches); each rank runs
 its own, and every answer is put together on every rank: the per-sentence losses gathered back into one process's
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from headscope.errors import ConfigError
 from headscope.interventions.group_losses import GroupLosses, PassPlan, planned_passes, shared_group_losses
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.loss import token_losses
@@ -113,10 +115,10 @@ class LossModel:
 
     def estimated_costs(
         self, removed: Sequence[Head], removal: Removal, *, curvature: bool = True, progress: bool = False
-    ) -> dict[Head, float]:
-        """Per head: the estimated loss increase (nats per predicted token) of also removing it, with `removed`
-        removed: Removal.estimate + Removal.curvature (without `curvature`, the first order alone), both from one
-        gradient pass over the corpus on the model pruned so far."""
+    ) -> tuple[float, dict[Head, float]]:
+        """One gradient pass over the corpus on the model with `removed` removed: its loss (nats per predicted token,
+        exact: the pass's forward), and per head the estimated loss increase of also removing it,
+        Removal.estimate + Removal.curvature (without `curvature`, the first order alone)."""
         depth, heads, head_dim = self.plan.depth, self.plan.heads, self.plan.architecture["head_dim"]
         found = shared_gradient_pass(
             self.ranks, self.capture, self.batches, range(depth), heads, head_dim,
@@ -124,10 +126,13 @@ class LossModel:
             curvature_of=removal if curvature else None,
             on_batch=(lambda b: self.reporter.advance(len(b.sentence_ids), b.n_tokens)) if progress else lambda b: None,
         )  # fmt: skip
+        if found.tokens == 0:
+            raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to estimate")
         estimate = removal.estimate(found.sums, found.tokens)
         if curvature:
             estimate = estimate + removal.curvature(found.sums, found.tokens)
-        return {(layer, head): float(estimate[layer, head]) for layer, head in self.all_heads}
+        costs = {(layer, head): float(estimate[layer, head]) for layer, head in self.all_heads}
+        return found.loss / found.tokens, costs
 
 
 @contextlib.contextmanager

@@ -1,18 +1,18 @@
 """prune's search on a model: the loss model's passes as the pure search's `estimate` (a gradient pass on the model
-pruned so far) and `verify` (one replicated pass), journalled for --resume, counted, and shown as they run (each
-pass's bar names the round, the heads removed and the verified loss against the budget)."""
+pruned so far, whose forward gives the loss of the heads it removes) and `verify` (one replicated pass), journalled
+for --resume, counted, and shown as they run (each pass's bar names the pass, the heads removed so far and the
+verified loss against the budget)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from headscope.arguments import head_name
-from headscope.errors import ConfigError
 from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
 from headscope.interventions.loss_model import LossModel
 from headscope.interventions.removal import Removal
-from headscope.interventions.search import PruneResult, prune_search
+from headscope.interventions.search import Estimate, PruneResult, prune_search
 from headscope.progress import Reporter
 
 SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
@@ -39,23 +39,17 @@ def search_on_model(
     patience: int,
 ) -> Searched:
     removal = lm.removal(mode)
-    reporter.stage("clean loss")
-    tokens, clean, _ = lm.losses([], removal).arrays("all")
-    if tokens.sum() == 0:
-        raise ConfigError("no sentence of the corpus has a token to predict: there is no loss to keep within budget")
-    clean_loss = float(clean.sum() / tokens.sum())
     passes = PassPlan()
 
     def shared(sets):  # the heads removed so far: their pass is shared
         return sorted(set.intersection(*map(set, sets)))
 
-    # the search so far, for the progress bar of each pass: round, heads removed, verified loss against the budget
-    state = {"round": 0, "heads": 0, "delta": 0.0}
+    # the search so far, for the progress bar of each pass: heads removed, verified loss against the budget
+    state = {"heads": 0, "delta": 0.0}
     sentences = len(lm.feed.corpus.sentences)
 
     def status(doing: str) -> str:
-        return (f"round {state['round']}, {doing}: {state['heads']} heads removed, loss {state['delta']:+.4f} of "
-                f"{budget:g} nats")  # fmt: skip
+        return f"{doing} ({state['heads']} heads removed so far, loss {state['delta']:+.4f} of {budget:g} nats)"
 
     def verify(sets):
         reporter.start(sentences, what=status(f"verifying {len(sets)} sets"))
@@ -64,19 +58,16 @@ def search_on_model(
         return list(ablated.sum(1) / counts.sum())  # only the sets' losses
 
     def estimate(removed):
-        reporter.start(sentences, what=status("ranking the heads left"))
-        found, gone = lm.estimated_costs(removed, removal, progress=True), set(removed)
+        doing = f"gradient pass with {len(removed)} heads removed" if removed else "clean loss and first ranking"
+        reporter.start(sentences, what=status(doing))
+        loss, found = lm.estimated_costs(removed, removal, progress=True)
         reporter.finish()
-        return {head: found[head] for head in candidates if head not in gone}
+        return Estimate(loss, {head: found[head] for head in candidates if head not in set(removed)})
 
     if journal is not None:
         verify, estimate = journal.verify(verify), journal.estimate(estimate)
 
-    answered_estimate, answered_verify = estimate, verify  # live, or replayed from the journal
-
-    def round_started(removed):  # every round begins with an estimate, live or replayed
-        state["round"] += 1
-        return answered_estimate(removed)
+    answered_verify = verify  # live, or replayed from the journal
 
     def counted(sets):  # the passes of every verification, replayed ones included: the whole search's
         nonlocal passes
@@ -97,14 +88,14 @@ def search_on_model(
 
     alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
     reporter.note(
-        "planned: rounds of a gradient pass and one replicated pass verifying the sets its estimate packs; where the "
-        f"estimate stops predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets "
-        "packed; "
+        "planned: a gradient pass for the clean loss and the first ranking, then rounds of one replicated pass "
+        "verifying the sets the ranking packs and a gradient pass ranking the next round; where the estimate stops "
+        f"predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets packed; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
         + (f", or {patience} rounds in a row adding under 2% of the heads near the budget" if patience else "")
     )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
-    result = prune_search(candidates, clean_loss=clean_loss, budget=budget, estimate=round_started, verify=counted,
+    result = prune_search(candidates, budget=budget, estimate=estimate, verify=counted,
                           shortlist=SHORTLIST, first_shortlist=FIRST_SHORTLIST, tries=TRIES, patience=patience,
                           max_rounds=max_rounds, on_step=step)  # fmt: skip
     return Searched(result, removal, passes)

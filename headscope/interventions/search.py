@@ -1,14 +1,15 @@
 """Which heads can go together within a loss budget: a search whose every accepted step is verified.
 
 The search knows the model only through two functions:
-- estimate(removed) -> {head: estimated loss increase of also removing it}, for every head still in the model,
-  with `removed` already removed (headscope's is a second-order estimate from one gradient pass through the
-  pruned model, so the ranking follows what the model has become);
+- estimate(removed) -> Estimate: the exact corpus loss with `removed` removed together, and {head: estimated loss
+  increase of also removing it} for every head still in the model (headscope's is one gradient pass through the
+  pruned model: its forward gives the loss, its backward a second-order estimate, so the ranking follows what the
+  model has become);
 - verify(sets) -> [loss], the exact corpus loss with each set of heads removed together (one forward pass,
   the sets as replicas of the batch).
 
-Each round begins with a gradient pass on the model pruned so far, which ranks the remaining heads by estimated
-cost (a head whose removal lowers the loss first), then:
+The clean loss is the first estimate's (nothing removed). Each round begins with the estimate on the model pruned
+so far, which ranks the remaining heads by estimated cost (a head whose removal lowers the loss first), then:
 1. trusting the estimate: the longest prefix of the ranking (at most `first_shortlist` heads) whose estimates add
    up to within the round's allowance (half of the budget left when the round began: a round does not spend the
    budget on heads a later round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1), and
@@ -44,6 +45,14 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 Head = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    loss: float  # exact: the corpus loss with the heads asked about removed together
+    costs: dict[Head, float]  # each head still in the model: the estimated loss increase of also removing it
+
+
 MIN_GAIN_SHARE = 0.02  # a round that adds fewer than this share of the candidates (and whose budget left buys
 # fewer than as many more, at its verified cost per head) counts against patience
 ROUND_SHARE = 0.5  # a round may spend this share of the budget left when it began
@@ -58,9 +67,9 @@ class PruneResult:
     loss: float = float("nan")  # verified, every head of `heads` removed together
     curve: list[tuple[int, float]] = field(default_factory=list)  # (heads removed, verified loss) per accepted step
     set_aside: list[Head] = field(default_factory=list)  # the last shortlist: each overshot the budget alone
-    verified_sets: int = 0  # sets verified by a forward pass
-    verify_calls: int = 0  # replicated passes over the corpus those sets took (each one clean pass and replicas)
-    estimates: int = 0  # gradient passes over the corpus
+    verified_sets: int = 0  # sets verified by a replicated pass (a gradient pass verifies the set it removes too)
+    verify_calls: int = 0  # replicated passes over the corpus (each one shared pass and replicas)
+    estimates: int = 0  # gradient passes over the corpus (the first gives the clean loss)
     rounds: int = 0
     one_shot: int = 0  # heads of the one-shot answer: the first step, the best-ranked heads together
     stopped: str = ""  # why the search ended
@@ -69,9 +78,8 @@ class PruneResult:
 def prune_search(
     all_heads: Sequence[Head],
     *,
-    clean_loss: float,
     budget: float,
-    estimate: Callable[[list[Head]], dict[Head, float]],
+    estimate: Callable[[list[Head]], Estimate],
     verify: Callable[[list[list[Head]]], list[float]],
     shortlist: int = 8,
     first_shortlist: int = 48,
@@ -87,8 +95,11 @@ def prune_search(
     per packing pass (the last is 1); patience: rounds in a row adding under 2% of the heads, with a budget left
     that buys fewer than that many more, before it stops (0: never); max_rounds: at most this many rounds (None: no
     limit)."""
-    result = PruneResult(budget=budget, clean_loss=clean_loss, loss=clean_loss, curve=[(0, clean_loss)])
-    limit = clean_loss + budget
+    result = PruneResult(budget=budget, clean_loss=math.nan)
+    clean = _estimated(estimate, result, [])  # the clean loss, and the first round's ranking
+    result.clean_loss = result.loss = clean.loss
+    result.curve = [(0, clean.loss)]
+    limit = clean.loss + budget
     min_gain = max(1, math.ceil(MIN_GAIN_SHARE * len(all_heads)))
     stalled = 0
     while True:
@@ -106,7 +117,7 @@ def prune_search(
             break
         result.rounds += 1
         before, loss_before = len(result.heads), result.loss
-        estimates = _estimated(estimate, result)
+        estimates = (clean if result.rounds == 1 else _estimated(estimate, result, result.heads)).costs
         ranked = sorted(remaining, key=lambda head: (estimates[head], head))
         _pack_estimated(result, ranked[:first_shortlist], estimates, verify, limit, tries, on_step)
         if len(result.heads) == before:  # the estimate has stopped predicting: measure
@@ -146,11 +157,8 @@ def _pack_estimated(
         return
     sizes = nested_sizes(top, tries)
     size, losses = _largest_fit(verify, result, sizes, lambda size: result.heads + ranked[:size], ceiling)
-    if size == 0:
-        return
-    if first:
-        result.one_shot = size
-    _accept(result, ranked[:size], losses[size], on_step)
+    if size:
+        _accept(result, ranked[:size], losses[size], on_step, one_shot=first)
 
 
 def _pack(
@@ -224,9 +232,9 @@ def nested_sizes(step: int, tries: int) -> list[int]:
     return [*sizes, 1]
 
 
-def _estimated(estimate, result: PruneResult) -> dict[Head, float]:
+def _estimated(estimate, result: PruneResult, removed: list[Head]) -> Estimate:
     result.estimates += 1
-    return estimate(list(result.heads))
+    return estimate(list(removed))
 
 
 def _verified(verify, sets: list[list[Head]], result: PruneResult) -> list[float]:
@@ -237,7 +245,9 @@ def _verified(verify, sets: list[list[Head]], result: PruneResult) -> list[float
     return list(verify(sets))
 
 
-def _accept(result: PruneResult, heads: list[Head], loss: float, on_step) -> None:
+def _accept(result: PruneResult, heads: list[Head], loss: float, on_step, *, one_shot: bool = False) -> None:
+    if one_shot:
+        result.one_shot = len(heads)
     result.heads.extend(heads)
     result.loss = loss
     result.curve.append((len(result.heads), loss))

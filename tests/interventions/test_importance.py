@@ -33,6 +33,32 @@ def test_token_losses_count_only_predicted_real_tokens():
     assert sums[1].item() == pytest.approx(-math.log(0.5))  # position 3 predicts token 1 of [0, 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_per_chunk", [1, 2, 5])
+def test_the_loss_and_its_gradient_match_float64_autograd_in_every_chunking(monkeypatch, dtype, rows_per_chunk):
+    """token_nll's own backward (softmax - one-hot into one buffer, chunk by chunk) against autograd through a plain
+    float64 log_softmax, over padding on both sides; the chunk size (LOSS_CHUNK_BYTES) changes no number."""
+    from headscope.interventions import loss
+
+    vocab, t = 7, 5
+    monkeypatch.setattr(loss, "LOSS_CHUNK_BYTES", rows_per_chunk * 4 * t * vocab)
+    batch = collate([0, 1, 2, 3, 4], [[1, 2, 3, 4, 5], [6, 1], [2, 2, 2], [3], [0, 6, 5, 4]], padding_side="left")
+    generator = torch.Generator().manual_seed(0)
+    start = (3 * torch.randn(5, t, vocab, generator=generator)).to(dtype)
+    weights = torch.randn(5, t - 1, generator=generator, dtype=torch.float64)  # a gradient that is not all ones
+    logits = start.clone().requires_grad_()
+    (loss.token_nll(logits, batch) * weights).sum().backward()
+    reference = start.double().requires_grad_()
+    log_p = torch.log_softmax(reference[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    predicted = batch.attention_mask[:, :-1].bool() & batch.attention_mask[:, 1:].bool()
+    expected = torch.where(predicted, -log_p, 0.0)
+    (expected * weights).sum().backward()
+    unit = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23  # the gradient's rounding, in the logits' dtype
+    assert torch.allclose(loss.token_nll(start, batch), expected.detach(), rtol=0, atol=1e-5)
+    assert logits.grad.dtype == dtype and torch.allclose(logits.grad.double(), reference.grad, rtol=2 * unit, atol=1e-6)
+    assert logits.grad[:, -1].abs().max() == 0 and logits.grad[3].abs().max() == 0  # nothing predicted there
+
+
 @pytest.fixture(scope="module")
 def copier(tmp_path_factory):
     folder = build_planted_copier(tmp_path_factory.mktemp("copier") / "model")

@@ -12,7 +12,7 @@ import torch
 
 import headscope
 from headscope.errors import ConfigError, ResourceError
-from headscope.interventions.search import prune_search
+from headscope.interventions.search import Estimate, prune_search
 from headscope.progress import NullReporter
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli
@@ -34,8 +34,8 @@ def cost_model(costs: dict, pairs: dict):
         calls["verify"] += len(sets)
         return [loss(s) for s in sets]
 
-    def estimate(removed):  # honest about singles, blind to the pairs
-        return {h: costs[h] for h in HEADS if h not in removed}
+    def estimate(removed):  # the exact loss; honest about singles, blind to the pairs
+        return Estimate(loss(removed), {h: costs[h] for h in HEADS if h not in removed})
 
     return loss, verify, estimate, calls
 
@@ -47,7 +47,7 @@ def test_the_search_never_exceeds_the_budget_and_reports_verified_losses():
     pairs = {((1, 1), (2, 2)): 5.0}  # redundant: cheap alone, expensive together
     costs[(1, 1)] = costs[(2, 2)] = 0.0
     loss, verify, estimate, calls = cost_model(costs, pairs)
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, shortlist=8, tries=3)
+    result = prune_search(HEADS, budget=0.05, estimate=estimate, verify=verify, shortlist=8, tries=3)
     assert result.loss == pytest.approx(loss(result.heads)) and result.loss <= 1.05
     assert len(set(result.heads)) == len(result.heads)
     assert (0, 0) in result.heads  # it lowers the loss: taken
@@ -64,7 +64,7 @@ def test_the_search_never_exceeds_the_budget_and_reports_verified_losses():
 def test_a_budget_nothing_fits_removes_nothing():
     costs = {h: 1.0 for h in HEADS}
     _, verify, estimate, _ = cost_model(costs, {})
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify)
+    result = prune_search(HEADS, budget=0.5, estimate=estimate, verify=verify)
     assert result.heads == [] and result.loss == 1.0 and result.curve == [(0, 1.0)]
 
 
@@ -72,14 +72,14 @@ def test_the_first_round_starts_from_the_one_shot_answer_and_later_rounds_spend_
     costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
     loss, verify, estimate, _ = cost_model(costs, {})
     steps = []
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, first_shortlist=4,
+    result = prune_search(HEADS, budget=0.05, estimate=estimate, verify=verify, first_shortlist=4,
                           on_step=lambda found: steps.append(len(found.heads)))  # fmt: skip
     # round 1: its 4 heads together (the one-shot answer, +0.010); round 2 may spend 0.020 of the 0.040 left:
     # heads 5-7 (+0.018); round 3 0.011 of 0.022: head 8; round 4: none within 0.007, so its cheapest (head 9)
     assert steps == [4, 7, 8, 9] and result.one_shot == 4 and result.rounds == 5
     fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))  # 9 heads
     assert result.heads == HEADS[:fits] and result.loss == pytest.approx(loss(result.heads))
-    whole = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify)
+    whole = prune_search(HEADS, budget=0.05, estimate=estimate, verify=verify)
     # the answer, trusted to the (honest) estimate, in one pass; then alone: none fits
     assert whole.one_shot == fits and whole.verify_calls == 2 and whole.estimates == 2
 
@@ -93,9 +93,9 @@ def test_an_estimate_that_stops_predicting_is_replaced_by_exact_costs():
     loss, verify, _, calls = cost_model(costs, {})
 
     def estimate(removed):
-        return {h: -0.01 if h == saturated else costs[h] for h in HEADS if h not in removed}
+        return Estimate(loss(removed), {h: -0.01 if h == saturated else costs[h] for h in HEADS if h not in removed})
 
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.05, estimate=estimate, verify=verify, first_shortlist=8)
+    result = prune_search(HEADS, budget=0.05, estimate=estimate, verify=verify, first_shortlist=8)
     assert saturated not in result.heads and result.loss == pytest.approx(loss(result.heads)) and result.loss <= 1.05
     fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))
     assert len(result.heads) == fits  # every head the exact costs allow
@@ -105,12 +105,19 @@ def test_an_estimate_that_stops_predicting_is_replaced_by_exact_costs():
 def test_a_round_whose_estimate_predicts_takes_one_gradient_pass_and_one_replicated_pass():
     heads = [(layer, head) for layer in range(10) for head in range(10)]  # 2% of the heads: 2
     costs = {h: 0.0001 for h in heads}
-    _, verify, _, calls = cost_model(costs, {})
-    estimate = lambda removed: {h: costs[h] for h in heads if h not in removed}  # noqa: E731
-    result = prune_search(heads, clean_loss=1.0, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40)
-    # round 1: the one-shot, 40 heads (the longest prefix trusted); round 2: 40 more, round 3 the last 20; each
-    # round's largest size fits, so its pass verifies the two largest sizes alone (40 and 20), not all four
+    loss, verify, _, calls = cost_model(costs, {})
+    asked = []
+
+    def estimate(removed):
+        asked.append(len(removed))
+        return Estimate(loss(removed), {h: costs[h] for h in heads if h not in removed})
+
+    result = prune_search(heads, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40)
+    # the clean pass ranks round 1: the one-shot, 40 heads (the longest prefix trusted); round 2: 40 more, round 3
+    # the last 20; each round's largest size fits, so its pass verifies the two largest sizes alone (40 and 20), not
+    # all four
     assert [n for n, _ in result.curve] == [0, 40, 80, 100] and result.verify_calls == result.estimates == 3
+    assert asked == [0, 40, 80] and result.clean_loss == 1.0
     assert result.stopped == "every head removed" and calls["verify"] == 3 * 2
 
 
@@ -123,8 +130,8 @@ def test_smaller_sizes_are_verified_only_where_the_two_largest_overshoot():
     for h in ranked[10:20]:
         costs[h] = 0.05  # heads ranked 11 to 20 cost far more than their estimates say
     loss, verify, _, calls = cost_model(costs, {})
-    estimate = lambda removed: {h: 0.001 for h in heads if h not in removed}  # noqa: E731
-    result = prune_search(heads, clean_loss=1.0, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40,
+    estimate = lambda removed: Estimate(loss(removed), {h: 0.001 for h in heads if h not in removed})  # noqa: E731
+    result = prune_search(heads, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40,
                           max_rounds=1)  # fmt: skip
     assert result.heads == ranked[:10] and result.loss == pytest.approx(loss(ranked[:10]))
     assert result.verify_calls == 2 and calls["verify"] == 4  # 40 and 20, then 10 and 1
@@ -133,10 +140,12 @@ def test_smaller_sizes_are_verified_only_where_the_two_largest_overshoot():
 def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
     rng = np.random.default_rng(1)
     costs = {h: float(rng.uniform(0.0, 0.004)) for h in HEADS}
-    _, verify, _, _ = cost_model(costs, {})
-    # blind estimates (every head the same): the shortlists' order is arbitrary; exact costs alone decide
-    result = prune_search(HEADS, clean_loss=1.0, budget=0.03, shortlist=24, verify=verify,
-                          estimate=lambda removed: {h: 0.0 for h in HEADS if h not in removed})  # fmt: skip
+    loss, verify, _, _ = cost_model(costs, {})
+
+    def estimate(removed):  # blind (every head the same): the shortlists' order is arbitrary; exact costs decide
+        return Estimate(loss(removed), {h: 0.0 for h in HEADS if h not in removed})
+
+    result = prune_search(HEADS, budget=0.03, shortlist=24, verify=verify, estimate=estimate)
     assert result.loss <= 1.03 and result.loss == pytest.approx(1.0 + sum(costs[h] for h in result.heads))
     cheapest = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.03 + 1e-12, side="right"))
     assert len(result.heads) >= cheapest - 3
@@ -150,9 +159,9 @@ def growing_chain(per_pass: int, per_head: float = 0.09):
     chain = heads[::-1]
     passes = []
 
-    def estimate(removed):
+    def estimate(removed):  # its loss verifies `removed` as a verification after this pass would
         passes.append(len(removed))
-        return {h: 1e-4 * chain.index(h) for h in heads if h not in removed}
+        return Estimate(verify([removed])[0], {h: 1e-4 * chain.index(h) for h in heads if h not in removed})
 
     def verify(sets):
         return [1.0 + per_head * len(s) if set(s) == set(chain[: len(s)]) and len(s) <= per_pass * len(passes)
@@ -165,7 +174,7 @@ def growing_chain(per_pass: int, per_head: float = 0.09):
 def test_patience_stops_rounds_that_add_almost_nothing_near_the_budget(patience):
     """One head a round at 0.09 nats of a 0.5 budget: after each, what is left buys fewer than 6 more (2%)."""
     heads, chain, estimate, verify = growing_chain(per_pass=1)
-    result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify,
+    result = prune_search(heads, budget=0.5, estimate=estimate, verify=verify,
                           patience=patience, max_rounds=5)  # fmt: skip
     # each round: the next head trusted to the estimate (its longer prefixes fail): the round is done
     assert result.heads == chain[: result.rounds] and result.verify_calls >= result.rounds
@@ -180,11 +189,11 @@ def test_a_round_adding_under_2_percent_of_the_heads_counts_against_patience_onl
     budget left soon buys fewer than 6 more, and patience stops the search; at 0.001 a head it buys hundreds, and
     the search goes on (a rule on the share of heads alone stopped it there, its budget barely spent)."""
     heads, chain, estimate, verify = growing_chain(per_pass=4)
-    result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
+    result = prune_search(heads, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
                           max_rounds=5)  # fmt: skip
     assert result.heads == chain[:5] and result.rounds == 2 and result.stopped.startswith("patience: 2 rounds")
     heads, chain, estimate, verify = growing_chain(per_pass=4, per_head=0.001)
-    result = prune_search(heads, clean_loss=1.0, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
+    result = prune_search(heads, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
                           max_rounds=5)  # fmt: skip
     assert result.heads == chain[:20] and result.stopped == "max_rounds: 5 rounds"
 
@@ -197,7 +206,7 @@ def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_p
     costs = {h: float(rng.exponential(0.01)) for h in HEADS}
     pairs = {((1, 1), (2, 2)): 5.0, ((0, 3), (3, 0)): 0.02}
     _, verify, estimate, _ = cost_model(costs, pairs)
-    options = {"clean_loss": 1.0, "budget": 0.08, "shortlist": 6, "first_shortlist": 8, "tries": 3}
+    options = {"budget": 0.08, "shortlist": 6, "first_shortlist": 8, "tries": 3}
     whole = prune_search(HEADS, estimate=estimate, verify=verify, **options)
     assert whole.verify_calls >= 4
 
@@ -234,7 +243,7 @@ def journal_of_a_search(tmp_path):
 
     costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
     _, verify, estimate, _ = cost_model(costs, {})
-    options = {"clean_loss": 1.0, "budget": 0.08, "shortlist": 6, "first_shortlist": 8, "tries": 3}
+    options = {"budget": 0.08, "shortlist": 6, "first_shortlist": 8, "tries": 3}
     path, key = tmp_path / "journal.json", {"budget": 0.08}
     journal = SearchJournal(path, key, resume=True, candidates=HEADS)
     whole = prune_search(HEADS, estimate=journal.estimate(estimate), verify=journal.verify(verify), **options)
@@ -284,11 +293,13 @@ def test_a_journal_edited_by_hand_is_refused_in_one_line(tmp_path):
     [
         lambda call: call.__setitem__("answer", "0.5") if call["call"] == "verify" else None,  # a string
         lambda call: call["answer"].pop() if call["call"] == "verify" else None,  # one loss short
-        lambda call: call["answer"].pop() if call["call"] == "estimate" else None,  # a head missing
-        lambda call: call["answer"].append([99, 0, 0.1]) if call["call"] == "estimate" else None,  # an unknown head
-        lambda call: call["answer"].__setitem__(0, [0, 0, "x"]) if call["call"] == "estimate" else None,
+        lambda call: call["answer"]["costs"].pop() if call["call"] == "estimate" else None,  # a head missing
+        lambda call: call["answer"]["costs"].append([99, 0, 0.1]) if call["call"] == "estimate" else None,  # unknown
+        lambda call: call["answer"]["costs"].__setitem__(0, [0, 0, "x"]) if call["call"] == "estimate" else None,
+        lambda call: call["answer"].__setitem__("loss", None) if call["call"] == "estimate" else None,  # no loss
+        lambda call: call.__setitem__("answer", call["answer"]["costs"]) if call["call"] == "estimate" else None,
     ],
-    ids=["string", "short", "missing-head", "unknown-head", "not-a-number"],
+    ids=["string", "short", "missing-head", "unknown-head", "not-a-number", "no-loss", "costs-alone"],
 )
 def test_a_malformed_journal_answer_is_refused_in_one_line(tmp_path, damage):
     from headscope.errors import OutputError
@@ -621,14 +632,16 @@ def test_prune_says_which_heads_each_step_removed_and_what_it_plans(redundant, t
     named = [h for n in steps for h in n.split("(+")[1].split(")")[0].split(",")]
     record = json.loads((tmp_path / "a" / "prune.json").read_text())
     assert named == record["heads"]  # every head, in order, once
-    planned = [n for n in notes.notes if n.startswith("planned: rounds of a gradient pass and one replicated pass")]
+    planned = [n for n in notes.notes if n.startswith("planned: a gradient pass for the clean loss")]
     assert planned and "8 heads verified alone (8 in the first round)" in planned[0]
     search = record["search"]
     assert search["forward_passes"] >= search["verify_calls"] * 2 and search["gradient_passes"] >= 1
-    # every pass of the search has a bar naming the round, the heads removed and the verified loss, and it fills
-    assert notes.bars[0][0] == "round 1, ranking the heads left: 0 heads removed, loss +0.0000 of 0.01 nats"
-    verifying = [bar for bar in notes.bars if bar[0].startswith("round") and "verifying" in bar[0]]
-    assert len(verifying) == search["verify_calls"] and all(done == total for _, total, done in notes.bars)
+    # every pass of the search has a bar naming the pass, the heads removed and the verified loss, and it fills
+    assert notes.bars[0][0] == "clean loss and first ranking (0 heads removed so far, loss +0.0000 of 0.01 nats)"
+    verifying = [bar for bar in notes.bars if bar[0].startswith("verifying")]
+    gradient = [bar for bar in notes.bars if bar[0].startswith(("clean loss", "gradient pass with"))]
+    assert len(verifying) == search["verify_calls"] and len(gradient) == search["gradient_passes"]
+    assert all(done == total for _, total, done in notes.bars)
     result = run_cli(*args, "--out", tmp_path / "b", reporter=Notes(interrupt_at_step=1))
     kept = tmp_path / ".b.partial"
     assert result.exit_code == 130 and (kept / "prune-journal.json").is_file()  # every search keeps its journal

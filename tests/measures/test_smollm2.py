@@ -160,7 +160,7 @@ def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_l
     run = CommandRun.prepare(smollm2, corpus_lines[:FEW], config=None, options={}, reporter=None)
     session = run.session(smollm2, load_for_run, what="prune", lm_head=True)
     with session as opened, loss_model(opened, run, "prune") as lm:
-        estimated = lm.estimated_costs([], lm.removal("mean"))
+        _, estimated = lm.estimated_costs([], lm.removal("mean"))
     for layer, head in HANDFUL:
         _, _, _, first, curvature, _ = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
         assert estimated[(layer, head)] == pytest.approx(first + curvature, rel=1e-3, abs=1e-5), (layer, head)
