@@ -63,6 +63,7 @@ INSPECT_RECORD = "inspect.json"
 ATTENTION_FILE = "attention.parquet"
 TOKENS_FILE = "tokens.parquet"
 INSPECT_PAGE = "inspect.html"
+QK_FILE = "qk.parquet"  # with --why: the explained rows' split logits
 
 # What `headscope ablate` writes: groups of heads removed together, recognised by ablation.json.
 ABLATION_RECORD = "ablation.json"
@@ -113,7 +114,7 @@ KINDS = {
     "report": Kind("a headscope report", RUN_FILE, (*TABLE_FILES, PAGE_FILE), CHART_NAMES),
     "comparison": Kind("a headscope comparison", COMPARE_RECORD, (*COMPARE_TABLES, COMPARE_PAGE), COMPARE_CHARTS),
     "charts": Kind("a headscope chart folder", PLOT_RECORD, (PAGE_FILE,), CHART_NAMES),
-    "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE)),
+    "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE, QK_FILE)),
     "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
     "patching": Kind("a headscope patching", PATCH_RECORD, (PATCHING_FILE, PATCHING_PAIRS_FILE), PATCH_CHARTS),
     "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE,), PRUNE_CHARTS),

@@ -20,6 +20,7 @@ def inspect(
     role: o.Role = None,
     report: o.Report = None,
     exemplars_of: o.ExemplarsOf = None,
+    why: o.Why = None,
     layers: o.Layers = o.DEFAULTS.layers,
     out: o.OutInspect = None,
     overwrite: o.Overwrite = False,
@@ -37,6 +38,7 @@ def inspect(
     from headscope.commands.exemplar_texts import report_as_model
     from headscope.commands.inspect import check_request, one_head
     from headscope.commands.inspect import inspect as run_inspection
+    from headscope.commands.why_rows import as_why, check_why
     from headscope.config import RoleThresholds, settings_from_command_line
     from headscope.errors import ConfigError
     from headscope.model.loading import resolve_source
@@ -55,6 +57,8 @@ def inspect(
             exemplar_head = one_head(exemplars_of)
             model, report = report_as_model(model, report)
         check_request(text or (), ids, probes, chosen, role or (), report, exemplar_head)
+        asked = as_why(why)
+        check_why(asked, heads=chosen, exemplars=exemplar_head)
     with user_errors(ctx):
         found = run_inspection(
             model,
@@ -66,6 +70,7 @@ def inspect(
             roles=role or (),
             report=report,
             exemplars=exemplar_head,
+            why=[request.name for request in asked],
             out=out or Path("reports") / f"inspect-{resolve_source(model).slug}",
             overwrite=overwrite,
             page=page,

@@ -162,6 +162,16 @@ ExemplarsOf = Annotated[
         "corpus are the report's) or as --report.",
     ),
 ]
+Why = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--why",
+        metavar="<row[:key],...|all|exemplars>",
+        help="Split the chosen heads' attention logit at these rows into the senders of the query and of the key "
+        "(qk.parquet; docs/why.md): ROW (its strongest key off the first token), ROW:KEY, all, or exemplars (with "
+        "--exemplars).",
+    ),
+]
 HeadsToInspect = Annotated[
     list[str] | None, typer.Option("--heads", metavar="<layer.head,...>", help="Heads written LAYER.HEAD: 18.6,17.4.")
 ]

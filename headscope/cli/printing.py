@@ -290,6 +290,8 @@ def print_inspection(found) -> None:
         console.print(f"... {len(found.summary) - len(shown)} more rows in {INSPECT_RECORD}")
     if found.roles_from:
         console.print(f"roles from {found.roles_from}")
+    if "why" in found.record:
+        _print_why(console, found)
     if found.folder is not None:
         written = sorted(path.name for path in found.folder.iterdir())  # what is there, inspect.html included
         console.print(f"wrote {found.folder}/ ({', '.join(written)})")
@@ -477,3 +479,27 @@ def print_copying(found, count: int = 10) -> None:
         console.print(table)
     console.print(_title("ov_copying = sum(eigenvalues) / sum(|eigenvalues|) of the head's OV circuit on tokens, "
                          "norm gains folded in: 1 copies the token it attends to, -1 suppresses it"))  # fmt: skip
+
+
+def _print_why(console, found) -> None:
+    """inspect --why: per explained row, the key, its weight and contrast, each side's strongest senders and the
+    strongest pairs (by contrast)."""
+    rows = found.record["why"]["rows"]
+    tokens = {(row.text_id, row.position): row.token for row in found.tokens.itertuples()}
+    table = Table(title=_title("why each row attends to its key: the senders of the query and the key, by contrast"))
+    for name in ("head", "text", "row -> key", "weight", "contrast", "query side", "key side", "strongest pairs"):
+        table.add_column(name, justify="right" if name in ("weight", "contrast") else "left")
+
+    def senders(entries) -> str:
+        return ", ".join(f"{sender} {value:+.2f}" for sender, value in entries)
+
+    for entry in rows[:SUMMARY_ROWS]:
+        text = entry["text_id"]
+        row, key = (f"{entry[at]} {tokens.get((text, entry[at]), '')!r}" for at in ("row", "key"))
+        pairs = ", ".join(f"{a} x {b} {value:+.2f}" for a, b, value in entry["pairs"])
+        _row(table, f"{entry['layer']}.{entry['head']}", found.texts[text].label, f"{row} -> {key}",
+             f"{entry['weight']:.3f}", f"{entry['contrast']:+.3f}", senders(entry["query_side"]),
+             senders(entry["key_side"]), pairs)  # fmt: skip
+    console.print(table)
+    if len(rows) > SUMMARY_ROWS:
+        console.print(f"... {len(rows) - SUMMARY_ROWS} more rows in {INSPECT_RECORD}; every pair in qk.parquet")

@@ -16,6 +16,7 @@ Each text runs alone (no padding), through the same capture as analyze.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,11 +28,13 @@ import pyarrow.parquet as pq
 
 from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_path, as_texts, head_name
 from headscope.columns import PROBE_PATTERNS
+from headscope.commands import why_rows
 from headscope.commands.exemplar_texts import ExemplarTexts, check_rows, exemplar_texts
 from headscope.config import RoleThresholds, RunConfig, run_settings
 from headscope.errors import ConfigError
+from headscope.interventions.qk_senders import SenderPass
 from headscope.labels import PROBE_ROLES, ROLES
-from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, TOKENS_FILE
+from headscope.layout import ATTENTION_FILE, INSPECT_PAGE, INSPECT_RECORD, QK_FILE, TOKENS_FILE
 from headscope.measures.heads import (
     HeadAttention,
     by_layer,
@@ -81,6 +84,7 @@ class Inspection:
     folder: Path | None = None
     _attention: pd.DataFrame | None = None
     page: str | None = None  # inspect.html's text (with page=True): what a notebook shows
+    _qk: pd.DataFrame | None = None
 
     def __repr__(self) -> str:
         return f"Inspection(model={self.model!r}, {len(self.texts)} texts, {len(self.summary)} head views)"
@@ -109,6 +113,33 @@ class Inspection:
             self._attention = pd.read_parquet(self.folder / ATTENTION_FILE)
         return self._attention
 
+    @property
+    def qk(self) -> pd.DataFrame:
+        """qk.parquet: every (query sender, key sender) pair of every row --why explained (empty without --why)."""
+        if self._qk is None:
+            path = None if self.folder is None else self.folder / QK_FILE
+            found = path is not None and path.is_file()
+            self._qk = pd.read_parquet(path) if found else why_rows.QK_SCHEMA.empty_table().to_pandas()
+        return self._qk
+
+    def why(self, row: int, key: int | None = None, *, head: tuple[int, int] | str | None = None,
+            text_id: int = 0) -> pd.DataFrame:  # fmt: skip
+        """The pairs of senders behind `row` attending to `key` (None: the key --why chose for the row), strongest
+        contrast first: query_sender, key_sender, term, contrast (docs/why.md). head: which explained head, where
+        several were (L.H or (layer, head)); text_id: which text. One line refuses a row --why did not explain."""
+        table = self.qk[(self.qk["text_id"] == text_id) & (self.qk["row"] == row)]
+        if head is not None:
+            ((layer, number),) = as_heads([head] if isinstance(head, tuple) else head, "head")
+            table = table[(table["layer"] == layer) & (table["head"] == number)]
+        if key is not None:
+            table = table[table["key"] == key]
+        if table.empty:
+            asked = f"row {row}" + ("" if key is None else f", key {key}")
+            raise ConfigError(f"this inspection did not explain {asked} of text {text_id}: run inspect with --why "
+                              f"{row}{'' if key is None else f':{key}'}")  # fmt: skip
+        pairs = table.astype({"query_sender": str, "key_sender": str})
+        return pairs.reindex(pairs["contrast"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+
 
 def inspect(
     model: str | LoadedModel,
@@ -121,6 +152,7 @@ def inspect(
     roles: Sequence[str] = (),
     report: str | Path | None = None,
     exemplars: tuple[int, int] | str | None = None,
+    why: Sequence[str | int] | str | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
     page: bool = True,
@@ -145,6 +177,9 @@ def inspect(
         report: a report of this model, for `roles` and each head's role.
         exemplars: a head, (layer, head) or "L.H": inspect it on the sentences of its exemplars in `report`, read
             from the report's corpus (or `corpus`, which must be the same file); no texts, sentences, heads or roles.
+        why: rows whose attention to a key is split into the senders of the head's query and key (docs/why.md):
+            "ROW" (its strongest key off the first token), "ROW:KEY", "all" (every row) or "exemplars" (with
+            `exemplars`: each exemplar row); written to qk.parquet, read back by `Inspection.why`.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
         page: write inspect.html.
@@ -162,7 +197,9 @@ def inspect(
     sentences, heads = as_ids(sentences, "--sentences"), as_heads(heads)
     report = as_path(report, "report")
     exemplars = one_head(exemplars) if exemplars is not None else None
+    why = why_rows.as_why(why)
     check_request(texts, sentences, probes, heads, roles, report, exemplars)
+    why_rows.check_why(why, heads=heads, exemplars=exemplars)
     one_process_only("inspect")
     wanted = None
     if exemplars is not None:
@@ -182,16 +219,20 @@ def inspect(
         chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
         if wanted is not None:
             chosen_texts = _marked(chosen_texts, wanted, loaded.tokenizer)
+        why_rows.check_rows(why, [len(text.ids) for text in chosen_texts])
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
             chosen, known, roles_from = _heads(
                 heads, roles, labelled, report, plan, capture, loaded, role_thresholds, reporter
             )
             check_memory(chosen, max(len(text.ids) for text in chosen_texts), plan.memory_budget)
             reporter.stage(f"inspecting {len(chosen)} heads on {len(chosen_texts)} texts")
-            summary, views = _write_attention(folder / ATTENTION_FILE, capture, chosen, chosen_texts, plan, loaded)
+            summary, views, explained = _write_attention(folder, capture, chosen, chosen_texts, plan, loaded, why)
         tokens = _tokens_frame(loaded.tokenizer, chosen_texts)
         write_table(tokens, folder / TOKENS_FILE, TOKENS_SCHEMA)
         record = _record(loaded, plan, corpus, chosen_texts, chosen, known, roles_from, probes, summary)
+        if why:
+            record["why"] = {"asked": [w.name for w in why], "rows": explained}
+            _say_why(explained, reporter)
         write_json(record, folder / INSPECT_RECORD)
         shown = None
         if page:
@@ -201,10 +242,12 @@ def inspect(
             shown = inspect_page(record, tokens, views)
             write_page(shown, folder / INSPECT_PAGE)
         attention = pd.read_parquet(folder / ATTENTION_FILE) if opened.stage is None else None
+        qk = pd.read_parquet(folder / QK_FILE) if opened.stage is None and why else None
     folder = opened.target
     run.done(opened)
     return Inspection(record, tokens, summary, loaded.source.display, chosen_texts, known, roles_from,
-                      tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown)  # fmt: skip
+                      tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown,
+                      _qk=qk)  # fmt: skip
 
 
 def check_request(texts, sentences, probes, heads, roles, report, exemplars=None) -> None:
@@ -340,18 +383,27 @@ def _probe_roles(capture, loaded, plan: Plan, thresholds: RoleThresholds, report
     return known
 
 
-def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan, loaded):
-    """Run each text alone, keep the chosen heads' attention, stream it to attention.parquet; return each
-    (text, head)'s summary and the views the page may carry."""
+def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Plan, loaded, why=()):
+    """Run each text alone, keep the chosen heads' attention, stream it to attention.parquet (and with `why`, the
+    asked rows' split logits to qk.parquet, from the same pass); return each (text, head)'s summary, the views the
+    page may carry and the explained rows' summaries."""
     from headscope.report.inspect_page import PageViews
 
     keeper = HeadAttention(by_layer(chosen))
     views = PageViews()
-    rows = []
-    with pq.ParquetWriter(path, ATTENTION_SCHEMA) as writer:  # in the work folder: published whole, or not at all
+    rows, explained = [], []
+    splitter = SenderPass(capture, loaded, plan, texts[0].ids) if why else None
+    with contextlib.ExitStack() as stack:  # in the work folder: published whole, or not at all
+        writer = stack.enter_context(pq.ParquetWriter(folder / ATTENTION_FILE, ATTENTION_SCHEMA))
+        qk_writer = None
+        if why:
+            qk_writer = stack.enter_context(pq.ParquetWriter(folder / QK_FILE, why_rows.QK_SCHEMA))
         for text_id, text in enumerate(texts):
             batch = plan.collate([text_id], [text.ids], loaded.device)
-            capture.run(batch, measures=[keeper])
+            if splitter is None:
+                capture.run(batch, measures=[keeper])
+            else:
+                passed, rotation = splitter.run(batch, [keeper])
             kept, visible = keeper.finish()
             scores = probe_scores(kept, len(text.ids), plan.settings.probe_length) if text.source == "probe" else {}
             for (layer, head), matrix in kept.items():
@@ -362,11 +414,29 @@ def _write_attention(path: Path, capture, chosen, texts: list[Text], plan: Plan,
                      "rows": counted, **scores.get((layer, head), {})}
                 )  # fmt: skip
                 views.add(text_id, (layer, head), matrix, visible[layer])
+                if splitter is not None:
+                    senders = splitter.senders(passed, rotation, layer, head)
+                    asked = why_rows.rows_of(why, len(text.ids), text.exemplars)
+                    for terms in why_rows.explain(senders, matrix, visible[layer], asked):
+                        qk_writer.write_table(why_rows.table(text_id, senders, terms))
+                        explained.append(why_rows.summary(text_id, senders, terms))
+                    del senders
             del kept, visible
     summary = pd.DataFrame(rows)
     for pattern in PROBES:
         summary[f"probe_{pattern}"] = summary.get(f"probe_{pattern}", np.nan)
-    return summary, views
+    return summary, views, explained
+
+
+def _say_why(explained: list[dict], reporter: Reporter) -> None:
+    """One line where a row's split logits miss the model's attention (each row's figures are in inspect.json)."""
+    missed = [entry for entry in explained if entry["softmax_error"] > why_rows.CHECK]
+    if missed:
+        worst = max(missed, key=lambda entry: entry["softmax_error"])
+        name = head_name(worst["layer"], worst["head"])
+        reporter.note(f"warning: on {len(missed)} rows the split logits' softmax is off the model's attention by up "
+                      f"to {worst['softmax_error']:.2g} (row {worst['row']} of {name}): this model computes its "
+                      "attention in a way headscope does not split exactly")  # fmt: skip
 
 
 def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:

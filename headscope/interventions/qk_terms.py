@@ -42,18 +42,20 @@ def row_terms(
     queries: torch.Tensor,
     keys: torch.Tensor,
     attention: torch.Tensor,
-    row: int,
-    key: int,
+    chosen: int,
     *,
     scaling: float,
     softcap: float | None = None,
+    row: int = 0,
+    key: int | None = None,
 ) -> RowTerms:
-    """The terms and contrasts of `row` attending to `key`.
+    """The terms and contrasts of a row attending to its visible key number `chosen`.
 
-    queries: (senders, head_dim) float64, each sender's part of the query at `row` (they add up to the query);
-    keys: (senders, visible, head_dim) float64, each sender's part of the key at each visible key position;
-    attention: (visible,) the model's attention of the row on those keys, in the same order; key: the index of the
-    chosen key among the visible ones."""
+    queries: (senders, head_dim), each sender's part of the query at the row (they add up to the query); keys:
+    (senders, visible, head_dim), each sender's part of the key at each key the row sees; attention: (visible,) the
+    model's attention of the row on those keys, in the same order. row, key: their positions, as the result names
+    them (key: `chosen` where not given)."""
+    key, index = (chosen if key is None else key), chosen
     queries, keys = queries.double(), keys.double()
     logits = scaling * torch.einsum("d,bsd->s", queries.sum(0), keys)  # (visible,) uncapped
     secant = torch.ones_like(logits)
@@ -62,16 +64,16 @@ def row_terms(
         secant = torch.where(logits != 0, capped / torch.where(logits != 0, logits, 1.0), 1.0)
         logits = capped
     others = attention.double().clone()
-    others[key] = 0.0
+    others[index] = 0.0
     total = others.sum()
     others = others / total if total > 0 else others  # renormalised without the key; none: the contrast is the term
     # the key side of each sender: at the key, and the others' weighted mean (the secant folded in, per key)
-    at_key = secant[key] * keys[:, key]  # (senders, head_dim)
+    at_key = secant[index] * keys[:, index]  # (senders, head_dim)
     mean_others = torch.einsum("s,bsd->bd", others * secant, keys)
     term = scaling * queries @ at_key.T
     contrast = term - scaling * queries @ mean_others.T
     worst = float((torch.softmax(logits, -1) - attention.double()).abs().max())
-    return RowTerms(row, key, term.numpy(), contrast.numpy(), float(logits[key]), float(attention[key]), worst)
+    return RowTerms(row, key, term.numpy(), contrast.numpy(), float(logits[index]), float(attention[index]), worst)
 
 
 def strongest_key(attention: torch.Tensor, positions: torch.Tensor) -> int:

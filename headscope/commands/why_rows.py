@@ -1,0 +1,163 @@
+"""inspect --why: which senders make a head's query match a key, for chosen rows of the inspected texts.
+
+the request   ROW (the row's strongest key off the first token), ROW:KEY, `all` (every row, its strongest
+              key) or `exemplars` (with --exemplars: each exemplar row of its sentence); positions as inspect
+              shows them (the tokenizer's output, BOS included where it adds one)
+the maths     interventions.qk_terms (terms, contrasts, the softmax check), interventions.qk_senders (each
+              sender's part of the query and of the key, from the same pass inspect runs)
+the output    qk.parquet: text_id, layer, head, row, key, query_sender, key_sender, term, contrast (every pair
+              of every explained row); a summary per row for inspect.json and the printout
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from headscope.errors import ConfigError
+from headscope.interventions.qk_senders import HeadSenders
+from headscope.interventions.qk_terms import RowTerms, row_terms, strongest_key
+
+QK_SCHEMA = pa.schema(
+    [(name, pa.int32()) for name in ("text_id", "layer", "head", "row", "key")]
+    + [("query_sender", pa.dictionary(pa.int32(), pa.string())), ("key_sender", pa.dictionary(pa.int32(), pa.string()))]
+    + [("term", pa.float64()), ("contrast", pa.float64())]
+)
+WORDS = ("all", "exemplars")
+CHECK = 1e-4  # the softmax of the summed logits against the model's attention: float32 rounding is far below
+SHOWN = 3  # senders and pairs a row's summary names
+
+
+@dataclass(frozen=True)
+class Why:
+    """One --why request: a row (or `all`, `exemplars`) and its key (None: the row's strongest)."""
+
+    row: int | str
+    key: int | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.row) if self.key is None else f"{self.row}:{self.key}"
+
+
+def as_why(values) -> tuple[Why, ...]:
+    """--why's values (ROW, ROW:KEY, all, exemplars; a value may list several, comma-separated), or a one-line
+    refusal naming the one it cannot read."""
+    if values is None:
+        return ()
+    if isinstance(values, str | int):
+        values = [values]
+    found = []
+    for value in values:
+        for part in str(value).split(","):
+            found.append(_one_why(part.strip()))
+    return tuple(dict.fromkeys(found))
+
+
+def _one_why(text: str) -> Why:
+    if text in WORDS:
+        return Why(text)
+    row, _, key = text.partition(":")
+    if not row.isdigit() or (key and not key.isdigit()):
+        raise ConfigError(f"--why takes ROW, ROW:KEY (positions, from 0), all or exemplars; got {text!r}")
+    if key and int(key) > int(row):
+        raise ConfigError(f"--why {text}: key {key} comes after row {row}, and a row attends to keys up to itself")
+    return Why(int(row), int(key) if key else None)
+
+
+def check_why(why: tuple[Why, ...], *, heads, exemplars) -> None:
+    """Before anything loads: --why needs the heads it explains, and `exemplars` needs --exemplars."""
+    if why and not heads and exemplars is None:
+        raise ConfigError("--why explains chosen heads: pass --heads L.H (or --exemplars L.H REPORT)")
+    if any(w.row == "exemplars" for w in why) and exemplars is None:
+        raise ConfigError("--why exemplars explains the exemplar rows of --exemplars L.H REPORT: pass --exemplars")
+
+
+def check_rows(why: tuple[Why, ...], lengths: list[int]) -> None:
+    """Once the texts are tokenized, before any pass: every asked row within every text."""
+    for text_id, length in enumerate(lengths):
+        for asked in why:
+            if isinstance(asked.row, int) and asked.row >= length:
+                raise ConfigError(f"--why {asked.name}: text {text_id} has {length} tokens (rows 0-{length - 1})")
+
+
+def rows_of(why: tuple[Why, ...], length: int, exemplar_rows) -> list[tuple[int, int | None]]:
+    """The (row, key) pairs asked of one text, in order, each once (key None: the row's strongest)."""
+    asked: list[tuple[int, int | None]] = []
+    for request in why:
+        if request.row == "all":
+            asked += [(row, None) for row in range(length)]
+        elif request.row == "exemplars":
+            asked += [(int(entry["row"]), None) for entry in exemplar_rows]
+        else:
+            asked.append((request.row, request.key))
+    return list(dict.fromkeys(asked))
+
+
+def explain(
+    senders: HeadSenders, attention: np.ndarray, visible: np.ndarray, asked: list[tuple[int, int | None]]
+) -> list[RowTerms]:
+    """Each asked (row, key) of one head on one text: its terms and contrasts. attention, visible: the head's (t, t)
+    weights and the layer's (t, t) visibility, as inspect captured them."""
+    weights, seen = torch.as_tensor(attention), torch.as_tensor(visible)
+    found = []
+    for row, key in asked:
+        positions = torch.nonzero(seen[row])[:, 0]
+        row_weights = weights[row, positions]
+        if key is None:
+            index = strongest_key(row_weights, positions)
+        else:
+            matches = torch.nonzero(positions == key)[:, 0]
+            if len(matches) == 0:
+                raise ConfigError(f"--why {row}:{key}: row {row} of layer {senders.layer} does not see key {key} "
+                                  f"(it sees {_spans(positions)})")  # fmt: skip
+            index = int(matches[0])
+        found.append(row_terms(senders.queries[:, row], senders.keys[:, positions], row_weights, index,
+                               scaling=senders.scaling, softcap=senders.softcap, row=row,
+                               key=int(positions[index])))  # fmt: skip
+    return found
+
+
+def _spans(positions: torch.Tensor) -> str:
+    return f"keys {int(positions.min())}-{int(positions.max())}" if len(positions) else "no key"
+
+
+def table(text_id: int, senders: HeadSenders, terms: RowTerms) -> pa.Table:
+    """qk.parquet's rows of one explained row: every (query sender, key sender) pair."""
+    count = len(senders.names)
+    names = pa.array(senders.names, pa.string())
+    query_index = np.repeat(np.arange(count, dtype=np.int32), count)
+    key_index = np.tile(np.arange(count, dtype=np.int32), count)
+    pairs = count * count
+
+    def constant(value: int) -> pa.Array:
+        return pa.array(np.full(pairs, value, dtype=np.int32))
+
+    columns = [constant(text_id), constant(senders.layer), constant(senders.head), constant(terms.row),
+               constant(terms.key), pa.DictionaryArray.from_arrays(pa.array(query_index), names),
+               pa.DictionaryArray.from_arrays(pa.array(key_index), names), pa.array(terms.term.ravel()),
+               pa.array(terms.contrast.ravel())]  # fmt: skip
+    return pa.Table.from_arrays(columns, schema=QK_SCHEMA)
+
+
+def summary(text_id: int, senders: HeadSenders, terms: RowTerms) -> dict:
+    """inspect.json's entry of one explained row: the logit, the checks, each side's strongest senders by contrast
+    (a query sender's: its row of contrasts summed over the key senders) and the strongest pairs."""
+    names = senders.names
+    query_side, key_side = terms.contrast.sum(1), terms.contrast.sum(0)
+    flat = np.argsort(-np.abs(terms.contrast), axis=None)[:SHOWN]
+    pairs = [np.unravel_index(i, terms.contrast.shape) for i in flat]
+
+    def strongest(side: np.ndarray) -> list[list]:
+        return [[names[i], round(float(side[i]), 6)] for i in np.argsort(-np.abs(side))[:SHOWN]]
+
+    return {
+        "text_id": text_id, "layer": senders.layer, "head": senders.head, "row": terms.row, "key": terms.key,
+        "logit": terms.logit, "weight": terms.weight, "contrast": float(terms.contrast.sum()),
+        "query_side": strongest(query_side), "key_side": strongest(key_side),
+        "pairs": [[names[a], names[b], round(float(terms.contrast[a, b]), 6)] for a, b in pairs],
+        "softmax_error": terms.worst_error,
+    }  # fmt: skip
