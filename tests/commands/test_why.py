@@ -1,0 +1,163 @@
+"""inspect --why: a head's attention logit split into (query sender, key sender) pairs. The maths on hand-built
+tensors, a planted induction circuit whose answer is known, a plain float64 computation by module name on GPT-2, a
+grouped-KV Llama and a Gemma 2 (post-attention norms, softcap, sliding window), the real SmolLM2 against the model's
+own attention, and the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import headscope
+from headscope.interventions.qk_terms import row_terms, strongest_key
+
+from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
+from planted import build_planted_induction
+from reference_qk import split_by_hand
+
+SPLIT = 1e-5  # the terms against the float64 computation, relative to the largest: float32 passes against float64
+
+
+def test_the_terms_add_up_to_the_logit_and_the_contrasts_to_its_lead_over_the_other_keys():
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.randn(4, 8, generator=generator, dtype=torch.float64)  # 4 senders, head_dim 8
+    keys = torch.randn(4, 5, 8, generator=generator, dtype=torch.float64)  # 4 senders, 5 visible keys
+    scaling = 8**-0.5
+    logits = scaling * queries.sum(0) @ keys.sum(0).T
+    attention = torch.softmax(logits, -1)
+    found = row_terms(queries, keys, attention, 3, scaling=scaling, row=7, key=9)
+    assert (found.row, found.key) == (7, 9) and found.term.shape == found.contrast.shape == (4, 4)
+    assert found.term.sum() == pytest.approx(float(logits[3])) and found.logit == pytest.approx(float(logits[3]))
+    others = attention.clone()
+    others[3] = 0
+    lead = float(logits[3] - (others / others.sum()) @ logits)
+    assert found.contrast.sum() == pytest.approx(lead) and found.worst_error < 1e-15
+    # one pair by hand: sender 1's query against sender 2's key
+    assert found.term[1, 2] == pytest.approx(scaling * float(queries[1] @ keys[2, 3]))
+    assert found.weight == pytest.approx(float(attention[3]))
+
+
+def test_a_softcap_scales_every_term_of_a_key_by_its_secant():
+    generator = torch.Generator().manual_seed(1)
+    queries = 3 * torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    keys = 3 * torch.randn(3, 6, 4, generator=generator, dtype=torch.float64)
+    raw = queries.sum(0) @ keys.sum(0).T
+    capped = 2.0 * torch.tanh(raw / 2.0)
+    found = row_terms(queries, keys, torch.softmax(capped, -1), 2, scaling=1.0, softcap=2.0)
+    assert found.term.sum() == pytest.approx(float(capped[2])) and found.worst_error < 1e-12
+    unscaled = row_terms(queries, keys, torch.softmax(raw, -1), 2, scaling=1.0)
+    assert np.allclose(found.term, unscaled.term * float(capped[2] / raw[2]))
+
+
+def test_a_row_that_sees_one_key_contrasts_with_nothing_and_the_first_token_is_passed_over():
+    queries, keys = torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 1, 3, dtype=torch.float64)
+    alone = row_terms(queries, keys, torch.ones(1), 0, scaling=1.0)
+    assert np.array_equal(alone.contrast, alone.term)
+    weights, positions = torch.tensor([0.7, 0.1, 0.2]), torch.tensor([0, 1, 2])
+    assert strongest_key(weights, positions) == 2  # the sink at position 0 is not the key a row is explained by
+    assert strongest_key(torch.tensor([1.0]), torch.tensor([0])) == 0
+    assert strongest_key(torch.tensor([0.5, 0.5]), torch.tensor([3, 4])) == 0  # a window past the first token
+
+
+def test_the_planted_induction_head_matches_through_the_previous_token_head(tmp_path):
+    """Layer 1's induction head: its query is the current token (embed), its key the token before each key, which
+    layer 0's previous-token head (0.0) writes. The whole contrast of a repeat's row sits on (embed, 0.0)."""
+    folder = build_planted_induction(tmp_path / "induction")
+    # no BOS: row 0's previous-token head sees only itself, so the first token must not repeat. Row 5 repeats w5:
+    # it attends to row 2, the token after the first w5; row 6 repeats w9 and attends to row 3
+    text = "w3 w5 w9 w12 w20 w5 w9"
+    found = headscope.inspect(str(folder), texts=[text], heads=[(1, 0)], why=["5", "6"], page=False, device="cpu")
+    for row, key in ((5, 2), (6, 3)):
+        pairs = found.why(row)
+        assert (pairs["key"] == key).all()
+        top = pairs.iloc[0]
+        assert (top.query_sender, top.key_sender) == ("embed", "0.0"), pairs.head(3)
+        assert top.contrast > 0.99 * pairs["contrast"].sum() and top.contrast > 5
+    entry = found.record["why"]["rows"][0]
+    assert entry["query_side"][0][0] == "embed" and entry["key_side"][0][0] == "0.0" and entry["weight"] > 0.99
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "gemma2"])
+def tiny_lm(request, tmp_path_factory, corpus_lines):
+    """GPT-2 (biases, a fused q|k|v projection, learned positions), a grouped-KV Llama (RoPE, 8 query heads on 4 KV
+    heads) or a grouped-KV Gemma 2 (post-attention norms, (1 + w) RMS norms, a softcap, a sliding window of 4)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if request.param == "gpt2":
+        config, model_class = GPT2Config(n_layer=3, n_embd=32, n_head=4, initializer_range=0.2), GPT2LMHeadModel
+    elif request.param == "gemma2":
+        config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+                              num_key_value_heads=4, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                              initializer_range=0.2, attn_logit_softcapping=3.0)  # fmt: skip
+        model_class = Gemma2ForCausalLM
+    else:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+                             num_key_value_heads=4, initializer_range=0.2)  # fmt: skip
+        model_class = LlamaForCausalLM
+    folder = tiny_model_folder(tmp_path_factory.mktemp(request.param), config, model_class, corpus_lines)
+    return request.param, headscope.load_model(str(folder), device="cpu", lm_head=True)
+
+
+@pytest.mark.first_case_fast
+def test_every_term_equals_the_plain_computation_by_module_name(tiny_lm, corpus_lines):
+    name, loaded = tiny_lm
+    text = " ".join(corpus_lines[:3])
+    ids = loaded.tokenizer(text)["input_ids"][:12]
+    text = loaded.tokenizer.decode(ids)
+    ids = loaded.tokenizer(text)["input_ids"]
+    # layer 2, a head reading the second KV head; layer 0 (Gemma 2's sliding layer): a row past the window
+    asked = [(2, 5 if name != "gpt2" else 3, len(ids) - 1), (0, 1, len(ids) - 1)]
+    for layer, head, row in asked:
+        found = headscope.inspect(loaded, texts=[text], heads=[(layer, head)], why=[str(row)], page=False)
+        pairs = found.why(row)
+        key = int(pairs["key"].iloc[0])
+        want = split_by_hand(loaded.lm, ids, layer, head, row, key)
+        index = {sender: i for i, sender in enumerate(want["names"])}
+        assert set(pairs["query_sender"]) == set(index)
+        at = (pairs["query_sender"].map(index).to_numpy(), pairs["key_sender"].map(index).to_numpy())
+        scale = float(want["term"].abs().max())
+        assert np.abs(pairs["term"].to_numpy() - want["term"].numpy()[at]).max() < SPLIT * scale, (name, layer)
+        assert np.abs(pairs["contrast"].to_numpy() - want["contrast"].numpy()[at]).max() < SPLIT * scale
+        entry = found.record["why"]["rows"][0]
+        assert entry["logit"] == pytest.approx(float(want["logits"][want["keys"].index(key)]), abs=SPLIT * scale)
+        assert entry["softmax_error"] < 1e-5 and scale > 0.05  # terms large enough for an error to show
+        if name == "gemma2" and layer == 0:
+            assert min(want["keys"]) == row - 3  # the window: the row sees its last 4 keys
+
+
+@pytest.mark.slow
+def test_smollm2_rows_add_up_to_its_own_attention(smollm2):
+    """SmolLM2 (RoPE, 9 query heads on 3 KV heads, RMS norms): for every row of a text, the split logits' softmax is
+    the model's attention (each row's check), and the terms add up to the logit."""
+    text = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat again."
+    found = headscope.inspect(smollm2, texts=[text], heads=[(18, 3)], why=["all"], page=False)
+    rows = found.record["why"]["rows"]
+    assert len(rows) == len(found.tokens) and max(entry["softmax_error"] for entry in rows) < 1e-5
+    sums = found.qk.groupby("row")["term"].sum()
+    logits = {entry["row"]: entry["logit"] for entry in rows}
+    assert max(abs(sums[row] - logits[row]) for row in logits) < 1e-9
+    assert found.qk.groupby("row").size().unique().tolist() == [182**2]  # embed, 18 x 9 heads, 18 MLPs, bias
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--why", "5"], ["--why explains chosen heads"]),
+        (["--heads", "1.0", "--why", "5:9"], ["key 9 comes after row 5"]),
+        (["--heads", "1.0", "--why", "five"], ["--why takes ROW, ROW:KEY", "'five'"]),
+        (["--heads", "1.0", "--why", "exemplars"], ["--why exemplars", "--exemplars"]),
+    ],
+    ids=["no-heads", "key-after-row", "not-a-row", "exemplars-alone"],
+)
+def test_a_bad_why_is_refused_in_one_line_before_the_model_loads(tmp_path, extra, fragments):
+    result = run_cli("inspect", "gpt2", "--text", "a b c", *extra, "--out", tmp_path / "out", loader=refuse_to_load)
+    assert_one_line_error(result, *fragments, code=2)
+
+
+def test_a_row_past_the_text_is_refused_before_any_pass(tmp_path):
+    folder = build_planted_induction(tmp_path / "induction")
+    result = run_cli("inspect", str(folder), "--text", "w5 w9 w12", "--heads", "1.0", "--why", "7", "--out",
+                     tmp_path / "out")  # fmt: skip
+    assert_one_line_error(result, "--why 7", "3 tokens", "rows 0-2", code=2)
+    assert not (tmp_path / "out").exists()
