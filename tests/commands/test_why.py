@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from reference_qk import split_by_hand
 
 import headscope
 from headscope.interventions.qk_terms import row_terms, strongest_key
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
 from planted import build_planted_induction
-from reference_qk import split_by_hand
 
 SPLIT = 1e-5  # the terms against the float64 computation, relative to the largest: float32 passes against float64
 

@@ -55,14 +55,11 @@ def split_by_hand(lm, ids: list[int], layer: int, head: int, row: int, key: int)
     bias = torch.zeros_like(inputs[0])
     for earlier in range(layer):
         block = blocks[earlier]
-        if gpt2:
-            weight, out_bias = block.attn.c_proj.weight, block.attn.c_proj.bias  # Conv1D: (in, out)
-            per_head = [z[earlier][:, h * head_dim : (h + 1) * head_dim] @ weight[h * head_dim : (h + 1) * head_dim]
-                        for h in range(heads)]  # fmt: skip
-        else:
-            weight, out_bias = block.self_attn.o_proj.weight, block.self_attn.o_proj.bias  # Linear: (out, in)
-            per_head = [z[earlier][:, h * head_dim : (h + 1) * head_dim] @ weight[:, h * head_dim : (h + 1) * head_dim].T
-                        for h in range(heads)]  # fmt: skip
+        out = block.attn.c_proj if gpt2 else block.self_attn.o_proj
+        columns = out.weight.T if gpt2 else out.weight  # (hidden, heads * head_dim): Conv1D stores (in, out)
+        out_bias = out.bias
+        per_head = [z[earlier][:, h * head_dim : (h + 1) * head_dim] @ columns[:, h * head_dim : (h + 1) * head_dim].T
+                    for h in range(heads)]  # fmt: skip
         constant = torch.zeros(hidden, dtype=torch.float64) if out_bias is None else out_bias
         attention_write = attn_out[earlier]
         if gemma:  # the post-attention norm, its scale at the run: each head's share of its input, scaled alike
@@ -84,7 +81,7 @@ def split_by_hand(lm, ids: list[int], layer: int, head: int, row: int, key: int)
     kv = head // (heads // kv_heads)
     if gpt2:
         norm = block.ln_1
-        mean, var = stream.mean(-1, keepdim=True), stream.var(-1, keepdim=True, unbiased=False)
+        var = stream.var(-1, keepdim=True, unbiased=False)
 
         def normed(x, constant):
             centred = (x - x.mean(-1, keepdim=True)) / torch.sqrt(var + norm.eps) * norm.weight
