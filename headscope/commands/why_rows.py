@@ -103,7 +103,7 @@ def explain(
     """Each asked (row, key) of one head on one text: its terms and contrasts. attention, visible: the head's (t, t)
     weights and the layer's (t, t) visibility, as inspect captured them."""
     weights, seen = torch.as_tensor(attention), torch.as_tensor(visible)
-    found = []
+    found, done = [], set()
     for row, key in asked:
         positions = torch.nonzero(seen[row])[:, 0]
         row_weights = weights[row, positions]
@@ -115,6 +115,9 @@ def explain(
                 raise ConfigError(f"--why {row}:{key}: row {row} of layer {senders.layer} does not see key {key} "
                                   f"(it sees {_spans(positions)})")  # fmt: skip
             index = int(matches[0])
+        if (row, int(positions[index])) in done:  # ROW and ROW:KEY naming the same key
+            continue
+        done.add((row, int(positions[index])))
         found.append(row_terms(senders.queries[:, row], senders.keys[:, positions], row_weights, index,
                                scaling=senders.scaling, softcap=senders.softcap, row=row,
                                key=int(positions[index])))  # fmt: skip

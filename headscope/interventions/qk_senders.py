@@ -89,6 +89,7 @@ def head_senders(
     stream = kept["r"][layer][0].detach().double()
     total = torch.zeros_like(stream)
     for block_names, block in residual_blocks(kept, places, layer, heads, head_dim):
+        block = block.to(stream.device)  # a device map puts earlier layers elsewhere
         total += block.sum(0)
         normed = block if norm is None else norm.linear(block)
         for side, (weight, _) in rows.items():
@@ -112,7 +113,8 @@ def head_senders(
     if scaling is None:
         raise ConfigError(f"{type(attention).__name__} names no `scaling`: headscope cannot split its logits")
     softcap = getattr(attention, "attn_logit_softcapping", None)
-    return HeadSenders(layer, head, names, sides[0], sides[1], float(scaling), softcap)
+    # on the host: a few (senders, t, head_dim) tensors, read row by row against the attention kept there
+    return HeadSenders(layer, head, names, sides[0].cpu(), sides[1].cpu(), float(scaling), softcap)
 
 
 def residual_blocks(kept: dict, places: list[LayerPlaces], layer: int, heads: int, head_dim: int):
@@ -124,15 +126,17 @@ def residual_blocks(kept: dict, places: list[LayerPlaces], layer: int, heads: in
     bias = torch.zeros_like(embed)
     for earlier in range(layer):
         place = places[earlier]
-        columns = head_columns(place.output).double().to(embed.device)  # (hidden, heads * head_dim)
         z = kept["z"][earlier][0].detach().double().view(-1, heads, head_dim)  # (t, heads, head_dim)
+        columns = head_columns(place.output).double().to(z.device)  # (hidden, heads * head_dim)
         per_head = torch.einsum("thd,mhd->htm", z, columns.view(-1, heads, head_dim))
         output_bias = place.output.bias
-        constant = torch.zeros_like(embed) if output_bias is None else output_bias.detach().double().expand_as(embed)
+        constant = torch.zeros(embed.shape, dtype=torch.float64, device=z.device)
+        if output_bias is not None:
+            constant = constant + output_bias.detach().double().to(z.device)
         if place.post_attention is not None:
             post = _frozen(place.post_attention, kept["attn"][earlier], f"layer {earlier}'s post-attention norm")
             per_head, constant = post.linear(per_head), post.linear(constant[None])[0] + post.bias
-        bias = bias + constant
+        bias = bias + constant.to(bias.device)
         yield [f"{earlier}.{h}" for h in range(heads)], per_head
         yield [f"mlp{earlier}"], kept["mlp"][earlier][0].detach().double()[None]
     yield ["bias"], bias[None]
