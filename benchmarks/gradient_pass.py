@@ -45,5 +45,6 @@ def main() -> None:
     print(f"{args.model}, {len(removed)} heads removed, median of {args.repeats}: {times}; gradient pass / ablation "
           f"{ratio:.2f}; loss {loss:.7f}")  # fmt: skip
 
+
 if __name__ == "__main__":
     main()
