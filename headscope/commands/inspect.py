@@ -224,7 +224,12 @@ def inspect(
             chosen, known, roles_from = _heads(
                 heads, roles, labelled, report, plan, capture, loaded, role_thresholds, reporter
             )
-            check_memory(chosen, max(len(text.ids) for text in chosen_texts), plan.memory_budget)
+            longest = max(len(text.ids) for text in chosen_texts)
+            check_memory(chosen, longest, plan.memory_budget)
+            if why:
+                hidden = loaded.model.config.get_text_config().hidden_size
+                why_rows.check_memory(chosen, longest, plan.memory_budget, plan.architecture, hidden,
+                                      loaded.dtype.itemsize)  # fmt: skip
             reporter.stage(f"inspecting {len(chosen)} heads on {len(chosen_texts)} texts")
             summary, views, explained = _write_attention(folder, capture, chosen, chosen_texts, plan, loaded, why)
         tokens = _tokens_frame(loaded.tokenizer, chosen_texts)

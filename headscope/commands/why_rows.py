@@ -17,9 +17,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from headscope.errors import ConfigError
+from headscope.errors import ConfigError, ResourceError
 from headscope.interventions.qk_senders import HeadSenders
 from headscope.interventions.qk_terms import RowTerms, row_terms, strongest_key
+from headscope.model.memory import readable
 
 QK_SCHEMA = pa.schema(
     [(name, pa.int32()) for name in ("text_id", "layer", "head", "row", "key")]
@@ -82,6 +83,31 @@ def check_rows(why: tuple[Why, ...], lengths: list[int]) -> None:
         for asked in why:
             if isinstance(asked.row, int) and asked.row >= length:
                 raise ConfigError(f"--why {asked.name}: text {text_id} has {length} tokens (rows 0-{length - 1})")
+
+
+def split_bytes(heads, longest: int, architecture: dict, hidden: int, dtype_bytes: int) -> int:
+    """The peak memory --why adds on a text of `longest` tokens: the pass keeps about ten (t, hidden) tensors per
+    layer up to the deepest chosen head (edges._Recorder: the stream, the heads' outputs, q, k, v, the MLP's input
+    and write, ...), in the model's dtype; one head's split holds its senders' query and key parts twice over in
+    float64 (the parts, then the whole), and a layer's writes twice (the writes and their normed copy)."""
+    deepest = max(layer for layer, _ in heads)
+    senders = 2 + deepest * (architecture["heads"] + 1)
+    kept = 10 * (deepest + 1) * longest * hidden * dtype_bytes
+    parts = 4 * senders * longest * architecture["head_dim"] * 8
+    writes = 2 * architecture["heads"] * longest * hidden * 8
+    return kept + parts + writes
+
+
+def check_memory(heads, longest: int, budget: int, architecture: dict, hidden: int, dtype_bytes: int) -> None:
+    """Refuse --why in one line, before any pass, where its split of the longest text passes the budget."""
+    needed = split_bytes(heads, longest, architecture, hidden, dtype_bytes)
+    if needed > budget:
+        raise ResourceError(
+            f"--why on a text of {longest:,} tokens needs about {readable(needed)} for the split (the pass's kept "
+            f"tensors up to layer {max(layer for layer, _ in heads)} and each sender's query and key parts), more "
+            f"than the {readable(budget)} budget; cut the text (--max-length), choose shallower heads, or raise "
+            "--max-memory"
+        )
 
 
 def rows_of(why: tuple[Why, ...], length: int, exemplar_rows) -> list[tuple[int, int | None]]:

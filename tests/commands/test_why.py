@@ -161,3 +161,23 @@ def test_a_row_past_the_text_is_refused_before_any_pass(tmp_path):
                      tmp_path / "out")  # fmt: skip
     assert_one_line_error(result, "--why 7", "3 tokens", "rows 0-2", code=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_split_beyond_the_memory_budget_is_refused_before_any_pass(tmp_path):
+    """--why keeps the pass's tensors up to the head's layer and each sender's query and key parts: a budget that
+    holds the attention but not the split refuses --why in one line, and the same run without it goes through."""
+    from transformers import AutoConfig
+
+    from headscope.commands.why_rows import split_bytes
+    from headscope.model.architecture import architecture_of
+
+    folder = build_planted_induction(tmp_path / "induction")
+    text = " ".join(f"w{2 + i % 38}" for i in range(70))
+    config = AutoConfig.from_pretrained(folder)
+    needed = split_bytes([(1, 0)], 70, architecture_of(config), config.hidden_size, 4)
+    budget = f"{needed // 2}B"
+    options = ("inspect", str(folder), "--text", text, "--heads", "1.0", "--max-memory", budget)
+    result = run_cli(*options, "--why", "69", "--out", tmp_path / "why")
+    assert_one_line_error(result, "--why on a text of 70 tokens", "budget", "--max-memory")
+    assert not (tmp_path / "why").exists()
+    assert run_cli(*options, "--out", tmp_path / "plain").exit_code == 0
