@@ -237,7 +237,7 @@ def inspect(
         record = _record(loaded, plan, corpus, chosen_texts, chosen, known, roles_from, probes, summary)
         if why:
             record["why"] = {"asked": [w.name for w in why], "rows": explained}
-            _say_why(explained, reporter)
+            why_rows.warn_missed(explained, reporter)
         write_json(record, folder / INSPECT_RECORD)
         shown = None
         if page:
@@ -431,17 +431,6 @@ def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Pla
     for pattern in PROBES:
         summary[f"probe_{pattern}"] = summary.get(f"probe_{pattern}", np.nan)
     return summary, views, explained
-
-
-def _say_why(explained: list[dict], reporter: Reporter) -> None:
-    """One line where a row's split logits miss the model's attention (each row's figures are in inspect.json)."""
-    missed = [entry for entry in explained if entry["softmax_error"] > why_rows.CHECK]
-    if missed:
-        worst = max(missed, key=lambda entry: entry["softmax_error"])
-        name = head_name(worst["layer"], worst["head"])
-        reporter.note(f"warning: on {len(missed)} rows the split logits' softmax is off the model's attention by up "
-                      f"to {worst['softmax_error']:.2g} (row {worst['row']} of {name}): this model computes its "
-                      "attention in a way headscope does not split exactly")  # fmt: skip
 
 
 def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from headscope.arguments import head_name
 from headscope.errors import ConfigError, ResourceError
 from headscope.interventions.qk_senders import HeadSenders
 from headscope.interventions.qk_terms import RowTerms, row_terms, strongest_key
@@ -87,7 +88,7 @@ def check_rows(why: tuple[Why, ...], lengths: list[int]) -> None:
 
 def split_bytes(heads, longest: int, architecture: dict, hidden: int, dtype_bytes: int) -> int:
     """The peak memory --why adds on a text of `longest` tokens: the pass keeps about ten (t, hidden) tensors per
-    layer up to the deepest chosen head (edges._Recorder: the stream, the heads' outputs, q, k, v, the MLP's input
+    layer up to the deepest chosen head (edges.Recorder: the stream, the heads' outputs, q, k, v, the MLP's input
     and write, ...), in the model's dtype; one head's split holds its senders' query and key parts twice over in
     float64 (the parts, then the whole), and a layer's writes twice (the writes and their normed copy)."""
     deepest = max(layer for layer, _ in heads)
@@ -190,3 +191,14 @@ def summary(text_id: int, senders: HeadSenders, terms: RowTerms) -> dict:
         "pairs": [[names[a], names[b], round(float(terms.contrast[a, b]), 6)] for a, b in pairs],
         "softmax_error": terms.worst_error,
     }  # fmt: skip
+
+
+def warn_missed(explained: list[dict], reporter) -> None:
+    """One line where a row's split logits miss the model's attention (each row's figures are in inspect.json)."""
+    missed = [entry for entry in explained if entry["softmax_error"] > CHECK]
+    if missed:
+        worst = max(missed, key=lambda entry: entry["softmax_error"])
+        name = head_name(worst["layer"], worst["head"])
+        reporter.note(f"warning: on {len(missed)} rows the split logits' softmax is off the model's attention by up "
+                      f"to {worst['softmax_error']:.2g} (row {worst['row']} of {name}): this model computes its "
+                      "attention in a way headscope does not split exactly")  # fmt: skip

@@ -50,10 +50,15 @@ class LayerPlaces:
         return self.fused if self.fused is not None else self.q
 
 
+def attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's attention module, by its name (`self_attn`, `attn` or `attention`), or None."""
+    names = dict(layer.named_modules())
+    return next((m for n, m in names.items() if n.rpartition(".")[2] in ("self_attn", "attn", "attention")), None)
+
+
 def layer_modules(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> LayerPlaces:
     """A decoder layer's projections and MLP (its norms unknown: find_places finds them from a pass)."""
-    names = dict(layer.named_modules())
-    attention = next((m for n, m in names.items() if n.rpartition(".")[2] in ("self_attn", "attn", "attention")), None)
+    attention = attention_module(layer)
     mlp = getattr(layer, "mlp", None)
     if attention is None or mlp is None:
         raise ModelLoadError(f"{type(layer).__name__}: circuit finds no attention or no mlp module in a decoder layer")
@@ -246,7 +251,8 @@ class FrozenNorm:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (rows, n, hidden), writes at the one position per row the scale was frozen at."""
+        """x: (rows, n, hidden), writes at the one position per row the scale was frozen at; or, for a norm found at
+        one row of t positions, (n, t, hidden) writes at each of them."""
         x = x.double()
         if self.centre:
             x = x - x.mean(-1, keepdim=True)

@@ -76,12 +76,12 @@ class EdgeScores:
         return cls(parts[0].graph, *joined, by_role=by_role)
 
 
-class _Recorder:
-    """Hooks on every decoder layer for one pass: the residual stream entering each layer (r), the heads' outputs
-    before the output projection (z) and its result (attn), the post-attention norm's output (post), the q, k and v
-    projections' outputs, the stream the MLP reads (h) and its input (reads: N_mlp(h)), the MLP's write (mlp: after
-    its post-norm where there is one) and the final norm's input; torch tensors of the pass's graph (with gradients
-    where the pass builds them)."""
+class Recorder:
+    """Hooks on every decoder layer for one pass (circuit's, and inspect --why's: interventions.qk_senders): the
+    residual stream entering each layer (r), the heads' outputs before the output projection (z) and its result
+    (attn), the post-attention norm's output (post), the q, k and v projections' outputs, the stream the MLP reads (h)
+    and its input (reads: N_mlp(h)), the MLP's write (mlp: after its post-norm where there is one) and the final
+    norm's input; torch tensors of the pass's graph (with gradients where the pass builds them)."""
 
     def __init__(self, model, decoder, places: list[LayerPlaces], final_norm: torch.nn.Module) -> None:
         self.model, self.decoder, self.places, self.final_norm = model, decoder, places, final_norm
@@ -144,7 +144,7 @@ class EdgeModel:
         self.places, final_norm = find_places(capture, model, self.decoder, self.heads, self.kv_heads, self.head_dim,
                                               first.clean_ids, self.device)  # fmt: skip
         self.graph = build_graph(len(self.decoder), self.heads, self.kv_heads)
-        self.recorder = _Recorder(model, self.decoder, self.places, final_norm)
+        self.recorder = Recorder(model, self.decoder, self.places, final_norm)
         self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
@@ -339,7 +339,7 @@ def _targets(chunk, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor([p.distractor_id for p in chunk], device=device))  # fmt: skip
 
 
-def _run(capture, recorder: _Recorder, ids: list[list[int]], device, *, grad: bool, embeds=None):
+def _run(capture, recorder: Recorder, ids: list[list[int]], device, *, grad: bool, embeds=None):
     """One pass of the rows `ids` (one length: no padding), with the recorder's hooks; embeds: what the embedding
     module returns instead (EAP-IG's interpolated inputs). Returns (logits at the last position, kept tensors)."""
     batch = collate(list(range(len(ids))), ids).to(device)

@@ -62,7 +62,8 @@ def search_on_model(
         reporter.start(sentences, what=status(doing))
         loss, found = lm.estimated_costs(removed, removal, progress=True)
         reporter.finish()
-        return Estimate(loss, {head: found[head] for head in candidates if head not in set(removed)})
+        gone = set(removed)
+        return Estimate(loss, {head: found[head] for head in candidates if head not in gone})
 
     if journal is not None:
         verify, estimate = journal.verify(verify), journal.estimate(estimate)

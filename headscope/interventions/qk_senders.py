@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from headscope.errors import ConfigError
-from headscope.interventions.edge_layers import NORM_CHECK, FrozenNorm, LayerPlaces, head_columns
+from headscope.interventions.edge_layers import (
+    NORM_CHECK,
+    FrozenNorm,
+    LayerPlaces,
+    attention_module,
+    find_places,
+    head_columns,
+)
 
 
 @dataclass
@@ -34,14 +41,6 @@ class HeadSenders:
     keys: torch.Tensor  # (senders, t, head_dim) float64, through the KV head the head reads
     scaling: float
     softcap: float | None
-
-
-def attention_module(layer: torch.nn.Module) -> torch.nn.Module:
-    """A decoder layer's attention module (found by name as circuit finds it)."""
-    for name, module in layer.named_modules():
-        if name.rpartition(".")[2] in ("self_attn", "attn", "attention"):
-            return module
-    raise ConfigError(f"{type(layer).__name__}: headscope finds no attention module in this decoder layer")
 
 
 @contextlib.contextmanager
@@ -77,7 +76,7 @@ def head_senders(
     kv_heads: int,
     head_dim: int,
 ) -> HeadSenders:
-    """Head (layer, head)'s senders on the one-text pass whose tensors `kept` holds (edges._Recorder's names). The
+    """Head (layer, head)'s senders on the one-text pass whose tensors `kept` holds (edges.Recorder's names). The
     writes are taken a layer at a time and projected at once: memory of (senders, t, head_dim), not (senders, t,
     hidden)."""
     place, attention = places[layer], attentions[layer]
@@ -91,7 +90,7 @@ def head_senders(
     for block_names, block in residual_blocks(kept, places, layer, heads, head_dim):
         block = block.to(stream.device)  # a device map puts earlier layers elsewhere
         total += block.sum(0)
-        normed = block if norm is None else norm.linear(block)
+        normed = block if norm is None else norm(block)
         for side, (weight, _) in rows.items():
             parts[side].append(normed @ weight.T)
         names += block_names
@@ -135,37 +134,23 @@ def residual_blocks(kept: dict, places: list[LayerPlaces], layer: int, heads: in
             constant = constant + output_bias.detach().double().to(z.device)
         if place.post_attention is not None:
             post = _frozen(place.post_attention, kept["attn"][earlier], f"layer {earlier}'s post-attention norm")
-            per_head, constant = post.linear(per_head), post.linear(constant[None])[0] + post.bias
+            per_head, constant = post(per_head), post(constant[None])[0] + post.bias
         bias = bias + constant.to(bias.device)
         yield [f"{earlier}.{h}" for h in range(heads)], per_head
         yield [f"mlp{earlier}"], kept["mlp"][earlier][0].detach().double()[None]
     yield ["bias"], bias[None]
 
 
-class _Linearised:
-    """A norm's linear part with its scale frozen at each position, and its bias apart."""
-
-    def __init__(self, frozen: FrozenNorm) -> None:
-        self.centre = frozen.centre
-        self.scale = frozen.scale[0].double()  # (t, 1)
-        self.gain = frozen.gain.double().to(self.scale.device)
-        self.bias = frozen.bias.double().to(self.scale.device)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (n, t, width) -> the norm's linear part of each, at each position's frozen scale."""
-        if self.centre:
-            x = x - x.mean(-1, keepdim=True)
-        return x * self.scale * self.gain
-
-
-def _frozen(norm: torch.nn.Module | None, at: torch.Tensor, what: str) -> _Linearised | None:
+def _frozen(norm: torch.nn.Module | None, at: torch.Tensor, what: str) -> FrozenNorm | None:
+    """The norm as a linear map, its scale frozen at each position of `at` (1, t, width); calling it applies its
+    linear part to (n, t, width) writes, its bias apart (`.bias`). None where there is no norm."""
     if norm is None:
         return None
     frozen = FrozenNorm.found(norm, at)
     if frozen is None:
         raise ConfigError(f"{what} ({type(norm).__name__}) is neither a LayerNorm nor an RMS norm: headscope cannot "
                           "freeze its scale to split the attention logits")  # fmt: skip
-    return _Linearised(frozen)
+    return frozen
 
 
 def _rows(place: LayerPlaces, side: str, unit: int, head_dim: int, heads: int, kv_heads: int):
@@ -216,17 +201,16 @@ class SenderPass:
     `run`: one pass of a text keeping the chosen heads' attention and what their senders need."""
 
     def __init__(self, capture, loaded, plan, ids: list[int]) -> None:
-        from headscope.interventions.edge_layers import find_places
-        from headscope.interventions.edges import _Recorder
+        from headscope.interventions.edges import Recorder  # its module loads circuit's passes: when asked
 
         architecture = plan.architecture
         self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
-        self.capture, self.device = capture, loaded.device
+        self.capture = capture
         model = loaded.lm or loaded.model
         self.places, final_norm = find_places(capture, model, capture.decoder, self.heads, self.kv_heads,
-                                              self.head_dim, ids, self.device)  # fmt: skip
-        self.attentions = [attention_module(layer) for layer in capture.decoder]
-        self.recorder = _Recorder(model, capture.decoder, self.places, final_norm)
+                                              self.head_dim, ids, loaded.device)  # fmt: skip
+        self.attentions = [attention_module(layer) for layer in capture.decoder]  # found: find_places checked
+        self.recorder = Recorder(model, capture.decoder, self.places, final_norm)
 
     def run(self, batch, measures) -> tuple[dict, dict]:
         """One pass of a one-text `batch` with `measures` (HeadAttention): (kept tensors, RoPE per layer)."""

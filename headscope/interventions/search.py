@@ -181,9 +181,8 @@ def _pack(
         if size == 0:
             break
         if one_shot and not accepted:
-            result.one_shot = size
             ceiling = _allowance(losses[size], limit)  # the round goes on as any
-        _accept(result, pool[:size], losses[size], on_step)
+        _accept(result, pool[:size], losses[size], on_step, one_shot=one_shot and not accepted)
         accepted += size
         pool, known = pool[size:], {}
 

@@ -13,7 +13,7 @@ from reference_qk import split_by_hand
 import headscope
 from headscope.interventions.qk_terms import row_terms, strongest_key
 
-from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_model_folder
+from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_lm_config, tiny_model_folder
 from planted import build_planted_induction
 
 SPLIT = 1e-5  # the terms against the float64 computation, relative to the largest: float32 passes against float64
@@ -82,19 +82,7 @@ def test_the_planted_induction_head_matches_through_the_previous_token_head(tmp_
 def tiny_lm(request, tmp_path_factory, corpus_lines):
     """GPT-2 (biases, a fused q|k|v projection, learned positions), a grouped-KV Llama (RoPE, 8 query heads on 4 KV
     heads) or a grouped-KV Gemma 2 (post-attention norms, (1 + w) RMS norms, a softcap, a sliding window of 4)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    if request.param == "gpt2":
-        config, model_class = GPT2Config(n_layer=3, n_embd=32, n_head=4, initializer_range=0.2), GPT2LMHeadModel
-    elif request.param == "gemma2":
-        config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-                              num_key_value_heads=4, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
-                              initializer_range=0.2, attn_logit_softcapping=3.0)  # fmt: skip
-        model_class = Gemma2ForCausalLM
-    else:
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-                             num_key_value_heads=4, initializer_range=0.2)  # fmt: skip
-        model_class = LlamaForCausalLM
+    config, model_class = tiny_lm_config(request.param, 3, attn_logit_softcapping=3.0)
     folder = tiny_model_folder(tmp_path_factory.mktemp(request.param), config, model_class, corpus_lines)
     return request.param, headscope.load_model(str(folder), device="cpu", lm_head=True)
 

@@ -31,7 +31,7 @@ from headscope.interventions.pairs import pairs_from_records, tokenize_pairs
 from headscope.model.capture import attached
 from headscope.run.plan import plan_for_model
 
-from helpers import assert_one_line_error, tiny_model_folder
+from helpers import assert_one_line_error, tiny_lm_config, tiny_model_folder
 from planted import build_planted_induction
 from tolerances import UNIT
 
@@ -55,20 +55,7 @@ def tiny_lm(request, tmp_path_factory, corpus_lines):
     """GPT-2 (biases everywhere, a fused q|k|v projection), a grouped-KV Llama (8 query heads on 4 KV heads) or a
     grouped-KV Gemma 2 (post-attention and post-MLP norms, (1 + w) RMS norms, scaled embeddings, softcapped
     attention and logits)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    # Weights ten times the default's spread: scores of order 1, where an error shows against rounding.
-    if request.param == "gpt2":
-        config, model_class = GPT2Config(n_layer=2, n_embd=32, n_head=4, initializer_range=0.2), GPT2LMHeadModel
-    elif request.param == "gemma2":
-        config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                              num_key_value_heads=4, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
-                              initializer_range=0.2, final_logit_softcapping=5.0)  # fmt: skip
-        model_class = Gemma2ForCausalLM
-    else:
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                             num_key_value_heads=4, initializer_range=0.2)  # fmt: skip
-        model_class = LlamaForCausalLM
+    config, model_class = tiny_lm_config(request.param, 2, final_logit_softcapping=5.0)
     folder = tiny_model_folder(tmp_path_factory.mktemp(request.param), config, model_class, corpus_lines)
     loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
     return loaded, tokenize_pairs(pairs_from_records(word_pairs(loaded.tokenizer)), loaded.tokenizer, None)

@@ -99,6 +99,23 @@ def refuse_to_load(source, settings, model_config, lm_head):
     raise AssertionError("the model was loaded before the bad option was refused")
 
 
+def tiny_lm_config(kind: str, layers: int, **gemma2):
+    """(config, LM class) of a tiny GPT-2 (biases, a fused q|k|v projection, learned positions), grouped-KV Llama
+    (RoPE, 8 query heads on 4 KV heads) or grouped-KV Gemma 2 (post-attention and post-MLP norms, (1 + w) RMS norms,
+    a sliding window of 4; `gemma2`: its softcaps), with weights ten times the default's spread: scores of order 1,
+    where an error shows against rounding."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if kind == "gpt2":
+        return GPT2Config(n_layer=layers, n_embd=32, n_head=4, initializer_range=0.2), GPT2LMHeadModel
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "initializer_range": 0.2}  # fmt: skip
+    if kind == "gemma2":
+        config = Gemma2Config(**shape, head_dim=8, query_pre_attn_scalar=8, sliding_window=4, **gemma2)
+        return config, Gemma2ForCausalLM
+    return LlamaConfig(**shape), LlamaForCausalLM
+
+
 def tiny_llama(folder: Path, corpus_lines: list[str]) -> Path:
     """A 2-layer Llama (standard eager attention, 8 heads on 4 KV heads) that takes 8,192 positions."""
     from transformers import LlamaConfig, LlamaModel
