@@ -200,7 +200,7 @@ def analyze(
 def _tokenizer_checks(settings):
     """What the tokenizer alone can refuse, before the weights load: probe sequences its vocabulary cannot fill."""
 
-    def check(tokenizer) -> None:
+    def check(tokenizer, model_config) -> None:
         if settings.probes:
             probe_sequences(tokenizer, ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length))
 

@@ -159,7 +159,7 @@ def circuit(
         run.protected["the pairs file"] = pairs.path
     settings, reporter = run.settings, run.reporter
 
-    def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
+    def pairs_fit(tokenizer, model_config) -> None:  # what the tokenizer alone refuses, before the weights load
         found = tokenize_pairs(pairs, tokenizer, settings.max_length)
         if by_role:
             common_roles(found, pairs, "--by-role")

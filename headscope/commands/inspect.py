@@ -43,7 +43,8 @@ from headscope.measures.heads import (
     probe_scores,
     write_pairs,
 )
-from headscope.measures.probes import check_probes, run_probes
+from headscope.measures.probes import ProbeSpec, check_probes, probe_sequences, run_probes
+from headscope.model.architecture import architecture_of, layer_attention
 from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
@@ -51,7 +52,7 @@ from headscope.report.report import Report
 from headscope.run.corpus import Corpus, as_corpus
 from headscope.run.distributed import one_process_only
 from headscope.run.feed import CorpusFeed, char_limit, token_texts, tokenize_sentences
-from headscope.run.plan import Plan
+from headscope.run.plan import Plan, check_heads, max_length_for
 from headscope.run.setup import INSPECT_SETTINGS, CommandRun, record_header
 from headscope.tables import ATTENTION_SCHEMA, TOKENS_SCHEMA, write_json, write_table
 
@@ -212,11 +213,13 @@ def inspect(
     if corpus is not None:
         _check_sentences(sentences, corpus)
     labelled = _report_roles(report) if report is not None else None
+    refuse = _refusals(settings, why, heads, texts, corpus, sentences, probes)
     session = run.session(model, loader, what="inspect", out=out, kind="inspection", overwrite=overwrite,
-                          scratch="inspect", report=report)  # fmt: skip
+                          scratch="inspect", report=report, before_weights=refuse)  # fmt: skip
     with session as opened:  # in memory (no --out): written to a scratch folder, read back, then gone
         loaded, plan, folder = opened.loaded, opened.plan, opened.folder
-        chosen_texts = _texts(loaded.tokenizer, plan, texts, corpus, sentences, probes)
+        sequence = check_probes(loaded.tokenizer, plan).sequence if probes else None
+        chosen_texts = _texts(loaded.tokenizer, plan.max_length, sequence, texts, corpus, sentences, probes)
         if wanted is not None:
             chosen_texts = _marked(chosen_texts, wanted, loaded.tokenizer)
         why_rows.check_rows(why, [len(text.ids) for text in chosen_texts])
@@ -320,24 +323,44 @@ def _report_roles(report) -> pd.DataFrame:
     return labelled[["layer", "head", "role"]]
 
 
-def _texts(tokenizer, plan: Plan, texts, corpus, sentences, probes) -> list[Text]:
-    """Every text to inspect, tokenized as analyze tokenizes (special tokens, cut to the plan's max_length)."""
+def _refusals(settings: RunConfig, why, heads, texts, corpus, sentences, probes):
+    """What inspect refuses with the tokenizer and the model's config alone, before the weights load: a head the
+    model lacks and, with --why, a row past its text or a key its head's layer does not see (a sliding window or
+    a chunk). The same checks run again on the loaded model's plan (its attention decides at last)."""
+
+    def refuse(tokenizer, model_config) -> None:
+        check_heads(heads, architecture_of(model_config))
+        if not why:
+            return
+        spec = ProbeSpec(seeds=settings.probe_seeds, length=settings.probe_length)
+        sequence = probe_sequences(tokenizer, spec)[0] if probes else None
+        chosen = _texts(tokenizer, max_length_for(settings, model_config), sequence, texts, corpus, sentences,
+                        probes)  # fmt: skip
+        why_rows.check_rows(why, [len(text.ids) for text in chosen])
+        why_rows.check_windows(why, heads, layer_attention(model_config))
+
+    return refuse
+
+
+def _texts(tokenizer, max_length: int | None, probe_sequence, texts, corpus, sentences, probes) -> list[Text]:
+    """Every text to inspect, tokenized as analyze tokenizes (special tokens, cut to max_length);
+    probe_sequence(seed): the probe battery's token ids (with --probe)."""
     chosen = []
-    limit = char_limit(tokenizer, plan.max_length)
+    limit = char_limit(tokenizer, max_length)
     for number, text in enumerate(texts):
-        [ids], [cut] = tokenize_sentences(tokenizer, [text], plan.max_length, max_chars=limit)
+        [ids], [cut] = tokenize_sentences(tokenizer, [text], max_length, max_chars=limit)
         if not ids:
             raise ConfigError(f"--text number {number + 1} has no tokens")
         chosen.append(Text("text", f"text {number}", ids, truncated=cut))  # a text cut to `limit` is cut anyway
     if sentences:
-        feed = CorpusFeed(corpus, tokenizer, max_length=plan.max_length, chunk_sentences=1, keep=False)
+        feed = CorpusFeed(corpus, tokenizer, max_length=max_length, chunk_sentences=1, keep=False)
         for sentence_id in sentences:
             ids, cut = feed.token_ids(sentence_id, None)
             if not ids:
                 raise ConfigError(f"sentence {sentence_id} of {corpus.path} has no tokens")
             chosen.append(Text("corpus", f"sentence {sentence_id}", ids, sentence_id, truncated=cut))
     if probes:
-        chosen.append(Text("probe", "probe seed 0", check_probes(tokenizer, plan).sequence(0), 0))
+        chosen.append(Text("probe", "probe seed 0", probe_sequence(0), 0))
     return chosen
 
 

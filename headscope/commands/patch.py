@@ -177,7 +177,7 @@ def patch(
         run.protected["the pairs file"] = pairs.path
     settings, reporter = run.settings, run.reporter
 
-    def pairs_fit(tokenizer) -> None:  # what the tokenizer alone refuses, before the weights load
+    def pairs_fit(tokenizer, model_config) -> None:  # what the tokenizer alone refuses, before the weights load
         found = tokenize_pairs(pairs, tokenizer, settings.max_length)
         if positions == "each":
             _common_length(found, pairs)

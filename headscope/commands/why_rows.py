@@ -86,6 +86,24 @@ def check_rows(why: tuple[Why, ...], lengths: list[int]) -> None:
                 raise ConfigError(f"--why {asked.name}: text {text_id} has {length} tokens (rows 0-{length - 1})")
 
 
+def check_windows(why: tuple[Why, ...], heads, kinds: tuple[tuple[str, int | None], ...]) -> None:
+    """Before the weights load: every ROW:KEY within what its heads' layers see (kinds: each layer's attention as
+    architecture.layer_attention reads the config; a sliding window of w sees keys row - w < key, a chunk of c the
+    keys of the row's chunk)."""
+    for asked in why:
+        if not isinstance(asked.row, int) or asked.key is None:
+            continue
+        for layer, head in heads:
+            kind, size = kinds[layer]
+            outside = (kind == "sliding" and size and asked.row - asked.key >= size) or (
+                kind == "chunked" and size and asked.row // size != asked.key // size
+            )
+            if outside:
+                span = f"a sliding window of {size}" if kind == "sliding" else f"chunks of {size}"
+                raise ConfigError(f"--why {asked.name}: layer {layer} (head {head_name(layer, head)}) attends within "
+                                  f"{span}, and row {asked.row} does not see key {asked.key}")  # fmt: skip
+
+
 def split_bytes(heads, longest: int, architecture: dict, hidden: int, dtype_bytes: int) -> int:
     """The peak memory --why adds on a text of `longest` tokens: the pass keeps about ten (t, hidden) tensors per
     layer up to the deepest chosen head (edges.Recorder: the stream, the heads' outputs, q, k, v, the MLP's input

@@ -99,14 +99,8 @@ class Plan:
         return self.architecture["heads"]
 
     def check_heads(self, heads, option: str = "--heads") -> None:
-        """Refuse a head the model does not have (heads: (layer, head) pairs, already checked to be whole numbers
-        0 or more by config.as_heads / parse_heads): the one range check of every command."""
-        for layer, head in heads:
-            if layer >= self.depth or head >= self.heads:
-                raise ConfigError(
-                    f"{option} names {layer}.{head}; the model has layers 0-{self.depth - 1} with heads "
-                    f"0-{self.heads - 1}"
-                )
+        """Refuse a head the model does not have (`check_heads`)."""
+        check_heads(heads, self.architecture, option)
 
     @property
     def sums_shape(self) -> tuple[int, int, int]:
@@ -171,12 +165,28 @@ def needs_lm_head(settings: RunConfig) -> bool | str:
 IF_PRESENT = "if-present"  # load the LM head where the checkpoint has one
 
 
+def check_heads(heads, architecture: dict, option: str = "--heads") -> None:
+    """Refuse a head the model does not have (heads: (layer, head) pairs, already checked to be whole numbers 0 or
+    more by config.as_heads / parse_heads; architecture: architecture_of the model's config): the one range check
+    of every command, before the weights load where the command checks its config."""
+    depth, count = architecture["layers"], architecture["heads"]
+    for layer, head in heads:
+        if layer >= depth or head >= count:
+            raise ConfigError(f"{option} names {layer}.{head}; the model has layers 0-{depth - 1} with heads "
+                              f"0-{count - 1}")  # fmt: skip
+
+
+def max_length_for(settings: RunConfig, model_config) -> int | None:
+    """The longest text a run cuts to: --max-length, or the model's limit (refused where it passes the limit)."""
+    return _max_length(settings.max_length, model_max_length(model_config))
+
+
 def check_settings(settings: RunConfig, model_config) -> None:
     """Refuse what the model cannot do (layers it lacks, sentences longer than its positions) and what would not
     fit in memory (the bootstrap's replicate sums), before the weights load: the same checks `resolve_plan` makes."""
     architecture = architecture_of(model_config)
     layers = _selected_layers(settings.layers, architecture["layers"])
-    _max_length(settings.max_length, model_max_length(model_config))
+    max_length_for(settings, model_config)
     if settings.bootstrap:
         # The replicate sums, and as much again for each batch's share while it is added (float64).
         per_replicate = 2 * 8 * math.prod(Bootstrap.shape(1, len(layers), architecture["heads"]))

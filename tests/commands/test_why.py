@@ -11,6 +11,8 @@ import torch
 from reference_qk import split_by_hand
 
 import headscope
+from headscope.commands import why_rows
+from headscope.errors import ConfigError
 from headscope.interventions.qk_terms import row_terms, strongest_key
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_lm_config, tiny_model_folder
@@ -143,12 +145,44 @@ def test_a_bad_why_is_refused_in_one_line_before_the_model_loads(tmp_path, extra
     assert_one_line_error(result, *fragments, code=2)
 
 
-def test_a_row_past_the_text_is_refused_before_any_pass(tmp_path):
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--heads", "1.0", "--why", "7"], ["--why 7", "3 tokens", "rows 0-2"]),
+        (["--heads", "2.0", "--why", "1"], ["--heads names 2.0", "layers 0-1"]),
+        (["--heads", "1.5", "--why", "1"], ["--heads names 1.5", "heads 0-"]),
+    ],
+    ids=["row-past-the-text", "layer-out-of-range", "head-out-of-range"],
+)
+def test_what_the_tokenizer_and_config_refuse_comes_before_the_weights(tmp_path, extra, fragments):
     folder = build_planted_induction(tmp_path / "induction")
-    result = run_cli("inspect", str(folder), "--text", "w5 w9 w12", "--heads", "1.0", "--why", "7", "--out",
-                     tmp_path / "out")  # fmt: skip
-    assert_one_line_error(result, "--why 7", "3 tokens", "rows 0-2", code=2)
+    result = run_cli("inspect", str(folder), "--text", "w5 w9 w12", *extra, "--out", tmp_path / "out",
+                     loader=refuse_to_load)  # fmt: skip
+    assert_one_line_error(result, *fragments, code=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_key_outside_the_layers_sliding_window_is_refused_before_the_weights(tmp_path, corpus_lines):
+    """Gemma 2's layer 0 slides over 4 keys: row 7 sees keys 4-7, so 7:3 is refused before loading, 7:4 is not
+    (that run goes on to the refusing loader), and layer 1 (full attention) sees 7:0."""
+    config, model_class = tiny_lm_config("gemma2", 2)
+    folder = tiny_model_folder(tmp_path / "gemma2", config, model_class, corpus_lines)
+    text = " ".join(" ".join(corpus_lines).split()[:16])
+
+    def run(head: str, why: str):
+        return run_cli("inspect", str(folder), "--text", text, "--heads", head, "--why", why, "--out",
+                       tmp_path / "out", loader=refuse_to_load)  # fmt: skip
+
+    assert_one_line_error(run("0.1", "7:3"), "--why 7:3", "layer 0", "sliding window of 4", "key 3", code=2)
+    for head, why in (("0.1", "7:4"), ("1.1", "7:0")):
+        assert isinstance(run(head, why).exception, AssertionError)  # got as far as loading the weights
+
+
+def test_a_chunk_and_a_window_bound_the_keys_a_row_sees():
+    why_rows.check_windows(why_rows.as_why("9:8"), [(0, 0)], (("chunked", 8),))  # 8 and 9 share the chunk 8-15
+    with pytest.raises(ConfigError, match="chunks of 8"):
+        why_rows.check_windows(why_rows.as_why("9:7"), [(0, 0)], (("chunked", 8),))
+    why_rows.check_windows(why_rows.as_why("9:0"), [(0, 0)], (("full", None),))
 
 
 def test_a_split_beyond_the_memory_budget_is_refused_before_any_pass(tmp_path):
