@@ -58,7 +58,7 @@ def inspect(
             model, report = report_as_model(model, report)
         check_request(text or (), ids, probes, chosen, role or (), report, exemplar_head)
         asked = as_why(why)
-        check_why(asked, heads=chosen, exemplars=exemplar_head)
+        check_why(asked, heads=chosen, roles=role or (), exemplars=exemplar_head)
     with user_errors(ctx):
         found = run_inspection(
             model,

@@ -166,10 +166,11 @@ Why = Annotated[
     list[str] | None,
     typer.Option(
         "--why",
-        metavar="<row[:key],...|all|exemplars>",
+        metavar="<row[:key]|first-last,...|all|exemplars>",
         help="Split the chosen heads' attention logit at these rows into the senders of the query and of the key "
-        "(qk.parquet; docs/why.md): ROW (its strongest key off the first token), ROW:KEY, all, or exemplars (with "
-        "--exemplars).",
+        "(qk.parquet; docs/why.md): ROW (its strongest key off the first token), FIRST-LAST (each row of the range), "
+        "ROW:KEY, all, or exemplars (with --exemplars). With --report (or --role's probe roles), each head's "
+        "k_composition_prev.",
     ),
 ]
 HeadsToInspect = Annotated[

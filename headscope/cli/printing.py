@@ -490,16 +490,35 @@ def _print_why(console, found) -> None:
     for name in ("head", "text", "row -> key", "weight", "contrast", "query side", "key side", "strongest pairs"):
         table.add_column(name, justify="right" if name in ("weight", "contrast") else "left")
 
-    def senders(entries) -> str:
-        return ", ".join(f"{sender} {value:+.2f}" for sender, value in entries)
-
     for entry in rows[:SUMMARY_ROWS]:
         text = entry["text_id"]
         row, key = (f"{entry[at]} {tokens.get((text, entry[at]), '')!r}" for at in ("row", "key"))
         pairs = ", ".join(f"{a} x {b} {value:+.2f}" for a, b, value in entry["pairs"])
         _row(table, f"{entry['layer']}.{entry['head']}", found.texts[text].label, f"{row} -> {key}",
-             f"{entry['weight']:.3f}", f"{entry['contrast']:+.3f}", senders(entry["query_side"]),
-             senders(entry["key_side"]), pairs)  # fmt: skip
+             f"{entry['weight']:.3f}", f"{entry['contrast']:+.3f}", _senders(entry["query_side"]),
+             _senders(entry["key_side"]), pairs)  # fmt: skip
     console.print(table)
     if len(rows) > SUMMARY_ROWS:
         console.print(f"... {len(rows) - SUMMARY_ROWS} more rows in {INSPECT_RECORD}; every pair in qk.parquet")
+    heads = found.record["why"].get("heads", [])
+    if len(rows) > 1 and heads:
+        _print_why_heads(console, heads)
+
+
+def _print_why_heads(console, heads: list[dict]) -> None:
+    """inspect --why over several rows: each head's mean contrast per side and pair, and k_composition_prev."""
+    table = Table(title=_title("each head over its explained rows: mean contrast by sender; k_comp_prev: the share "
+                               "of the key side's push for the key that previous-token heads write"))  # fmt: skip
+    for name in ("head", "role", "rows", "contrast", "query side", "key side", "strongest pairs", "k_comp_prev"):
+        table.add_column(name, justify="right" if name in ("rows", "contrast", "k_comp_prev") else "left")
+    for entry in heads:
+        share = entry["k_composition_prev"]
+        _row(table, f"{entry['layer']}.{entry['head']}", entry["role"] or "-", str(entry["rows"]),
+             f"{entry['contrast']:+.3f}", _senders(entry["query_side"]), _senders(entry["key_side"]),
+             ", ".join(f"{a} x {b} {value:+.2f}" for a, b, value in entry["pairs"]),
+             "-" if share is None else f"{share:.2f}")  # fmt: skip
+    console.print(table)
+
+
+def _senders(entries) -> str:
+    return ", ".join(f"{sender} {value:+.2f}" for sender, value in entries)

@@ -141,6 +141,36 @@ class Inspection:
         pairs = table.astype({"query_sender": str, "key_sender": str})
         return pairs.reindex(pairs["contrast"].abs().sort_values(ascending=False).index).reset_index(drop=True)
 
+    @property
+    def why_heads(self) -> pd.DataFrame:
+        """One row per head --why explained: its role (where a report or the probes gave roles), rows explained,
+        their mean contrast, each side's strongest senders and pairs by mean contrast, and k_composition_prev (the
+        share of the contrast the key side takes from previous-token heads; docs/why.md)."""
+        return pd.DataFrame(self.record.get("why", {}).get("heads", []))
+
+    def mean_contrast(self, by: str = "pair", *, head: tuple[int, int] | str | None = None,
+                      text_id: int | None = None, rows: Sequence[int] | None = None) -> pd.DataFrame:  # fmt: skip
+        """The mean contrast over the explained rows (all texts, or `text_id`'s; all rows, or `rows`) of each head
+        (or `head`), per sender pair (by="pair": query_sender, key_sender), per query sender (by="query": its
+        contrasts summed over the key senders) or per key sender (by="key"), largest first; `rows` counts the
+        explained rows averaged over."""
+        groups = {"pair": ["query_sender", "key_sender"], "query": ["query_sender"], "key": ["key_sender"]}
+        if by not in groups:
+            raise ConfigError(f"mean_contrast: by takes {', '.join(groups)}; got {by!r}")
+        table = self.qk if text_id is None else self.qk[self.qk["text_id"] == text_id]
+        if rows is not None:
+            table = table[table["row"].isin(list(rows))]
+        if head is not None:
+            ((layer, number),) = as_heads([head] if isinstance(head, tuple) else head, "head")
+            table = table[(table["layer"] == layer) & (table["head"] == number)]
+        table = table.astype({"query_sender": str, "key_sender": str})
+        rows = table.groupby(["layer", "head"])[["text_id", "row", "key"]].apply(lambda t: len(t.drop_duplicates()))
+        sums = table.groupby(["layer", "head", *groups[by]], sort=False)["contrast"].sum().reset_index()
+        sums["rows"] = [rows[(layer, number)] for layer, number in zip(sums["layer"], sums["head"], strict=True)]
+        sums["contrast"] /= sums["rows"]
+        order = sums["contrast"].abs().sort_values(ascending=False).index
+        return sums.reindex(order).reset_index(drop=True)[["layer", "head", *groups[by], "rows", "contrast"]]
+
 
 def inspect(
     model: str | LoadedModel,
@@ -200,7 +230,7 @@ def inspect(
     exemplars = one_head(exemplars) if exemplars is not None else None
     why = why_rows.as_why(why)
     check_request(texts, sentences, probes, heads, roles, report, exemplars)
-    why_rows.check_why(why, heads=heads, exemplars=exemplars)
+    why_rows.check_why(why, heads=heads, roles=roles, exemplars=exemplars)
     one_process_only("inspect")
     wanted = None
     if exemplars is not None:
@@ -224,7 +254,7 @@ def inspect(
             chosen_texts = _marked(chosen_texts, wanted, loaded.tokenizer)
         why_rows.check_rows(why, [len(text.ids) for text in chosen_texts])
         with attached(loaded.lm or loaded.model, block_bytes=settings.block_bytes) as capture:
-            chosen, known, roles_from = _heads(
+            chosen, known, roles_from, every_role = _heads(
                 heads, roles, labelled, report, plan, capture, loaded, role_thresholds, reporter
             )
             longest = max(len(text.ids) for text in chosen_texts)
@@ -234,12 +264,13 @@ def inspect(
                 why_rows.check_memory(chosen, longest, plan.memory_budget, plan.architecture, hidden,
                                       loaded.dtype.itemsize)  # fmt: skip
             reporter.stage(f"inspecting {len(chosen)} heads on {len(chosen_texts)} texts")
-            summary, views, explained = _write_attention(folder, capture, chosen, chosen_texts, plan, loaded, why)
+            summary, views, explained, totals = _write_attention(folder, capture, chosen, chosen_texts, plan, loaded,
+                                                                 why)  # fmt: skip
         tokens = _tokens_frame(loaded.tokenizer, chosen_texts)
         write_table(tokens, folder / TOKENS_FILE, TOKENS_SCHEMA)
         record = _record(loaded, plan, corpus, chosen_texts, chosen, known, roles_from, probes, summary)
         if why:
-            record["why"] = {"asked": [w.name for w in why], "rows": explained}
+            record["why"] = {"asked": [w.name for w in why], "heads": totals.heads(every_role), "rows": explained}
             why_rows.warn_missed(explained, reporter)
         write_json(record, folder / INSPECT_RECORD)
         shown = None
@@ -365,7 +396,8 @@ def _texts(tokenizer, max_length: int | None, probe_sequence, texts, corpus, sen
 
 
 def _heads(heads, roles, labelled, report, plan: Plan, capture, loaded, role_thresholds, reporter):
-    """The chosen (layer, head) pairs, ascending; the roles known for them (name -> role); where those came from."""
+    """The chosen (layer, head) pairs, ascending; the roles known for them (name -> role); where those came from;
+    every head's role ((layer, head) -> role; None where no report or probe gave roles)."""
     count = plan.heads
     plan.check_heads(heads)
     known, roles_from = {}, None
@@ -390,6 +422,7 @@ def _heads(heads, roles, labelled, report, plan: Plan, capture, loaded, role_thr
         sorted(set(chosen)),
         {head_name(*pair): known[pair] for pair in sorted(set(chosen)) if pair in known},
         roles_from,
+        known if roles_from is not None else None,
     )
 
 
@@ -414,12 +447,12 @@ def _probe_roles(capture, loaded, plan: Plan, thresholds: RoleThresholds, report
 def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Plan, loaded, why=()):
     """Run each text alone, keep the chosen heads' attention, stream it to attention.parquet (and with `why`, the
     asked rows' split logits to qk.parquet, from the same pass); return each (text, head)'s summary, the views the
-    page may carry and the explained rows' summaries."""
+    page may carry, the explained rows' summaries and each explained head's totals."""
     from headscope.report.inspect_page import PageViews
 
     keeper = HeadAttention(by_layer(chosen))
     views = PageViews()
-    rows, explained = [], []
+    rows, explained, totals = [], [], why_rows.ContrastTotals()
     splitter = SenderPass(capture, loaded, plan, texts[0].ids) if why else None
     with contextlib.ExitStack() as stack:  # in the work folder: published whole, or not at all
         writer = stack.enter_context(pq.ParquetWriter(folder / ATTENTION_FILE, ATTENTION_SCHEMA))
@@ -448,12 +481,13 @@ def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Pla
                     for terms in why_rows.explain(senders, matrix, visible[layer], asked):
                         qk_writer.write_table(why_rows.table(text_id, senders, terms))
                         explained.append(why_rows.summary(text_id, senders, terms))
+                        totals.add(senders, terms)
                     del senders
             del kept, visible
     summary = pd.DataFrame(rows)
     for pattern in PROBES:
         summary[f"probe_{pattern}"] = summary.get(f"probe_{pattern}", np.nan)
-    return summary, views, explained
+    return summary, views, explained, totals
 
 
 def _tokens_frame(tokenizer, texts: list[Text]) -> pd.DataFrame:

@@ -1,8 +1,10 @@
 """inspect --why: which senders make a head's query match a key, for chosen rows of the inspected texts.
 
-the request   ROW (the row's strongest key off the first token), ROW:KEY, `all` (every row, its strongest
-              key) or `exemplars` (with --exemplars: each exemplar row of its sentence); positions as inspect
-              shows them (the tokenizer's output, BOS included where it adds one)
+the request   ROW (the row's strongest key off the first token), FIRST-LAST (each row of the range), ROW:KEY,
+              `all` (every row, its strongest key) or `exemplars` (with --exemplars: each exemplar row of its
+              sentence); positions as inspect shows them (the tokenizer's output, BOS included where it adds one)
+the heads     each explained head's contrasts summed over its rows (ContrastTotals): the means per pair and
+              per side, and k_composition_prev, where a report or the probes give every head's role
 the maths     interventions.qk_terms (terms, contrasts, the softmax check), interventions.qk_senders (each
               sender's part of the query and of the key, from the same pass inspect runs)
 the output    qk.parquet: text_id, layer, head, row, key, query_sender, key_sender, term, contrast (every pair
@@ -46,8 +48,8 @@ class Why:
 
 
 def as_why(values) -> tuple[Why, ...]:
-    """--why's values (ROW, ROW:KEY, all, exemplars; a value may list several, comma-separated), or a one-line
-    refusal naming the one it cannot read."""
+    """--why's values (ROW, FIRST-LAST, ROW:KEY, all, exemplars; a value may list several, comma-separated), or a
+    one-line refusal naming the one it cannot read."""
     if values is None:
         return ()
     if isinstance(values, str | int):
@@ -55,25 +57,31 @@ def as_why(values) -> tuple[Why, ...]:
     found = []
     for value in values:
         for part in str(value).split(","):
-            found.append(_one_why(part.strip()))
+            found += _one_why(part.strip())
     return tuple(dict.fromkeys(found))
 
 
-def _one_why(text: str) -> Why:
+def _one_why(text: str) -> list[Why]:
     if text in WORDS:
-        return Why(text)
+        return [Why(text)]
+    first, dash, last = text.partition("-")
+    if dash:
+        if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
+            raise ConfigError(f"--why takes a range of rows as FIRST-LAST, the first no later; got {text!r}")
+        return [Why(row) for row in range(int(first), int(last) + 1)]
     row, _, key = text.partition(":")
     if not row.isdigit() or (key and not key.isdigit()):
-        raise ConfigError(f"--why takes ROW, ROW:KEY (positions, from 0), all or exemplars; got {text!r}")
+        raise ConfigError(f"--why takes ROW, FIRST-LAST, ROW:KEY (positions, from 0), all or exemplars; got {text!r}")
     if key and int(key) > int(row):
         raise ConfigError(f"--why {text}: key {key} comes after row {row}, and a row attends to keys up to itself")
-    return Why(int(row), int(key) if key else None)
+    return [Why(int(row), int(key) if key else None)]
 
 
-def check_why(why: tuple[Why, ...], *, heads, exemplars) -> None:
-    """Before anything loads: --why needs the heads it explains, and `exemplars` needs --exemplars."""
-    if why and not heads and exemplars is None:
-        raise ConfigError("--why explains chosen heads: pass --heads L.H (or --exemplars L.H REPORT)")
+def check_why(why: tuple[Why, ...], *, heads, roles=(), exemplars) -> None:
+    """Before anything loads: --why needs the heads it explains (--heads, --role or --exemplars), and `exemplars`
+    needs --exemplars."""
+    if why and not heads and not roles and exemplars is None:
+        raise ConfigError("--why explains chosen heads: pass --heads L.H, --role R or --exemplars L.H REPORT")
     if any(w.row == "exemplars" for w in why) and exemplars is None:
         raise ConfigError("--why exemplars explains the exemplar rows of --exemplars L.H REPORT: pass --exemplars")
 
@@ -194,20 +202,76 @@ def table(text_id: int, senders: HeadSenders, terms: RowTerms) -> pa.Table:
 def summary(text_id: int, senders: HeadSenders, terms: RowTerms) -> dict:
     """inspect.json's entry of one explained row: the logit, the checks, each side's strongest senders by contrast
     (a query sender's: its row of contrasts summed over the key senders) and the strongest pairs."""
-    names = senders.names
-    query_side, key_side = terms.contrast.sum(1), terms.contrast.sum(0)
-    flat = np.argsort(-np.abs(terms.contrast), axis=None)[:SHOWN]
-    pairs = [np.unravel_index(i, terms.contrast.shape) for i in flat]
+    return {
+        "text_id": text_id, "layer": senders.layer, "head": senders.head, "row": terms.row, "key": terms.key,
+        "logit": terms.logit, "weight": terms.weight, "contrast": float(terms.contrast.sum()),
+        **_sides(senders.names, terms.contrast), "softmax_error": terms.worst_error,
+    }  # fmt: skip
+
+
+PREVIOUS_ROLE = "previous-token"
+
+
+class ContrastTotals:
+    """Each explained head's contrasts summed over its explained rows (every text), for the means per sender pair
+    and per side, and k_composition_prev (docs/why.md): one (senders, senders) float64 matrix per head, whatever
+    the number of rows."""
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[int, int], np.ndarray] = {}
+        self.rows: dict[tuple[int, int], int] = {}
+        self.names: dict[tuple[int, int], list[str]] = {}
+
+    def add(self, senders: HeadSenders, terms: RowTerms) -> None:
+        head = (senders.layer, senders.head)
+        if head not in self.sums:
+            self.sums[head], self.rows[head], self.names[head] = np.zeros_like(terms.contrast), 0, senders.names
+        self.sums[head] += terms.contrast
+        self.rows[head] += 1
+
+    def heads(self, roles: dict[tuple[int, int], str] | None) -> list[dict]:
+        """inspect.json's entry per explained head: its rows, their mean contrast, each side's strongest senders
+        and the strongest pairs by mean contrast, and k_composition_prev (None without `roles`: every head's role,
+        from a report or the probes)."""
+        entries = []
+        for (layer, head), total in sorted(self.sums.items()):
+            names, mean = self.names[(layer, head)], total / self.rows[(layer, head)]
+            previous = None if roles is None else {head_name(*h) for h, role in roles.items() if role == PREVIOUS_ROLE}
+            entries.append({
+                "layer": layer, "head": head, "role": None if roles is None else roles.get((layer, head)),
+                "rows": self.rows[(layer, head)], "contrast": float(mean.sum()),
+                **_sides(names, mean),
+                "k_composition_prev": None if previous is None else k_composition(mean, names, previous),
+            })  # fmt: skip
+        return entries
+
+
+def k_composition(contrast: np.ndarray, names: list[str], previous: set[str]) -> float | None:
+    """The share of what makes the key win on the key side that previous-token heads write: each key sender's
+    side (its column of `contrast` summed over the query senders), positive parts only, those of the senders in
+    `previous` over every sender's. In [0, 1]; None where no key sender pushes the key up. Positive parts, not
+    the signed sum: the other senders' pushes against the key (on SmolLM2, later MLPs) would make a signed share
+    pass 1."""
+    pushes = np.clip(contrast.sum(0), 0, None)
+    whole = float(pushes.sum())
+    if whole <= 0:
+        return None
+    return float(sum(pushes[i] for i, name in enumerate(names) if name in previous) / whole)
+
+
+def _sides(names: list[str], contrast: np.ndarray) -> dict:
+    """Each side's strongest senders (a query sender's: its row of `contrast` summed over the key senders) and the
+    strongest pairs, by size."""
+    query_side, key_side = contrast.sum(1), contrast.sum(0)
+    flat = np.argsort(-np.abs(contrast), axis=None)[:SHOWN]
 
     def strongest(side: np.ndarray) -> list[list]:
         return [[names[i], round(float(side[i]), 6)] for i in np.argsort(-np.abs(side))[:SHOWN]]
 
+    pairs = [np.unravel_index(i, contrast.shape) for i in flat]
     return {
-        "text_id": text_id, "layer": senders.layer, "head": senders.head, "row": terms.row, "key": terms.key,
-        "logit": terms.logit, "weight": terms.weight, "contrast": float(terms.contrast.sum()),
         "query_side": strongest(query_side), "key_side": strongest(key_side),
-        "pairs": [[names[a], names[b], round(float(terms.contrast[a, b]), 6)] for a, b in pairs],
-        "softmax_error": terms.worst_error,
+        "pairs": [[names[a], names[b], round(float(contrast[a, b]), 6)] for a, b in pairs],
     }  # fmt: skip
 
 

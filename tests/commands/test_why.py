@@ -78,6 +78,43 @@ def test_the_planted_induction_head_matches_through_the_previous_token_head(tmp_
         assert top.contrast > 0.99 * pairs["contrast"].sum() and top.contrast > 5
     entry = found.record["why"]["rows"][0]
     assert entry["query_side"][0][0] == "embed" and entry["key_side"][0][0] == "0.0" and entry["weight"] > 0.99
+    assert found.why_heads["k_composition_prev"].isna().all()  # no report, no probes: no roles to read
+
+
+def test_the_means_over_rows_and_k_composition_read_the_roles(tmp_path):
+    """--role induction picks the planted induction head by the probes, which also name 0.0 previous-token: its
+    whole key side comes through 0.0 (k_composition_prev 1). The means per pair and per side are the rows'
+    contrasts averaged, as inspect.json's head entry and the library's mean_contrast both give them."""
+    folder = build_planted_induction(tmp_path / "induction")
+    text = "w3 w5 w9 w12 w20 w5 w9"
+    found = headscope.inspect(str(folder), texts=[text], roles=["induction"], why=["5-6"], page=False,
+                              device="cpu")  # fmt: skip
+    assert found.roles == {"1.0": "induction"}
+    (head,) = found.why_heads.to_dict("records")
+    assert (head["layer"], head["head"], head["role"], head["rows"]) == (1, 0, "induction", 2)
+    assert head["k_composition_prev"] == pytest.approx(1.0, abs=1e-6)
+    rows = [found.why(row) for row in (5, 6)]
+    by_pair = found.mean_contrast("pair")
+    top = by_pair.iloc[0]
+    assert (top.query_sender, top.key_sender, top.rows) == ("embed", "0.0", 2)
+    want = np.mean([r.set_index(["query_sender", "key_sender"]).loc[("embed", "0.0"), "contrast"] for r in rows])
+    assert top.contrast == pytest.approx(want, rel=1e-12) and head["pairs"][0][2] == pytest.approx(want, abs=1e-6)
+    by_key = found.mean_contrast("key", head="1.0").set_index("key_sender")["contrast"]
+    assert by_key["0.0"] == pytest.approx(want, rel=1e-12)
+    assert by_key.sum() == pytest.approx(head["contrast"], rel=1e-9)  # the sides add up to the mean contrast
+    assert found.mean_contrast("query", text_id=0)["contrast"].sum() == pytest.approx(head["contrast"], rel=1e-9)
+    with pytest.raises(ConfigError, match="by takes pair, query, key"):
+        found.mean_contrast("sender")
+
+
+def test_k_composition_is_the_key_sides_share_from_previous_token_heads():
+    contrast = np.array([[1.0, 3.0, 0.0], [0.5, 1.0, -0.5], [0.0, 0.0, 0.0]])  # query senders x key senders
+    names = ["embed", "0.0", "0.1"]  # key sides 1.5, 4, -0.5: the pushes for the key 1.5 + 4
+    assert why_rows.k_composition(contrast, names, {"0.0"}) == pytest.approx(4.0 / 5.5)
+    assert why_rows.k_composition(contrast, names, {"0.0", "0.1"}) == pytest.approx(4.0 / 5.5)  # 0.1 pushes against
+    assert why_rows.k_composition(contrast, names, {"embed", "0.0"}) == pytest.approx(1.0)
+    assert why_rows.k_composition(contrast, names, set()) == 0.0
+    assert why_rows.k_composition(-np.abs(contrast), names, {"0.0"}) is None  # nothing pushes the key up
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "gemma2"])
@@ -135,10 +172,11 @@ def test_smollm2_rows_add_up_to_its_own_attention(smollm2):
     [
         (["--why", "5"], ["--why explains chosen heads"]),
         (["--heads", "1.0", "--why", "5:9"], ["key 9 comes after row 5"]),
-        (["--heads", "1.0", "--why", "five"], ["--why takes ROW, ROW:KEY", "'five'"]),
+        (["--heads", "1.0", "--why", "five"], ["--why takes ROW, FIRST-LAST, ROW:KEY", "'five'"]),
+        (["--heads", "1.0", "--why", "9-3"], ["FIRST-LAST", "'9-3'"]),
         (["--heads", "1.0", "--why", "exemplars"], ["--why exemplars", "--exemplars"]),
     ],
-    ids=["no-heads", "key-after-row", "not-a-row", "exemplars-alone"],
+    ids=["no-heads", "key-after-row", "not-a-row", "backward-range", "exemplars-alone"],
 )
 def test_a_bad_why_is_refused_in_one_line_before_the_model_loads(tmp_path, extra, fragments):
     result = run_cli("inspect", "gpt2", "--text", "a b c", *extra, "--out", tmp_path / "out", loader=refuse_to_load)
