@@ -482,6 +482,7 @@ def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Pla
                         qk_writer.write_table(why_rows.table(text_id, senders, terms))
                         explained.append(why_rows.summary(text_id, senders, terms))
                         totals.add(senders, terms)
+                        views.add_why(text_id, (layer, head), senders.names, terms.row, terms.key, terms.contrast)
                     del senders
             del kept, visible
     summary = pd.DataFrame(rows)

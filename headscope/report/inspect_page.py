@@ -2,7 +2,9 @@
 
 The page carries each view's weights as 16-bit integers (weight x 65535, rounded: 4-5 significant digits) within
 VIEW_BYTES; texts longer than PAGE_MAX_TOKENS, and views beyond the budget, are left to attention.parquet, which
-holds every weight exactly, and the page says which.
+holds every weight exactly, and the page says which. With --why it carries each explained row's matrix of
+contrasts (query senders by key senders), the strongest senders of each side by name and the rest summed, for
+WHY_ROWS rows; qk.parquet holds every pair.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from headscope.report.page import page_html
 
 VIEW_BYTES = 48_000_000  # raw bytes of weights the page may carry (base64 adds a third)
 PAGE_MAX_TOKENS = 1_024  # a longer text's (t, t) view is more cells than a browser heatmap shows usefully
+WHY_SENDERS = 12  # each side's senders a --why matrix shows by name (the rest summed into "others")
+WHY_ROWS = 2_000  # explained rows whose matrix the page carries (about 1 kB each); the rest are in qk.parquet
 
 
 class PageViews:
@@ -27,6 +31,16 @@ class PageViews:
         self.budget = budget
         self.views: list[dict] = []
         self.left_out: list[tuple[int, tuple[int, int], str]] = []  # (text, head, why)
+        self.why: list[dict] = []  # --why: each explained row's matrix of contrasts, reduced (why_matrix)
+        self.why_left_out = 0
+
+    def add_why(self, text_id: int, pair: tuple[int, int], names: list[str], row: int, key: int,
+                contrast: np.ndarray) -> None:  # fmt: skip
+        if len(self.why) >= WHY_ROWS:
+            self.why_left_out += 1
+            return
+        self.why.append({"text": text_id, "head": f"{pair[0]}.{pair[1]}", "row": row, "key": key,
+                         **why_matrix(names, contrast)})  # fmt: skip
 
     def add(self, text_id: int, pair: tuple[int, int], matrix: np.ndarray, visible: np.ndarray) -> None:
         t = matrix.shape[0]
@@ -48,6 +62,33 @@ class PageViews:
                 "visible": base64.b64encode(np.packbits(visible, bitorder="little").tobytes()).decode("ascii"),
             }
         )
+
+
+def why_matrix(names: list[str], contrast: np.ndarray, shown: int = WHY_SENDERS) -> dict:
+    """One explained row's (query senders, key senders) contrasts as the page draws them: each side's `shown`
+    senders with the largest side sums by size, the others summed into one "others" row and column, so that the
+    margins (each side's sums) and the total stay exact."""
+
+    def pick(side: np.ndarray) -> tuple[list[int], bool]:
+        order = [int(i) for i in np.argsort(-np.abs(side), kind="stable")]
+        return order[:shown], len(order) > shown
+
+    (rows, more_rows), (columns, more_columns) = pick(contrast.sum(1)), pick(contrast.sum(0))
+    row_groups = [[i] for i in rows] + ([sorted(set(range(len(names))) - set(rows))] if more_rows else [])
+    column_groups = [[i] for i in columns] + ([sorted(set(range(len(names))) - set(columns))] if more_columns else [])
+    reduced = np.array([[contrast[np.ix_(r, c)].sum() for c in column_groups] for r in row_groups])
+
+    def label(group: list[int]) -> str:
+        return names[group[0]] if len(group) == 1 else f"others ({len(group)})"
+
+    def rounded(values) -> list:
+        return [float(f"{v:.5g}") for v in values]
+
+    return {
+        "query": [label(g) for g in row_groups], "keys": [label(g) for g in column_groups],
+        "contrast": [rounded(line) for line in reduced], "query_side": rounded(reduced.sum(1)),
+        "key_side": rounded(reduced.sum(0)), "total": float(contrast.sum()),
+    }  # fmt: skip
 
 
 def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:
@@ -73,6 +114,8 @@ def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:
         "summary": record["summary"],
         "views": views.views,
         "left_out": [{"text": t, "head": f"{p[0]}.{p[1]}", "why": why} for t, p, why in views.left_out],
+        "why": views.why,
+        "why_left_out": views.why_left_out,
         "palette": palette.as_dict(),
     }
     return page_html("headscope inspect", "inspect.html", "inspect.js", title, data)

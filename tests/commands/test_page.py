@@ -395,6 +395,46 @@ def test_the_inspect_page_in_a_real_browser(browser, smollm2, tmp_path):
     browser.save_screenshot(str(tmp_path / "inspect-page.png"))
 
 
+@needs_browser
+@pytest.mark.slow
+def test_the_why_matrix_shows_the_hovered_rows_senders(browser, tmp_path):
+    """inspect --why on the planted induction circuit: hovering an explained row (underlined in the strip) draws its
+    matrix of contrasts, the pair (embed -> query, 0.0 -> key) strongest, each side's sums on the margins; a row
+    --why did not explain says so."""
+    from selenium.webdriver.common.by import By
+
+    from planted import build_planted_induction
+
+    folder = build_planted_induction(tmp_path / "induction")
+    out = tmp_path / "why"
+    text = "w3 w5 w9 w12 w20 w5 w9"
+    assert run_cli("inspect", str(folder), "--text", text, "--heads", "1.0", "--why", "5-6", "--out", out,
+                   "--device", "cpu").exit_code == 0  # fmt: skip
+    rows = {entry["row"]: entry for entry in json.loads((out / "inspect.json").read_text())["why"]["rows"]}
+    open_page(browser, out / "inspect.html")
+    spans = browser.find_elements(By.CSS_SELECTOR, "#tokens span")
+    assert [int(s.get_attribute("data-position")) for s in spans if "explained" in s.get_attribute("class")] == [5, 6]
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('mouseenter'))", spans[5])
+    drawn = browser.execute_script(
+        "const d = document.getElementById('why').data; return [d[0].x, d[0].y, d[0].z, d[1].y, d[2].x];"
+    )
+    keys, queries, contrast, key_side, query_side = drawn
+    assert (queries[0], keys[0]) == ("embed", "0.0")
+    assert contrast[0][0] == pytest.approx(rows[5]["pairs"][0][2], rel=1e-4)
+    assert sum(key_side) == pytest.approx(rows[5]["contrast"], rel=1e-4)
+    assert sum(query_side) == pytest.approx(rows[5]["contrast"], rel=1e-4)
+    assert "why row 5" in browser.find_element(By.ID, "why-title").text and "key 2" in browser.find_element(
+        By.ID, "why-title").text  # fmt: skip
+    browser.execute_script("document.getElementById('why-box').scrollIntoView()")
+    browser.save_screenshot(str(tmp_path / "inspect-why.png"))
+    spans = browser.find_elements(By.CSS_SELECTOR, "#tokens span")  # the strip is drawn again for each row
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('mouseenter'))", spans[3])
+    assert "not explained" in browser.find_element(By.ID, "why-title").text
+    assert console_problems(browser) == []
+
+
+@needs_browser
+@pytest.mark.slow
 def test_the_circuit_page_in_a_real_browser(browser, tmp_path):
     """circuit.html on the planted induction circuit: the graph draws the smallest faithful circuit's edges and
     their nodes, the curve its points, the table the strongest edges; a row clicked picks its edge out (the others

@@ -241,3 +241,25 @@ def test_a_split_beyond_the_memory_budget_is_refused_before_any_pass(tmp_path):
     assert_one_line_error(result, "--why on a text of 70 tokens", "budget", "--max-memory")
     assert not (tmp_path / "why").exists()
     assert run_cli(*options, "--out", tmp_path / "plain").exit_code == 0
+
+
+def test_the_pages_matrix_keeps_the_strongest_senders_and_sums_the_rest_exactly():
+    from headscope.report.inspect_page import why_matrix
+
+    rng = np.random.default_rng(0)
+    contrast = rng.normal(size=(7, 7))
+    contrast[2, 5] = 40.0  # query sender c, key sender f: the strongest on both sides
+    names = list("abcdefg")
+    shown = why_matrix(names, contrast, shown=3)
+    assert shown["query"][0] == "c" and shown["keys"][0] == "f" and shown["contrast"][0][0] > 39
+    assert shown["query"][-1] == "others (4)" and shown["keys"][-1] == "others (4)" and len(shown["query"]) == 4
+    np.testing.assert_allclose(shown["total"], contrast.sum(), rtol=1e-12)
+    np.testing.assert_allclose(sum(shown["query_side"]), contrast.sum(), rtol=1e-4)  # the margins stay exact
+    by_name = dict(zip(shown["keys"], shown["key_side"], strict=True))
+    np.testing.assert_allclose(by_name["f"], contrast[:, 5].sum(), rtol=1e-4)
+    whole = why_matrix(names, contrast, shown=7)  # every sender by name: nothing summed
+    np.testing.assert_allclose(
+        whole["contrast"],
+        contrast[np.ix_([names.index(n) for n in whole["query"]], [names.index(n) for n in whole["keys"]])],
+        rtol=1e-4,
+    )

@@ -7,6 +7,8 @@ const SUMMARY = {};  // "text|head" -> summary entry
 for (const s of D.summary) SUMMARY[s.text_id + "|" + s.head] = s;
 const LEFT = {};
 for (const l of D.left_out) LEFT[l.text + "|" + l.head] = l.why;
+const WHY = {};  // "text|head|row" -> the row's explained key and its matrix of contrasts (--why)
+for (const w of D.why) WHY[w.text + "|" + w.head + "|" + w.row] = w;
 let current = null;  // {text, head, t, weights: Float32Array, visible: Uint8Array}
 
 function decode(view, t) {
@@ -92,6 +94,40 @@ function query(q) {
     {height: 260, margin: {t: 10, b: 40}, xaxis: {title: {text: "key position"}, range: [-0.5, t - 0.5]},
      yaxis: {title: {text: "weight"}, range: [0, 1.02]}}, CONFIG);
   strip(current.text, q);
+  why(q);
+}
+
+// Why query q attends to its explained key (--why): query senders by key senders, coloured by contrast, each
+// side's sums on the margins. Hidden for a view with no explained row; a note for a row --why did not explain.
+function why(q) {
+  const box = document.getElementById("why-box"), title = document.getElementById("why-title");
+  const prefix = current.text + "|" + current.head + "|";
+  const any = Object.keys(WHY).some(k => k.startsWith(prefix));
+  box.hidden = !any && !D.why_left_out;
+  const w = WHY[prefix + q];
+  if (!w) {
+    Plotly.purge("why");
+    title.textContent = box.hidden ? "" : `row ${q}: not explained here (--why; qk.parquet holds what was)`;
+    return;
+  }
+  const tokens = D.texts[current.text].tokens;
+  title.textContent = `why row ${q} ${JSON.stringify(tokens[q])} attends to key ${w.key} ` +
+    `${JSON.stringify(tokens[w.key])}: contrast ${fmt(w.total)}`;
+  const keys = w.keys.map(plain), queries = w.query.map(plain);
+  const limit = Math.max(...w.contrast.flat().map(Math.abs), 1e-12);
+  Plotly.react("why", [
+    {type: "heatmap", z: w.contrast, x: keys, y: queries, zmin: -limit, zmax: limit, zmid: 0,
+     colorscale: P.scales.diverging.stops, colorbar: {title: {text: "contrast"}, x: 1.08},
+     hovertemplate: "query sender %{y}<br>key sender %{x}<br>contrast %{z:.4f}<extra></extra>"},
+    {type: "bar", x: keys, y: w.key_side, xaxis: "x", yaxis: "y2", marker: {color: P.mean},
+     hovertemplate: "key side of %{x}: %{y:.4f}<extra></extra>"},
+    {type: "bar", orientation: "h", x: w.query_side, y: queries, xaxis: "x2", yaxis: "y", marker: {color: P.interval},
+     hovertemplate: "query side of %{y}: %{x:.4f}<extra></extra>"}],
+    {height: 620, showlegend: false, margin: {l: 90, b: 90, t: 10, r: 20},
+     xaxis: {domain: [0, 0.78], type: "category", tickangle: -45, title: {text: "key sender"}},
+     yaxis: {domain: [0, 0.76], type: "category", autorange: "reversed", title: {text: "query sender"}},
+     xaxis2: {domain: [0.82, 1], anchor: "y", zeroline: true, title: {text: "query side"}},
+     yaxis2: {domain: [0.8, 1], anchor: "x", zeroline: true, title: {text: "key side"}}}, CONFIG);
 }
 
 // The text's tokens, each shaded by the weight query q gives it; hovering a token picks it as the query.
@@ -105,8 +141,9 @@ function strip(text, q) {
     if (current && q !== null && current.visible[q * t + k]) w = current.weights[q * t + k];
     span.title = `${k}: ${JSON.stringify(token)}` + (w === null ? "" : ` weight ${w.toFixed(4)}`);
     if (w !== null) { tint(span, w); }
-    if (k === q) span.className = "query";
-    span.onmouseenter = () => query(k);
+    if (current && WHY[current.text + "|" + current.head + "|" + k]) span.classList.add("explained");
+    if (k === q) span.classList.add("query");
+    span.onmouseenter = span.onclick = () => query(k);
     return span;
   }));
 }
