@@ -80,6 +80,7 @@ CIRCUIT_RECORD = "circuit.json"
 EDGES_FILE = "edges.parquet"
 NODES_FILE = "nodes.parquet"
 EDGES_BY_ROLE_FILE = "edges_by_role.parquet"  # with --by-role
+CIRCUIT_WHY_FILE = "why.parquet"  # with --why: what moves the explained heads' attention to each role's token
 CIRCUIT_PAGE = "circuit.html"
 CIRCUIT_CHARTS = ("circuit_graph", "circuit_faithfulness")
 
@@ -119,7 +120,10 @@ KINDS = {
     "patching": Kind("a headscope patching", PATCH_RECORD, (PATCHING_FILE, PATCHING_PAIRS_FILE), PATCH_CHARTS),
     "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE,), PRUNE_CHARTS),
     "circuit": Kind(
-        "a headscope circuit", CIRCUIT_RECORD, (EDGES_FILE, NODES_FILE, EDGES_BY_ROLE_FILE), CIRCUIT_CHARTS
+        "a headscope circuit",
+        CIRCUIT_RECORD,
+        (EDGES_FILE, NODES_FILE, EDGES_BY_ROLE_FILE, CIRCUIT_WHY_FILE),
+        CIRCUIT_CHARTS,
     ),
     "model": Kind("a headscope pruned model", PRUNED_MODEL_RECORD, CHECKPOINT_FILES, option="--save-model"),
 }

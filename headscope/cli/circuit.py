@@ -21,6 +21,7 @@ def circuit(
     curve: o.Curve = True,
     select: o.Select = o.DEFAULT_SELECT,
     by_role: o.ByRole = False,
+    why: o.CircuitWhy = 0,
     report: o.Report = None,
     out: o.OutCircuit = None,
     overwrite: o.Overwrite = False,
@@ -37,6 +38,7 @@ def circuit(
     from headscope.cli.printing import print_circuit
     from headscope.commands.circuit import check_request
     from headscope.commands.circuit import circuit as run_circuit
+    from headscope.commands.circuit_why import check_count
     from headscope.config import settings_from_command_line
     from headscope.model.loading import resolve_source
 
@@ -44,6 +46,7 @@ def circuit(
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         check_request(method.value, steps, verify, target, select.value)
+        check_count(why)
     with user_errors(ctx):
         found = run_circuit(
             model,
@@ -55,6 +58,7 @@ def circuit(
             curve=curve,
             selection=select.value,
             by_role=by_role,
+            why=why,
             report=report,
             out=out or Path("reports") / f"circuit-{resolve_source(model).slug}",
             overwrite=overwrite,

@@ -289,6 +289,16 @@ ByRole = Annotated[
         help="Each edge's score at each role marked in the pairs ([[IO:Mary]]) too: edges_by_role.parquet.",
     ),
 ]
+CircuitWhy = Annotated[
+    int,
+    typer.Option(
+        "--why",
+        metavar="N",
+        help="For the heads the N strongest q and k edges feed: their attention at END to each role's token, split "
+        "into the senders of the query and the key, clean against corrupt (why.parquet; docs/why.md). The pairs must "
+        "mark roles ([[IO:Mary]]).",
+    ),
+]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
 MaxRounds = Annotated[
     int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")

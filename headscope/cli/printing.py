@@ -405,7 +405,7 @@ def print_circuit(found, count: int = 12) -> None:
         low, high = row.score_ci_low, row.score_ci_high
         cells = [row.sender, receiver, f"{row.score:+.4f}", "-" if pd.isna(low) else f"[{low:+.4f}, {high:+.4f}]",
                  "-" if pd.isna(row.exact) else f"{row.exact:+.4f}"]  # fmt: skip
-        _row(table, *cells, *([row.sender_role or "-"] if roles else []))
+        _row(table, *cells, *([row.sender_role if isinstance(row.sender_role, str) else "-"] if roles else []))
     console.print(table)
     if record["faithfulness"]:
         curve = ", ".join(f"{p['share']:.1%} {p['faithfulness']:.2f}" for p in record["faithfulness"][1:-1])
@@ -423,6 +423,8 @@ def print_circuit(found, count: int = 12) -> None:
     console.print(_title(f"direct logit attribution (the components add up to m): {written}"))
     console.print(_title("a negative score: corrupting the edge lowers the metric (exact: the same, patched); the "
                          "interval is over pairs"))  # fmt: skip
+    if "why" in record:
+        _print_circuit_why(console, record["why"])
     if found.folder is not None:
         console.print(f"wrote {found.folder}/{EDGES_FILE} and {CIRCUIT_RECORD}")
 
@@ -479,6 +481,23 @@ def print_copying(found, count: int = 10) -> None:
         console.print(table)
     console.print(_title("ov_copying = sum(eigenvalues) / sum(|eigenvalues|) of the head's OV circuit on tokens, "
                          "norm gains folded in: 1 copies the token it attends to, -1 suppresses it"))  # fmt: skip
+
+
+def _print_circuit_why(console, why: dict) -> None:
+    """circuit --why: per explained head and role, its attention at END clean and corrupt, and the senders whose
+    side of the contrast moves most between them."""
+    table = Table(title=_title(f"why the heads the {why['edges']} strongest q and k edges feed attend, at END, to "
+                               "each role's token: weight and contrast clean -> corrupt, and the senders that move "
+                               "the contrast (clean - corrupt)"), box=box.SIMPLE_HEAD)  # fmt: skip
+    for name in ("head", "role", "weight", "contrast", "query side moved by", "key side moved by"):
+        table.add_column(name, justify="right" if name in ("weight", "contrast") else "left")
+    for entry in why["rows"]:
+        weight, contrast = entry["weight"], entry["contrast"]
+        _row(table, f"{entry['layer']}.{entry['head']}", entry["role"],
+             f"{weight['clean']:.3f} -> {weight['corrupt']:.3f}",
+             f"{contrast['clean']:+.2f} -> {contrast['corrupt']:+.2f}", _senders(entry["query_moved"]),
+             _senders(entry["key_moved"]))  # fmt: skip
+    console.print(table)
 
 
 def _print_why(console, found) -> None:

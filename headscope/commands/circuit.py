@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from headscope.arguments import as_number, as_path, head_name
+from headscope.commands import circuit_why
 from headscope.config import CHART_FORMATS, CIRCUIT_SELECTIONS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
@@ -37,7 +38,7 @@ from headscope.interventions.edge_graph import (
 )
 from headscope.interventions.edges import DEFAULT_STEPS, METHODS, EdgeModel, EdgeScores
 from headscope.interventions.pairs import as_pairs, common_roles, tokenize_pairs
-from headscope.layout import CIRCUIT_PAGE, CIRCUIT_RECORD, EDGES_BY_ROLE_FILE, EDGES_FILE, NODES_FILE
+from headscope.layout import CIRCUIT_PAGE, CIRCUIT_RECORD, CIRCUIT_WHY_FILE, EDGES_BY_ROLE_FILE, EDGES_FILE, NODES_FILE
 from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
@@ -62,6 +63,7 @@ class Circuit:
     record: dict
     folder: Path | None = None
     by_role: pd.DataFrame | None = None  # edges_by_role.parquet, with by_role
+    why: pd.DataFrame | None = None  # why.parquet, with why
 
     def top(self, count: int = 10) -> pd.DataFrame:
         """The `count` strongest edges (largest |score|)."""
@@ -107,6 +109,7 @@ def circuit(
     curve: bool = True,
     selection: str = CIRCUIT_SELECTIONS[0],
     by_role: bool = False,
+    why: int = 0,
     report: str | Path | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -132,6 +135,8 @@ def circuit(
             greedy growth from the logits: the strongest edge into a node already in the circuit).
         by_role: each edge's score at each role marked in the pairs ([[IO:Mary]]; END, the last token, is every
             pair's) too: edges_by_role.parquet.
+        why: explain, for the heads the `why` strongest q and k edges feed, their attention at END to each marked
+            role's token, clean against corrupt (the pairs must mark roles): why.parquet (docs/why.md).
         report: a report of this model, for each head's role.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
@@ -146,6 +151,8 @@ def circuit(
         and the record.
     """
     steps, verify, target = check_request(method, steps, verify, target, selection)
+    why = as_number(why, "--why", whole=True)
+    circuit_why.check_count(why)
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     pairs = as_pairs(pairs)
@@ -153,7 +160,8 @@ def circuit(
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=False)  # fmt: skip
     run.request = {"pairs (sha256)": pairs.sha256, "method": method, "steps": steps, "verify": verify,
-                   "target": target, "curve": curve, "selection": selection, "by_role": by_role}  # fmt: skip
+                   "target": target, "curve": curve, "selection": selection, "by_role": by_role,
+                   "why": why}  # fmt: skip
     ranks = run.data_parallel(model, "circuit")
     if pairs.path.is_file():
         run.protected["the pairs file"] = pairs.path
@@ -163,6 +171,8 @@ def circuit(
         found = tokenize_pairs(pairs, tokenizer, settings.max_length)
         if by_role:
             common_roles(found, pairs, "--by-role")
+        if why:
+            circuit_why.check_roles(why, common_roles(found, pairs, "--why"))
 
     session = run.session(model, loader, what="circuit", out=out, kind="circuit", overwrite=overwrite, lm_head=True,
                           report=report, before_weights=pairs_fit)  # fmt: skip
@@ -170,6 +180,7 @@ def circuit(
         loaded, plan = opened.loaded, opened.plan
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
         roles = common_roles(tokenized, pairs, "--by-role") if by_role else None
+        why_roles = common_roles(tokenized, pairs, "--why") if why else None
         extra = f", {steps} steps" if method == "eap-ig" else ""
         reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
         started = time.perf_counter()
@@ -182,11 +193,15 @@ def circuit(
         seconds = time.perf_counter() - started
         head_roles = None if report is None else _roles(report)
         result = _result(loaded, settings, pairs, found, method, steps, head_roles, seconds, checked, roles)
+        if why and ranks.main:
+            _explain(result, why, why_roles, loaded, plan, tokenized, reporter)
         if opened.folder is not None:
             write_frame(result.edges, opened.folder / EDGES_FILE)
             write_frame(result.nodes, opened.folder / NODES_FILE)
             if result.by_role is not None:
                 write_frame(result.by_role, opened.folder / EDGES_BY_ROLE_FILE)
+            if result.why is not None:
+                write_frame(result.why, opened.folder / CIRCUIT_WHY_FILE)
             write_page(circuit_page(result.edges, result.nodes, result.record), opened.folder / CIRCUIT_PAGE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
             if charts:
@@ -198,6 +213,17 @@ def circuit(
     result.folder = opened.target
     run.done(opened)
     return result
+
+
+def _explain(result: Circuit, why: int, roles: list[str], loaded, plan, tokenized, reporter) -> None:
+    """--why: the heads the `why` strongest q and k edges feed, their attention at END to each role's token split
+    into senders, clean against corrupt (commands.circuit_why), into `result`."""
+    heads = circuit_why.explained_heads(result.edges, why, plan.heads, plan.architecture["kv_heads"])
+    names = ", ".join(head_name(*head) for head in heads)
+    reporter.stage(f"explaining {len(heads)} heads' attention at END to each role's token (--why {why}): {names}")
+    with attached(loaded.lm, block_bytes=plan.settings.block_bytes) as capture:
+        result.why, entries = circuit_why.explain_pairs(capture, loaded, plan, tokenized, heads, roles)
+    result.record["why"] = {"edges": why, "heads": [head_name(*head) for head in heads], "rows": entries}
 
 
 def check_request(method: str, steps, verify=DEFAULT_VERIFY, target=DEFAULT_TARGET,

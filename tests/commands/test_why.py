@@ -6,6 +6,7 @@ own attention, and the refusals."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from reference_qk import split_by_hand
@@ -263,3 +264,62 @@ def test_the_pages_matrix_keeps_the_strongest_senders_and_sums_the_rest_exactly(
         contrast[np.ix_([names.index(n) for n in whole["query"]], [names.index(n) for n in whole["keys"]])],
         rtol=1e-4,
     )
+
+
+def test_the_heads_a_k_edge_feeds_are_every_query_head_of_its_kv_head():
+    from headscope.commands.circuit_why import explained_heads
+
+    edges = pd.DataFrame({"receiver": ["logits", "1.kv1", "0.3", "1.2", "0.kv0"], "channel": [None, "k", "q", "v", "k"],
+                          "score": [9.0, -5.0, 4.0, 3.0, 0.1]})  # fmt: skip
+    assert explained_heads(edges, 2, heads=8, kv_heads=4) == [(0, 3), (1, 2), (1, 3)]  # kv1 of 4: heads 2 and 3
+    assert explained_heads(edges, 3, heads=8, kv_heads=4) == [(0, 0), (0, 1), (0, 3), (1, 2), (1, 3)]
+
+
+@pytest.mark.slow
+def test_circuit_why_is_inspect_why_at_end_averaged_over_pairs(tmp_path, corpus_lines):
+    """circuit --why on a grouped-KV Llama: for each explained head and role, the clean and corrupt figures are the
+    mean over pairs of what inspect --why END:ROLE gives on each prompt alone (weights, and each sender's side of
+    the contrast), and change is clean - corrupt."""
+    config, model_class = tiny_lm_config("llama", 2)
+    folder = tiny_model_folder(tmp_path / "llama", config, model_class, corpus_lines)
+    loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
+    w = [word for word in loaded.tokenizer.get_vocab() if word.isalpha()][:9]
+    records = [{"clean": f"{w[i]} [[A:{w[3]}]] {w[4 + i]} [[B:{w[i]}]] {w[5]}", "answer": w[6], "distractor": w[7],
+                "corrupt": f"{w[8]} {w[3]} {w[4 + i]} {w[2]} {w[5]}"} for i in range(3)]  # fmt: skip
+    found = headscope.circuit(loaded, records, method="eap", verify=0, curve=False, why=2, bootstrap=0, charts=None)
+    heads = [tuple(map(int, name.split("."))) for name in found.record["why"]["heads"]]
+    assert heads and set(found.why["role"]) == {"A", "B"}
+    for layer, head in heads:
+        for role in ("A", "B"):
+            want = {"clean": [], "corrupt": []}
+            weights = {"clean": [], "corrupt": []}
+            for record in records:
+                for run in ("clean", "corrupt"):
+                    text = record[run].replace("[[A:", "").replace("[[B:", "").replace("]]", "")
+                    end = len(loaded.tokenizer(text)["input_ids"]) - 1
+                    at = end - (3 if role == "A" else 1)
+                    seen = headscope.inspect(loaded, texts=[text], heads=[(layer, head)], why=[f"{end}:{at}"],
+                                             page=False)  # fmt: skip
+                    want[run].append(seen.mean_contrast("key").set_index("key_sender")["contrast"])
+                    weights[run].append(seen.record["why"]["rows"][0]["weight"])
+            got = found.why[(found.why["layer"] == layer) & (found.why["head"] == head) & (found.why["role"] == role)
+                            & (found.why["side"] == "key")].set_index("sender")  # fmt: skip
+            for run in ("clean", "corrupt"):
+                mean = pd.concat(want[run], axis=1).mean(axis=1)
+                np.testing.assert_allclose(got.loc[mean.index, run], mean, atol=1e-9)
+            np.testing.assert_allclose(got["change"], got["clean"] - got["corrupt"])
+            rows = found.record["why"]["rows"]
+            (entry,) = [e for e in rows if (e["layer"], e["head"], e["role"]) == (layer, head, role)]
+            assert entry["weight"]["clean"] == pytest.approx(np.mean(weights["clean"]), abs=1e-7)
+            assert entry["weight"]["corrupt"] == pytest.approx(np.mean(weights["corrupt"]), abs=1e-7)
+
+
+def test_circuit_why_needs_pairs_that_mark_roles(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"clean": "w5 w9 w12", "corrupt": "w5 w9 w20", "answer": "w3", "distractor": "w4"}\n')
+    folder = build_planted_induction(tmp_path / "induction")
+    result = run_cli("circuit", str(folder), "--pairs", pairs, "--why", "3", "--out", tmp_path / "out",
+                     loader=refuse_to_load)  # fmt: skip
+    assert_one_line_error(result, "--why", "mark roles", "[[IO:Mary]]", code=2)
+    result = run_cli("circuit", str(folder), "--pairs", pairs, "--why", "-1", loader=refuse_to_load)
+    assert_one_line_error(result, "--why", "0 or more", code=2)
