@@ -43,3 +43,18 @@ def test_a_call_inside_a_call_on_the_same_model_is_one_line(planted_gpt2, corpus
     loaded = headscope.load_model(str(planted_gpt2), device="cpu")
     with attached(loaded.model), pytest.raises(ConfigError, match="already in use by a headscope call in this thread"):
         headscope.analyze(loaded, corpus_lines[:2], **QUICK)
+
+
+def test_a_load_names_a_gguf_files_tensors_once_per_architecture():
+    """transformers builds gguf's tensor-name map once per module of the model it loads (395 times for SmolLM2,
+    13 s of its load); within one load the same architecture gives the same map, and the load's end drops it."""
+    gguf = pytest.importorskip("gguf")
+    from headscope.model.once import one_load
+
+    arch = gguf.MODEL_ARCH.LLAMA
+    with one_load():
+        first = gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 30) is first
+        assert gguf.get_tensor_name_map(arch, 2) is not first
+        assert first.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
+    assert gguf.get_tensor_name_map(arch, 30) is not first
