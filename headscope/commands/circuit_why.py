@@ -74,7 +74,8 @@ def explain_pairs(capture, loaded, plan, pairs: list[TokenizedPair], heads: list
             for (layer, head), matrix in attention.items():
                 senders = splitter.senders(kept, rotation, layer, head)
                 names[(layer, head)] = senders.names
-                explained = why_rows.explain(senders, matrix, visible[layer], asked)
+                explained = [terms for block in why_rows.explain(senders, matrix, visible[layer], asked)
+                             for terms in block]  # fmt: skip
                 for role, terms in zip(keyed, explained, strict=True):
                     for side, axis in (("query", 1), ("key", 0)):
                         key = (layer, head, role, run, side)

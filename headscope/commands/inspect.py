@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from headscope.arguments import MAX_INSPECT_TEXTS, as_heads, as_ids, as_path, as_texts, head_name
@@ -458,7 +459,7 @@ def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Pla
         writer = stack.enter_context(pq.ParquetWriter(folder / ATTENTION_FILE, ATTENTION_SCHEMA))
         qk_writer = None
         if why:
-            qk_writer = stack.enter_context(pq.ParquetWriter(folder / QK_FILE, why_rows.QK_SCHEMA))
+            qk_writer = stack.enter_context(why_rows.qk_writer(folder / QK_FILE))
         for text_id, text in enumerate(texts):
             batch = plan.collate([text_id], [text.ids], loaded.device)
             if splitter is None:
@@ -478,11 +479,13 @@ def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Pla
                 if splitter is not None:
                     senders = splitter.senders(passed, rotation, layer, head)
                     asked = why_rows.rows_of(why, len(text.ids), text.exemplars)
-                    for terms in why_rows.explain(senders, matrix, visible[layer], asked):
-                        qk_writer.write_table(why_rows.table(text_id, senders, terms))
-                        explained.append(why_rows.summary(text_id, senders, terms))
-                        totals.add(senders, terms)
-                        views.add_why(text_id, (layer, head), senders.names, terms.row, terms.key, terms.contrast)
+                    for block in why_rows.explain(senders, matrix, visible[layer], asked):
+                        qk_writer.write_table(pa.concat_tables(why_rows.table(text_id, senders, t) for t in block))
+                        for terms in block:
+                            explained.append(why_rows.summary(text_id, senders, terms))
+                            totals.add(senders, terms)
+                            views.add_why(text_id, (layer, head), senders.names, terms.row, terms.key,
+                                          terms.contrast)  # fmt: skip
                     del senders
             del kept, visible
     summary = pd.DataFrame(rows)

@@ -13,16 +13,18 @@ the output    qk.parquet: text_id, layer, head, row, key, query_sender, key_send
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from headscope.arguments import head_name
 from headscope.errors import ConfigError, ResourceError
 from headscope.interventions.qk_senders import HeadSenders
-from headscope.interventions.qk_terms import RowTerms, row_terms, strongest_key
+from headscope.interventions.qk_terms import RowTerms, block_terms, strongest_key
 from headscope.model.memory import readable
 
 QK_SCHEMA = pa.schema(
@@ -33,6 +35,7 @@ QK_SCHEMA = pa.schema(
 WORDS = ("all", "exemplars")
 CHECK = 1e-4  # the softmax of the summed logits against the model's attention: float32 rounding is far below
 SHOWN = 3  # senders and pairs a row's summary names
+ROW_BLOCK = 64  # explained rows split at once: their (rows, senders, senders) terms and contrasts in float64
 
 
 @dataclass(frozen=True)
@@ -116,13 +119,15 @@ def split_bytes(heads, longest: int, architecture: dict, hidden: int, dtype_byte
     """The peak memory --why adds on a text of `longest` tokens: the pass keeps about ten (t, hidden) tensors per
     layer up to the deepest chosen head (edges.Recorder: the stream, the heads' outputs, q, k, v, the MLP's input
     and write, ...), in the model's dtype; one head's split holds its senders' query and key parts twice over in
-    float64 (the parts, then the whole), and a layer's writes twice (the writes and their normed copy)."""
+    float64 (the parts, then the whole), and a layer's writes twice (the writes and their normed copy); a block of
+    ROW_BLOCK rows holds three (rows, senders, senders) float64 arrays (terms, contrasts, the product between)."""
     deepest = max(layer for layer, _ in heads)
     senders = 2 + deepest * (architecture["heads"] + 1)
     kept = 10 * (deepest + 1) * longest * hidden * dtype_bytes
     parts = 4 * senders * longest * architecture["head_dim"] * 8
     writes = 2 * architecture["heads"] * longest * hidden * 8
-    return kept + parts + writes
+    block = 3 * min(ROW_BLOCK, longest) * senders**2 * 8
+    return kept + parts + writes + block
 
 
 def check_memory(heads, longest: int, budget: int, architecture: dict, hidden: int, dtype_bytes: int) -> None:
@@ -152,33 +157,39 @@ def rows_of(why: tuple[Why, ...], length: int, exemplar_rows) -> list[tuple[int,
 
 def explain(
     senders: HeadSenders, attention: np.ndarray, visible: np.ndarray, asked: list[tuple[int, int | None]]
-) -> list[RowTerms]:
-    """Each asked (row, key) of one head on one text: its terms and contrasts. attention, visible: the head's (t, t)
-    weights and the layer's (t, t) visibility, as inspect captured them."""
+) -> Iterator[list[RowTerms]]:
+    """Each asked (row, key) of one head on one text: its terms and contrasts, in blocks of ROW_BLOCK rows
+    (qk_terms.block_terms), so that a caller writes each block before the next is split. attention, visible: the
+    head's (t, t) weights and the layer's (t, t) visibility, as inspect captured them. Every asked key is checked
+    before the first block."""
     weights, seen = torch.as_tensor(attention), torch.as_tensor(visible)
-    found, done = [], set()
+    rows, keys, done = [], [], set()
     for row, key in asked:
         positions = torch.nonzero(seen[row])[:, 0]
-        row_weights = weights[row, positions]
         if key is None:
-            index = strongest_key(row_weights, positions)
-        else:
-            matches = torch.nonzero(positions == key)[:, 0]
-            if len(matches) == 0:
-                raise ConfigError(f"--why {row}:{key}: row {row} of layer {senders.layer} does not see key {key} "
-                                  f"(it sees {_spans(positions)})")  # fmt: skip
-            index = int(matches[0])
-        if (row, int(positions[index])) in done:  # ROW and ROW:KEY naming the same key
-            continue
-        done.add((row, int(positions[index])))
-        found.append(row_terms(senders.queries[:, row], senders.keys[:, positions], row_weights, index,
-                               scaling=senders.scaling, softcap=senders.softcap, row=row,
-                               key=int(positions[index])))  # fmt: skip
-    return found
+            key = int(positions[strongest_key(weights[row, positions], positions)])
+        elif key >= seen.shape[1] or not bool(seen[row, key]):
+            raise ConfigError(f"--why {row}:{key}: row {row} of layer {senders.layer} does not see key {key} "
+                              f"(it sees {_spans(positions)})")  # fmt: skip
+        if (row, key) not in done:  # ROW and ROW:KEY naming the same key
+            done.add((row, key))
+            rows.append(row)
+            keys.append(key)
+    for start in range(0, len(rows), ROW_BLOCK):
+        block = rows[start : start + ROW_BLOCK]
+        yield block_terms(senders.queries[:, block], senders.keys, weights[block].nan_to_num(0.0), seen[block],
+                          torch.tensor(keys[start : start + ROW_BLOCK]), scaling=senders.scaling,
+                          softcap=senders.softcap, rows=block)  # fmt: skip
 
 
 def _spans(positions: torch.Tensor) -> str:
     return f"keys {int(positions.min())}-{int(positions.max())}" if len(positions) else "no key"
+
+
+def qk_writer(path) -> pq.ParquetWriter:
+    """qk.parquet's writer: dictionary encoding for the senders' names alone (the numbers and positions hashed into
+    dictionaries took longer to write than to split; measured 2.3x)."""
+    return pq.ParquetWriter(path, QK_SCHEMA, use_dictionary=["query_sender", "key_sender"])
 
 
 def table(text_id: int, senders: HeadSenders, terms: RowTerms) -> pa.Table:
@@ -263,7 +274,9 @@ def _sides(names: list[str], contrast: np.ndarray) -> dict:
     """Each side's strongest senders (a query sender's: its row of `contrast` summed over the key senders) and the
     strongest pairs, by size."""
     query_side, key_side = contrast.sum(1), contrast.sum(0)
-    flat = np.argsort(-np.abs(contrast), axis=None)[:SHOWN]
+    size = np.abs(contrast).ravel()
+    strongest_pairs = np.argpartition(-size, SHOWN)[:SHOWN] if size.size > SHOWN else np.arange(size.size)
+    flat = strongest_pairs[np.argsort(-size[strongest_pairs], kind="stable")]
 
     def strongest(side: np.ndarray) -> list[list]:
         return [[names[i], round(float(side[i]), 6)] for i in np.argsort(-np.abs(side))[:SHOWN]]

@@ -29,6 +29,8 @@ from headscope.interventions.edge_layers import (
     head_columns,
 )
 
+PROBE_TOKENS = 16  # the tokens of the first text the pieces of each layer are found on
+
 
 @dataclass
 class HeadSenders:
@@ -207,8 +209,9 @@ class SenderPass:
         self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
         self.capture = capture
         model = loaded.lm or loaded.model
+        # the structure is the same at any length: found on the text's first tokens, not a whole long text's pass
         self.places, final_norm = find_places(capture, model, capture.decoder, self.heads, self.kv_heads,
-                                              self.head_dim, ids, loaded.device)  # fmt: skip
+                                              self.head_dim, ids[:PROBE_TOKENS], loaded.device)  # fmt: skip
         self.attentions = [attention_module(layer) for layer in capture.decoder]  # found: find_places checked
         self.recorder = Recorder(model, capture.decoder, self.places, final_norm)
 

@@ -18,6 +18,7 @@ contrasts add up to logit(t, s) minus the w-weighted mean of the other keys' log
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,31 +50,65 @@ def row_terms(
     row: int = 0,
     key: int | None = None,
 ) -> RowTerms:
-    """The terms and contrasts of a row attending to its visible key number `chosen`.
+    """The terms and contrasts of a row attending to its visible key number `chosen` (`block_terms` for one row).
 
     queries: (senders, head_dim), each sender's part of the query at the row (they add up to the query); keys:
     (senders, visible, head_dim), each sender's part of the key at each key the row sees; attention: (visible,) the
     model's attention of the row on those keys, in the same order. row, key: their positions, as the result names
     them (key: `chosen` where not given)."""
-    key, index = (chosen if key is None else key), chosen
+    visible = torch.ones(1, keys.shape[1], dtype=torch.bool)
+    (found,) = block_terms(queries[:, None], keys, attention[None], visible, torch.tensor([chosen]), scaling=scaling,
+                           softcap=softcap, rows=[row])  # fmt: skip
+    return found if key is None else dataclasses.replace(found, key=key)
+
+
+def block_terms(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    attention: torch.Tensor,
+    visible: torch.Tensor,
+    chosen: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    rows: list[int],
+) -> list[RowTerms]:
+    """The terms and contrasts of R rows of one head, each attending to its key `chosen[r]`, in a few products.
+
+    queries: (senders, R, head_dim), each sender's part of the query at each row; keys: (senders, t, head_dim), each
+    sender's part of the key at every position; attention: (R, t) the model's attention of each row; visible:
+    (R, t) the keys each row sees; chosen: (R,) the key each row is explained at (one it sees); rows: the rows'
+    positions, as the results name them.
+
+    The contrast needs no term at the other keys: sum over s' of w(s') term(a, b)(t, s') is scaling * q_a(t) . (sum
+    over s' of w(s') k_b(s')), so each row reads each sender's weighted mean key, one product over positions for
+    all rows at once, not every (pair, key)."""
     queries, keys = queries.double(), keys.double()
-    logits = scaling * torch.einsum("d,bsd->s", queries.sum(0), keys)  # (visible,) uncapped
+    picked = torch.arange(len(rows))
+    logits = scaling * queries.sum(0) @ keys.sum(0).T  # (R, t), uncapped
     secant = torch.ones_like(logits)
     if softcap:
         capped = softcap * torch.tanh(logits / softcap)
         secant = torch.where(logits != 0, capped / torch.where(logits != 0, logits, 1.0), 1.0)
         logits = capped
-    others = attention.double().clone()
-    others[index] = 0.0
-    total = others.sum()
-    others = others / total if total > 0 else others  # renormalised without the key; none: the contrast is the term
-    # the key side of each sender: at the key, and the others' weighted mean (the secant folded in, per key)
-    at_key = secant[index] * keys[:, index]  # (senders, head_dim)
-    mean_others = torch.einsum("s,bsd->bd", others * secant, keys)
-    term = scaling * queries @ at_key.T
-    contrast = term - scaling * queries @ mean_others.T
-    worst = float((torch.softmax(logits, -1) - attention.double()).abs().max())
-    return RowTerms(row, key, term.numpy(), contrast.numpy(), float(logits[index]), float(attention[index]), worst)
+    seen = attention.double() * visible
+    others = seen.clone()
+    others[picked, chosen] = 0.0
+    total = others.sum(1, keepdim=True)
+    others = torch.where(total > 0, others / torch.where(total > 0, total, 1.0), others)  # none: the term alone
+    mean_others = torch.matmul(others * secant, keys).transpose(0, 1)  # (R, senders, head_dim), the secant folded in
+    at_key = secant[picked, chosen][:, None, None] * keys[:, chosen].transpose(0, 1)  # (R, senders, head_dim)
+    by_row = queries.transpose(0, 1)  # (R, senders, head_dim)
+    term = scaling * torch.bmm(by_row, at_key.transpose(1, 2))
+    contrast = term - scaling * torch.bmm(by_row, mean_others.transpose(1, 2))
+    softmax = torch.softmax(logits.masked_fill(~visible, -torch.inf), -1)
+    worst = ((softmax - seen) * visible).abs().amax(1)
+    found = []
+    for r, row in enumerate(rows):
+        key = int(chosen[r])
+        found.append(RowTerms(row, key, term[r].numpy(), contrast[r].numpy(), float(logits[r, key]),
+                              float(attention[r, key]), float(worst[r])))  # fmt: skip
+    return found
 
 
 def strongest_key(attention: torch.Tensor, positions: torch.Tensor) -> int:

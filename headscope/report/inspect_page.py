@@ -76,7 +76,7 @@ def why_matrix(names: list[str], contrast: np.ndarray, shown: int = WHY_SENDERS)
     (rows, more_rows), (columns, more_columns) = pick(contrast.sum(1)), pick(contrast.sum(0))
     row_groups = [[i] for i in rows] + ([sorted(set(range(len(names))) - set(rows))] if more_rows else [])
     column_groups = [[i] for i in columns] + ([sorted(set(range(len(names))) - set(columns))] if more_columns else [])
-    reduced = np.array([[contrast[np.ix_(r, c)].sum() for c in column_groups] for r in row_groups])
+    reduced = _members(row_groups, len(names)) @ contrast @ _members(column_groups, len(names)).T
 
     def label(group: list[int]) -> str:
         return names[group[0]] if len(group) == 1 else f"others ({len(group)})"
@@ -89,6 +89,14 @@ def why_matrix(names: list[str], contrast: np.ndarray, shown: int = WHY_SENDERS)
         "contrast": [rounded(line) for line in reduced], "query_side": rounded(reduced.sum(1)),
         "key_side": rounded(reduced.sum(0)), "total": float(contrast.sum()),
     }  # fmt: skip
+
+
+def _members(groups: list[list[int]], count: int) -> np.ndarray:
+    """(groups, count): 1 where a sender belongs to a group."""
+    members = np.zeros((len(groups), count))
+    for index, group in enumerate(groups):
+        members[index, group] = 1.0
+    return members
 
 
 def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:

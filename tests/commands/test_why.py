@@ -305,13 +305,14 @@ def test_circuit_why_is_inspect_why_at_end_averaged_over_pairs(tmp_path, corpus_
             got = found.why[(found.why["layer"] == layer) & (found.why["head"] == head) & (found.why["role"] == role)
                             & (found.why["side"] == "key")].set_index("sender")  # fmt: skip
             for run in ("clean", "corrupt"):
+                # each run's float32 pass (MKL's sgemm rounds alike only for alike memory): SPLIT of the largest
                 mean = pd.concat(want[run], axis=1).mean(axis=1)
-                np.testing.assert_allclose(got.loc[mean.index, run], mean, atol=1e-9)
+                np.testing.assert_allclose(got.loc[mean.index, run], mean, atol=SPLIT * mean.abs().max())
             np.testing.assert_allclose(got["change"], got["clean"] - got["corrupt"])
             rows = found.record["why"]["rows"]
             (entry,) = [e for e in rows if (e["layer"], e["head"], e["role"]) == (layer, head, role)]
-            assert entry["weight"]["clean"] == pytest.approx(np.mean(weights["clean"]), abs=1e-7)
-            assert entry["weight"]["corrupt"] == pytest.approx(np.mean(weights["corrupt"]), abs=1e-7)
+            for run in ("clean", "corrupt"):  # float32 weights of ~1: a few units of its 6e-8 apart from pass to pass
+                assert entry["weight"][run] == pytest.approx(np.mean(weights[run]), abs=1e-6)
 
 
 def test_circuit_why_needs_pairs_that_mark_roles(tmp_path):
