@@ -503,3 +503,23 @@ def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tm
         refused = runner.invoke(app, ["circuit", str(folder), "--pairs", str(pairs), "--out", str(tmp_path / "x"),
                                       *bad])  # fmt: skip
         assert_one_line_error(refused, option, code=2)
+
+
+def test_a_sender_without_a_role_prints_as_a_dash(capsys):
+    """--report gives heads their roles; `embed` and the MLPs have none, read back as NaN: the printout shows "-"
+    where rich once refused a float cell (NotRenderableError, after the files were written: issue 65)."""
+    from headscope.cli.printing import print_circuit
+    from headscope.commands.circuit import Circuit
+
+    missing = [np.nan, np.nan]
+    edges = pd.DataFrame({"sender": ["embed", "1.0"], "receiver": ["logits", "logits"], "channel": [None, None],
+                          "score": [2.0, 1.0], "score_ci_low": missing, "score_ci_high": missing, "exact": missing,
+                          "rank": [1, 2], "sender_role": [np.nan, "induction"]})  # fmt: skip
+    nodes = pd.DataFrame({"node": ["embed", "1.0"], "dla": [0.5, 0.2]})
+    record = {"model": {"input": "tiny"}, "metric": {"name": "logit_diff", "definition": "m"}, "method": "eap",
+              "m": {"clean": 1.0, "corrupt": 0.0}, "graph": {"edges": 2}, "pairs": {"count": 2},
+              "faithfulness": []}  # fmt: skip
+    print_circuit(Circuit(edges, nodes, record))
+    shown = capsys.readouterr().out
+    line = next(line for line in shown.splitlines() if line.strip().startswith("embed"))
+    assert line.split()[-1] == "-" and "induction" in shown
