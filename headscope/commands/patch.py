@@ -270,6 +270,7 @@ class _Found:
     patched: np.ndarray  # (units, pairs)
     forwards: int
     batches: int
+    skipped: int = 0  # patched runs not run: positions before a pair's first differing token (effect exactly 0)
 
 
 def _measure(capture, plan, loaded, tokenized, units, what, direction, width, roles, metric, fast,
@@ -278,7 +279,7 @@ def _measure(capture, plan, loaded, tokenized, units, what, direction, width, ro
     count = len(tokenized)
     clean, corrupt, patched = np.zeros(count), np.zeros(count), np.zeros((len(units), count))
     order = {pair.pair.pair_id: index for index, pair in enumerate(tokenized)}
-    forwards = batches = 0
+    forwards = batches = skipped = 0
     reporter.start(count * len(units), what="patching", unit="patched runs")
 
     def on_forward(batch) -> None:  # a pass of replicas: one patched run per row
@@ -303,23 +304,38 @@ def _measure(capture, plan, loaded, tokenized, units, what, direction, width, ro
         rows = [order[i] for i in batch.pair_ids]
         clean[rows], corrupt[rows] = metrics[: len(rows)], metrics[len(rows) :]
         columns = None  # (pairs, positions): each pair's column of each patched position (its role's, by role)
+        unchanged = []  # units patching only positions before every pair's first differing token
         if width is not None:
             start = batch.target.seq_start[:, None]
             if roles is None:
-                columns = start + torch.arange(width, device=start.device)[None, :]
+                at = [list(range(width)) for _ in batch.pair_ids]
             else:
-                by_role = [[tokenized[order[i]].positions[role] for role in roles] for i in batch.pair_ids]
-                columns = start + torch.tensor(by_role, dtype=torch.long, device=start.device)
+                at = [[tokenized[order[i]].positions[role] for role in roles] for i in batch.pair_ids]
+            columns = start + torch.tensor(at, dtype=torch.long, device=start.device)
+            differs = [first_difference(tokenized[order[i]]) for i in batch.pair_ids]
+            before = [all(p[position] < first for p, first in zip(at, differs, strict=True)) for *_, position in units]
+            unchanged = [index for index, skip in enumerate(before) if skip]
         forwards, batches = forwards + 1, batches + 1
         if fast:
             patched[:, rows] = attributed_metrics(capture, batch, recorder, units, metric, columns)
             forwards += 1
             reporter.advance(len(rows) * len(units), batch.target.n_tokens)
         else:
+            target_metric = metrics[batch.target_rows]
             patched[:, rows] = exact_metrics(capture, batch, recorder, outputs, units, metric, columns,
-                                             max(1, plan.replicas(batch.target)), on_forward, projections)  # fmt: skip
+                                             max(1, plan.replicas(batch.target)), on_forward, projections,
+                                             unchanged, target_metric)  # fmt: skip
+            skipped += len(unchanged) * len(rows)
+            reporter.advance(len(unchanged) * len(rows), 0)
     reporter.finish()
-    return _Found([pair.pair.pair_id for pair in tokenized], clean, corrupt, patched, forwards, batches)
+    return _Found([pair.pair.pair_id for pair in tokenized], clean, corrupt, patched, forwards, batches, skipped)
+
+
+def first_difference(pair: TokenizedPair) -> int:
+    """The first position where a pair's clean and corrupt tokens differ (its length where none does): a patch
+    before it changes nothing, the two prompts' activations there being the same."""
+    return next((i for i, (a, b) in enumerate(zip(pair.clean_ids, pair.corrupt_ids, strict=True)) if a != b),
+                pair.length)  # fmt: skip
 
 
 def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found, what, direction, positions,
@@ -363,6 +379,12 @@ def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found,
         lines = [pair.pair.line for pair, same in zip(tokenized, flagged, strict=True) if same]
         notes.append(f"{flagged.sum()} pair(s) give the same metric clean and corrupt (lines {lines[:5]}): kept, "
                      "flagged in patch.json")  # fmt: skip
+    skipped = found.skipped + sum(done.skipped for done in apart.values())
+    if skipped:
+        notes.append(
+            f"{skipped:,} patched runs not run: they patch positions before the first token where the "
+            "pair's clean and corrupt prompts differ, where the activations are the same (effect exactly 0)"
+        )
     if gap == 0:
         notes.append("the clean and corrupt prompts give the same mean metric: there is no behaviour to explain, "
                      "and every effect is empty (NaN)")  # fmt: skip
@@ -386,6 +408,7 @@ def _result(loaded, settings, pairs: PairsFile, tokenized, units, found: _Found,
         "timing": {"seconds": round(seconds, 3),
                    "forwards": found.forwards + sum(done.forwards for done in apart.values()),
                    "batches": found.batches,
+                   "skipped_runs": skipped,
                    "patched_runs_per_second": round(units_done / seconds, 2) if seconds > 0 else None},
     }  # fmt: skip
     return Patching(table, per_pair, record, notes=notes)

@@ -275,13 +275,21 @@ class ProjectionPatch:
 
 def exact_metrics(capture, batch: PairBatch, recorder: PairRecorder, outputs: list, units: Sequence[Unit],
                   metric: Metric, columns: torch.Tensor, replicas: int, on_forward: Callable[[Batch], None],
-                  projections: ProjectionPatch | None = None) -> np.ndarray:  # fmt: skip
+                  projections: ProjectionPatch | None = None, unchanged: Sequence[int] = (),
+                  target_metric: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """(units, pairs) the metric with each unit patched, each by its own replica of the target rows, in passes
     starting at the unit's layer; outputs: every decoder layer's output on the [clean; corrupt] pass; on_forward: told
-    each pass's replicated batch; projections: for --what q / k, what patches the heads' inputs."""
+    each pass's replicated batch; projections: for --what q / k, what patches the heads' inputs. unchanged: units
+    that patch, in every pair of the batch, only positions before its first differing token, where the two prompts'
+    activations are the same: not run, their metric the target's own (`target_metric`, (pairs,))."""
     target = batch.target
     found = np.zeros((len(units), len(batch.pair_ids)))
-    for layer, chunk in replica_passes([[(layer, head)] for layer, head, _ in units], set(), len(outputs), replicas):
+    if len(unchanged):
+        found[list(unchanged)] = target_metric
+    todo = [i for i in range(len(units)) if i not in set(unchanged)]
+    groups = [[units[i][:2]] for i in todo]
+    for layer, chosen in replica_passes(groups, set(), len(outputs), replicas):
+        chunk = [todo[i] for i in chosen]
         replicated = target.replicated(len(chunk))
         members = [units[i] for i in chunk]
         handed_on = replicate(rows_of(outputs[layer - 1], batch.target_rows), len(chunk)) if layer > 0 else None

@@ -125,6 +125,31 @@ def test_each_position_equals_the_reference(models, references, pair_files, mode
     _check(found, references[model], _records(pairs), what, "denoise")
 
 
+def test_positions_before_the_first_difference_are_not_run_and_change_nothing(models, pair_files, tmp_path):
+    """Before the first token where a pair's prompts differ, the two runs' activations are the same: a patch there
+    is not run, its effect is exactly 0 (the target's own metric), and the run says how many it skipped."""
+    from transformers import AutoTokenizer
+
+    from headscope.commands.patch import first_difference
+    from headscope.interventions.pairs import as_pairs, tokenize_pairs
+
+    records = _records(pair_files["llama", "one"])
+    for record in records:  # the corrupt prompt shares the clean one's first three words
+        record["corrupt"] = " ".join(record["clean"].split()[:3] + record["corrupt"].split()[3:])
+    pairs = tmp_path / "late.jsonl"
+    pairs.write_text("".join(json.dumps(record) + "\n" for record in records))
+    tokenized = tokenize_pairs(as_pairs(pairs), AutoTokenizer.from_pretrained(models["llama"]), None)
+    first = min(first_difference(pair) for pair in tokenized)
+    assert 0 < first < tokenized[0].length  # the case shows both kinds of position
+    found = patch(models["llama"], pairs, positions="each", heads=[(1, 3), (2, 1)], device="cpu", bootstrap=0)
+    before = found.effects[found.effects["position"] < first]
+    assert len(before) == 2 * first and (before["effect"] == 0.0).all()
+    assert found.record["timing"]["skipped_runs"] == 2 * first * len(tokenized)
+    assert any("not run" in note for note in found.notes)
+    after = found.effects[found.effects["position"] >= first]
+    assert (after["effect"] != 0.0).any()
+
+
 def _marked(record: dict, roles: dict[str, int]) -> dict:
     """The pair with words of its clean prompt marked as roles ({role: word index}, counted from the end if
     negative)."""
