@@ -22,7 +22,6 @@ from headscope.interventions.pairs import END_ROLE, TokenizedPair
 from headscope.interventions.qk_senders import SenderPass
 from headscope.measures.heads import HeadAttention, by_layer
 
-SHOWN = 3  # senders named per side in circuit.json and the printout
 RUNS = ("clean", "corrupt")
 
 
@@ -100,22 +99,12 @@ def explain_pairs(capture, loaded, plan, pairs: list[TokenizedPair], heads: list
                 "layer": layer, "head": head, "role": role,
                 "weight": {"clean": float(weight_clean), "corrupt": float(weight_corrupt)},
                 "contrast": {"clean": float(contrast_clean), "corrupt": float(contrast_corrupt)},
-                **{f"{side}_moved": _strongest(sender_names, sums, (layer, head, role), side, count)
+                **{f"{side}_moved": why_rows.strongest(sender_names, _change(sums, (layer, head, role), side, count))
                    for side in ("query", "key")},
             })  # fmt: skip
     return pd.concat(frames, ignore_index=True), entries
 
 
-def _strongest(names: list[str], sums: dict, at: tuple, side: str, count: int) -> list[list]:
-    """The senders whose side of the contrast changes most from the corrupt prompt to the clean one."""
-    change = (sums[(*at, "clean", side)] - sums[(*at, "corrupt", side)]) / count
-    return [[names[i], round(float(change[i]), 6)] for i in np.argsort(-np.abs(change), kind="stable")[:SHOWN]]
-
-
-def as_frame(entries: list[dict]) -> pd.DataFrame:
-    """circuit.json's `why` entries as one row per (head, role)."""
-    return pd.DataFrame([{
-        "head": f"{e['layer']}.{e['head']}", "role": e["role"], "weight_clean": e["weight"]["clean"],
-        "weight_corrupt": e["weight"]["corrupt"], "contrast_clean": e["contrast"]["clean"],
-        "contrast_corrupt": e["contrast"]["corrupt"], "query_moved": e["query_moved"], "key_moved": e["key_moved"],
-    } for e in entries])  # fmt: skip
+def _change(sums: dict, at: tuple, side: str, count: int) -> np.ndarray:
+    """Each sender's side of the contrast, clean minus corrupt, mean over pairs."""
+    return (sums[(*at, "clean", side)] - sums[(*at, "corrupt", side)]) / count

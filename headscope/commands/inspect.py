@@ -146,7 +146,7 @@ class Inspection:
     def why_heads(self) -> pd.DataFrame:
         """One row per head --why explained: its role (where a report or the probes gave roles), rows explained,
         their mean contrast, each side's strongest senders and pairs by mean contrast, and k_composition_prev (the
-        share of the contrast the key side takes from previous-token heads; docs/why.md)."""
+        share of the key side's push for the key that previous-token heads write; docs/why.md)."""
         return pd.DataFrame(self.record.get("why", {}).get("heads", []))
 
     def mean_contrast(self, by: str = "pair", *, head: tuple[int, int] | str | None = None,
@@ -165,9 +165,11 @@ class Inspection:
             ((layer, number),) = as_heads([head] if isinstance(head, tuple) else head, "head")
             table = table[(table["layer"] == layer) & (table["head"] == number)]
         table = table.astype({"query_sender": str, "key_sender": str})
-        rows = table.groupby(["layer", "head"])[["text_id", "row", "key"]].apply(lambda t: len(t.drop_duplicates()))
+        explained = (
+            table[["layer", "head", "text_id", "row", "key"]].drop_duplicates().groupby(["layer", "head"]).size()
+        )
         sums = table.groupby(["layer", "head", *groups[by]], sort=False)["contrast"].sum().reset_index()
-        sums["rows"] = [rows[(layer, number)] for layer, number in zip(sums["layer"], sums["head"], strict=True)]
+        sums["rows"] = [explained[(layer, number)] for layer, number in zip(sums["layer"], sums["head"], strict=True)]
         sums["contrast"] /= sums["rows"]
         order = sums["contrast"].abs().sort_values(ascending=False).index
         return sums.reindex(order).reset_index(drop=True)[["layer", "head", *groups[by], "rows", "contrast"]]

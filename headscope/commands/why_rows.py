@@ -244,10 +244,10 @@ class ContrastTotals:
         """inspect.json's entry per explained head: its rows, their mean contrast, each side's strongest senders
         and the strongest pairs by mean contrast, and k_composition_prev (None without `roles`: every head's role,
         from a report or the probes)."""
+        previous = None if roles is None else {head_name(*h) for h, role in roles.items() if role == PREVIOUS_ROLE}
         entries = []
         for (layer, head), total in sorted(self.sums.items()):
             names, mean = self.names[(layer, head)], total / self.rows[(layer, head)]
-            previous = None if roles is None else {head_name(*h) for h, role in roles.items() if role == PREVIOUS_ROLE}
             entries.append({
                 "layer": layer, "head": head, "role": None if roles is None else roles.get((layer, head)),
                 "rows": self.rows[(layer, head)], "contrast": float(mean.sum()),
@@ -270,20 +270,20 @@ def k_composition(contrast: np.ndarray, names: list[str], previous: set[str]) ->
     return float(sum(pushes[i] for i, name in enumerate(names) if name in previous) / whole)
 
 
+def strongest(names: list[str], values: np.ndarray) -> list[list]:
+    """The SHOWN senders with the largest `values` by size, as [name, value] (ties in the senders' order)."""
+    return [[names[i], round(float(values[i]), 6)] for i in np.argsort(-np.abs(values), kind="stable")[:SHOWN]]
+
+
 def _sides(names: list[str], contrast: np.ndarray) -> dict:
     """Each side's strongest senders (a query sender's: its row of `contrast` summed over the key senders) and the
     strongest pairs, by size."""
-    query_side, key_side = contrast.sum(1), contrast.sum(0)
     size = np.abs(contrast).ravel()
     strongest_pairs = np.argpartition(-size, SHOWN)[:SHOWN] if size.size > SHOWN else np.arange(size.size)
     flat = strongest_pairs[np.argsort(-size[strongest_pairs], kind="stable")]
-
-    def strongest(side: np.ndarray) -> list[list]:
-        return [[names[i], round(float(side[i]), 6)] for i in np.argsort(-np.abs(side))[:SHOWN]]
-
     pairs = [np.unravel_index(i, contrast.shape) for i in flat]
     return {
-        "query_side": strongest(query_side), "key_side": strongest(key_side),
+        "query_side": strongest(names, contrast.sum(1)), "key_side": strongest(names, contrast.sum(0)),
         "pairs": [[names[a], names[b], round(float(contrast[a, b]), 6)] for a, b in pairs],
     }  # fmt: skip
 

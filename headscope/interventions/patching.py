@@ -286,7 +286,8 @@ def exact_metrics(capture, batch: PairBatch, recorder: PairRecorder, outputs: li
     found = np.zeros((len(units), len(batch.pair_ids)))
     if len(unchanged):
         found[list(unchanged)] = target_metric
-    todo = [i for i in range(len(units)) if i not in set(unchanged)]
+    skipped = set(unchanged)
+    todo = [i for i in range(len(units)) if i not in skipped]
     groups = [[units[i][:2]] for i in todo]
     for layer, chosen in replica_passes(groups, set(), len(outputs), replicas):
         chunk = [todo[i] for i in chosen]

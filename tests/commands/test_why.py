@@ -276,12 +276,14 @@ def test_the_heads_a_k_edge_feeds_are_every_query_head_of_its_kv_head():
 
 
 @pytest.mark.slow
-def test_circuit_why_is_inspect_why_at_end_averaged_over_pairs(tmp_path, corpus_lines):
-    """circuit --why on a grouped-KV Llama: for each explained head and role, the clean and corrupt figures are the
-    mean over pairs of what inspect --why END:ROLE gives on each prompt alone (weights, and each sender's side of
-    the contrast), and change is clean - corrupt."""
-    config, model_class = tiny_lm_config("llama", 2)
-    folder = tiny_model_folder(tmp_path / "llama", config, model_class, corpus_lines)
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_circuit_why_is_inspect_why_at_end_averaged_over_pairs(tmp_path, corpus_lines, kind):
+    """circuit --why on a grouped-KV Llama and a Gemma 2 (post-attention norms, softcap, a sliding window of 4 that
+    END's keys stay within): for each explained head and role, the clean and corrupt figures are the mean over pairs
+    of what inspect --why END:ROLE gives on each prompt alone (weights, and each sender's side of the contrast), and
+    change is clean - corrupt."""
+    config, model_class = tiny_lm_config(kind, 2, attn_logit_softcapping=3.0)
+    folder = tiny_model_folder(tmp_path / kind, config, model_class, corpus_lines)
     loaded = headscope.load_model(str(folder), device="cpu", lm_head=True)
     w = [word for word in loaded.tokenizer.get_vocab() if word.isalpha()][:9]
     records = [{"clean": f"{w[i]} [[A:{w[3]}]] {w[4 + i]} [[B:{w[i]}]] {w[5]}", "answer": w[6], "distractor": w[7],
