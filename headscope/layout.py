@@ -83,6 +83,8 @@ EDGES_BY_ROLE_FILE = "edges_by_role.parquet"  # with --by-role
 CIRCUIT_WHY_FILE = "why.parquet"  # with --why: what moves the explained heads' attention to each role's token
 CIRCUIT_PAGE = "circuit.html"
 CIRCUIT_CHARTS = ("circuit_graph", "circuit_faithfulness")
+# an interrupted circuit's checkpoint (commands/circuit_resume.py): its edge scores, and the edge sets patched so far
+CIRCUIT_SCORES, CIRCUIT_PATCHED = "circuit-scores.npz", "circuit-patched.npz"
 
 # What `headscope prune` writes, recognised by prune.json; --save-model writes a transformers checkpoint into a
 # folder of its own, recognised by pruned.json beside the files transformers writes.

@@ -40,7 +40,15 @@ from headscope.files import (
     remove_quietly,
     signals_held,
 )
-from headscope.layout import KINDS, PRUNE_JOURNAL, PRUNE_RECORD, why_not_replaceable
+from headscope.layout import (
+    CIRCUIT_PATCHED,
+    CIRCUIT_RECORD,
+    CIRCUIT_SCORES,
+    KINDS,
+    PRUNE_JOURNAL,
+    PRUNE_RECORD,
+    why_not_replaceable,
+)
 
 _WORK_SUFFIX = re.compile(r"(staging|old)-\d+|partial")  # .<target>.<suffix>
 
@@ -121,7 +129,13 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
         raise OutputError(f"output folder {target} holds {KINDS[kind].name}; pass --overwrite to replace it")
 
 
-RESUMABLE_KINDS = {"report": "analyze", "pruning": "prune"}  # the kinds a run checkpoints, and the command
+# the kinds a run checkpoints, and the command
+RESUMABLE_KINDS = {"report": "analyze", "pruning": "prune", "circuit": "circuit"}
+# the files that say which command's checkpoint a work folder is (none of these: analyze's)
+CHECKPOINT_OWNERS = {
+    "prune": (PRUNE_JOURNAL, PRUNE_RECORD),
+    "circuit": (CIRCUIT_SCORES, CIRCUIT_PATCHED, CIRCUIT_RECORD),
+}
 _KEPT: list[Path] = []  # checkpoints this process's failed or interrupted runs left for --resume
 
 
@@ -142,8 +156,10 @@ def _check_checkpoint(target: Path, option: str, kind: str, *, continuing: bool)
     checkpoint = checkpoint_of(target)
     if not (checkpoint.is_dir() and ours(checkpoint, target) and holds_work(checkpoint)):
         return
-    # prune's checkpoint is its search's journal (its record, once it publishes); analyze's are part files and sums
-    owner = "prune" if any((checkpoint / name).exists() for name in (PRUNE_JOURNAL, PRUNE_RECORD)) else "analyze"
+    # prune's checkpoint is its search's journal (its record, once it publishes); circuit's its scores and patched
+    # sets (its record); analyze's are part files and sums
+    owner = next((command for command, names in CHECKPOINT_OWNERS.items()
+                  if any((checkpoint / name).exists() for name in names)), "analyze")  # fmt: skip
     if continuing and owner == RESUMABLE_KINDS[kind]:
         return
     raise OutputError(

@@ -14,6 +14,7 @@ Refused in one line (docs/circuit.md says so): attention beside the MLP, residua
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import pandas as pd
 
 from headscope.arguments import as_number, as_path, head_name
 from headscope.commands import circuit_why
+from headscope.commands.circuit_resume import CircuitCheckpoint
 from headscope.config import CHART_FORMATS, CIRCUIT_SELECTIONS, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
@@ -45,13 +47,15 @@ from headscope.progress import Reporter
 from headscope.report.circuit_page import circuit_page
 from headscope.report.page import write_page
 from headscope.report.report import Report
-from headscope.run.distributed import Ranks, gather, share_of, together
+from headscope.run.distributed import ONE_PROCESS, Ranks, gather, share_of, together
+from headscope.run.record import fingerprint
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
 from headscope.tables import write_frame, write_json
 
 EDGE_BLOCK = 4096  # edges bootstrapped at once: (replicates, EDGE_BLOCK) float64 at a time
 DEFAULT_VERIFY = 10  # the strongest edges patched exactly
 DEFAULT_TARGET = 0.8  # the faithfulness the smallest circuit must reach
+UNMARKED = "(unmarked)"  # edges_by_role's bucket of the positions no role marks (no role name has parentheses)
 
 
 @dataclass
@@ -113,6 +117,7 @@ def circuit(
     report: str | Path | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     charts: str | None = CHART_FORMATS[0],
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
@@ -140,6 +145,8 @@ def circuit(
         report: a report of this model, for each head's role.
         out: the folder to write; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
+        resume: continue an interrupted run into `out` from its checkpoint (its edge scores and the edge sets patched
+            so far: commands/circuit_resume.py); every run into `out` keeps one until it finishes.
         charts: the chart format (the circuit as a graph, the faithfulness curve), or None.
         config: the settings as a RunConfig (max_memory, device, dtype, bootstrap, bootstrap_seed...).
         reporter: progress and notes.
@@ -156,12 +163,14 @@ def circuit(
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
     pairs = as_pairs(pairs)
-    report = as_path(report, "report")
+    report, out = as_path(report, "report"), as_path(out, "out")
+    if resume and out is None:
+        raise ConfigError("--resume needs an output folder (--out): the checkpoint is kept beside it")
     run = CommandRun.prepare(model, config=config, options=options, reporter=reporter, report=report,
                              reads_corpus=False)  # fmt: skip
     run.request = {"pairs (sha256)": pairs.sha256, "method": method, "steps": steps, "verify": verify,
                    "target": target, "curve": curve, "selection": selection, "by_role": by_role,
-                   "why": why}  # fmt: skip
+                   "why": why, "resume": resume}  # fmt: skip
     ranks = run.data_parallel(model, "circuit")
     if pairs.path.is_file():
         run.protected["the pairs file"] = pairs.path
@@ -175,7 +184,7 @@ def circuit(
             circuit_why.check_roles(why, common_roles(found, pairs, "--why"))
 
     session = run.session(model, loader, what="circuit", out=out, kind="circuit", overwrite=overwrite, lm_head=True,
-                          report=report, before_weights=pairs_fit)  # fmt: skip
+                          report=report, before_weights=pairs_fit, resumable=True, continuing=resume)  # fmt: skip
     with session as opened:
         loaded, plan = opened.loaded, opened.plan
         tokenized = tokenize_pairs(pairs, loaded.tokenizer, plan.max_length)
@@ -185,14 +194,17 @@ def circuit(
         reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
         started = time.perf_counter()
         with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
-            edges = _Dealt(EdgeModel(capture, loaded, plan, tokenized[0]), ranks, tokenized)
-            found = edges.scores(method=method, steps=steps, roles=roles)
+            edges = _Dealt(EdgeModel(capture, loaded, plan, tokenized[0]), ranks, tokenized, reporter)
+            saved = _checkpoint(opened, loaded, pairs, settings, ranks, resume, method, steps, roles, reporter)
+            found = saved.scores(lambda: edges.scores(method=method, steps=steps, roles=roles), edges.model.graph)
             if verify > found.graph.edge_count:
                 raise ConfigError(f"--verify {verify} is more than the {found.graph.edge_count:,} edges of this model")
-            checked = _checked(edges, found, verify, curve, target, selection, reporter)
+            patch = functools.partial(saved.patched, compute=edges.patched)
+            checked = _checked(patch, found, verify, curve, target, selection, reporter)
         seconds = time.perf_counter() - started
         head_roles = None if report is None else _roles(report)
-        result = _result(loaded, settings, pairs, found, method, steps, head_roles, seconds, checked, roles)
+        distinct = None if roles is None else _distinct_positions(tokenized, roles)
+        result = _result(loaded, settings, pairs, found, method, steps, head_roles, seconds, checked, roles, distinct)
         if why and ranks.main:
             _explain(result, why, why_roles, loaded, plan, tokenized, reporter)
         if opened.folder is not None:
@@ -210,6 +222,7 @@ def circuit(
                 drawn = draw_circuit_charts(result.edges, result.nodes, result.record, opened.folder, charts)
                 for failed in drawn[1]:
                     reporter.warn(f"could not draw {failed}; the tables and circuit.json are written")
+            saved.remove()  # only now: a run interrupted while writing keeps what --resume reads back
     result.folder = opened.target
     run.done(opened)
     return result
@@ -262,23 +275,40 @@ class _Checked:
 class _Dealt:
     """An EdgeModel's passes over the pairs, under torchrun dealt round-robin to the ranks (pair i to rank i % N)
     and gathered on every rank in pair order: a pair's numbers do not depend on which rank ran it, or with which
-    others. In one process, the passes over every pair."""
+    others. In one process, the passes over every pair. Each pass is shown as it runs (this rank's share; the bar
+    gives the time left)."""
 
-    def __init__(self, model: EdgeModel, ranks: Ranks, pairs) -> None:
-        self.model, self.ranks = model, ranks
+    def __init__(self, model: EdgeModel, ranks: Ranks, pairs, reporter: Reporter) -> None:
+        self.model, self.ranks, self.reporter = model, ranks, reporter
         self.mine = list(share_of(ranks, pairs))
         self.ids = np.concatenate(gather(ranks, np.sort([pair.pair.pair_id for pair in self.mine])))
 
     def scores(self, *, method: str, steps: int, roles=None) -> EdgeScores:
-        share = together(self.ranks, lambda: self.model.scores(self.mine, method=method, steps=steps, roles=roles))
+        extra = f", {steps} steps" if method == "eap-ig" else ""
+        self.reporter.start(len(self.mine), what=f"scoring every edge ({method}{extra})", unit="pairs")
+        share = together(self.ranks, lambda: self.model.scores(self.mine, method=method, steps=steps, roles=roles,
+                                                                on_batch=self.reporter.advance))  # fmt: skip
+        self.reporter.finish()
         return EdgeScores.joined(gather(self.ranks, share))
 
     def patched(self, excluded) -> np.ndarray:
-        share = together(self.ranks, lambda: self.model.patched(self.mine, excluded))
+        self.reporter.start(len(self.mine) * len(excluded), what=f"patching {len(excluded)} edge sets",
+                            unit="patched runs")  # fmt: skip
+        share = together(self.ranks, lambda: self.model.patched(self.mine, excluded, on_batch=self.reporter.advance))
+        self.reporter.finish()
         return np.concatenate(gather(self.ranks, share), axis=1)[:, np.argsort(self.ids, kind="stable")]
 
 
-def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target: float, selection: str, reporter):
+def _checkpoint(opened, loaded, pairs, settings, ranks, resume: bool, method: str, steps: int, roles, reporter):
+    """Where this run saves its scores and patched sets as they finish (rank 0 writes), and reads an interrupted
+    run's back with `resume`; in memory only (nothing saved) without an output folder."""
+    folder = None if opened.stage is None else opened.stage.path
+    key = fingerprint(loaded, pairs, settings, ONE_PROCESS)  # pairs: their sha256, as a corpus's
+    request = {"method": method, "steps": steps if method == "eap-ig" else None, "roles": roles}
+    return CircuitCheckpoint(folder, key, request, resume=resume, writes=ranks.main, notify=reporter.note)
+
+
+def _checked(patch, found: EdgeScores, verify: int, curve: bool, target: float, selection: str, reporter):
     graph = found.graph
     strongest = ranked_edges(graph, found.scores.mean(0))
     ranked = strongest if selection == "top" else greedy_edges(graph, found.scores.mean(0))
@@ -295,7 +325,7 @@ def _checked(edges: _Dealt, found: EdgeScores, verify: int, curve: bool, target:
     if masks:
         circuits = len(sizes) if curve else 0
         reporter.stage(f"patching {len(masks)} edge sets exactly ({verify} edges, {circuits} circuits)")
-    patched = edges.patched(masks) if masks else np.zeros((0, len(found.pair_ids)))
+    patched = patch(masks) if masks else np.zeros((0, len(found.pair_ids)))
     exact = {key: patched[i] for i, key in enumerate(exact_keys)}
     points = []
     if curve:
@@ -328,7 +358,8 @@ def _mean_and_interval(values: np.ndarray, pair_ids: np.ndarray, settings: RunCo
 
 
 def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, seconds, checked,
-            position_roles=None) -> Circuit:  # fmt: skip
+            position_roles=None, distinct=None) -> Circuit:  # fmt: skip
+    """The tables and the record; with `position_roles`, edges_by_role (distinct: `_distinct_positions`)."""
     graph = found.graph
     senders, receivers = np.nonzero(graph.edges)
     per_pair = found.scores[:, senders, receivers]  # (pairs, edges)
@@ -395,17 +426,34 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
     }
     by_role = None
     if position_roles is not None:  # (pairs, roles, edges) -> every edge at every role, its mean and interval
-        at_roles = found.by_role[:, :, senders, receivers].astype(np.float64)
-        mean, low, high = _mean_and_interval(at_roles.reshape(len(at_roles), -1), found.pair_ids, settings)
-        count = len(senders)
+        parts = _role_parts(found, senders, receivers, distinct)
+        mean, low, high = _mean_and_interval(parts.reshape(len(parts), -1), found.pair_ids, settings)
+        count, buckets = len(senders), [*position_roles, UNMARKED]
         by_role = pd.DataFrame({
-            "sender": np.tile(edges["sender"].to_numpy(), len(position_roles)),
-            "receiver": np.tile(edges["receiver"].to_numpy(), len(position_roles)),
-            "channel": np.tile(edges["channel"].to_numpy(), len(position_roles)),
-            "position_role": np.repeat(position_roles, count),
+            "sender": np.tile(edges["sender"].to_numpy(), len(buckets)),
+            "receiver": np.tile(edges["receiver"].to_numpy(), len(buckets)),
+            "channel": np.tile(edges["channel"].to_numpy(), len(buckets)),
+            "position_role": np.repeat(buckets, count),
             "score": mean, "score_ci_low": low, "score_ci_high": high,
         })  # fmt: skip
     return Circuit(edges, nodes, record, by_role=by_role)
+
+
+def _distinct_positions(tokenized, roles: list[str]) -> np.ndarray:
+    """(pairs, roles) bool, in pair order: whether the role's token is not an earlier role's in that pair (two roles
+    may end on one token, a marked one on END's): the positions the by-role parts count once each."""
+    return np.array([[pair.positions[role] not in {pair.positions[r] for r in roles[:i]} for i, role in
+                      enumerate(roles)] for pair in sorted(tokenized, key=lambda p: p.pair.pair_id)])  # fmt: skip
+
+
+def _role_parts(found: EdgeScores, senders, receivers, distinct: np.ndarray) -> np.ndarray:
+    """(pairs, roles + 1, edges) float64: each edge's score at each role's position, then at every position no role
+    marks (its whole score less each distinct marked position's part), so that the parts of each pair add up to the
+    edge's score."""
+    at_roles = found.by_role[:, :, senders, receivers].astype(np.float64)
+    marked = (at_roles * distinct[:, :, None]).sum(1)
+    unmarked = found.scores[:, senders, receivers] - marked
+    return np.concatenate([at_roles, unmarked[:, None]], axis=1)
 
 
 def _areas(curve: list[dict]) -> dict[str, float | None]:

@@ -24,7 +24,7 @@ adds up is not the model's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +130,15 @@ class Recorder:
                 handle.remove()
 
 
+def _quiet(pairs: int, tokens: int) -> None:
+    pass
+
+
+def _tokens(chunk) -> int:
+    """The tokens a batch of pairs runs: each clean and corrupt prompt."""
+    return sum(len(p.clean_ids) + len(p.corrupt_ids) for p in chunk)
+
+
 class EdgeModel:
     """A model attached for edges: its graph, where each sender writes and each receiver reads (found once, on the
     first pair), and the passes over pairs: `scores` (EAP, EAP-IG and DLA) and `patched` (the metric with chosen
@@ -178,10 +187,10 @@ class EdgeModel:
         hidden = self.columns[0].shape[0]
         return (4 * len(self.graph.senders) + 2 * len(self.graph.receivers)) * hidden * 4
 
-    def scores(self, pairs: Sequence[TokenizedPair], *, method: str, steps: int,
-               roles: Sequence[str] | None = None) -> EdgeScores:  # fmt: skip
+    def scores(self, pairs: Sequence[TokenizedPair], *, method: str, steps: int, roles: Sequence[str] | None = None,
+               on_batch: Callable[[int, int], None] = _quiet) -> EdgeScores:  # fmt: skip
         """Every edge's score and every sender's DLA for each pair (EdgeScores), in pair order; with `roles` (marked
-        in every pair), each edge's score at each role's position too."""
+        in every pair), each edge's score at each role's position too. on_batch(pairs, tokens): after each batch."""
         if method not in METHODS:
             raise ConfigError(f"--method takes {', '.join(METHODS)}; got {method!r}")
         senders, receivers = self.graph.edges.shape
@@ -194,15 +203,18 @@ class EdgeModel:
             for key, value in self._batch_scores(chunk, method, steps, roles).items():
                 found[key].append(value)
             found["ids"].append(np.array([p.pair.pair_id for p in chunk]))
+            on_batch(len(chunk), _tokens(chunk))
         order = np.argsort(np.concatenate(found["ids"]), kind="stable")  # pair order, whatever the batching
         by_role = None if roles is None else np.concatenate(found["by_role"])[order]
         return EdgeScores(self.graph, *(np.concatenate(found[key])[order] for key in ("scores", "dla", "clean",
                           "corrupt")), np.concatenate(found["ids"])[order], by_role)  # fmt: skip
 
-    def patched(self, pairs: Sequence[TokenizedPair], excluded: Sequence[np.ndarray]) -> np.ndarray:
+    def patched(self, pairs: Sequence[TokenizedPair], excluded: Sequence[np.ndarray],
+                on_batch: Callable[[int, int], None] = _quiet) -> np.ndarray:  # fmt: skip
         """(sets, pairs) float64, in pair order: the metric on each clean prompt when every edge of each set (a
         (senders, receivers) bool mask) carries the corrupt prompt's write of its sender into its receiver, every other
-        edge the write of this very pass (which the changed edges change downstream)."""
+        edge the write of this very pass (which the changed edges change downstream). on_batch(pairs, tokens): after
+        each set's patched run of a batch."""
         if not pairs:  # a rank dealt none
             return np.zeros((len(excluded), 0))
         found, ids = [], []
@@ -214,6 +226,7 @@ class EdgeModel:
             for mask in excluded:
                 logits = patched_logits(self, chunk, corrupt, torch.as_tensor(mask, device=self.device))
                 rows.append(logit_difference(logits, answers, distractors).double().cpu().numpy())
+                on_batch(len(chunk), _tokens(chunk))
             found.append(np.stack(rows))
             ids.append(np.array([p.pair.pair_id for p in chunk]))
         order = np.argsort(np.concatenate(ids), kind="stable")

@@ -485,7 +485,15 @@ def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tm
                                   "--by-role"])  # fmt: skip
     assert by_role.exit_code == 0, by_role.output
     table = pd.read_parquet(tmp_path / "roles" / "edges_by_role.parquet")
-    assert list(table["position_role"].unique()) == ["S", "END"] and len(table) == 2 * len(edges)
+    assert list(table["position_role"].unique()) == ["S", "END", "(unmarked)"] and len(table) == 3 * len(edges)
+    # each edge's parts add up to its score (issue 65: without the unmarked positions' bucket they did not), within
+    # float32 rounding of the role parts (the score is float64, its parts at one position float32)
+    keys = ["sender", "receiver", "channel"]
+    summed = table.groupby(keys, dropna=False)["score"].agg(["sum", lambda part: part.abs().sum()])
+    whole = edges.set_index(keys)["score"]
+    summed = summed.loc[whole.index]
+    assert (np.abs(summed["sum"] - whole) <= 8 * 2.0**-24 * summed["<lambda_0>"] + 1e-12).all()
+    assert (table.loc[table.position_role == "(unmarked)", "score"].abs() > 1e-3).any()  # not an empty bucket
     half = tmp_path / "half.jsonl"
     half.write_text(pairs.read_text().replace('"clean": "w5', '"clean": "[[S:w5]]'))  # the second pair marks none
     refused = runner.invoke(app, ["circuit", str(folder), "--pairs", str(half), "--out", str(tmp_path / "y"),
