@@ -314,7 +314,7 @@ def _checked(patch, found: EdgeScores, verify: int, curve: bool, target: float, 
     ranked = strongest if selection == "top" else greedy_edges(graph, found.scores.mean(0))
     count = graph.edge_count
     masks, exact_keys = [], []
-    for sender, receiver in strongest[:verify]:
+    for sender, receiver in verified_edges(graph, found, verify):
         mask = np.zeros_like(graph.edges)
         mask[sender, receiver] = True
         masks.append(mask)
@@ -336,6 +336,18 @@ def _checked(patch, found: EdgeScores, verify: int, curve: bool, target: float, 
         points.append({"edges": count, "share": 1.0, "faithfulness": 1.0})  # the clean run itself
     reached = [point for point in points if point["edges"] and point["faithfulness"] >= target]
     return _Checked(ranked, exact, points, target, reached[0] if reached else None, selection)
+
+
+def verified_edges(graph, found: EdgeScores, verify: int) -> list[tuple[int, int]]:
+    """The edges --verify patches exactly: the `verify` strongest by the run's score and, in an EAP-IG run, the
+    `verify` strongest by EAP (the same pass's, found.eap) not among them: a ranking can miss an edge the other
+    finds (an edge EAP ranked 685th was the second strongest when patched: issue 65)."""
+    chosen = [(int(s), int(r)) for s, r in ranked_edges(graph, found.scores.mean(0))[:verify]]
+    if found.eap is not None:
+        taken = set(chosen)
+        chosen += [(int(s), int(r)) for s, r in ranked_edges(graph, found.eap.mean(0))[:verify]
+                   if (int(s), int(r)) not in taken]  # fmt: skip
+    return chosen
 
 
 def _roles(report) -> dict[str, str]:
@@ -364,8 +376,6 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
     senders, receivers = np.nonzero(graph.edges)
     per_pair = found.scores[:, senders, receivers]  # (pairs, edges)
     score, low, high = _mean_and_interval(per_pair, found.pair_ids, settings)
-    rank = np.empty(len(score), dtype=np.int64)
-    rank[np.argsort(-np.abs(score), kind="stable")] = np.arange(1, len(score) + 1)
     edges = pd.DataFrame(
         {
             "sender": [graph.senders[i] for i in senders],
@@ -375,9 +385,12 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
             "score_ci_low": low,
             "score_ci_high": high,
             "method": method,
-            "rank": rank,
+            "rank": _ranks(score),
         }
     )
+    if found.eap is not None:  # an EAP-IG run: the same pass's EAP scores and ranks, beside (--verify takes both)
+        edges["score_eap"] = found.eap[:, senders, receivers].mean(0)
+        edges["rank_eap"] = _ranks(edges["score_eap"].to_numpy())
     # The verified edges' exact effect: m with that edge alone patched, minus m, mean over pairs (noising, as the
     # score: corrupting the edge); the circuit: the smallest curve point that reached the target.
     position = {(int(s), int(r)): i for i, (s, r) in enumerate(zip(senders, receivers, strict=True))}
@@ -437,6 +450,13 @@ def _result(loaded, settings, pairs, found: EdgeScores, method, steps, roles, se
             "score": mean, "score_ci_low": low, "score_ci_high": high,
         })  # fmt: skip
     return Circuit(edges, nodes, record, by_role=by_role)
+
+
+def _ranks(scores: np.ndarray) -> np.ndarray:
+    """Each edge's rank by |score|, 1 the strongest (ties in graph order, as ranked_edges orders them)."""
+    rank = np.empty(len(scores), dtype=np.int64)
+    rank[np.argsort(-np.abs(scores), kind="stable")] = np.arange(1, len(scores) + 1)
+    return rank
 
 
 def _distinct_positions(tokenized, roles: list[str]) -> np.ndarray:

@@ -55,11 +55,11 @@ class CircuitCheckpoint:
             saved = _load(path, self.scores_key, "edge scores", " (another --method, --steps or --by-role?)")
             self.notify(f"resuming the interrupted run: the edge scores of {len(saved['pair_ids'])} pairs read back "
                         f"from {path}")  # fmt: skip
-            return EdgeScores(graph, *(saved[name] for name in SCORE_FIELDS), by_role=saved.get("by_role"))
+            return EdgeScores(graph, *(saved[name] for name in SCORE_FIELDS), by_role=saved.get("by_role"),
+                              eap=saved.get("eap"))  # fmt: skip
         found = compute()
         arrays = {name: getattr(found, name) for name in SCORE_FIELDS}
-        if found.by_role is not None:
-            arrays["by_role"] = found.by_role
+        arrays |= {name: getattr(found, name) for name in ("by_role", "eap") if getattr(found, name) is not None}
         self._save(path, self.scores_key, arrays)
         return found
 

@@ -65,6 +65,9 @@ class EdgeScores:
     pair_ids: np.ndarray
     # with roles: (pairs, roles, senders, receivers) float32, the scores' products at each role's position alone
     by_role: np.ndarray | None = None
+    # EAP-IG's runs only: the EAP scores of the same pass (its last step runs the clean inputs exactly: the gradient
+    # EAP takes), (pairs, senders, receivers) float64; --verify patches the strongest by either
+    eap: np.ndarray | None = None
 
     @classmethod
     def joined(cls, parts: Sequence[EdgeScores]) -> EdgeScores:
@@ -72,8 +75,11 @@ class EdgeScores:
         order = np.argsort(np.concatenate([part.pair_ids for part in parts]), kind="stable")
         fields = ("scores", "dla", "clean", "corrupt", "pair_ids")
         joined = (np.concatenate([getattr(part, name) for part in parts])[order] for name in fields)
-        by_role = None if parts[0].by_role is None else np.concatenate([part.by_role for part in parts])[order]
-        return cls(parts[0].graph, *joined, by_role=by_role)
+        optional = {
+            name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])[order]
+            for name in ("by_role", "eap")
+        }
+        return cls(parts[0].graph, *joined, **optional)
 
 
 class Recorder:
@@ -157,26 +163,32 @@ class EdgeModel:
         self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
-    def batches(self, pairs: Sequence[TokenizedPair], roles: int = 0) -> Iterator[list[TokenizedPair]]:
+    def batches(
+        self, pairs: Sequence[TokenizedPair], roles: int = 0, method: str = "eap"
+    ) -> Iterator[list[TokenizedPair]]:
         """Pairs of one length together (no padding), as many as --max-memory holds: a gradient pass of their
         tokens, and the edges' own tensors (`token_bytes` a token; with `roles`, each pair's scores at each role,
-        float32, too)."""
+        float32, too; for EAP-IG, the last step's gradients and each pair's EAP scores, float64, besides)."""
         by_length: dict[int, list[TokenizedPair]] = {}
         for pair in pairs:
             by_length.setdefault(pair.length, []).append(pair)
         budget, token_bytes = self.plan.memory_budget, self.token_bytes()
-        at_roles = roles * self.graph.edges.size * 4
+        per_pair = roles * self.graph.edges.size * 4
+        if method == "eap-ig":
+            token_bytes += len(self.graph.receivers) * self.columns[0].shape[0] * 4
+            per_pair += self.graph.edges.size * 8
         longest = max(pair.length for pair in pairs)
-        if longest * token_bytes + at_roles > budget:
+        if longest * token_bytes + per_pair > budget:
+            what = " and its scores by role" if roles else ""
             raise ResourceError(
                 f"circuit holds {readable(token_bytes)} a token (every sender's write and every receiver's gradient)"
-                f"{f' and {readable(at_roles)} a pair by role' if roles else ''}: a pair of {longest} tokens needs "
-                f"{readable(longest * token_bytes + at_roles)} and --max-memory allows {readable(budget)}; raise "
+                f"{f' and {readable(per_pair)} a pair{what}' if per_pair else ''}: a pair of {longest} tokens needs "
+                f"{readable(longest * token_bytes + per_pair)} and --max-memory allows {readable(budget)}; raise "
                 "--max-memory or shorten the prompts"
             )
         tokens = self.plan.limits("importance").max_tokens
         for length, same in sorted(by_length.items()):
-            per_batch = max(1, min(tokens // length, budget // (length * token_bytes + at_roles)))
+            per_batch = max(1, min(tokens // length, budget // (length * token_bytes + per_pair)))
             for start in range(0, len(same), per_batch):
                 yield same[start : start + per_batch]
 
@@ -196,18 +208,20 @@ class EdgeModel:
         senders, receivers = self.graph.edges.shape
         if not pairs:  # a rank dealt none
             by_role = None if roles is None else np.zeros((0, len(roles), senders, receivers), dtype=np.float32)
+            eap = np.zeros((0, senders, receivers)) if method == "eap-ig" else None
             return EdgeScores(self.graph, np.zeros((0, senders, receivers)), np.zeros((0, senders + 1)),
-                              np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), by_role)  # fmt: skip
-        found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": [], "by_role": []}
-        for chunk in self.batches(pairs, 0 if roles is None else len(roles)):
+                              np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), by_role, eap)  # fmt: skip
+        found = {"scores": [], "dla": [], "clean": [], "corrupt": [], "ids": [], "by_role": [], "eap": []}
+        for chunk in self.batches(pairs, 0 if roles is None else len(roles), method):
             for key, value in self._batch_scores(chunk, method, steps, roles).items():
                 found[key].append(value)
             found["ids"].append(np.array([p.pair.pair_id for p in chunk]))
             on_batch(len(chunk), _tokens(chunk))
         order = np.argsort(np.concatenate(found["ids"]), kind="stable")  # pair order, whatever the batching
         by_role = None if roles is None else np.concatenate(found["by_role"])[order]
+        eap = np.concatenate(found["eap"])[order] if found["eap"] else None
         return EdgeScores(self.graph, *(np.concatenate(found[key])[order] for key in ("scores", "dla", "clean",
-                          "corrupt")), np.concatenate(found["ids"])[order], by_role)  # fmt: skip
+                          "corrupt")), np.concatenate(found["ids"])[order], by_role, eap)  # fmt: skip
 
     def patched(self, pairs: Sequence[TokenizedPair], excluded: Sequence[np.ndarray],
                 on_batch: Callable[[int, int], None] = _quiet) -> np.ndarray:  # fmt: skip
@@ -261,13 +275,17 @@ class EdgeModel:
                     step_logits, step_kept = _run(capture, recorder, clean_ids, device, grad=True, embeds=between)
                     found = gradients_of(metric(step_logits), step_kept)
                     gradients = found if gradients is None else gradients + found
+                clean_gradients = found  # the last step's inputs are the clean ones exactly: EAP's gradient
                 gradients = gradients / steps
             dla = self._dla(kept, self._writes(kept, last=True), answers, distractors, m_clean.detach())
         at = None if roles is None else torch.tensor([[p.positions[r] for r in roles] for p in chunk], device=device)
-        scores, by_role = _products(self.graph, self._changes(corrupt_kept, kept), gradients, at)
+        changes = self._changes(corrupt_kept, kept)
+        scores, by_role = _products(self.graph, changes, gradients, at)
+        eap = None if method == "eap" else _products(self.graph, changes, clean_gradients)[0]
         return {
             "scores": scores.cpu().numpy(),
             **({} if by_role is None else {"by_role": by_role.cpu().numpy()}),
+            **({} if eap is None else {"eap": eap.cpu().numpy()}),
             "dla": dla.cpu().numpy(),
             "clean": m_clean.detach().double().cpu().numpy(),
             "corrupt": metric(corrupt_logits).double().cpu().numpy(),

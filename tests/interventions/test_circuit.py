@@ -252,6 +252,11 @@ def test_max_memory_sizes_the_batches(tiny_lm):
     by_role = [(len(batch), batch[0].length) for batch in tight.batches(pairs, roles=40)]
     assert all(rows * (length * tight.token_bytes() + at_roles) <= 2**20 for rows, length in by_role)
     assert len(by_role) > len(sizes)  # the roles' scores take room: smaller batches
+    # EAP-IG keeps the last step's gradients (EAP's) a token and each pair's EAP scores (float64) besides
+    extra_token, extra_pair = len(tight.graph.receivers) * tight.columns[0].shape[0] * 4, tight.graph.edges.size * 8
+    ig = [(len(batch), batch[0].length) for batch in tight.batches(pairs, method="eap-ig")]
+    assert all(rows * (length * (tight.token_bytes() + extra_token) + extra_pair) <= 2**20 for rows, length in ig)
+    assert len(ig) >= len(sizes)
     words = [w for w in loaded.tokenizer.get_vocab() if w.isalpha()][:3]
     long = " ".join(words[:2] * (2**20 // tight.token_bytes()))  # more tokens than 1 MiB holds
     record = {"clean": long, "corrupt": long.replace(words[0], words[1], 1), "answer": words[2], "distractor": words[0]}
@@ -385,7 +390,8 @@ def test_the_planted_circuit_is_the_smallest_faithful_one(induction_lm, tmp_path
     assert len(chosen) == smallest["edges"]
     chosen_edges = set(zip(chosen.sender, chosen.receiver, chosen.channel, strict=True))
     assert {("0.0", "1.kv0", "k"), ("1.0", "logits", "")} <= chosen_edges
-    assert found.edges["exact"].notna().sum() == 3 and 0 < found.record["cpr"] <= 1
+    verified = found.edges["exact"].notna().sum()  # the 3 strongest by EAP-IG and by EAP
+    assert 3 <= verified == found.record["verified"] <= 6 and 0 < found.record["cpr"] <= 1
     grown = headscope.circuit(loaded, records, method="eap-ig", verify=0, target=0.9, selection="greedy")
     assert grown.record["selection"] == "greedy" and grown.record["faithfulness"][-1]["faithfulness"] == 1.0
     assert grown.record["circuit"] is not None and grown.record["circuit"]["edges"] <= smallest["edges"] + 2
@@ -531,3 +537,21 @@ def test_a_sender_without_a_role_prints_as_a_dash(capsys):
     shown = capsys.readouterr().out
     line = next(line for line in shown.splitlines() if line.strip().startswith("embed"))
     assert line.split()[-1] == "-" and "induction" in shown
+
+
+def test_an_eap_ig_run_verifies_the_strongest_by_eap_too(induction_lm):
+    """EAP-IG's last step runs the clean inputs exactly, so the same pass gives EAP's scores (score_eap, equal to an
+    EAP run's); --verify k patches the k strongest by each ranking (issue 65: an edge EAP ranked 685th was the
+    second strongest patched), every one of them and no other."""
+    _, loaded, pairs = induction_lm
+    records = [{"clean": p.pair.clean, "corrupt": p.pair.corrupt, "answer": p.pair.answer,
+                "distractor": p.pair.distractor} for p in pairs]  # fmt: skip
+    ig = headscope.circuit(loaded, records, method="eap-ig", steps=3, verify=4, curve=False)
+    eap = headscope.circuit(loaded, records, method="eap", verify=0, curve=False)
+    edges, keys = ig.edges, ["sender", "receiver", "channel"]
+    expected = eap.edges.set_index(keys).loc[edges.set_index(keys).index, "score"].to_numpy()
+    assert np.abs(edges["score_eap"].to_numpy() - expected).max() <= 1e-5 * (np.abs(expected).max() + 1)
+    assert sorted(edges["rank_eap"]) == list(range(1, len(edges) + 1)) and "score_eap" not in eap.edges
+    chosen = edges[(edges["rank"] <= 4) | (edges["rank_eap"] <= 4)]
+    assert set(chosen.index) == set(edges.index[edges["exact"].notna()])
+    assert ig.record["verified"] == len(chosen) > 4  # the rankings differ here: both were verified
