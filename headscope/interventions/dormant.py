@@ -97,9 +97,18 @@ class DormantCheck:
         out["heads"] = [head_name(*head) for head in self.kept]
         out["demoted"] = [head_name(*head) for head in self.demoted]
         out["effect"] = self.effect
+        out["cost_above_zero"] = cost_above_zero(self.effect)
         out["verified_sets"] = {str(size): round(cost, 6) for size, cost in sorted(self.costs.items())}
         out["rounds"] = self.rounds
         return out
+
+
+def cost_above_zero(effect: dict | None) -> bool | None:
+    """Whether the verified group's cost interval lies above 0: within the tolerance, yet measurably not free (the
+    heads do something on this corpus, which another text or task may need). None without an interval."""
+    if not effect or effect.get("delta_ci_low") is None:
+        return None
+    return bool(effect["delta_ci_low"] > 0)
 
 
 def candidates(labelled: pd.DataFrame) -> list[Head]:

@@ -178,3 +178,24 @@ def test_the_printout_says_what_backs_the_label(quiet_copier, tmp_path):
     text = " ".join(result.output.split())
     assert "dormant, checked by removal: its 7 heads zeroed together cost +0.0000 nats on 70 tokens" in text
     assert "1 demoted, removing them too cost more: 0.0" in text
+
+
+def test_a_verified_group_whose_interval_excludes_zero_is_flagged():
+    """Within the tolerance is not free: a kept group costing +0.0159 nats [+0.0024, +0.0291] (issue 65's held-out
+    model, where one of its heads carried a task) is flagged in run.json and in the printout; one whose interval
+    holds 0 is not; without an interval nothing is claimed."""
+    import pandas as pd
+
+    from headscope.interventions.dormant import DormantCheck
+    from headscope.summary import dormant_line
+
+    heads = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "role": ["dormant", "dormant"],
+                          "dormant_check": ["verified", "verified"]})  # fmt: skip
+    for low, high, flagged in ((0.0024, 0.0291, True), (-0.0031, 0.0291, False), (None, None, None)):
+        effect = {"tokens": 900, "clean_loss": 4.0, "ablated_loss": 4.0159, "delta": 0.0159, "delta_ci_low": low,
+                  "delta_ci_high": high}  # fmt: skip
+        check = DormantCheck("verified", tolerance=0.02, kept=[(0, 0), (0, 1)], effect=effect).record()
+        assert check["cost_above_zero"] is flagged
+        line = dormant_line(heads, check)
+        assert line.startswith("dormant, checked by removal: its 2 heads zeroed together cost +0.0159 nats")
+        assert ("its interval excludes 0: within the tolerance, but not free" in line) is bool(flagged)
