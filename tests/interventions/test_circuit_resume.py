@@ -43,7 +43,7 @@ RECORDS = [
     {"clean": "w3 w4 w6 w8 w11 w3", "corrupt": "w2 w4 w6 w8 w11 w3", "answer": "w4", "distractor": "w8"},
     {"clean": "w3 w4 w3", "corrupt": "w2 w4 w3", "answer": "w4", "distractor": "w8"},
 ]
-VERIFY = PATCH_GROUP + 4  # two groups of patched sets with the curve's
+VERIFY = PATCH_GROUP  # with the strongest by EAP too and the curve's sets: more than one group
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +63,11 @@ def test_each_pass_counts_what_it_runs(induction, tmp_path):
     patched) to pairs x sets, one bar per group of PATCH_GROUP sets, with the time left on the terminal's bar."""
     reporter = Passes()
     found = run(induction, tmp_path / "c", reporter)
-    sets = VERIFY + len(found.record["faithfulness"]) - 2  # the curve's ends are the runs themselves
+    sets = found.record["verified"] + len(found.record["faithfulness"]) - 2  # the curve's ends are the runs
     scoring = [p for p in reporter.passes if p[1] == "pairs"]
     patching = [p for p in reporter.passes if p[1] == "patched runs"]
     assert [p[2:] for p in scoring] == [[len(RECORDS), len(RECORDS)]] and "eap-ig, 2 steps" in scoring[0][0]
-    assert all(total == done for _, _, total, done in patching) and len(patching) == 2
+    assert all(total == done for _, _, total, done in patching) and len(patching) == -(-sets // PATCH_GROUP) > 1
     assert sum(p[2] for p in patching) == len(RECORDS) * sets
 
 
@@ -84,9 +84,9 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_numbers(induction, tmp_
     assert (kept / CIRCUIT_SCORES).is_file() and (kept / CIRCUIT_PATCHED).is_file() and not out.exists()
     again = Passes()
     found = run(induction, out, again, resume=True)
-    assert [p[1] for p in again.passes] == ["patched runs"]  # scores read back; the second group alone
-    sets = VERIFY + len(found.record["faithfulness"]) - 2
-    assert again.passes[0][2] == len(RECORDS) * (sets - PATCH_GROUP)
+    assert {p[1] for p in again.passes} == {"patched runs"}  # scores read back; the groups after the first alone
+    sets = found.record["verified"] + len(found.record["faithfulness"]) - 2
+    assert sum(p[2] for p in again.passes) == len(RECORDS) * (sets - PATCH_GROUP)
     assert [note.split(" read back")[0] for note in again.notes] == [
         f"resuming the interrupted run: the edge scores of {len(RECORDS)} pairs",
         f"resuming the interrupted run: {PATCH_GROUP} of {sets} patched edge sets",
