@@ -162,7 +162,7 @@ def dormant_line(heads: pd.DataFrame, check: dict | None) -> str | None:
         )
         if effect.get("delta_ci_low") is not None and effect["delta_ci_low"] > 0:
             line += ("; its interval excludes 0: within the tolerance, but not free (`headscope ablate --role dormant "
-                     "--mode zero --corpus FILE` checks the text you care about)")  # fmt: skip
+                     "--mode zero` with --corpus or --pairs checks the text or task you care about)")  # fmt: skip
     elif check is not None and check.get("status") == "verified":
         line = f"dormant: unverified, its {dormant} heads are not the ones analyze removed together (other thresholds)"
     else:

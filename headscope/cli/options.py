@@ -199,6 +199,14 @@ Pairs = Annotated[
         "distractor (one token each, e.g. ' Mary')."
     ),
 ]
+AblatePairs = Annotated[
+    Path | None,
+    typer.Option(
+        "--pairs",
+        help="Measure a task instead of the loss: prompt pairs as patch takes them (clean, corrupt, answer, "
+        "distractor); each group is removed on the clean prompts and the metric's change reported.",
+    ),
+]
 Role = Annotated[
     list[str] | None,
     typer.Option(

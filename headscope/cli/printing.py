@@ -301,7 +301,11 @@ SUMMARY_ROWS = 40  # the console shows this many (head, text) rows; inspect.json
 
 
 def print_ablation(found) -> None:
-    """Per group: its heads, the scored tokens, clean and ablated loss, the delta and its 95% interval."""
+    """Per group: its heads, the scored tokens, clean and ablated loss, the delta and its 95% interval (with
+    --pairs: the pairs, clean and ablated m, the change, its interval and its share of the gap)."""
+    if found.pairs is not None:
+        _print_pair_ablation(found)
+        return
     console = _console()
     title = f"{found.model}: heads removed together ({found.mode}), loss on {found.loss_on} tokens"
     table = Table(title=_title(title), box=box.SIMPLE_HEAD)
@@ -323,6 +327,28 @@ def print_ablation(found) -> None:
             "-" if low is None else f"[{low:+.4f}, {high:+.4f}]",
         )
     console.print(table)
+    if found.folder is not None:
+        console.print(f"wrote {found.folder}/{ABLATION_RECORD}")
+
+
+def _print_pair_ablation(found) -> None:
+    console = _console()
+    task = found.pairs
+    title = (f"{found.model}: heads removed together ({found.mode}) on {task['count']} pairs' clean prompts, "
+             f"{task['metric']} = {task['definition']}")  # fmt: skip
+    table = Table(title=_title(title), box=box.SIMPLE_HEAD)
+    for name in ("group", "heads", "m clean", "m ablated", "change", "95% interval", "share of the gap"):
+        table.add_column(name, justify="left" if name in ("group", "heads") else "right", no_wrap=True)
+    for effect in found.effects:
+        low, high = effect.change_ci_low, effect.change_ci_high
+        heads = ",".join(effect.heads[:6]) + (f",... ({len(effect.heads)})" if len(effect.heads) > 6 else "")
+        _row(table, effect.name if effect.name != ",".join(effect.heads) else "-", heads,
+             f"{effect.clean_metric:.4f}", f"{effect.ablated_metric:.4f}", f"{effect.change:+.4f}",
+             "-" if low is None else f"[{low:+.4f}, {high:+.4f}]",
+             "-" if effect.gap_share is None else f"{effect.gap_share:+.3f}")  # fmt: skip
+    console.print(table)
+    console.print("share of the gap: change / (mean m_corrupt - mean m_clean); 1 = removing the heads does what the "
+                  "corrupt prompt does, 0 = nothing")  # fmt: skip
     if found.folder is not None:
         console.print(f"wrote {found.folder}/{ABLATION_RECORD}")
 

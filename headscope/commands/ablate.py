@@ -3,8 +3,10 @@
     the groups     --heads L.H,... (repeat for more groups); --role R or --each-role, from a report's roles
     the removal    zero, or each head's clean corpus mean (interventions/removal.py defines both)
     the tokens     every predicted token, or the repeated ones an induction head can predict (--loss-on)
+    or a task      --pairs FILE: the pairs' metric on each clean prompt instead of the loss
+                   (interventions/pair_removal.py), its change and its share of the clean-corrupt gap
     the output     ablation.json: per group its heads, tokens, clean and ablated loss, the delta and its 95%
-                   paired bootstrap interval over sentences
+                   paired bootstrap interval over sentences (with --pairs: over pairs, the metric's)
 
 Every group shares each batch's clean pass (interventions.group_losses.group_losses).
 """
@@ -24,6 +26,9 @@ from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.group_losses import SCORINGS, PassPlan, group_effect
 from headscope.interventions.loss_model import loss_model
+from headscope.interventions.pair_removal import pair_group_effect, removed_metrics
+from headscope.interventions.pairs import as_pairs, tokenize_pairs
+from headscope.interventions.patching import METRICS
 from headscope.interventions.removal import Head
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
@@ -59,24 +64,46 @@ class GroupEffect:
     delta_ci_high: float | None
 
 
+PAIR_COLUMNS = ["group", "heads", "pairs", "clean m", "ablated m", "change", "95% low", "95% high", "share of the gap"]
+
+
+@dataclass(frozen=True)
+class PairGroupEffect:
+    """One group's effect on a task (ablate --pairs): m = logit[answer] - logit[distractor] at the last position of
+    each clean prompt, means over pairs (interventions.pair_removal.pair_group_effect)."""
+
+    name: str
+    heads: tuple[str, ...]
+    mode: str
+    pairs: int
+    clean_metric: float
+    ablated_metric: float
+    change: float
+    change_ci_low: float | None
+    change_ci_high: float | None
+    gap_share: float | None
+
+
 @dataclass
 class Ablation:
     """What `ablate` measured, one effect per group; `record` is ablation.json, built from these fields alone."""
 
     model: str  # as the user named it
     mode: str
-    loss_on: str
-    effects: list[GroupEffect]
+    loss_on: str | None  # None: a task's pairs (`pairs`) instead of the loss
+    effects: list[GroupEffect] | list[PairGroupEffect]
     header: dict  # run.setup.record_header: model, corpus, device, dtype, settings, versions
     bootstrap: dict  # replicates, seed, level
     folder: Path | None = None
     planned: PassPlan | None = None  # the passes it ran, counted before it ran them
+    pairs: dict | None = None  # --pairs: the file's path, sha256 and count, and the metric
 
     @property
     def record(self) -> dict:
         groups = [dataclasses.asdict(effect) | {"heads": list(effect.heads)} for effect in self.effects]
         planned = None if self.planned is None else dataclasses.asdict(self.planned)
-        return {**self.header, "mode": self.mode, "loss_on": self.loss_on, "bootstrap": self.bootstrap,
+        task = {} if self.pairs is None else {"pairs": self.pairs}
+        return {**self.header, "mode": self.mode, "loss_on": self.loss_on, **task, "bootstrap": self.bootstrap,
                 "planned": planned, "groups": groups}  # fmt: skip
 
     @property
@@ -92,6 +119,14 @@ class Ablation:
         """In a notebook: each group's loss against the clean loss, with its 95% interval (the printout's table)."""
         from headscope.report.notebook import block, facts, table
 
+        if self.pairs is not None:
+            rows = [(e.name, len(e.heads), e.pairs, e.clean_metric, e.ablated_metric, e.change, e.change_ci_low,
+                     e.change_ci_high, e.gap_share) for e in self.effects]  # fmt: skip
+            return block(
+                f"headscope ablation: {self.model}",
+                facts([("mode", self.mode), ("metric", self.pairs["metric"]), ("pairs", self.pairs["count"])]),
+                table(PAIR_COLUMNS, rows),
+            )
         rows = [(e.name, len(e.heads), e.tokens, e.clean_loss, e.ablated_loss, e.delta, e.delta_ci_low,
                  e.delta_ci_high) for e in self.effects]  # fmt: skip
         return block(
@@ -114,6 +149,7 @@ def ablate(
     report: str | Path | None = None,
     mode: str = DEFAULT_REMOVAL,
     loss_on: str = "all",
+    pairs: str | Path | Sequence[dict] | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
     config: RunConfig | None = None,
@@ -133,6 +169,8 @@ def ablate(
         report: a report of this model, for `roles` and `each_role`.
         mode: "zero" or "mean" (a head's output replaced by 0, or by its mean over the corpus).
         loss_on: "all" predicted tokens, or "repeats" (the second token of a bigram seen before).
+        pairs: prompt pairs (a .jsonl/.csv/.tsv file or a list of dicts, as patch takes them): measure the task's
+            metric on each clean prompt instead of the loss (the corpus gives mean removal its means).
         out: the folder to write ablation.json into; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
         config: the settings as a RunConfig (max_length, max_memory, device, dtype, threads, bootstrap,
@@ -147,18 +185,38 @@ def ablate(
     heads = as_head_groups(heads) if heads is not None else []
     roles, report = as_texts(roles, "--role"), as_path(report, "report")
     check_request(heads, roles, each_role, report, mode, loss_on)
+    if pairs is not None and loss_on != "all":
+        raise ConfigError("--loss-on scores the corpus loss; with --pairs the task's metric is measured instead")
+    pairs = None if pairs is None else as_pairs(pairs)
     groups = [Group(",".join(head_name(*h) for h in group), group) for group in heads]
     if report is not None:
         groups += role_groups(report, roles, each_role)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
-    run.request = {"groups": [(group.name, group.heads) for group in groups], "mode": mode, "loss_on": loss_on}
-    run.data_parallel(model, "ablate")
+    run.request = {"groups": [(group.name, group.heads) for group in groups], "mode": mode, "loss_on": loss_on,
+                   "pairs (sha256)": None if pairs is None else pairs.sha256}  # fmt: skip
+    ranks = run.data_parallel(model, "ablate")
+    if pairs is not None and ranks.parallel:
+        raise ConfigError("ablate --pairs runs in one process (a task's pairs are few): run it without torchrun")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
+    if pairs is not None and pairs.path.is_file():
+        run.protected["the pairs file"] = pairs.path
+
+    def pairs_fit(tokenizer, model_config) -> None:  # what the tokenizer alone refuses, before the weights load
+        if pairs is not None:
+            tokenize_pairs(pairs, tokenizer, settings.max_length)
+
     session = run.session(model, loader, what="ablate", out=out, kind="ablation", overwrite=overwrite, lm_head=True,
-                          report=report)  # fmt: skip
+                          report=report, before_weights=pairs_fit)  # fmt: skip
     with session as opened, loss_model(opened, run, "ablate") as lm:
         for group in groups:
             lm.plan.check_heads(group.heads, group.source)
+        if pairs is not None:
+            found = _on_pairs(lm, pairs, groups, mode, settings, corpus)
+            if opened.folder is not None:
+                write_json(found.record, opened.folder / ABLATION_RECORD)
+            found.folder = opened.target
+            run.done(opened)
+            return found
         planned = lm.planned([g.heads for g in groups], mode)
         reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
         removal = lm.removal(mode)
@@ -212,6 +270,30 @@ def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
     if not groups:
         raise ConfigError(f"no head of the report in {report} has a role (every head is other)")
     return groups
+
+
+def _on_pairs(lm, pairs, groups: list[Group], mode: str, settings: RunConfig, corpus: Corpus) -> Ablation:
+    """--pairs: each group removed on every pair's clean prompt, the metric's change (interventions.pair_removal)."""
+    reporter = lm.reporter
+    tokenized = tokenize_pairs(pairs, lm.loaded.tokenizer, lm.plan.max_length)
+    removal = lm.removal(mode)
+    plural = "s" * (len(groups) != 1)
+    reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(tokenized)} pairs' clean prompts")
+    reporter.start(len(tokenized), what="ablation on pairs", unit="pairs")
+    found = removed_metrics(lm.capture, lm.plan, lm.loaded.device, tokenized, [g.heads for g in groups], removal,
+                            on_batch=reporter.advance)  # fmt: skip
+    reporter.finish()
+    effects = [
+        PairGroupEffect(group.name, tuple(head_name(*h) for h in group.heads), mode,
+                        **pair_group_effect(found, index, replicates=settings.bootstrap, seed=settings.bootstrap_seed))
+        for index, group in enumerate(groups)
+    ]  # fmt: skip
+    bootstrap = {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95}
+    header = record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus)
+    metric = METRICS["logit_diff"]
+    task = {"path": str(pairs.path), "sha256": pairs.sha256, "count": len(tokenized), "metric": metric.name,
+            "definition": metric.definition}  # fmt: skip
+    return Ablation(lm.loaded.source.display, mode, None, effects, header, bootstrap, pairs=task)
 
 
 def _ablation(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str):
