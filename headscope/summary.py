@@ -172,3 +172,10 @@ def dormant_line(heads: pd.DataFrame, check: dict | None) -> str | None:
         shown = ", ".join(demoted[:8]) + (", ..." if len(demoted) > 8 else "")
         line += f"; {len(demoted)} demoted, removing them too cost more: {shown}"
     return line
+
+
+def model_name(record: dict) -> str:
+    """How a record's titles name its model: `model.name` (a hub id or alias, or a local folder's or file's own name;
+    ModelSource.name), else, in a record written before it, what the user typed."""
+    model = record.get("model") if isinstance(record.get("model"), dict) else {}
+    return str(model.get("name") or model.get("input", "?"))

@@ -32,6 +32,7 @@ from headscope.summary import (
     layer_bands,
     layer_entropy,
     least_needed,
+    model_name,
     most_important,
     off_sink_counts,
     strongest_positions,
@@ -367,7 +368,7 @@ def print_patching(found, count: int = 12) -> None:
     record = found.record
     console.print(
         _title(
-            f"{record['model']['input']}: {record['metric']['name']} = {record['metric']['definition']}; mean "
+            f"{model_name(record)}: {record['metric']['name']} = {record['metric']['definition']}; mean "
             f"{record['m_clean_mean']:.3f} clean, {record['m_corrupt_mean']:.3f} corrupt over "
             f"{record['pairs']['count']} pairs"
         )
@@ -417,7 +418,7 @@ def print_circuit(found, count: int = 12) -> None:
     console = _console()
     record = found.record
     m = record["m"]
-    console.print(_title(f"{record['model']['input']}: {record['metric']['name']} = {record['metric']['definition']}; "
+    console.print(_title(f"{model_name(record)}: {record['metric']['name']} = {record['metric']['definition']}; "
                          f"mean {m['clean']:.3f} clean, {m['corrupt']:.3f} corrupt over {record['pairs']['count']} "
                          f"pairs; {record['graph']['edges']:,} edges scored by {record['method']}"))  # fmt: skip
     table = Table(title=_title("the strongest edges"), box=box.SIMPLE_HEAD)
@@ -495,7 +496,7 @@ def print_copying(found, count: int = 10) -> None:
     """The heads that copy most and those that suppress most, and what the score means."""
     console = _console()
     heads, record = found.heads, found.record
-    console.print(_title(f"{record['model']['input']}: the OV copying score of {len(heads)} heads (unembedding: "
+    console.print(_title(f"{model_name(record)}: the OV copying score of {len(heads)} heads (unembedding: "
                          f"{record['unembedding']})"))  # fmt: skip
     ordered = heads.sort_values("ov_copying", ascending=False)
     for title, rows in (("copying most", ordered.head(count)), ("suppressing most", ordered.tail(count)[::-1])):

@@ -88,7 +88,7 @@ class PairGroupEffect:
 class Ablation:
     """What `ablate` measured, one effect per group; `record` is ablation.json, built from these fields alone."""
 
-    model: str  # as the user named it
+    model: str  # its name (ModelSource.name: a hub id or alias, or a local folder's or file's own name)
     mode: str
     loss_on: str | None  # None: a task's pairs (`pairs`) instead of the loss
     effects: list[GroupEffect] | list[PairGroupEffect]
@@ -293,7 +293,7 @@ def _on_pairs(lm, pairs, groups: list[Group], mode: str, settings: RunConfig, co
     metric = METRICS["logit_diff"]
     task = {"path": str(pairs.path), "sha256": pairs.sha256, "count": len(tokenized), "metric": metric.name,
             "definition": metric.definition}  # fmt: skip
-    return Ablation(lm.loaded.source.display, mode, None, effects, header, bootstrap, pairs=task)
+    return Ablation(lm.loaded.source.name, mode, None, effects, header, bootstrap, pairs=task)
 
 
 def _ablation(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str):
@@ -304,4 +304,4 @@ def _ablation(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConf
     ]  # fmt: skip
     bootstrap = {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95}
     header = record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus)
-    return Ablation(lm.loaded.source.display, mode, loss_on, effects, header, bootstrap)
+    return Ablation(lm.loaded.source.name, mode, loss_on, effects, header, bootstrap)

@@ -50,6 +50,7 @@ from headscope.report.report import Report
 from headscope.run.distributed import ONE_PROCESS, Ranks, gather, share_of, together
 from headscope.run.record import fingerprint
 from headscope.run.setup import MODEL_AND_CORPUS, CommandRun, record_header
+from headscope.summary import model_name
 from headscope.tables import write_frame, write_json
 
 EDGE_BLOCK = 4096  # edges bootstrapped at once: (replicates, EDGE_BLOCK) float64 at a time
@@ -74,7 +75,7 @@ class Circuit:
         return self.edges.nsmallest(count, "rank")
 
     def __repr__(self) -> str:
-        return f"Circuit(model={self.record['model']['input']!r}, {len(self.edges)} edges, {self.record['method']})"
+        return f"Circuit(model={model_name(self.record)!r}, {len(self.edges)} edges, {self.record['method']})"
 
     def _repr_html_(self) -> str:
         """In a notebook: the settings, the strongest edges and the components that write most of m."""
@@ -86,7 +87,7 @@ class Circuit:
         strongest = self.nodes.reindex(self.nodes["dla"].abs().sort_values(ascending=False).index).head(10)
         nodes = [(r.node, r.dla, r.dla_ci_low, r.dla_ci_high) for r in strongest.itertuples()]
         return block(
-            f"headscope circuit: {record['model']['input']}",
+            f"headscope circuit: {model_name(record)}",
             facts(
                 [
                     ("method", record["method"]),

@@ -29,6 +29,7 @@ from headscope.model.identity import parameter_digest, weights_fingerprint
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
 from headscope.run.setup import CommandRun, record_header
+from headscope.summary import model_name
 
 CACHE_VERSION = 1  # bumped when the score's computation changes: every cached score is computed again
 
@@ -41,7 +42,7 @@ class Copying:
     record: dict
 
     def __repr__(self) -> str:
-        return f"Copying(model={self.record['model']['input']!r}, {len(self.heads)} heads)"
+        return f"Copying(model={model_name(self.record)!r}, {len(self.heads)} heads)"
 
     def _repr_html_(self) -> str:
         """In a notebook: the heads that copy most and those that suppress most."""
@@ -51,7 +52,7 @@ class Copying:
         rows = [(r.layer, r.head, f"{r.ov_copying:+.3f}") for r in (*ordered.head(8).itertuples(),
                                                                      *ordered.tail(8).itertuples())]  # fmt: skip
         return block(
-            f"headscope copying: {self.record['model']['input']}",
+            f"headscope copying: {model_name(self.record)}",
             facts(
                 [
                     ("score", DEFINITION),

@@ -78,7 +78,7 @@ class Inspection:
     record: dict  # inspect.json, built from the fields below (`_record`)
     tokens: pd.DataFrame
     summary: pd.DataFrame  # one row per (text_id, layer, head)
-    model: str = ""  # as the user named it
+    model: str = ""  # its name (ModelSource.name: a hub id or alias, or a local folder's or file's own name)
     texts: list[Text] = dataclasses.field(default_factory=list)
     roles: dict[str, str] = dataclasses.field(default_factory=dict)  # head (L.H) -> role, where known
     roles_from: str | None = None
@@ -287,7 +287,7 @@ def inspect(
         qk = pd.read_parquet(folder / QK_FILE) if opened.stage is None and why else None
     folder = opened.target
     run.done(opened)
-    return Inspection(record, tokens, summary, loaded.source.display, chosen_texts, known, roles_from,
+    return Inspection(record, tokens, summary, loaded.source.name, chosen_texts, known, roles_from,
                       tuple(dict.fromkeys(probes)), folder=folder, _attention=attention, page=shown,
                       _qk=qk)  # fmt: skip
 

@@ -63,7 +63,7 @@ class SavedModel:
 class Pruning:
     """What `prune` found; `record` is prune.json, built from these fields alone."""
 
-    model: str  # as the user named it
+    model: str  # its name (ModelSource.name: a hub id or alias, or a local folder's or file's own name)
     mode: str
     result: PruneResult  # the search's: heads in removal order, clean and verified loss, the curve
     total_heads: int
@@ -234,7 +234,7 @@ def prune(
             )
         result, removal = search.result, search.removal
         found = Pruning(
-            lm.loaded.source.display, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
+            lm.loaded.source.name, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
             lm.plan.heads), record_header(lm.loaded, settings, PRUNE_SETTINGS, corpus),
             time.perf_counter() - started, len(candidates), patience, max_rounds, search.passes, lm.plan.depth,
             journal.replayed if journal is not None else 0,

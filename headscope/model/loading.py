@@ -36,8 +36,18 @@ class ModelSource:
     kind: str  # "hub", "folder" or "gguf"
     location: str  # hub id, or folder (for gguf: the folder holding the file)
     gguf_file: str | None  # file name inside `location`, for kind "gguf"
-    display: str  # what the user typed, for titles and run.json
+    display: str  # what the user typed, for run.json (the command can be run again from it)
     slug: str  # safe folder name for the default output directory
+
+    @property
+    def name(self) -> str:
+        """How titles, pages and printouts name the model: a hub id or alias as typed, a local folder's or file's
+        own name (never the path on the machine that ran it)."""
+        if self.kind == "folder":
+            return Path(self.location).resolve().name or self.display
+        if self.kind == "gguf" and self.display not in ALIASES:
+            return self.gguf_file
+        return self.display
 
 
 @dataclass

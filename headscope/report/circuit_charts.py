@@ -12,12 +12,13 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from headscope.report.charts import save_each, title_text
+from headscope.summary import model_name
 
 GRAPH_EDGES = 40  # edges drawn when the smallest faithful circuit is larger, or there is none: the strongest
 
 
 def _title(record: dict, what: str) -> str:
-    return title_text(f"{record['model']['input']}: {what} on {record['pairs']['count']} pairs ({record['method']})")
+    return title_text(f"{model_name(record)}: {what} on {record['pairs']['count']} pairs ({record['method']})")
 
 
 def _place(node: str, heads: int, depth: int) -> tuple[float, float]:

@@ -8,6 +8,7 @@ import pandas as pd
 
 from headscope.report import palette
 from headscope.report.page import page_html
+from headscope.summary import model_name
 
 PAGE_EDGES = 500  # the strongest edges the page carries (every edge is in edges.parquet)
 SHOWN_EDGES = 40  # drawn at first when the smallest faithful circuit is larger, or there is none
@@ -33,13 +34,13 @@ def circuit_page(edges: pd.DataFrame, nodes: pd.DataFrame, record: dict) -> str:
     carried = edges.nsmallest(PAGE_EDGES, "rank")
     circuit = record.get("circuit")
     first = circuit["edges"] if circuit is not None and circuit["edges"] <= 200 else SHOWN_EDGES
-    title = f"{record['model']['input']}: {record['method']} on {record['pairs']['count']} pairs"
+    title = f"{model_name(record)}: {record['method']} on {record['pairs']['count']} pairs"
     edge_names = ("sender", "receiver", "channel", "score", "score_ci_low", "score_ci_high", "exact", "rank",
                   "in_circuit", "sender_role")  # fmt: skip
     node_names = ("node", "layer", "head", "kind", "dla", "dla_ci_low", "dla_ci_high", "in_circuit", "role")
     data = {
         "title": title,
-        "model": record["model"]["input"],
+        "model": model_name(record),
         "architecture": {key: record["model"]["architecture"][key] for key in ("layers", "heads", "kv_heads")},
         "method": record["method"],
         "steps": record.get("steps"),

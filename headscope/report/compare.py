@@ -207,7 +207,7 @@ def _identity(report: Report) -> dict:
     model, corpus = _section(report.run, "model"), _section(report.run, "corpus")
     return {
         "folder": str(report.folder),
-        "model": model.get("input"),
+        "model": model.get("name") or model.get("input"),
         "corpus": corpus.get("path"),
         "corpus_sha256": report.corpus_sha256,
         "layers": report.depth,

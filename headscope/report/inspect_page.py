@@ -17,6 +17,7 @@ import pandas as pd
 from headscope.labels import PROBE_ROLES
 from headscope.report import palette
 from headscope.report.page import page_html
+from headscope.summary import model_name
 
 VIEW_BYTES = 48_000_000  # raw bytes of weights the page may carry (base64 adds a third)
 PAGE_MAX_TOKENS = 1_024  # a longer text's (t, t) view is more cells than a browser heatmap shows usefully
@@ -101,11 +102,11 @@ def _members(groups: list[list[int]], count: int) -> np.ndarray:
 
 def inspect_page(record: dict, tokens: pd.DataFrame, views: PageViews) -> str:
     """The whole inspect.html, as a string."""
-    title = f"{record['model']['input']}: {len(record['heads'])} heads on {len(record['texts'])} texts"
+    title = f"{model_name(record)}: {len(record['heads'])} heads on {len(record['texts'])} texts"
     by_text = {text_id: part["token"].tolist() for text_id, part in tokens.groupby("text_id", sort=True)}
     data = {
         "title": title,
-        "model": record["model"]["input"],
+        "model": model_name(record),
         "texts": [
             {
                 "id": entry["text_id"],

@@ -212,7 +212,7 @@ def _run_summary(run: dict) -> dict:
     architecture = model.get("architecture") if isinstance(model.get("architecture"), dict) else {}
     versions = run.get("versions") if isinstance(run.get("versions"), dict) else {}
     return {
-        "model": model.get("input"),
+        "model": model.get("name") or model.get("input"),
         "architecture": architecture,
         "corpus": corpus.get("path"),
         "sentences": corpus.get("sentences"),

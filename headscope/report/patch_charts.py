@@ -11,7 +11,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from headscope.report.charts import plain, save_each, title_text
-from headscope.summary import strongest_positions
+from headscope.summary import model_name, strongest_positions
 
 POSITION_ROWS = 24  # heads shown by position: those with the largest effect anywhere
 NOT_PATCHED = "#9e9e9e"  # a head (or position) outside --heads / --layers: grey, not the colour of 0
@@ -29,7 +29,7 @@ def _norm(values: np.ndarray) -> TwoSlopeNorm:
 
 
 def _title(record: dict) -> str:
-    return title_text(f"{record['model']['input']}: {record['direction']} patching of each head's {record['what']} "
+    return title_text(f"{model_name(record)}: {record['direction']} patching of each head's {record['what']} "
                  f"on {record['pairs']['count']} pairs ({record['method']})")  # fmt: skip
 
 

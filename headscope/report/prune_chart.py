@@ -7,6 +7,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from headscope.report.charts import save_each, title_text
+from headscope.summary import model_name
 
 
 def prune_curve(record: dict) -> Figure:
@@ -22,7 +23,7 @@ def prune_curve(record: dict) -> Figure:
     ax.set_xlabel("heads removed")
     ax.set_ylabel("corpus loss (nats per predicted token)")
     ax.legend(loc="upper left", fontsize=8)
-    title = title_text(f"{record['model']['input']} on {Path(record['corpus']['path']).name}")
+    title = title_text(f"{model_name(record)} on {Path(record['corpus']['path']).name}")
     removed = f"{len(record['heads'])} of {record['total_heads']} heads"
     ax.set_title(f"{title}\npruning ({record['mode']} removal): {removed} removed")
     return fig

@@ -253,7 +253,7 @@ class Report:
     def label(self) -> str:
         """'model on corpus.txt'."""
         model, corpus = _section(self.run, "model"), _section(self.run, "corpus")
-        return f"{model.get('input', '?')} on {Path(str(corpus.get('path', 'corpus'))).name}"
+        return f"{model.get('name') or model.get('input', '?')} on {Path(str(corpus.get('path', 'corpus'))).name}"
 
     @property
     def corpus_sha256(self) -> str | None:

@@ -81,6 +81,7 @@ def run_record(analysis, heads) -> dict:
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {
             "input": source.display,
+            "name": source.name,
             "kind": source.kind,
             "location": source.location,
             "gguf_file": source.gguf_file,

@@ -246,7 +246,7 @@ def record_header(loaded: LoadedModel, settings: RunConfig, used: tuple[str, ...
     header = {
         "schema_version": SCHEMA_VERSION,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"input": loaded.source.display, "architecture": loaded.architecture},
+        "model": {"input": loaded.source.display, "name": loaded.source.name, "architecture": loaded.architecture},
     }
     if corpus is not None:
         header["corpus"] = {"path": str(corpus.path), "sentences": len(corpus.sentences)}
