@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 
 import click
 import typer
@@ -23,7 +24,9 @@ class OneLineErrors(TyperGroup):
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            with warnings.catch_warnings():
+                warnings.showwarning = _show_warning
+                code = super().main(*args, standalone_mode=False, **kwargs)
         except TyperException as err:
             context = getattr(err, "ctx", None)
             # `headscope` alone raises this to show the help; Typer does not export its class.
@@ -71,6 +74,17 @@ INTERRUPTED = {130: "Interrupted; existing outputs were left as they were",
 
 class Terminated(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so that every cleanup (staging folders, temp files) runs."""
+
+
+_SHOW_WARNING = warnings.showwarning
+ONE_LINE_WARNINGS = ("ChartFontWarning",)  # headscope's own warnings, said in one line as the reporter's are
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if category.__name__ in ONE_LINE_WARNINGS:  # by name: the class lives with matplotlib's code, loaded late
+        say(f"warning: {message}", err=True)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
 
 
 def raise_terminated(signum, frame) -> None:

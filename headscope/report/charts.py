@@ -7,7 +7,9 @@ returns the Figure it drew; `draw_charts` draws them all from the frames in hand
 
 from __future__ import annotations
 
+import re
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -50,20 +52,48 @@ def title_text(text: str) -> str:
     return plain("\n".join(lines))
 
 
+class ChartFontWarning(UserWarning):
+    """Characters the charts' text holds (a token, a model or corpus name) that their font has no glyph for: drawn as
+    boxes. One warning for all the charts drawn together, naming the characters and the charts (matplotlib gives one
+    per character and chart, two lines each: a CJK corpus name made dozens); the CLI prints it as one line."""
+
+
+MISSING_GLYPH = re.compile(r"Glyph (\d+) \(.+\) missing from font")  # its code point
+SHOWN = 8  # characters (and charts) a ChartFontWarning names
+
+
 def save_each(figures: dict, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
     """Draw and save each figure (name -> function returning it) as an atomically written `fmt` file. Returns the
-    paths written, and "NAME.fmt (the error)" for each that failed: one failed chart never stops the others."""
-    written, failed = [], []
+    paths written, and "NAME.fmt (the error)" for each that failed: one failed chart never stops the others. The
+    characters the charts' font lacks are one ChartFontWarning; other warnings pass as they are."""
+    written, failed, missing = [], [], {}
     for name, draw in figures.items():
         path = folder / f"{name}.{fmt}"
-        try:
-            with atomic_path(path) as tmp:
-                draw().savefig(tmp, format=fmt, dpi=130)
-        except Exception as err:  # any drawing failure is reported, never fatal to the tables
-            failed.append(f"{path.name} ({one_line(err)})")
-        else:
-            written.append(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with atomic_path(path) as tmp:
+                    draw().savefig(tmp, format=fmt, dpi=130)
+            except Exception as err:  # any drawing failure is reported, never fatal to the tables
+                failed.append(f"{path.name} ({one_line(err)})")
+            else:
+                written.append(path)
+        for warning in caught:
+            found = MISSING_GLYPH.search(str(warning.message))
+            if found:
+                missing.setdefault(chr(int(found.group(1))), []).append(path.name)
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if missing:
+        charts = list(dict.fromkeys(chart for names in missing.values() for chart in names))
+        warnings.warn(f"the chart font has no glyph for {len(missing)} characters ({_some(list(missing))}), drawn as "
+                      f"boxes in {_some(charts)}", ChartFontWarning, stacklevel=3)  # fmt: skip
     return written, failed
+
+
+def _some(names: list[str]) -> str:
+    more = len(names) - SHOWN
+    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def _figure(width: float, height: float) -> Figure:

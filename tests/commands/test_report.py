@@ -126,3 +126,20 @@ def test_a_chart_title_fits_its_figure_whatever_the_paths():
     title = title_text(f"{long} on /data/corpora/english/sentences.txt (100 sentences)\nhead roles per layer")
     assert "…/step-120000/my-finetuned-model-v2" in title and "/home/someone" not in title
     assert all(len(line) <= 80 for line in title.splitlines()) and title.endswith("head roles per layer")
+
+
+def test_characters_the_chart_font_lacks_are_one_warning_line(tmp_path):
+    """A corpus named in a script the charts' font (DejaVu Sans) has no glyphs for: matplotlib warns once per
+    character and chart, two lines each (issue 65: about 20 lines on one run); headscope says it once, in one
+    `warning:` line naming the characters and the charts, and draws every chart."""
+    folder = tmp_path / "report"
+    synthetic_report(folder, 2, 2)
+    run = json.loads((folder / RUN_FILE).read_text())
+    run["corpus"]["path"] = "/data/文章.txt"
+    (folder / RUN_FILE).write_text(json.dumps(run))
+    result = runner.invoke(app, ["plot", str(folder)])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if "glyph" in line]
+    assert len(said) == 1 and "UserWarning" not in result.stderr, result.stderr
+    assert said[0].startswith("warning: the chart font has no glyph for 2 characters (文, 章), drawn as boxes in")
+    assert "entropy_heatmap.png, layer_gradient.png" in said[0] and len(list(folder.glob("*.png"))) >= 6
