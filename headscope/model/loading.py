@@ -43,8 +43,8 @@ class ModelSource:
     def name(self) -> str:
         """How titles, pages and printouts name the model: a hub id or alias as typed, a local folder's or file's
         own name (never the path on the machine that ran it)."""
-        if self.kind == "folder":
-            return Path(self.location).resolve().name or self.display
+        if self.kind == "folder":  # the name typed (a link keeps its own name), "." its folder's
+            return Path(self.location).name or Path(self.location).resolve().name
         if self.kind == "gguf" and self.display not in ALIASES:
             return self.gguf_file
         return self.display

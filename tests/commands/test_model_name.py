@@ -21,6 +21,8 @@ def test_a_models_name_is_its_alias_hub_id_folder_or_file(tmp_path):
     (tmp_path / "weights.gguf").write_bytes(b"GGUF")
     assert resolve_source(str(folder)).name == "my-model"
     assert resolve_source(str(folder) + "/").name == "my-model"
+    (tmp_path / "linked").symlink_to(folder, target_is_directory=True)
+    assert resolve_source(str(tmp_path / "linked")).name == "linked"  # the name typed, not the link's target
     assert resolve_source(str(tmp_path / "weights.gguf")).name == "weights.gguf"
     assert resolve_source("smollm2").name == "smollm2" and resolve_source("org/some-model").name == "org/some-model"
     assert model_name({"model": {"input": str(folder), "name": "my-model"}}) == "my-model"

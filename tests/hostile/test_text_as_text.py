@@ -42,12 +42,12 @@ def test_rich_markup_in_paths_is_printed_as_text(name, planted_gpt2, tmp_path, c
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run_cli("analyze", model, "--corpus", corpus, "--out", out, *QUICK, "--no-charts", "--no-page")
     assert result.exit_code == 0, result.output
-    assert f"model{name}: mean attention entropy" in result.output
+    assert f"{model.name}: mean attention entropy" in result.output  # its own name: "x]" for model[/x]
     result = run_cli("classify", out)
     assert result.exit_code == 0 and f"report{name}: heads per role" in result.output, result.output
     (tmp_path / f"cmp{name}").parent.mkdir(parents=True, exist_ok=True)
     result = run_cli("compare", out, out, "--out", tmp_path / f"cmp{name}", "--no-charts", "--no-page")
-    assert result.exit_code == 0 and f"model{name} on {tmp_path}/corpus{name}.txt" in result.output, result.output
+    assert result.exit_code == 0 and f"{model.name} on {tmp_path}/corpus{name}.txt" in result.output, result.output
 
 
 def test_a_model_named_like_a_placeholder_stays_a_name(tmp_path, planted_gpt2, corpus_lines):
@@ -62,7 +62,7 @@ def test_a_model_named_like_a_placeholder_stays_a_name(tmp_path, planted_gpt2, c
         out = tmp_path / f"report-{name}"
         assert run_cli("analyze", model, "--corpus", corpus, "--out", out, *QUICK, "--no-charts").exit_code == 0
         page = (out / "report.html").read_text()
-        assert f"<title>headscope: {tmp_path / name} on c.txt (5 sentences)</title>" in page
+        assert f"<title>headscope: {name} on c.txt (5 sentences)</title>" in page
         sizes[name] = len(page)
     assert max(sizes.values()) - min(sizes.values()) < 1000  # no second copy of plotly.js or of the data
 
