@@ -212,23 +212,8 @@ def ablate(
             lm.plan.check_heads(group.heads, group.source)
         if pairs is not None:
             found = _on_pairs(lm, pairs, groups, mode, settings, corpus)
-            if opened.folder is not None:
-                write_json(found.record, opened.folder / ABLATION_RECORD)
-            found.folder = opened.target
-            run.done(opened)
-            return found
-        planned = lm.planned([g.heads for g in groups], mode)
-        reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
-        removal = lm.removal(mode)
-        plural = "s" * (len(groups) != 1)
-        reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
-        reporter.start(len(corpus.sentences), what="ablation")
-        losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
-        reporter.finish()
-        found = _ablation(lm, corpus, groups, losses, settings, mode, loss_on)
-        found.planned = planned
-        if settings.bootstrap and any(g.delta is not None and g.delta_ci_low is None for g in found.effects):
-            reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
+        else:
+            found = _on_corpus(lm, groups, mode, loss_on, settings, corpus)
         if opened.folder is not None:  # rank 0 writes
             write_json(found.record, opened.folder / ABLATION_RECORD)
     found.folder = opened.target
@@ -272,6 +257,35 @@ def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
     return groups
 
 
+def _on_corpus(lm, groups: list[Group], mode: str, loss_on: str, settings: RunConfig, corpus: Corpus) -> Ablation:
+    """The corpus loss with each group removed together (every group shares each batch's clean pass)."""
+    reporter = lm.reporter
+    planned = lm.planned([g.heads for g in groups], mode)
+    reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
+    removal = lm.removal(mode)
+    plural = "s" * (len(groups) != 1)
+    reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
+    reporter.start(len(corpus.sentences), what="ablation")
+    losses = lm.losses([g.heads for g in groups], removal, scorings=(loss_on,), progress=True)
+    reporter.finish()
+    effects = [
+        GroupEffect(group.name, tuple(head_name(*h) for h in group.heads), mode, loss_on,
+                    **group_effect(losses, index, loss_on, replicates=settings.bootstrap, seed=settings.bootstrap_seed))
+        for index, group in enumerate(groups)
+    ]  # fmt: skip
+    if settings.bootstrap and any(e.delta is not None and e.delta_ci_low is None for e in effects):
+        reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
+    return Ablation(
+        lm.loaded.source.name, mode, loss_on, effects, *_record_parts(lm, settings, corpus), planned=planned
+    )
+
+
+def _record_parts(lm, settings: RunConfig, corpus: Corpus) -> tuple[dict, dict]:
+    """ablation.json's header (model, corpus, device, settings...) and its bootstrap entry."""
+    bootstrap = {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95}
+    return record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus), bootstrap
+
+
 def _on_pairs(lm, pairs, groups: list[Group], mode: str, settings: RunConfig, corpus: Corpus) -> Ablation:
     """--pairs: each group removed on every pair's clean prompt, the metric's change (interventions.pair_removal)."""
     reporter = lm.reporter
@@ -288,20 +302,7 @@ def _on_pairs(lm, pairs, groups: list[Group], mode: str, settings: RunConfig, co
                         **pair_group_effect(found, index, replicates=settings.bootstrap, seed=settings.bootstrap_seed))
         for index, group in enumerate(groups)
     ]  # fmt: skip
-    bootstrap = {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95}
-    header = record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus)
     metric = METRICS["logit_diff"]
     task = {"path": str(pairs.path), "sha256": pairs.sha256, "count": len(tokenized), "metric": metric.name,
             "definition": metric.definition}  # fmt: skip
-    return Ablation(lm.loaded.source.name, mode, None, effects, header, bootstrap, pairs=task)
-
-
-def _ablation(lm, corpus: Corpus, groups: list[Group], losses, settings: RunConfig, mode: str, loss_on: str):
-    effects = [
-        GroupEffect(group.name, tuple(head_name(*h) for h in group.heads), mode, loss_on,
-                    **group_effect(losses, index, loss_on, replicates=settings.bootstrap, seed=settings.bootstrap_seed))
-        for index, group in enumerate(groups)
-    ]  # fmt: skip
-    bootstrap = {"replicates": settings.bootstrap, "seed": settings.bootstrap_seed, "level": 0.95}
-    header = record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus)
-    return Ablation(lm.loaded.source.name, mode, loss_on, effects, header, bootstrap)
+    return Ablation(lm.loaded.source.name, mode, None, effects, *_record_parts(lm, settings, corpus), pairs=task)
