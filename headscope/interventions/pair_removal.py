@@ -4,7 +4,8 @@ prompt with each group of heads removed together, beside the clean and corrupt p
 A label that says a head can go (dormant) or matters is checked on a task this way: the corpus loss averages over
 every token, where one task's few tokens weigh little. Each batch runs its clean and corrupt prompts once, then the
 clean prompts again with every group removed, each group a replica of the batch (interventions/removal.py's
-RemovedHeads: the same removal as ablate's and prune's), as many replicas a forward as the plan allows.
+RemovedHeads: the same removal as ablate's and prune's), as many replicas a forward as the plan allows, each
+starting at the group's first removed layer from the clean prompts' layer outputs (group_losses.replica_passes).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
+from headscope.interventions.group_losses import replica_passes
 from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.patching import METRICS, kept_logits, metric_of, pair_batches
 from headscope.interventions.removal import Head, Removal, RemovedHeads
+from headscope.model.layer_outputs import replicate, rows_of
 
 
 @dataclass
@@ -42,18 +45,22 @@ def removed_metrics(
         rows = len(batch.pair_ids)
         both = batch.both
         kept = kept_logits(capture, both)
-        m = metric_of(metric, capture.run(both, logits_to_keep=kept).logits, both, kept,
-                      batch.answer.repeat(2), batch.distractor.repeat(2)).double().cpu().numpy()  # fmt: skip
+        output, outputs = capture.run_keeping_layers(both, logits_to_keep=kept)
+        m = metric_of(metric, output.logits, both, kept, batch.answer.repeat(2),
+                      batch.distractor.repeat(2)).double().cpu().numpy()  # fmt: skip
+        del output
         found = np.zeros((len(groups), rows))
-        per_forward = max(1, plan.replicas(batch.target))
-        for start in range(0, len(groups), per_forward):
-            chunk = list(groups[start : start + per_forward])
-            replicated = batch.target.replicated(len(chunk))
+        # each group's replica starts at its first removed layer, from the clean prompts' outputs before it
+        for start, members in replica_passes(groups, set(), len(outputs), max(1, plan.replicas(batch.target))):
+            replicated = batch.target.replicated(len(members))
+            handed_on = replicate(rows_of(outputs[start - 1], batch.target_rows), len(members)) if start else None
             kept = kept_logits(capture, replicated)
-            output = capture.run(replicated, editors=[RemovedHeads(chunk, removal, rows)], logits_to_keep=kept)
-            values = metric_of(metric, output.logits, replicated, kept, batch.answer.repeat(len(chunk)),
-                               batch.distractor.repeat(len(chunk)))  # fmt: skip
-            found[start : start + len(chunk)] = values.view(len(chunk), rows).double().cpu().numpy()
+            editor = RemovedHeads([groups[index] for index in members], removal, rows)
+            output = capture.run(replicated, editors=[editor], start_at=start, handed_on=handed_on,
+                                 logits_to_keep=kept)  # fmt: skip
+            values = metric_of(metric, output.logits, replicated, kept, batch.answer.repeat(len(members)),
+                               batch.distractor.repeat(len(members)))  # fmt: skip
+            found[members] = values.view(len(members), rows).double().cpu().numpy()
         ids.append(np.array(batch.pair_ids))
         clean.append(m[:rows])
         corrupt.append(m[rows:])
