@@ -13,9 +13,15 @@ import tempfile
 # 4x slower (oversubscribed).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
-# What headscope caches per model (ov_copying) goes to this session's own folder, never the user's cache: every
-# session computes once, and a test that wants a cold cache points HEADSCOPE_CACHE elsewhere.
-os.environ["HEADSCOPE_CACHE"] = tempfile.mkdtemp(prefix="headscope-cache-")
+# What headscope caches per model (ov_copying scores, a GGUF file's de-quantized checkpoint) goes to this test run's
+# own folder, never the user's cache: every run computes once, and a test that wants a cold cache points
+# HEADSCOPE_CACHE elsewhere. The first process makes it (under pytest-xdist the controller, which imports this file
+# before it starts its workers): the workers and every child process inherit it and share it, so SmolLM2's GGUF file
+# is de-quantized once per run, and the process that made the folder removes it.
+if "HEADSCOPE_TESTS_CACHE" not in os.environ:
+    os.environ["HEADSCOPE_TESTS_CACHE"] = tempfile.mkdtemp(prefix="headscope-cache-")
+    atexit.register(shutil.rmtree, os.environ["HEADSCOPE_TESTS_CACHE"], True)
+os.environ["HEADSCOPE_CACHE"] = os.environ["HEADSCOPE_TESTS_CACHE"]
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -24,8 +30,6 @@ from pathlib import Path
 import pytest
 
 from helpers import refuse_to_load, run_cli
-
-atexit.register(shutil.rmtree, os.environ["HEADSCOPE_CACHE"], True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CORPUS = REPO / "corpora" / "english-100.txt"

@@ -316,7 +316,8 @@ def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, r
 
 def _save(lm: LossModel, result: PruneResult, removal: Removal, folder: Path, reporter: Reporter) -> SavedModel:
     """Write the pruned checkpoint into `folder`, load it back with transformers and check its loss."""
-    from headscope.interventions.surgery import plain_checkpoint, pruned_weights
+    from headscope.interventions.surgery import pruned_weights
+    from headscope.model.gguf_cache import plain_checkpoint
 
     loaded, plan = lm.loaded, lm.plan
     reporter.stage(f"saving the pruned model ({len(result.heads)} heads removed from its weights)")

@@ -10,7 +10,7 @@ also gives the attention's other projections zero biases, which change nothing.
 
 `check_savable` refuses, before any search, what `save` could only find out at the end: a model whose projections
 cannot take a bias (mean mode), weights still packed in GGUF blocks, a disk that cannot hold the checkpoint.
-A GGUF model de-quantized on loading is saved as its float weights (`plain_checkpoint`).
+A GGUF model de-quantized on loading is saved as its float weights (`model.gguf_cache.plain_checkpoint`).
 """
 
 from __future__ import annotations
@@ -112,31 +112,3 @@ def check_savable(model: torch.nn.Module, folder: Path, *, mean: bool, head_coun
             f"--save-model {folder}: the pruned checkpoint needs about {readable(needed)}, and {existing} has "
             f"{readable(free)} free"
         )
-
-
-@contextlib.contextmanager
-def plain_checkpoint(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block `model` saves as a plain checkpoint of its float weights. A GGUF file loaded de-quantized
-    holds float weights, but transformers refuses to save a model its GGUF quantizer is still attached to ("not
-    serializable"): the quantizer and its config entry are set aside for the block and put back after it."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is None:
-        yield
-        return
-    config = model.config
-    attributes = {name: getattr(model, name) for name in ("hf_quantizer", "is_quantized") if hasattr(model, name)}
-    method = model.__dict__.get("quantization_method")
-    quantization = config.__dict__.get("quantization_config")
-    try:
-        model.hf_quantizer = None
-        model.is_quantized = False
-        model.__dict__.pop("quantization_method", None)
-        config.__dict__.pop("quantization_config", None)
-        yield
-    finally:
-        for name, value in attributes.items():
-            setattr(model, name, value)
-        if method is not None:
-            model.quantization_method = method
-        if quantization is not None:
-            config.quantization_config = quantization

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from headscope.config import DEVICES, DTYPES, RunConfig
-from headscope.errors import ConfigError, ModelLoadError
+from headscope.errors import ConfigError, HeadscopeError, ModelLoadError
 from headscope.model.architecture import architecture_of
+from headscope.model.gguf_cache import cached_checkpoint
 from headscope.model.lm_head import check_lm_head, lm_head_missing, maps_lm
 from headscope.model.once import one_load, read_once
 from headscope.model.placement import applied_map, check_device_map, check_fits, dtype_name, read_device_map
@@ -137,8 +138,9 @@ def load_tokenizer(source: ModelSource, *, revision: str | None = None, trust_re
     from transformers import AutoTokenizer
 
     def read():
+        location, kwargs = _transformers_source(source, revision, trust_remote_code)
         try:
-            return AutoTokenizer.from_pretrained(source.location, **_source_kwargs(source, revision, trust_remote_code))
+            return AutoTokenizer.from_pretrained(location, **kwargs)
         except Exception as err:  # hub, network, parsing and missing-file errors come in many types
             raise ModelLoadError(_load_failure(source, err)) from None
 
@@ -150,19 +152,32 @@ def load_config(source: ModelSource, *, revision: str | None = None, trust_remot
     from transformers import AutoConfig
 
     with one_load():
+        location, kwargs = _transformers_source(source, revision, trust_remote_code)
         try:
-            config = AutoConfig.from_pretrained(source.location, **_source_kwargs(source, revision, trust_remote_code))
+            config = AutoConfig.from_pretrained(location, **kwargs)
         except Exception as err:  # hub, network, parsing and missing-file errors come in many types
             raise ModelLoadError(_load_failure(source, err)) from None
     check_causal_lm(config, source.display)
     return config
 
 
-def _source_kwargs(source: ModelSource, revision: str | None, trust_remote_code: bool) -> dict:
+def _transformers_source(source: ModelSource, revision: str | None, trust_remote_code: bool) -> tuple[str, dict]:
+    """Where transformers reads the model from, and how: a GGUF file's de-quantized checkpoint where the cache holds
+    one (model/gguf_cache.py: parsed and de-quantized once per file), else the file itself."""
     kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
     if source.gguf_file:
+        try:
+            checkpoint = cached_checkpoint(
+                Path(source.location) / source.gguf_file, trust_remote_code=trust_remote_code
+            )
+        except HeadscopeError:
+            raise
+        except Exception as err:  # the file cannot be parsed: as a load of it would fail
+            raise ModelLoadError(_load_failure(source, err)) from None
+        if checkpoint is not None:
+            return str(checkpoint), kwargs
         kwargs["gguf_file"] = source.gguf_file
-    return kwargs
+    return source.location, kwargs
 
 
 def load_model(
@@ -207,7 +222,6 @@ def _load_model(source, device, dtype, revision, trust_remote_code, device_map, 
         if lm_head == "if-present" and not maps_lm(config, source.display, torch_dtype, device_map, offload_folder):
             lm_head = False  # a map of the base model's modules: the LM head is not wanted that much
         check_device_map(config, source.display, torch_dtype, device_map, offload_folder, lm_head=lm_head)
-    common = _source_kwargs(source, revision, trust_remote_code)
     placement = {"device_map": device_map} if device_map else {}
     if device_map and offload_folder is not None:
         placement["offload_folder"] = str(offload_folder)
@@ -216,8 +230,9 @@ def _load_model(source, device, dtype, revision, trust_remote_code, device_map, 
         if lm_head == "if-present" and type(config) not in AutoModelForCausalLM._model_mapping:
             lm_head = False  # no causal-LM class for this architecture
         loader = AutoModelForCausalLM if lm_head else AutoModel
+        location, common = _transformers_source(source, revision, trust_remote_code)
         network, loading_info = loader.from_pretrained(
-            source.location,
+            location,
             config=config,
             dtype=torch_dtype,
             attn_implementation="eager",
@@ -230,6 +245,8 @@ def _load_model(source, device, dtype, revision, trust_remote_code, device_map, 
             f"{source.display} does not fit in memory on {torch_device} in {dtype_name(torch_dtype)}; "
             "try --dtype bfloat16, or --device-map auto to spread it over devices"
         ) from None
+    except HeadscopeError:  # already one line naming the model (its tokenizer, its cached checkpoint)
+        raise
     except Exception as err:
         raise ModelLoadError(_load_failure(source, err)) from None
     if lm_head == "if-present" and lm_head_missing(network, loading_info):

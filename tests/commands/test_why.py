@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from reference_qk import split_by_hand
 
 import headscope
 from headscope.commands import why_rows
@@ -18,6 +17,7 @@ from headscope.interventions.qk_terms import row_terms, strongest_key
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_lm_config, tiny_model_folder
 from planted import build_planted_induction
+from reference_qk import split_by_hand
 
 SPLIT = 1e-5  # the terms against the float64 computation, relative to the largest: float32 passes against float64
 

@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from reference_edges import Reference
 from typer.testing import CliRunner
 
 import headscope
@@ -33,6 +32,7 @@ from headscope.run.plan import plan_for_model
 
 from helpers import assert_one_line_error, tiny_lm_config, tiny_model_folder
 from planted import build_planted_induction
+from reference_edges import Reference
 from tolerances import UNIT
 
 # The float32 scores against the float64 plain computation: the bar (the differences measured 3e-8 on both

@@ -700,22 +700,30 @@ def test_prune_refuses_a_stopping_rule_that_cannot_be(options, fragment):
         headscope.prune("gpt2", budget=0.1, loader=refuse_to_load, **options)
 
 
-@pytest.mark.slow
-def test_a_gguf_model_is_saved_as_its_float_weights(smollm2, tmp_path):
-    """SmolLM2 comes from a GGUF file, de-quantized on loading: transformers refuses to save a model its GGUF
-    quantizer is attached to ("not serializable"), which once crashed `prune --save-model` after the whole search.
-    The pruned weights save as a plain checkpoint that computes what the pruned model in memory computes, and
-    the loaded model keeps its quantizer record."""
+def test_a_gguf_model_is_saved_as_its_float_weights(tmp_path, monkeypatch):
+    """A GGUF file read by transformers itself (its cache turned off) is de-quantized on loading, and transformers
+    refuses to save a model its GGUF quantizer is attached to ("not serializable"), which once crashed `prune
+    --save-model` after the whole search. The pruned weights save as a plain checkpoint that computes what the pruned
+    model in memory computes, and the loaded model keeps its quantizer record."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from headscope.interventions.removal import Removal
-    from headscope.interventions.surgery import check_savable, plain_checkpoint, pruned_weights
+    from headscope.interventions.surgery import check_savable, pruned_weights
+    from headscope.model.gguf_cache import LIMIT_VARIABLE, plain_checkpoint
 
-    lm = smollm2.lm
-    check_savable(lm, tmp_path / "saved", mean=True, head_count=9, head_dim=64)  # nothing to refuse
-    ids = torch.tensor([smollm2.tokenizer("When Mary and John went to the store, John gave a drink to")["input_ids"]])
-    with pruned_weights(lm, [(0, 0), (3, 4)], Removal("zero"), head_count=9, head_dim=64), plain_checkpoint(lm):
+    from tiny_gguf import HEADS, HIDDEN, write_tiny_gguf
+
+    monkeypatch.setenv(LIMIT_VARIABLE, "0")
+    loaded = headscope.load_model(str(write_tiny_gguf(tmp_path / "tiny.gguf")), device="cpu", lm_head=True)
+    lm, head_dim = loaded.lm, HIDDEN // HEADS
+    assert lm.hf_quantizer is not None
+    check_savable(lm, tmp_path / "saved", mean=True, head_count=HEADS, head_dim=head_dim)  # nothing to refuse
+    ids = torch.tensor([loaded.tokenizer("the cat sat on the mat, then the man ran")["input_ids"]])
+    with (
+        pruned_weights(lm, [(0, 0), (1, 3)], Removal("zero"), head_count=HEADS, head_dim=head_dim),
+        plain_checkpoint(lm),
+    ):
         lm.save_pretrained(tmp_path / "saved")
         with torch.no_grad():
             expected = lm(ids).logits
@@ -723,4 +731,4 @@ def test_a_gguf_model_is_saved_as_its_float_weights(smollm2, tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
     assert getattr(saved, "hf_quantizer", None) is None
     with torch.no_grad():
-        torch.testing.assert_close(saved(ids).logits, expected, rtol=0, atol=1e-3)  # eager against sdpa
+        torch.testing.assert_close(saved(ids).logits, expected, rtol=0, atol=1e-5)  # eager against sdpa
