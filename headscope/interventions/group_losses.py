@@ -25,6 +25,7 @@ import torch
 
 from headscope.config import LOSS_ON
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
+from headscope.interventions.clean_prefix import CleanPrefix
 from headscope.interventions.loss import token_nll
 from headscope.interventions.removal import Head, Removal, RemovedHeads
 from headscope.model.batch import Batch
@@ -113,6 +114,7 @@ def group_losses(
     reporter: Reporter | None = None,
     base: Sequence[Head] = (),
     clean: bool = True,
+    prefix: CleanPrefix | None = None,
 ) -> GroupLosses:
     """Every sentence's clean loss and its loss with each group of heads removed together, on each scoring.
 
@@ -122,23 +124,31 @@ def group_losses(
     (its losses are then the "clean" ones) and each group's replica starts at the first layer where it removes
     more, so that groups which differ from the base only in late layers cost only those layers. Without `clean`
     (a caller that reads only the groups' losses) the first pass stops at the last layer a replica starts from, and
-    the clean sums are NaN."""
+    the clean sums are NaN. prefix: the clean model's layers below every group's heads, run once already (every
+    pass starts after them)."""
     result = GroupLosses()
     base, depth = set(base), len(capture.decoder)
+    skipped = prefix.layer if prefix is not None else 0
     for batch in batches():
+        start_at = {"start_at": skipped, "handed_on": prefix.handed_on(batch)} if prefix is not None else {}
         masks = {scoring: scored_targets(batch, scoring) for scoring in scorings}
         shape = masks[scorings[0]].shape  # (sentences, t - 1): a batch's per-token losses
         removals = [removal] * len(groups) if isinstance(removal, Removal) else list(removal)
         first = [RemovedHeads([sorted(base)], removals[0], len(batch.sentence_ids))] if base and groups else []
         passes = replica_passes(groups, base, depth, max(1, replicas_per_forward(batch)))
+        assert all(start >= skipped for start, _ in passes), "a group removes a head the prefix ran clean"
         handing_on = _handing_on(passes, clean)
         if handing_on is None:
-            output, outputs = capture.run_keeping_layers(batch, editors=first)
+            output, outputs = capture.run_keeping_layers(batch, editors=first, **start_at)
             nll = token_nll(output.logits, batch)
             del output
         else:  # only what the replicas start from: no logits, no clean loss
-            outputs = capture.run_keeping_layers(batch, editors=first, through=handing_on)[1] if handing_on else []
+            outputs = [None] * depth
+            if handing_on > skipped:
+                outputs = capture.run_keeping_layers(batch, editors=first, through=handing_on, **start_at)[1]
             nll = None
+        if prefix is not None:
+            outputs[skipped - 1] = start_at["handed_on"]
         ablated = {scoring: np.zeros((len(groups), len(batch.sentence_ids))) for scoring in scorings}
         for start, members in passes:
             chunk = [groups[index] for index in members]
@@ -196,14 +206,15 @@ class PassPlan:
 
 def planned_passes(
     batches: Iterable[Batch], groups: Sequence[Sequence[Head]], depth: int,
-    replicas_per_forward: Callable[[Batch], int], base: Sequence[Head] = (), clean: bool = True,
+    replicas_per_forward: Callable[[Batch], int], base: Sequence[Head] = (), clean: bool = True, skipped: int = 0,
 ) -> PassPlan:  # fmt: skip
-    """The PassPlan of group_losses over `batches` (the same replica_passes it runs, the same first pass)."""
+    """The PassPlan of group_losses over `batches` (the same replica_passes it runs, the same first pass); skipped:
+    the layers a clean prefix ran already."""
     forwards = layer_runs = token_layers = 0
     for batch in batches:
         passes = replica_passes(groups, set(base), depth, max(1, replicas_per_forward(batch)))
         handing_on = _handing_on(passes, clean)
-        first = depth if handing_on is None else handing_on
+        first = max(0, (depth if handing_on is None else handing_on) - skipped)
         forwards, layer_runs = forwards + bool(first), layer_runs + first
         token_layers += batch.n_tokens * first
         for start, members in passes:

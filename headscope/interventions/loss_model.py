@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from headscope.errors import ConfigError
+from headscope.interventions.clean_prefix import CleanPrefix, clean_prefix
 from headscope.interventions.group_losses import GroupLosses, PassPlan, planned_passes, shared_group_losses
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.loss import token_losses
@@ -47,6 +48,7 @@ class LossModel:
     reporter: Reporter
     ranks: Ranks = ONE_PROCESS
     _means: np.ndarray | None = None
+    prefix: CleanPrefix | None = None  # the clean layers below every head the passes change, run once (`skip_below`)
 
     @property
     def all_heads(self) -> list[Head]:
@@ -68,6 +70,26 @@ class LossModel:
             together(self.ranks, record)
             self._means = recorder.summed_over(added(self.ranks)).means()
         return self._means
+
+    def skip_below(self, layer: int) -> None:
+        """Every later pass changes heads of `layer` and above only: run the clean model's layers below it once per
+        batch now, and start every pass from what they returned (interventions/clean_prefix.py; nothing is kept
+        where it would not fit)."""
+        dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
+        planned = self.plan.batches(self.feed, "importance", "cpu")  # counted on the host: nothing moves
+        config = self.loaded.model.config
+        hidden = (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size
+        self.prefix = together(self.ranks, lambda: clean_prefix(self.capture, self.batches, layer,
+                                                                 share_of(self.ranks, planned), hidden * dtype_bytes))
+
+    def prefix_passes(self) -> PassPlan:
+        """The forward passes `skip_below` ran (none where it kept nothing): one per batch through the skipped
+        layers."""
+        if self.prefix is None:
+            return PassPlan()
+        batches = list(self.plan.batches(self.feed, "importance", "cpu"))
+        tokens = sum(batch.n_tokens for batch in batches)
+        return PassPlan(len(batches), len(batches) * self.prefix.layer, tokens * self.prefix.layer)
 
     def removal(self, mode: str) -> Removal:
         return Removal(mode, self.means() if mode == "mean" else None)
@@ -96,6 +118,7 @@ class LossModel:
             reporter=self.reporter if progress else None,
             base=base,
             clean=clean,
+            prefix=self.prefix,
         )
 
     def planned(
@@ -108,7 +131,8 @@ class LossModel:
         def batches():
             return self.plan.batches(self.feed, "importance", "cpu")  # counted on the host: nothing moves
 
-        planned = planned_passes(batches(), groups, self.plan.depth, self.plan.replicas, base, clean)
+        skipped = self.prefix.layer if self.prefix is not None else 0
+        planned = planned_passes(batches(), groups, self.plan.depth, self.plan.replicas, base, clean, skipped)
         if mode == "mean" and self._means is None:
             planned = planned + planned_passes(batches(), [], self.plan.depth, self.plan.replicas)
         return planned
@@ -123,7 +147,7 @@ class LossModel:
         found = shared_gradient_pass(
             self.ranks, self.capture, self.batches, range(depth), heads, head_dim,
             edit=lambda batch: [RemovedHeads([list(removed)], removal, len(batch.sentence_ids))],
-            curvature_of=removal if curvature else None,
+            curvature_of=removal if curvature else None, prefix=self.prefix,
             on_batch=(lambda b: self.reporter.advance(len(b.sentence_ids), b.n_tokens)) if progress else lambda b: None,
         )  # fmt: skip
         if found.tokens == 0:

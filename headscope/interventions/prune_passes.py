@@ -39,7 +39,9 @@ def search_on_model(
     patience: int,
 ) -> Searched:
     removal = lm.removal(mode)
-    passes = PassPlan()
+    if candidates:  # the layers below every candidate compute the clean model's in every pass: run them once
+        lm.skip_below(min(layer for layer, _ in candidates))
+    passes = lm.prefix_passes()
 
     def shared(sets):  # the heads removed so far: their pass is shared
         return sorted(set.intersection(*map(set, sets)))

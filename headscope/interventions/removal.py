@@ -28,6 +28,7 @@ import torch
 
 from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES
 from headscope.errors import ConfigError
+from headscope.interventions.clean_prefix import CleanPrefix
 from headscope.interventions.loss import token_losses
 from headscope.model.batch import Batch
 from headscope.run.distributed import Ranks, added, together
@@ -261,15 +262,19 @@ def gradient_pass(
     on_batch: Callable[[Batch], None] = lambda batch: None,
     curvature_of: Removal | None = None,
     moments: bool = False,
+    prefix: CleanPrefix | None = None,
 ) -> GradientPass:
     """One forward pass with gradients and one backward pass of the summed loss per batch (the parameters frozen:
     gradients of the head outputs only), recording the heads of `layers`. edit(batch): editors applied first (heads
     already removed, for prune's estimate on the model pruned so far); on_batch: progress; curvature_of: the removal
-    whose second-order term the sums record too; moments: the sums that give any replacement's (OutputSums)."""
+    whose second-order term the sums record too; moments: the sums that give any replacement's (OutputSums);
+    prefix: the clean model's layers below every head edited or recorded, run once already (each pass starts after
+    them, and its backward stops there)."""
     sums = OutputSums(layers, heads, head_dim, grad=True, curvature_of=curvature_of, moments=moments)
     loss, tokens = 0.0, 0
     for batch in batches():
-        output = capture.run(batch, editors=[*edit(batch), sums], grad=True)
+        start_at = {"start_at": prefix.layer, "handed_on": prefix.for_gradients(batch)} if prefix is not None else {}
+        output = capture.run(batch, editors=[*edit(batch), sums], grad=True, **start_at)
         with torch.enable_grad():
             losses, counts = token_losses(output.logits, batch)
             losses.sum().backward()

@@ -691,6 +691,67 @@ def test_prune_removes_heads_of_the_layers_it_is_given_only(redundant, tmp_path)
     assert found.record["search"]["candidates"] == 4 and list(found.record["settings"]["layers"]) == [1]
 
 
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_passes_from_the_clean_prefix_give_the_numbers_of_whole_passes(redundant, mode):
+    """A gradient pass and a replicated pass that start at layer 1 from the clean prefix give the loss, every layer-1
+    head's estimate and every set's per-sentence losses of the same passes run from the embeddings, to the bit."""
+    from headscope.interventions.loss_model import loss_model
+    from headscope.model.loading import load_for_run
+    from headscope.run.setup import CommandRun
+
+    loaded, sentences = redundant
+    run = CommandRun.prepare(loaded, sentences, config=None, options={"batch_size": 8}, reporter=None)
+    base, sets = [(1, 0)], [[(1, 0), (1, 1)], [(1, 0), (1, 2), (1, 3)]]
+    found = []
+    with run.session(loaded, load_for_run, what="prune", lm_head=True) as opened, loss_model(opened, run, "p") as lm:
+        removal = lm.removal(mode)
+        for skip in (False, True):
+            if skip:
+                lm.skip_below(1)
+                assert lm.prefix is not None and lm.prefix.layer == 1
+            loss, costs = lm.estimated_costs(base, removal)
+            found.append(
+                (loss, [costs[1, head] for head in range(4)], lm.losses(sets, removal, base=base).arrays("all"))
+            )
+    (whole_loss, whole_costs, whole_sets), (loss, costs, from_prefix) = found
+    assert loss == whole_loss and costs == whole_costs
+    for whole, part in zip(whole_sets, from_prefix, strict=True):
+        np.testing.assert_array_equal(part, whole)
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_prune_of_later_layers_runs_the_layers_below_them_once(redundant, mode):
+    """Every head of --layers 1 is in layer 1: layer 0 computes the clean model's output in every pass of the search,
+    so it runs once per batch for the whole search (and once more for the means), every gradient and replicated pass
+    starts at layer 1 from what it returned, and each verified loss of the curve is the loss of its heads removed,
+    computed independently with hooks."""
+    loaded, sentences = redundant
+    rows = {"layer 0": 0, "layer 1": 0}  # the sentences each layer ran, over every pass
+
+    def counter(name):
+        return lambda module, args, kwargs: rows.update(
+            {name: rows[name] + len(kwargs.get("hidden_states", *args[:1]))}
+        )
+
+    hooks = [block.register_forward_pre_hook(counter(name), with_kwargs=True)
+             for name, block in zip(rows, loaded.lm.transformer.h, strict=True)]  # fmt: skip
+    try:
+        found = headscope.prune(loaded, sentences, budget=0.01, mode=mode, layers=[1], batch_size=8)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert rows["layer 0"] == len(sentences) * (2 if mode == "mean" else 1)  # the prefix (and the means' pass)
+    search = found.result  # each gradient pass runs layer 1 once a sentence, each replicated pass once a set
+    assert rows["layer 1"] == len(sentences) * (search.estimates + search.verified_sets + (mode == "mean"))
+    passes = found.record["search"]
+    assert found.result.heads and {layer for layer, _ in found.result.heads} == {1}
+    ids = [loaded.tokenizer(s)["input_ids"] for s in sentences]
+    for size, loss in found.result.curve[1:]:
+        heads = found.result.heads[:size]
+        _, expected, _ = hooked_losses(loaded.lm, loaded.lm.transformer.h, ids, heads, mode, "all", 24)
+        assert loss == pytest.approx(expected, abs=1e-5), (heads, passes)
+
+
 @pytest.mark.parametrize(
     ("options", "fragment"),
     [({"max_rounds": -1}, "--max-rounds"), ({"patience": -2}, "--patience"), ({"resume": True}, "--out")],
