@@ -258,6 +258,7 @@ def test_two_columns_of_one_file_are_not_paired(two_columns, tmp_path):
     assert "unpaired (the same corpus file read into different sentences" in result.output
 
 
+@pytest.mark.slow  # over 1.5 s on two cores: out of the fast loop (docs/tests.md)
 def test_different_encoding_errors_fall_back_to_unpaired(two_columns, tmp_path):
     result = run_cli("compare", two_columns["replaced"], two_columns["skipped"], "--out", tmp_path / "c")
     assert result.exit_code == 0, result.output

@@ -128,6 +128,7 @@ def test_a_chart_title_fits_its_figure_whatever_the_paths():
     assert all(len(line) <= 80 for line in title.splitlines()) and title.endswith("head roles per layer")
 
 
+@pytest.mark.slow  # over 1.5 s on two cores: out of the fast loop (docs/tests.md)
 def test_characters_the_chart_font_lacks_are_one_warning_line(tmp_path):
     """A corpus named in a script the charts' font (DejaVu Sans) has no glyphs for: matplotlib warns once per
     character and chart, two lines each (issue 65: about 20 lines on one run); headscope says it once, in one

@@ -251,6 +251,7 @@ def test_loading_errors_are_headscope_errors():
         headscope.load_model("missing.gguf")
 
 
+@pytest.mark.slow  # over 1.5 s on two cores: out of the fast loop (docs/tests.md)
 def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(planted_gpt2, corpus_lines, tmp_path):
     options = {"chunk_sentences": 10, "charts": None}
     whole = headscope.analyze(str(planted_gpt2), corpus_lines, out=tmp_path / "whole", **options)
@@ -356,6 +357,7 @@ def test_messy_but_valid_text_goes_through_the_cli(planted_gpt2, tmp_path):
     assert sentences["line"].tolist() == [1, 3, 4]
 
 
+@pytest.mark.slow  # over 1.5 s on two cores: out of the fast loop (docs/tests.md)
 def test_nan_attention_is_counted_and_reported_through_the_cli(planted_gpt2, tmp_path):
     """float16 overflow, simulated by a model whose own attention maths turns the first row of head 0 to NaN."""
     from overflowing import make_overflowing

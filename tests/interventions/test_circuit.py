@@ -461,6 +461,7 @@ def test_numbers_of_any_type_are_taken_as_numbers():
             check_request("eap-ig", *bad)
 
 
+@pytest.mark.slow  # over 1.5 s on two cores: out of the fast loop (docs/tests.md)
 def test_the_command_writes_its_tables_and_refuses_bad_settings(induction_lm, tmp_path):
     folder, _, _ = induction_lm
     pairs = tmp_path / "pairs.jsonl"

@@ -175,6 +175,7 @@ def test_importance_refuses_a_checkpoint_without_lm_head_weights(tmp_path, corpu
     assert run_cli("analyze", model, "--out", tmp_path / "o", *QUICK, "--no-charts").exit_code == 0  # fine without
 
 
+@pytest.mark.slow  # over 1.5 s on two cores: out of the fast loop (docs/tests.md)
 def test_importance_of_one_token_sentences_is_not_measured(planted_gpt2, tmp_path):
     corpus = tmp_path / "words.txt"
     corpus.write_text("cat\ndog\nbird\n")
