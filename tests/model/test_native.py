@@ -57,9 +57,11 @@ def _host_runs(isa: str) -> bool:
     return host in cpu_kernel.X86_ISAS and cpu_kernel.X86_ISAS.index(isa) <= cpu_kernel.X86_ISAS.index(host)
 
 
-def _compile_only(isa: str, tmp_path) -> subprocess.CompletedProcess:
-    """Compile the kernel for `isa` to an object file, as torch's extension builder does, without running it:
-    compiling for AVX-512 needs no AVX-512 CPU."""
+def _compile_only(isa: str) -> subprocess.CompletedProcess:
+    """Compile the kernel for `isa` as torch's extension builder does, without running it: compiling for AVX-512
+    needs no AVX-512 CPU. `-fsyntax-only`: the compiler's whole analysis of the source, templates instantiated (a
+    member torch's AVX-512 vector lacks is an error here), without generating and optimising code (50 s against
+    124 s on two busy cores)."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
@@ -72,24 +74,22 @@ def _compile_only(isa: str, tmp_path) -> subprocess.CompletedProcess:
         "-std=c++20",
         *cpu_kernel.CFLAGS,
         *cpu_kernel.ISA_FLAGS[isa],
-        "-c",
+        "-fsyntax-only",
         str(cpu_kernel.SOURCE),
-        "-o",
-        str(tmp_path / f"row_state_{isa.lower()}.o"),
     ]
     return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", _variants())
-def test_every_instruction_set_variant_builds_and_the_runnable_ones_agree(isa, tmp_path):
+def test_every_instruction_set_variant_builds_and_the_runnable_ones_agree(isa):
     """torch's vector headers differ per instruction set (an API one set lacks broke the AVX-512 build once, on
     machines the suite never ran on): every variant is compiled here, whatever this CPU, and each variant this
     CPU can run is run against float64 probabilities."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     if not _host_runs(isa):
-        compiled = _compile_only(isa, tmp_path)
+        compiled = _compile_only(isa)
         assert compiled.returncode == 0, f"{isa}: {cpu_kernel.first_error_line(compiled.stderr)}"
         return
     module = cpu_kernel.row_state_module(isa)
