@@ -14,6 +14,28 @@ headscope.circuit("gpt2", "pairs.jsonl").top(10)  # the edges between components
 headscope.copying("gpt2").heads  # what each head's weights copy (the OV copying score), with no data
 
 `import headscope` is cheap: torch and transformers are imported when `analyze` or `load_model` is first used.
+
+Modules:
+    arguments       What a user names on the command line or from Python (layers, heads, ids, sizes, texts)
+    columns         Every column of the heads table, declared once
+    config          Run settings and head-type thresholds
+    detector_specs  Detectors as the user defines them
+    errors          Exceptions a user can act on
+    estimates       Numbers from per-head sums, in numpy (and scipy for quantiles)
+    files           Files written so that no reader ever sees half of them, and the work folders they are staged in
+    labels          Head labels from the per-head table: pure functions, no model, no I/O
+    layout          What each kind of folder headscope writes holds, and how to tell one from anything else
+    output          Output folders: all files appear together or not at all
+    progress        Progress reporting, the contract
+    summary         Small pure summaries of the heads table shared by the CLI and the charts
+    tables          Column schemas of every output table, in one place, and atomic Parquet I/O
+    cli/            The `headscope` command: one module per command (options -> settings -> library call -> printout)
+    commands/       The library's commands: one module per command (analyze, inspect, ablate, prune, patch)
+    interventions/  Heads changed on purpose: how a head is removed, the loss with heads removed, importance, ablate
+    measures/       Measurements that ride on a forward pass, peers behind `headscope.model.capture.Measure`
+    model/          Everything that touches the model
+    report/         Everything that reads a finished report folder
+    run/            What every command run shares: the plan, the corpus and its feed, the corpus pass, checkpoints
 """
 
 import importlib

@@ -2,6 +2,21 @@
 option declared once (cli/options.py), errors and signals handled once (cli/common.py).
 
 Library errors (HeadscopeError) become one line `Error: ...` on stderr and exit code 1 (2 for a usage error).
+
+Modules:
+    ablate    `headscope ablate`: groups of heads removed together, and the loss they cost (over headscope.ablate)
+    analyze   `headscope analyze`: measure every head on a corpus, classify the heads, write tables and charts
+    circuit   `headscope circuit`: which components feed which
+    classify  `headscope classify`: re-label a report's heads with other thresholds (no model needed)
+    common    What every command shares: one-line errors, exit codes and signals, and the seams tests hand in
+    compare   `headscope compare`: two reports head by head (B - A), with intervals and a false-discovery-rate flag
+    copying   `headscope copying`: what each head's weights copy, the OV copying score
+    inspect   `headscope inspect`: chosen heads' attention on chosen texts, token by token
+    options   Every option and argument of every command
+    patch     `headscope patch`: which heads carry a behaviour
+    plot      `headscope plot`: draw a report's charts and page again from its tables (no model needed)
+    printing  What the commands print: rich tables of a report and of a comparison
+    prune     `headscope prune`: as many heads removed as a loss budget allows
 """
 
 from __future__ import annotations

@@ -79,8 +79,12 @@ class LossModel:
         planned = self.plan.batches(self.feed, "importance", "cpu")  # counted on the host: nothing moves
         config = self.loaded.model.config
         hidden = (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size
-        self.prefix = together(self.ranks, lambda: clean_prefix(self.capture, self.batches, layer,
-                                                                 share_of(self.ranks, planned), hidden * dtype_bytes))
+        self.prefix = together(
+            self.ranks,
+            lambda: clean_prefix(
+                self.capture, self.batches, layer, share_of(self.ranks, planned), hidden * dtype_bytes
+            ),
+        )
 
     def prefix_passes(self) -> PassPlan:
         """The forward passes `skip_below` ran (none where it kept nothing): one per batch through the skipped

@@ -252,3 +252,32 @@ def test_no_test_module_imports_another():
             names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             found += [f"{path.name} imports {name}" for name in names if name.split(".")[0].startswith("test_")]
     assert not found, found
+
+
+def package_map(init: Path) -> list[str]:
+    """The names a package's docstring lists under `Modules:` (one a line, a subpackage with its slash)."""
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    _, found, listed = doc.partition("\nModules:\n")
+    assert found, f"{init.relative_to(PACKAGE.parent)} has no 'Modules:' map"
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(
+    "init", sorted(PACKAGE.rglob("__init__.py")), ids=lambda p: str(p.parent.relative_to(PACKAGE.parent))
+)
+def test_every_package_map_names_its_modules_and_nothing_else(init):
+    """A package's docstring is the first thing a newcomer reads: its map names each of its modules and subpackages,
+    in order, and no module that is not there (five maps once named moved or missing modules)."""
+    folder = init.parent
+    modules = sorted(path.stem for path in folder.glob("*.py") if path.stem not in ("__init__", "__main__"))
+    subpackages = sorted(f"{path.parent.name}/" for path in folder.glob("*/__init__.py"))
+    assert package_map(init) == modules + subpackages
+
+
+def test_a_stale_map_fails_the_map_check(tmp_path):
+    """The check reads what the docstring lists: a map naming a module that is gone is seen."""
+    (tmp_path / "__init__.py").write_text('"""A package.\n\nModules:\n    example  gone\n    kept     here\n"""\n')
+    (tmp_path / "kept.py").write_text('"""Here."""\n')
+    assert package_map(tmp_path / "__init__.py") == ["example", "kept"]
+    with pytest.raises(AssertionError):
+        test_every_package_map_names_its_modules_and_nothing_else(tmp_path / "__init__.py")
