@@ -18,8 +18,9 @@ as transformers casts the de-quantized tensors.
 - Keyed by the file's resolved path, size and modification time and the versions of transformers, gguf and torch:
   an edited file or another version reads the file again, and the key's older folders are removed. A folder is
   written under a temporary name and renamed, so concurrent runs never read half of one; one whose files are not
-  the sizes its note records (a damaged cache) is written again. A cache that cannot be written (a full disk, a
-  read-only folder) costs only the time: the load reads the file as before.
+  the sizes its note records (a damaged cache) is written again. A cache that cannot be written (a read-only folder,
+  a full disk, or one that would keep less than the checkpoint's size and 1 GiB free after it) costs only the time:
+  the load reads the file as before, and a later load tries again.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
             refused = "transformers keeps its weights packed (its GGUF kernels)"
         elif info["missing_keys"]:
             refused = f"its file lacks {len(info['missing_keys'])} of the weights its class needs"
+    if refused is None and not _room_for(model, folder):
+        return "unwritable"  # not now: a later load, with room, writes it
     work = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         _remove(work)
@@ -140,6 +143,18 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
         _remove(work)
         return "unwritable"
     return "refused" if refused else "checkpoint"
+
+
+def _room_for(model: torch.nn.Module, folder: Path) -> bool:
+    """Whether the checkpoint leaves room on its disk: at least its own size, and 1 GiB, free after it is written (a
+    cache that filled the disk would fail the run's own outputs)."""
+    needed = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return False
+    return free - needed >= max(needed, 2**30)
 
 
 def _publish(work: Path, folder: Path) -> None:

@@ -156,3 +156,19 @@ def test_smollm2_from_the_cache_is_smollm2_from_its_file(smollm2, monkeypatch, c
     weights bit for bit, the same config and the same tokens."""
     direct = direct_load("smollm2", monkeypatch, dtype="float32", lm_head=True)
     assert_same_load(smollm2, direct, corpus_lines)
+
+
+def test_a_disk_without_room_to_spare_is_left_alone_until_it_has_some(tiny, cache, monkeypatch):
+    """The checkpoint is written only where the disk keeps its size and 1 GiB free after it: a cache that filled
+    the disk would fail the run's own outputs. Nothing is noted, so a later load with room writes it."""
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    with monkeypatch.context() as full:
+        full.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**40 - 2**30, 2**30))  # 1 GiB free
+        loaded = headscope.load_model(str(tiny), device="cpu")
+        assert cached_folders(cache) == []
+    assert weights_fingerprint(loaded.model) == weights_fingerprint(direct_load(tiny, monkeypatch).model)
+    headscope.load_model(str(tiny), device="cpu")
+    assert len(cached_folders(cache)) == 1
