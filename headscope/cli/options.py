@@ -392,11 +392,10 @@ in_panel("Label rules", LocalMinLocality, CopyMaxNormEntropy, BroadMinNormEntrop
 
 # ---------------------------------------------------------------- bundles: options several commands take together
 
-# (name, declaration, default) of the options every command that loads a model takes, and of those that read a corpus
-# file: declared once, added to each command's signature by `takes`, read back from ctx.params into RunConfig by
-# name (config.settings_from_command_line). A command's own code never names them.
+# (name, declaration, default) of the options every command that loads a model takes, of those that run text through
+# it, and of those that read a corpus file: declared once, added to each command's signature by `takes`, read back
+# from ctx.params into RunConfig by name (config.settings_from_command_line). A command's own code never names them.
 MODEL_OPTIONS = (
-    ("max_length", MaxLength, DEFAULTS.max_length),
     ("max_memory", MaxMemory, DEFAULTS.max_memory),
     ("device", Device, DEFAULT_DEVICE),
     ("device_map", DeviceMap, DEFAULTS.device_map),
@@ -406,6 +405,8 @@ MODEL_OPTIONS = (
     ("revision", Revision, DEFAULTS.revision),
     ("trust_remote_code", TrustRemoteCode, DEFAULTS.trust_remote_code),
 )
+# ... of those that run text through it (every one but copying, which reads the weights alone)
+TEXT_OPTIONS = (("max_length", MaxLength, DEFAULTS.max_length),)
 CORPUS_OPTIONS = (
     ("text_column", TextColumn, DEFAULTS.text_column),
     ("encoding_errors", EncodingErrors, DEFAULT_ENCODING),

@@ -8,7 +8,7 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors
 
 
-@o.takes(o.MODEL_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS)
 def patch(
     ctx: typer.Context,
     model: o.ModelArgument,

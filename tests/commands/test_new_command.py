@@ -40,7 +40,7 @@ def count_tokens(model, corpus=None, *, out=None, overwrite=False, config=None, 
 
 
 # 2. The CLI module (cli/toy.py): the shared option bundles, the seams, one-line errors.
-@o.takes(o.MODEL_OPTIONS, o.CORPUS_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS)
 def toy(ctx: typer.Context, model: o.ModelArgument, corpus: o.Corpus = None, out: o.OutAblate = None,
         overwrite: o.Overwrite = False, **options) -> None:  # fmt: skip
     """Count each sentence's tokens."""

@@ -224,9 +224,9 @@ def test_the_bundled_options_are_spelled_only_in_their_bundle():
     import typer
 
     from headscope.cli import app
-    from headscope.cli.options import CORPUS_OPTIONS, MODEL_OPTIONS
+    from headscope.cli.options import CORPUS_OPTIONS, MODEL_OPTIONS, TEXT_OPTIONS
 
-    bundled = {name for bundle in (MODEL_OPTIONS, CORPUS_OPTIONS) for name, _, _ in bundle}
+    bundled = {name for bundle in (MODEL_OPTIONS, TEXT_OPTIONS, CORPUS_OPTIONS) for name, _, _ in bundle}
     for name, path in MODULES.items():
         if not name.startswith("headscope.cli.") or name == "headscope.cli.options":
             continue
@@ -235,8 +235,10 @@ def test_the_bundled_options_are_spelled_only_in_their_bundle():
                 spelled = {arg.arg for arg in node.args.args + node.args.kwonlyargs} & bundled
                 assert not spelled, f"{name}.{node.name} spells bundled options {sorted(spelled)}"
     commands = typer.main.get_command(app).commands
-    for command in ("analyze", "inspect", "ablate", "prune", "patch"):
+    for command in ("analyze", "inspect", "ablate", "prune", "patch", "circuit", "copying"):
         assert {name for name, _, _ in MODEL_OPTIONS} <= {p.name for p in commands[command].params}, command
+        runs_text = command != "copying"  # copying reads the weights alone: no text, nothing to truncate
+        assert ("max_length" in {p.name for p in commands[command].params}) == runs_text, command
     for command in ("analyze", "inspect", "ablate", "prune"):
         assert {name for name, _, _ in CORPUS_OPTIONS} <= {p.name for p in commands[command].params}, command
 
