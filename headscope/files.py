@@ -88,10 +88,37 @@ def remove_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+# A signal handler's exception can be lost: raised while a finalizer (`__del__`) runs, Python prints "Exception
+# ignored in ..." and carries on (a SIGTERM that arrived while the `regex` package collected a compiled pattern let a
+# terminated analyze run to its end and publish, exit 0). The CLI's handlers note each signal here as they raise it;
+# `signals_held`, entered before anything is published or replaced, raises a noted one again.
+_NOTED: list[type[BaseException]] = []
+
+
+def note_signal(error: type[BaseException]) -> None:
+    """A signal handler is raising `error` (KeyboardInterrupt, the CLI's Terminated)."""
+    _NOTED.append(error)
+
+
+def forget_signals() -> None:
+    """The noted signals were handled (their exception reached the command's handler)."""
+    _NOTED.clear()
+
+
+def raise_noted_signal() -> None:
+    """Raise a signal's exception again, if one was noted and not handled (a finalizer swallowed it)."""
+    if _NOTED:
+        error = _NOTED[-1]
+        _NOTED.clear()
+        raise error
+
+
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
     """Ctrl-C and SIGTERM wait until the block ends: renames that must happen together (the old folder out, the new
-    one in; a set of files replaced in place) are never cut between two of them."""
+    one in; a set of files replaced in place) are never cut between two of them. A signal noted but lost before the
+    block (`raise_noted_signal`) stops it from starting."""
+    raise_noted_signal()
     held = {signal.SIGINT, signal.SIGTERM}
     try:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)

@@ -37,6 +37,7 @@ from headscope.files import (
     lock_marker,
     mark,
     ours,
+    raise_noted_signal,
     remove_quietly,
     signals_held,
 )
@@ -258,16 +259,26 @@ class StagedDirectory:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
+                try:
+                    raise_noted_signal()  # a signal whose exception a finalizer swallowed: the run was stopped
+                except BaseException:
+                    self._abandon()
+                    raise
                 self._publish()
-            elif not self.resumable or not holds_work(self.path):
-                shutil.rmtree(self.path, ignore_errors=True)
             else:
-                _KEPT.append(self.path)
+                self._abandon()
         finally:
             self._release_lock()
         refused = disk_refusal(exc) if exc is not None else None
         if refused is not None:  # a full disk while writing (any library's error): one line, nothing published
             raise OutputError(f"cannot write {self.target}: {refused}; nothing there was changed") from None
+
+    def _abandon(self) -> None:
+        """The run did not finish: its work folder removed, or kept for --resume where it holds work."""
+        if not self.resumable or not holds_work(self.path):
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            _KEPT.append(self.path)
 
     def _publish(self) -> None:
         parent = self.target.parent

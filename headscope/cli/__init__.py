@@ -32,7 +32,15 @@ from headscope.cli.ablate import ablate
 from headscope.cli.analyze import analyze
 from headscope.cli.circuit import circuit
 from headscope.cli.classify import classify
-from headscope.cli.common import INTERRUPTED, OneLineErrors, PanelledCommand, Terminated, raise_terminated, say
+from headscope.cli.common import (
+    INTERRUPTED,
+    OneLineErrors,
+    PanelledCommand,
+    Terminated,
+    raise_interrupted,
+    raise_terminated,
+    say,
+)
 from headscope.cli.compare import compare
 from headscope.cli.copying import copying
 from headscope.cli.inspect import inspect
@@ -68,6 +76,8 @@ def main() -> None:
         # Inside the try: a SIGTERM the moment the handler is in place is still caught below (it once arrived
         # during the line above, then outside the try, and printed a traceback).
         signal.signal(signal.SIGTERM, raise_terminated)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores Ctrl-C
+            signal.signal(signal.SIGINT, raise_interrupted)
         app()
     # A signal before a command's own handler is in place (while Typer builds the commands, or a command imports
     # torch): still one line and the signal's exit code.

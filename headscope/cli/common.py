@@ -88,7 +88,17 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def raise_terminated(signum, frame) -> None:
+    from headscope.files import note_signal
+
+    note_signal(Terminated)  # in case a finalizer running now swallows the exception (files.note_signal)
     raise Terminated
+
+
+def raise_interrupted(signum, frame) -> None:
+    from headscope.files import note_signal
+
+    note_signal(KeyboardInterrupt)
+    raise KeyboardInterrupt
 
 
 def say(message: str, *, err: bool = False) -> None:
@@ -119,6 +129,7 @@ def _usage_error(ctx: typer.Context, err: ConfigError):
 def user_errors(ctx: typer.Context):
     """Turn the library's own errors into a one-line message and exit code 1 (2 for an option's value the
     library refuses once it knows the model or the corpus: a usage error too); signals into 130 / 143."""
+    from headscope.files import forget_signals
     from headscope.output import kept_checkpoints
 
     kept_before = len(kept_checkpoints())
@@ -135,9 +146,11 @@ def user_errors(ctx: typer.Context):
         say(f"Error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
+        forget_signals()
         say(f"{INTERRUPTED[130]}{hint()}.", err=True)
         raise typer.Exit(130) from None
     except Terminated:
+        forget_signals()
         say(f"{INTERRUPTED[143]}{hint()}.", err=True)
         raise typer.Exit(143) from None
     except Exception as err:  # a full disk reported by a library outside any staged folder: still one line

@@ -218,6 +218,11 @@ def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_pa
             "--out",
             str(out),
             "--overwrite",
+            # the staging folder holds the first chunk's checkpoint within seconds, with 19 chunks still to go: the
+            # signal lands mid-run (with one chunk, the folder appeared only when the report was written, and a run
+            # that wrote it within the second the test waits exited 0 before the signal came)
+            "--chunk-sentences",
+            "2000",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -237,6 +242,38 @@ def test_a_signal_mid_run_leaves_the_previous_report_intact(planted_gpt2, tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["heads.parquet", "run.json"]
     assert hidden_leftovers(tmp_path) == []
     assert "Traceback" not in stderr.decode()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowing, as Python does it
+@pytest.mark.parametrize(("handler", "code"), [("raise_terminated", 143), ("raise_interrupted", 130)])
+def test_a_signal_a_finalizer_swallows_still_stops_the_run_before_it_publishes(
+    planted_gpt2, tmp_path, corpus_lines, handler, code
+):
+    """Python loses an exception raised while a finalizer (`__del__`) runs: it prints "Exception ignored in ..." and
+    carries on. A SIGTERM that landed in the regex package's finalizer once let a terminated analyze run to its end
+    and publish, exit 0. The signal is noted as its handler raises it, and the run stops before publishing: the
+    previous report intact, the signal's exit code. Here the CLI's own handler fires inside a finalizer, as the
+    signal did, during the load (through the loader seam)."""
+    import headscope.cli.common as common
+
+    out = previous_report(tmp_path / "report")
+
+    class Collected:
+        def __del__(self):
+            getattr(common, handler)(None, None)
+
+    def loader(*args):
+        Collected()  # collected at once: its finalizer's exception is printed and lost
+        return load_for_run(*args)
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(corpus_lines[:10]))
+    options = ["--corpus", corpus, "--out", out, "--overwrite", "--no-charts", "--no-page"]
+    result = run_cli("analyze", planted_gpt2, *options, loader=loader)
+    assert result.exit_code == code, result.output
+    assert (out / "heads.parquet").read_bytes() == b"the previous run"
+    assert sorted(p.name for p in out.iterdir()) == ["heads.parquet", "run.json"]
+    assert hidden_leftovers(tmp_path) == []
 
 
 def test_same_input_gives_identical_tables(planted_gpt2, corpus_lines):
