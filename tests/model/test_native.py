@@ -60,8 +60,8 @@ def _host_runs(isa: str) -> bool:
 def _compile_only(isa: str) -> subprocess.CompletedProcess:
     """Compile the kernel for `isa` as torch's extension builder does, without running it: compiling for AVX-512
     needs no AVX-512 CPU. `-fsyntax-only`: the compiler's whole analysis of the source, templates instantiated (a
-    member torch's AVX-512 vector lacks is an error here), without generating and optimising code (50 s against
-    124 s on two busy cores)."""
+    member torch's AVX-512 vector lacks is an error here), without generating and optimising code (48-62 s against
+    82-89 s compiled to code, interleaved on two busy cores)."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
