@@ -11,10 +11,12 @@ as transformers casts the de-quantized tensors.
 
 - Which files: those of at most HEADSCOPE_GGUF_CACHE_MB MiB (default 1024; the folder takes about 5.5 times the
   file of a 4-bit one); 0 turns the cache off.
-- Which not: a model transformers keeps packed (its GGUF kernels compute on the quantized blocks, so there is no
-  float checkpoint to keep), one without a causal-LM class, one whose file lacks weights its class needs (they would
-  be initialised at random and then kept), and one with its own code (--trust-remote-code). A small note in the
-  cache says so, and later loads read the file as before without trying again.
+- Which not: a model whose float32 weights would take more than half of the host's free memory (the load's own check
+  then refuses it in one line, or it loads in a narrower dtype, as before), a model transformers keeps packed (its
+  GGUF kernels compute on the quantized blocks, so there is no float checkpoint to keep), one without a causal-LM
+  class, one whose file lacks weights its class needs (they would be initialised at random and then kept), and one
+  with its own code (--trust-remote-code). A small note in the cache says so, and later loads read the file as before
+  without trying again (but for memory, which a later load may have: it tries again).
 - Keyed by the file's resolved path, size and modification time and the versions of transformers, gguf and torch:
   an edited file or another version reads the file again, and the key's older folders are removed. A folder is
   written under a temporary name and renamed, so concurrent runs never read half of one; one whose files are not
@@ -38,7 +40,9 @@ import torch
 
 from headscope.errors import ModelLoadError
 from headscope.files import cache_folder
+from headscope.model import memory
 from headscope.model.once import one_load
+from headscope.model.placement import parameter_bytes
 
 LIMIT_VARIABLE = "HEADSCOPE_GGUF_CACHE_MB"
 DEFAULT_LIMIT_MB = 1024
@@ -116,6 +120,8 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
     refused = None
     if type(config) not in AutoModelForCausalLM._model_mapping:
         refused = f"no causal-LM class for {config.model_type}"
+    elif not _fits_in_memory(config):
+        return "unwritable"  # not now: the load itself refuses, or reads the file in a narrower dtype, as before
     else:
         tokenizer = AutoTokenizer.from_pretrained(location, gguf_file=name)
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -143,6 +149,13 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
         _remove(work)
         return "unwritable"
     return "refused" if refused else "checkpoint"
+
+
+def _fits_in_memory(config) -> bool:
+    """Whether the float32 model the checkpoint is written from fits in half of the host's free memory (a larger
+    one is left to the load, whose own check refuses it in one line or loads it in a narrower dtype)."""
+    needed = parameter_bytes(config, torch.float32, lm_head=True)
+    return needed is not None and needed <= memory.host_free_memory() // 2
 
 
 def _room_for(model: torch.nn.Module, folder: Path) -> bool:

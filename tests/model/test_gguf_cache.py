@@ -172,3 +172,15 @@ def test_a_disk_without_room_to_spare_is_left_alone_until_it_has_some(tiny, cach
     assert weights_fingerprint(loaded.model) == weights_fingerprint(direct_load(tiny, monkeypatch).model)
     headscope.load_model(str(tiny), device="cpu")
     assert len(cached_folders(cache)) == 1
+
+
+def test_a_model_too_large_for_the_hosts_memory_in_float32_is_not_written(tiny, cache, monkeypatch):
+    """The checkpoint is written from the float32 model: where that would take more than half of the host's free
+    memory, nothing is written and the load goes on as before (its own check decides)."""
+    with monkeypatch.context() as small:
+        small.setattr("headscope.model.memory.host_free_memory", lambda: 80_000)  # the tiny model: 52 KB in float32
+        loaded = headscope.load_model(str(tiny), device="cpu")
+        assert cached_folders(cache) == []
+    assert weights_fingerprint(loaded.model) == weights_fingerprint(direct_load(tiny, monkeypatch).model)
+    headscope.load_model(str(tiny), device="cpu")
+    assert len(cached_folders(cache)) == 1
