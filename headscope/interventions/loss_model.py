@@ -29,6 +29,7 @@ from headscope.interventions.group_losses import GroupLosses, PassPlan, planned_
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.loss import token_losses
 from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, shared_gradient_pass
+from headscope.model.architecture import text_config
 from headscope.model.batch import Batch
 from headscope.model.capture import Capture, attached
 from headscope.model.loading import LoadedModel
@@ -75,15 +76,11 @@ class LossModel:
         """Every later pass changes heads of `layer` and above only: run the clean model's layers below it once per
         batch now, and start every pass from what they returned (interventions/clean_prefix.py; nothing is kept
         where it would not fit)."""
-        dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
         planned = self.plan.batches(self.feed, "importance", "cpu")  # counted on the host: nothing moves
-        config = self.loaded.model.config
-        hidden = (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size
+        hidden_bytes = text_config(self.loaded.model.config).hidden_size * self.loaded.dtype.itemsize
         self.prefix = together(
             self.ranks,
-            lambda: clean_prefix(
-                self.capture, self.batches, layer, share_of(self.ranks, planned), hidden * dtype_bytes
-            ),
+            lambda: clean_prefix(self.capture, self.batches, layer, share_of(self.ranks, planned), hidden_bytes),
         )
 
     def prefix_passes(self) -> PassPlan:

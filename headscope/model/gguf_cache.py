@@ -55,9 +55,11 @@ def cached_checkpoint(gguf_path: Path, *, trust_remote_code: bool = False) -> Pa
     file is not cached (too large, the cache turned off, a model it cannot hold, a cache that cannot be written)."""
     limit = limit_bytes()
     path = Path(gguf_path).resolve()
-    if trust_remote_code or limit == 0 or path.stat().st_size > limit:
+    if trust_remote_code or limit == 0:
         return None
     identity = _identity(path)
+    if identity["size"] > limit:
+        return None
     folder = cache_folder() / "gguf" / f"{_digest(str(path))}-{_digest(identity)}"
     with one_load():
         state = _state(folder, identity)
@@ -120,8 +122,8 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
     refused = None
     if type(config) not in AutoModelForCausalLM._model_mapping:
         refused = f"no causal-LM class for {config.model_type}"
-    elif not _fits_in_memory(config):
-        return "unwritable"  # not now: the load itself refuses, or reads the file in a narrower dtype, as before
+    elif not _fits(parameter_bytes(config, torch.float32, lm_head=True), folder):
+        return "unwritable"  # not now: a later load, with the memory and the disk, writes it
     else:
         tokenizer = AutoTokenizer.from_pretrained(location, gguf_file=name)
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -131,8 +133,6 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
             refused = "transformers keeps its weights packed (its GGUF kernels)"
         elif info["missing_keys"]:
             refused = f"its file lacks {len(info['missing_keys'])} of the weights its class needs"
-    if refused is None and not _room_for(model, folder):
-        return "unwritable"  # not now: a later load, with room, writes it
     work = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         _remove(work)
@@ -144,24 +144,20 @@ def _write(path: Path, folder: Path, identity: dict) -> str:
         files = {item.name: item.stat().st_size for item in work.iterdir()}
         note = {"identity": identity, "files": files, "refused": refused}
         (work / NOTE).write_text(json.dumps(note, indent=1), encoding="utf-8")
-        _publish(work, folder)
+        _publish(work, folder, identity)
     except OSError:  # the cache cannot be written: this load reads the file as before
         _remove(work)
         return "unwritable"
     return "refused" if refused else "checkpoint"
 
 
-def _fits_in_memory(config) -> bool:
-    """Whether the float32 model the checkpoint is written from fits in half of the host's free memory (a larger
-    one is left to the load, whose own check refuses it in one line or loads it in a narrower dtype)."""
-    needed = parameter_bytes(config, torch.float32, lm_head=True)
-    return needed is not None and needed <= memory.host_free_memory() // 2
-
-
-def _room_for(model: torch.nn.Module, folder: Path) -> bool:
-    """Whether the checkpoint leaves room on its disk: at least its own size, and 1 GiB, free after it is written (a
-    cache that filled the disk would fail the run's own outputs)."""
-    needed = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+def _fits(needed: int | None, folder: Path) -> bool:
+    """Whether the float32 model the checkpoint is written from (`needed` bytes; None: unknown) fits in half of the
+    host's free memory (a larger one is left to the load, whose own check refuses it in one line or loads it in a
+    narrower dtype), and its checkpoint leaves at least its own size, and 1 GiB, free on its disk (a cache that filled
+    the disk would fail the run's own outputs). Checked before the file is loaded for it."""
+    if needed is None or needed > memory.host_free_memory() // 2:
+        return False
     existing = next(path for path in (folder, *folder.parents) if path.exists())
     try:
         free = shutil.disk_usage(existing).free
@@ -170,13 +166,13 @@ def _room_for(model: torch.nn.Module, folder: Path) -> bool:
     return free - needed >= max(needed, 2**30)
 
 
-def _publish(work: Path, folder: Path) -> None:
+def _publish(work: Path, folder: Path, identity: dict) -> None:
     """Rename the written folder into place (a concurrent run that got there first wins), and remove the folders this
     file's older versions left."""
     try:
         os.rename(work, folder)
     except OSError:  # another run published the same folder first (or left a damaged one: replace it)
-        if _complete(folder):
+        if _state(folder, identity) != "missing":
             _remove(work)
         else:
             _remove(folder)
@@ -185,14 +181,6 @@ def _publish(work: Path, folder: Path) -> None:
     for older in folder.parent.glob(f"{path_key}-*"):
         if older != folder:
             _remove(older)
-
-
-def _complete(folder: Path) -> bool:
-    try:
-        note = json.loads((folder / NOTE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return _state(folder, note.get("identity")) != "missing"
 
 
 @contextlib.contextmanager

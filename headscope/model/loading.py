@@ -166,10 +166,10 @@ def _transformers_source(source: ModelSource, revision: str | None, trust_remote
     one (model/gguf_cache.py: parsed and de-quantized once per file), else the file itself."""
     kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
     if source.gguf_file:
-        try:
-            checkpoint = cached_checkpoint(
-                Path(source.location) / source.gguf_file, trust_remote_code=trust_remote_code
-            )
+        gguf_path = Path(source.location) / source.gguf_file
+        key = ("gguf checkpoint", str(gguf_path), trust_remote_code)
+        try:  # once per load: its config, tokenizer and weights all ask
+            checkpoint = read_once(key, lambda: cached_checkpoint(gguf_path, trust_remote_code=trust_remote_code))
         except HeadscopeError:
             raise
         except Exception as err:  # the file cannot be parsed: as a load of it would fail
