@@ -691,15 +691,38 @@ def test_prune_removes_heads_of_the_layers_it_is_given_only(redundant, tmp_path)
     assert found.record["search"]["candidates"] == 4 and list(found.record["settings"]["layers"]) == [1]
 
 
+@pytest.fixture(scope="module")
+def prefix_models(redundant, tmp_path_factory, corpus_lines):
+    """The planted GPT-2, a grouped-KV Llama (8 query heads on 4 KV heads) and a Gemma 2 (post-attention norms, a
+    sliding window, softcapping): a pass started from the prefix must hand each its own layer output."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from helpers import tiny_model_folder
+
+    configs = {
+        "llama-gqa": (LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                  num_key_value_heads=4), LlamaForCausalLM),
+        "gemma2": (Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, sliding_window=4, attn_logit_softcapping=5.0,
+                                query_pre_attn_scalar=16, max_position_embeddings=128), Gemma2ForCausalLM),
+    }  # fmt: skip
+    models = {"gpt2": redundant}
+    for name, (config, model_class) in configs.items():
+        folder = tiny_model_folder(tmp_path_factory.mktemp(name), config, model_class, corpus_lines)
+        models[name] = (headscope.load_model(str(folder), device="cpu", lm_head=True), corpus_lines[:12])
+    return models
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama-gqa", "gemma2"])
 @pytest.mark.parametrize("mode", ["zero", "mean"])
-def test_passes_from_the_clean_prefix_give_the_numbers_of_whole_passes(redundant, mode):
+def test_passes_from_the_clean_prefix_give_the_numbers_of_whole_passes(prefix_models, arch, mode):
     """A gradient pass and a replicated pass that start at layer 1 from the clean prefix give the loss, every layer-1
     head's estimate and every set's per-sentence losses of the same passes run from the embeddings, to the bit."""
     from headscope.interventions.loss_model import loss_model
     from headscope.model.loading import load_for_run
     from headscope.run.setup import CommandRun
 
-    loaded, sentences = redundant
+    loaded, sentences = prefix_models[arch]
     run = CommandRun.prepare(loaded, sentences, config=None, options={"batch_size": 8}, reporter=None)
     base, sets = [(1, 0)], [[(1, 0), (1, 1)], [(1, 0), (1, 2), (1, 3)]]
     found = []
