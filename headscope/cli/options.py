@@ -309,13 +309,14 @@ CircuitWhy = Annotated[
 ]
 Budget = Annotated[float, typer.Option(help="Nats of corpus loss the removed heads may cost together.")]
 MaxRounds = Annotated[
-    int | None, typer.Option(help="Stop the search after this many rounds (a gradient pass and verified sets each).")
+    int | None,
+    typer.Option(help="Stop the search after this many rounds (a gradient pass each, more where a step overshoots)."),
 ]
 Patience = Annotated[
     int,
     typer.Option(
-        help="Stop when this many rounds in a row each add under 2% of the heads and leave a budget that buys fewer "
-        "than that many more (0: never)."
+        help="Stop when this many rounds in a row each add under 4% of the heads, with a next round expected to add "
+        "fewer too (0: never)."
     ),
 ]
 Replicates = Annotated[

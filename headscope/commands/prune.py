@@ -28,7 +28,7 @@ from headscope.files import atomic_path
 from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
 from headscope.interventions.loss_model import LossModel, loss_model, plain_loss
-from headscope.interventions.prune_passes import FIRST_SHORTLIST, SHORTLIST, TRIES, search_on_model
+from headscope.interventions.prune_passes import FIRST_SHORTLIST, LONGEST, SHORTLIST, TRIES, search_on_model
 from headscope.interventions.removal import Removal
 from headscope.interventions.search import PruneResult
 from headscope.interventions.surgery import check_savable
@@ -44,7 +44,7 @@ from headscope.tables import write_json
 
 SAVED_TOLERANCE = 1e-4  # nats: the saved checkpoint's loss must equal the verified pruned loss this closely
 ESTIMATE = "first order + curvature"  # what ranks the heads; a journal of another estimate's search is refused
-JOURNAL_FORMAT = 2  # 2: an estimate's answer holds its pass's loss; a journal of another format is refused
+JOURNAL_FORMAT = 3  # 3: a step verified by its gradient pass (2 asked other questions); another format is refused
 PRUNE_SETTINGS = (*INTERVENTION_SETTINGS, "layers")
 
 
@@ -129,14 +129,14 @@ class Pruning:
             "set_aside": [head_name(*h) for h in result.set_aside],
             "search": {
                 "rank": "rounds: a gradient pass ranks the remaining heads by a second-order estimate on the model "
-                "pruned so far; the longest prefix whose estimates fit the allowance is verified (with nested "
-                "smaller ones; the largest by the gradient pass that ranks the next round, its forward's loss); "
-                "where that takes none, a shortlist is verified alone and packed "
-                "cheapest first; the first step may spend the whole budget (the one-shot answer), later rounds "
-                "half of the budget left",
+                "pruned so far; half of the longest prefix whose estimates fit the budget left is removed in the "
+                "next gradient pass, whose forward's loss verifies it; where it overshoots, nested smaller sizes "
+                "are verified by a replicated pass; where none fits, a shortlist is verified alone and packed "
+                "cheapest first; the first step is the one-shot answer",
                 "estimate": ESTIMATE,
                 "shortlist": SHORTLIST,
                 "first_shortlist": FIRST_SHORTLIST,
+                "longest": LONGEST,
                 "one_shot": result.one_shot,
                 "nested_steps": TRIES,
                 "patience": self.patience,

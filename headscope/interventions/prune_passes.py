@@ -16,7 +16,8 @@ from headscope.interventions.search import Estimate, PruneResult, prune_search
 from headscope.progress import Reporter
 
 SHORTLIST = 8  # heads verified alone in a round whose estimate stopped predicting (the best-ranked by it)
-FIRST_SHORTLIST = 48  # ... in the first round; also the longest set a round trusts to the estimate
+FIRST_SHORTLIST = 48  # ... in the first round; also the longest prefix the first round trusts to the estimate
+LONGEST = 96  # the longest prefix a later round trusts to the estimate (it removes half of what fits)
 TRIES = 4  # nested sizes verified per packing pass
 
 
@@ -91,14 +92,15 @@ def search_on_model(
 
     alone = [min(FIRST_SHORTLIST, len(candidates)), min(SHORTLIST, len(candidates))]
     reporter.note(
-        "planned: a gradient pass for the clean loss and the first ranking, then rounds of one replicated pass "
-        "verifying the sets the ranking packs and a gradient pass ranking the next round; where the estimate stops "
-        f"predicting, {alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets packed; "
+        "planned: a gradient pass for the clean loss and the first ranking, then rounds of one gradient pass each, "
+        "removing the heads the ranking says fit and ranking the next round; where they overshoot, a replicated "
+        "pass verifying fewer; where the estimate stops predicting, "
+        f"{alone[1]} heads verified alone ({alone[0]} in the first round) and a few sets packed; "
         + (f"at most {max_rounds} rounds" if max_rounds is not None else "until no shortlisted head fits alone")
-        + (f", or {patience} rounds in a row adding under 2% of the heads near the budget" if patience else "")
+        + (f", or {patience} rounds in a row adding under 4% of the heads near the budget" if patience else "")
     )
     reporter.stage(f"pruning within {budget:g} nats ({mode} removal)")
-    result = prune_search(candidates, budget=budget, estimate=estimate, verify=counted,
-                          shortlist=SHORTLIST, first_shortlist=FIRST_SHORTLIST, tries=TRIES, patience=patience,
+    result = prune_search(candidates, budget=budget, estimate=estimate, verify=counted, shortlist=SHORTLIST,
+                          first_shortlist=FIRST_SHORTLIST, longest=LONGEST, tries=TRIES, patience=patience,
                           max_rounds=max_rounds, on_step=step)  # fmt: skip
     return Searched(result, removal, passes)

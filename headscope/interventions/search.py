@@ -8,31 +8,36 @@ The search knows the model only through two functions:
 - verify(sets) -> [loss], the exact corpus loss with each set of heads removed together (one forward pass,
   the sets as replicas of the batch).
 
-The clean loss is the first estimate's (nothing removed). Each round begins with the estimate on the model pruned
-so far, which ranks the remaining heads by estimated cost (a head whose removal lowers the loss first), then:
-1. trusting the estimate: the longest prefix of the ranking (at most `first_shortlist` heads) whose estimates add
-   up to within the round's allowance (half of the budget left when the round began: a round does not spend the
-   budget on heads a later round may find cheaper) is verified with nested smaller ones (size, size/2, ... 1), and
-   the largest verified fit accepted: the two largest in one pass, the smaller ones in a second only where neither
-   fits (the same answer as verifying them all at once, at half the replicas where the larger sizes fit). If it
-   took any head, the round is done: one gradient pass and one replicated pass;
-2. else the estimate has stopped predicting, and the round measures: the `shortlist` (`first_shortlist` in the
-   first round) best-ranked heads are each verified alone on top of the heads removed, their exact marginal costs;
-3. packing, with no further gradient pass: the shortlist, cheapest exact cost first, is predicted to add its
-   costs; the longest prefix predicted to stay within the allowance is verified with nested smaller ones likewise,
-   the largest verified fit accepted, and packing goes on down the shortlist until the allowance is spent or no
-   verified size fits. A round that accepted nothing takes its cheapest head, if it fits the budget.
+The clean loss is the first estimate's (nothing removed), and so is the first round's ranking. A round ranks the
+heads still in the model by estimated cost (a head whose removal lowers the loss first), then:
+1. a step, trusting the estimate: of the longest prefix of the ranking (at most `first_shortlist` heads in the
+   first round, `longest` later) whose estimates add up to within the budget left, STEP_SHARE (half) is removed in
+   one gradient pass on the model pruned so far. The estimates underpredict what a set costs together (about
+   twofold for sets of 20-50 heads on SmolLM2), and half of the prefix they fit is the size that mostly fits. The
+   pass's forward verifies the step (its loss with every removed head removed together) and its backward ranks the
+   next round: where the step fits the budget, the round is done in that one pass;
+2. where it overshoots, nested smaller sizes (half of it, a quarter, ... 1) are verified in a replicated pass, the
+   two largest first and the smaller ones only where neither fits, and the largest that fits is accepted (the next
+   round then begins with a gradient pass on the model it left);
+3. where none fits, the estimate has stopped predicting, and the round measures: the `shortlist`
+   (`first_shortlist` in the first round) best-ranked heads are each verified alone on top of the heads removed,
+   their exact marginal costs; then packing: the shortlist, cheapest exact cost first, is predicted to add its
+   costs; the longest prefix predicted to stay within the round's allowance (half of the budget left when it
+   began; the whole budget for a first step) is verified with nested smaller ones likewise, the largest verified
+   fit accepted, and packing goes on down the shortlist until the allowance is spent or no verified size fits. A
+   round that accepted nothing takes its cheapest head, if it fits the budget.
 
-The first step is the one-shot answer: its allowance is the whole budget, so it verifies the best-ranked heads
-removed together, as many as their estimates (or, where part 1 found nothing, their exact costs alone) say the
-budget allows, and accepts the largest that fits; every later step adds to it, so the search is never behind the
-answer one pass verified.
+The first step is the one-shot answer: the best-ranked heads of the clean model removed together, as many as their
+estimates (or, where parts 1 and 2 found nothing, their exact costs alone) say the budget allows; every later step
+adds to it, so the search is never behind the answer one pass verified.
 
 It stops when not one shortlisted head fits alone, after `max_rounds` rounds, or by patience: when `patience`
-rounds in a row each add fewer than 2% of the candidate heads *and* leave a budget that, at the verified cost per
-head of the heads they added, buys fewer than that many more (a round near the budget pays a gradient pass and a
-replicated pass for a head or two; a round far from it goes on, however few heads it added: on a small model one
-head is more than 2%, and a rule on the share of heads alone stopped a search with a quarter of its budget unspent).
+rounds in a row each add fewer than 4% of the candidate heads *and* the next round is expected to add fewer than
+that too: STEP_SHARE of the heads the budget left buys by the latest ranking's estimates (or, where the round's
+heads were verified by a replicated pass, at the verified cost per head of the heads it added). A round costs a
+gradient pass, about two and a half forward passes: near the budget each adds a few heads (on SmolLM2, 10, 7, 6,
+3, 2 after the first 120); far from it a round goes on, however few heads it added (on a small model one head is
+more than 4%, and a rule on the share of heads alone stopped a search with a quarter of its budget unspent).
 The loss of the accepted set is always a verified one, so the result never exceeds the budget.
 """
 
@@ -53,10 +58,12 @@ class Estimate:
     costs: dict[Head, float]  # each head still in the model: the estimated loss increase of also removing it
 
 
-MIN_GAIN_SHARE = 0.02  # a round that adds fewer than this share of the candidates (and whose budget left buys
-# fewer than as many more, at its verified cost per head) counts against patience
-ROUND_SHARE = 0.5  # a round may spend this share of the budget left when it began
-FIRST_SIZES = 2  # nested sizes verified in a packing step's first pass (the smaller ones only where neither fits)
+MIN_GAIN_SHARE = 0.04  # a round that adds fewer than this share of the candidates (and whose next round is
+# expected to add fewer too) counts against patience
+ROUND_SHARE = 0.5  # a packing round may spend this share of the budget left when it began
+STEP_SHARE = 0.5  # a step removes this share of the prefix its estimates fit within the budget left: they
+# underpredict a set's joint cost (about twofold for sets of 20-50 heads on SmolLM2)
+FIRST_SIZES = 2  # nested sizes verified in a replicated pass's first pass (the smaller ones only where neither fits)
 
 
 @dataclass
@@ -83,6 +90,7 @@ def prune_search(
     verify: Callable[[list[list[Head]]], list[float]],
     shortlist: int = 8,
     first_shortlist: int = 48,
+    longest: int = 96,
     tries: int = 4,
     patience: int = 2,
     max_rounds: int | None = None,
@@ -91,15 +99,15 @@ def prune_search(
     """Remove as many of `all_heads` as `budget` (nats above `clean_loss`) allows; see the module's docstring.
 
     shortlist, first_shortlist: heads verified alone in a round that measures (the first round), first_shortlist
-    also the longest prefix a round trusts to its estimate; tries: nested sizes verified
-    per packing pass (the last is 1); patience: rounds in a row adding under 2% of the heads, with a budget left
-    that buys fewer than that many more, before it stops (0: never); max_rounds: at most this many rounds (None: no
+    also the longest prefix the first round trusts to its estimate; longest: ... a later round; tries: nested sizes
+    verified per replicated pass (the last is 1); patience: rounds in a row adding under 4% of the heads, with a
+    next round expected to add fewer too, before it stops (0: never); max_rounds: at most this many rounds (None: no
     limit)."""
     result = PruneResult(budget=budget, clean_loss=math.nan)
-    clean = _estimated(estimate, result, [])  # the clean loss, and the first round's ranking
-    result.clean_loss = result.loss = clean.loss
-    result.curve = [(0, clean.loss)]
-    limit = clean.loss + budget
+    ranking: Estimate | None = _estimated(estimate, result, [])  # the clean loss, and the first round's ranking
+    result.clean_loss = result.loss = ranking.loss
+    result.curve = [(0, ranking.loss)]
+    limit = ranking.loss + budget
     min_gain = max(1, math.ceil(MIN_GAIN_SHARE * len(all_heads)))
     stalled = 0
     while True:
@@ -117,9 +125,11 @@ def prune_search(
             break
         result.rounds += 1
         before, loss_before = len(result.heads), result.loss
-        estimates = (clean if result.rounds == 1 else _estimated(estimate, result, result.heads)).costs
-        ranked = sorted(remaining, key=lambda head: (estimates[head], head))
-        _pack_estimated(result, ranked[:first_shortlist], estimates, verify, limit, tries, on_step)
+        if ranking is None:  # the last round's heads were verified by a replicated pass: rank the model they left
+            ranking = _estimated(estimate, result, result.heads)
+        ranked = sorted(remaining, key=lambda head: (ranking.costs[head], head))
+        stepped = _step(result, ranked[:first_shortlist if result.rounds == 1 else longest], ranking.costs,
+                        estimate, verify, limit, tries, on_step)  # fmt: skip
         if len(result.heads) == before:  # the estimate has stopped predicting: measure
             candidates = ranked[: first_shortlist if result.rounds == 1 else shortlist]
             singles = _verified(verify, [[*result.heads, h] for h in candidates], result)
@@ -130,42 +140,63 @@ def prune_search(
                 break
             costs = dict(zip(candidates, alone, strict=True))
             _pack(result, costs, verify, limit, tries, on_step, one_shot=not result.heads)
+        ranking = stepped if len(result.heads) > before else ranking
         added = len(result.heads) - before
-        stalled = stalled + 1 if added < min_gain and _buys(result, added, loss_before, limit) < min_gain else 0
+        stalled = (
+            stalled + 1 if added < min_gain and _next_gain(result, ranking, added, loss_before, limit) < min_gain else 0
+        )
     return result
 
 
-def _buys(result: PruneResult, added: int, loss_before: float, limit: float) -> float:
-    """How many more heads the budget left buys at the verified cost per head of the `added` heads the round took
-    (infinite where they cost nothing, or lowered the loss; 0 where it took none)."""
+def _next_gain(result: PruneResult, ranking: Estimate | None, added: int, loss_before: float, limit: float) -> float:
+    """How many heads the next round is expected to add: STEP_SHARE of those the budget left buys by the estimates
+    of the ranking in hand; where the round's heads were verified by a replicated pass (no ranking of the model they
+    left), of those it buys at the verified cost per head of the `added` heads (infinite where they cost nothing or
+    lowered the loss; 0 where the round took none)."""
+    if ranking is not None:
+        return STEP_SHARE * _longest_fit(result.loss, sorted(ranking.costs.values()), limit)
     if added == 0:
         return 0.0
     per_head = (result.loss - loss_before) / added
-    return math.inf if per_head <= 0 else (limit - result.loss) / per_head
+    return math.inf if per_head <= 0 else STEP_SHARE * (limit - result.loss) / per_head
 
 
-def _pack_estimated(
-    result: PruneResult, ranked: list[Head], estimates: dict[Head, float], verify, limit: float, tries: int, on_step
-) -> None:
-    """Part 1: trust the estimate. The longest prefix of `ranked` (cheapest estimate first) whose estimates add up
-    to within the allowance (the whole budget for the first step: the one-shot answer; else half of what is left) is
-    verified with nested smaller ones (`_largest_fit`), and the largest that fits accepted."""
+def _step(
+    result: PruneResult,
+    ranked: list[Head],
+    estimates: dict[Head, float],
+    estimate,
+    verify,
+    limit: float,
+    tries: int,
+    on_step,
+) -> Estimate | None:
+    """Parts 1 and 2: trust the estimate. STEP_SHARE of the longest prefix of `ranked` (cheapest estimate first) whose
+    estimates add up to within the budget left is removed in a gradient pass: its loss verifies the step, its
+    ranking is the next round's (returned; None where the step overshot and the round goes on without it). Where it
+    overshoots, smaller nested sizes are verified in one replicated pass and the largest that fits accepted."""
     first = not result.heads
-    ceiling = limit if first else _allowance(result.loss, limit)
-    top = _longest_fit(result.loss, [estimates[head] for head in ranked], ceiling)
+    top = _longest_fit(result.loss, [estimates[head] for head in ranked], limit)
     if top == 0:
-        return
-    sizes = nested_sizes(top, tries)
-    size, losses = _largest_fit(verify, result, sizes, lambda size: result.heads + ranked[:size], ceiling)
-    if size:
-        _accept(result, ranked[:size], losses[size], on_step, one_shot=first)
+        return None
+    step = max(1, int(top * STEP_SHARE))
+    found = _estimated(estimate, result, result.heads + ranked[:step])
+    if found.loss <= limit:
+        _accept(result, ranked[:step], found.loss, on_step, one_shot=first)
+        return found
+    if step > 1:
+        sizes = nested_sizes(step // 2, tries)
+        size, losses = _largest_fit(verify, result, sizes, lambda size: result.heads + ranked[:size], limit)
+        if size:
+            _accept(result, ranked[:size], losses[size], on_step, one_shot=first)
+    return None
 
 
 def _pack(
     result: PruneResult, costs: dict[Head, float], verify, limit: float, tries: int, on_step, *, one_shot: bool
 ) -> None:
-    """Part 3: accept prefixes of the shortlist, cheapest exact cost first, while a verified size fits the round's
-    allowance: half of the budget left when the round began (the whole budget for the first round's first pass:
+    """Part 3, packing: accept prefixes of the shortlist, cheapest exact cost first, while a verified size fits the
+    round's allowance: half of the budget left when the round began (the whole budget for the first round's first pass:
     the one-shot answer)."""
     pool = sorted(costs, key=lambda head: (costs[head], head))
     known = {1: result.loss + costs[pool[0]]}  # a size of one is the cheapest head, verified alone already

@@ -68,20 +68,27 @@ def test_a_budget_nothing_fits_removes_nothing():
     assert result.heads == [] and result.loss == 1.0 and result.curve == [(0, 1.0)]
 
 
-def test_the_first_round_starts_from_the_one_shot_answer_and_later_rounds_spend_half_of_what_is_left():
+def test_each_round_removes_half_of_what_its_estimates_fit_in_the_gradient_pass_that_ranks_the_next():
     costs = {h: 0.001 * (i + 1) for i, h in enumerate(HEADS)}
     loss, verify, estimate, _ = cost_model(costs, {})
-    steps = []
-    result = prune_search(HEADS, budget=0.05, estimate=estimate, verify=verify, first_shortlist=4,
+    asked, steps = [], []
+
+    def asking(removed):
+        asked.append(len(removed))
+        return estimate(removed)
+
+    result = prune_search(HEADS, budget=0.05, estimate=asking, verify=verify,
                           on_step=lambda found: steps.append(len(found.heads)))  # fmt: skip
-    # round 1: its 4 heads together (the one-shot answer, +0.010); round 2 may spend 0.020 of the 0.040 left:
-    # heads 5-7 (+0.018); round 3 0.011 of 0.022: head 8; round 4: none within 0.007, so its cheapest (head 9)
-    assert steps == [4, 7, 8, 9] and result.one_shot == 4 and result.rounds == 5
+    # round 1: 9 heads fit 0.05 by their (exact) estimates, half of them go (the one-shot answer, +0.010); round 2:
+    # 5 of the 0.040 left, 2 go (+0.011); then 3, 2 and 1 fit: one head each; round 6: none fits the 0.005 left, and
+    # the 8 best-ranked verified alone overshoot: it stops. Each step was verified by its own gradient pass.
+    assert steps == [4, 6, 7, 8, 9] and result.one_shot == 4 and result.rounds == 6
+    assert (
+        asked == [0, 4, 6, 7, 8, 9] and result.verify_calls == 1 and result.stopped == "no shortlisted head fits alone"
+    )
+    assert all(value == pytest.approx(loss(result.heads[:n])) for n, value in result.curve)
     fits = int(np.searchsorted(np.cumsum(sorted(costs.values())), 0.05 + 1e-12, side="right"))  # 9 heads
-    assert result.heads == HEADS[:fits] and result.loss == pytest.approx(loss(result.heads))
-    whole = prune_search(HEADS, budget=0.05, estimate=estimate, verify=verify)
-    # the answer, trusted to the (honest) estimate, in one pass; then alone: none fits
-    assert whole.one_shot == fits and whole.verify_calls == 2 and whole.estimates == 2
+    assert len(result.heads) == fits  # every head the exact costs allow
 
 
 def test_an_estimate_that_stops_predicting_is_replaced_by_exact_costs():
@@ -102,8 +109,8 @@ def test_an_estimate_that_stops_predicting_is_replaced_by_exact_costs():
     assert calls["verify"] >= 8  # the first round's 8 heads verified alone
 
 
-def test_a_round_whose_estimate_predicts_takes_one_gradient_pass_and_one_replicated_pass():
-    heads = [(layer, head) for layer in range(10) for head in range(10)]  # 2% of the heads: 2
+def test_a_step_that_fits_takes_one_gradient_pass_and_no_replicated_pass():
+    heads = [(layer, head) for layer in range(10) for head in range(10)]
     costs = {h: 0.0001 for h in heads}
     loss, verify, _, calls = cost_model(costs, {})
     asked = []
@@ -112,29 +119,29 @@ def test_a_round_whose_estimate_predicts_takes_one_gradient_pass_and_one_replica
         asked.append(len(removed))
         return Estimate(loss(removed), {h: costs[h] for h in heads if h not in removed})
 
-    result = prune_search(heads, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40)
-    # the clean pass ranks round 1: the one-shot, 40 heads (the longest prefix trusted); round 2: 40 more, round 3
-    # the last 20; each round's largest size fits, so its pass verifies the two largest sizes alone (40 and 20), not
-    # all four
-    assert [n for n, _ in result.curve] == [0, 40, 80, 100] and result.verify_calls == result.estimates == 3
-    assert asked == [0, 40, 80] and result.clean_loss == 1.0
-    assert result.stopped == "every head removed" and calls["verify"] == 3 * 2
+    result = prune_search(heads, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40, patience=0)
+    # every head fits: round 1 trusts 40 (first_shortlist) and removes 20; later rounds trust up to 96 (`longest`),
+    # all that is left, and remove half of it, down to the last head
+    assert [n for n, _ in result.curve] == [0, 20, 60, 80, 90, 95, 97, 98, 99, 100]
+    assert asked == [n for n, _ in result.curve] and result.estimates == 10 and result.clean_loss == 1.0
+    assert result.verify_calls == 0 and calls["verify"] == 0 and result.stopped == "every head removed"
 
 
-def test_smaller_sizes_are_verified_only_where_the_two_largest_overshoot():
-    """The nested sizes of a packing step in two passes give the answer one pass of all of them would: the largest
-    that fits. Costs that make 40 and 20 heads overshoot and 10 fit: a second pass, for 10 and 1, takes 10."""
+def test_smaller_sizes_are_verified_only_where_a_step_overshoots_and_its_two_largest_halves_too():
+    """A step that overshoots (its gradient pass's loss above the budget) is cut to the largest nested size that
+    fits: half of it and a quarter in one replicated pass, the two smaller only where neither fits. Costs that make
+    20, 10 and 5 heads overshoot and 2 fit: the second pass, for 2 and 1, takes 2."""
     heads = [(layer, head) for layer in range(10) for head in range(10)]
     costs = {h: 0.001 for h in heads}
     ranked = sorted(heads)
-    for h in ranked[10:20]:
-        costs[h] = 0.05  # heads ranked 11 to 20 cost far more than their estimates say
+    for h in ranked[2:20]:
+        costs[h] = 0.05  # heads ranked 3 to 20 cost far more than their estimates say
     loss, verify, _, calls = cost_model(costs, {})
     estimate = lambda removed: Estimate(loss(removed), {h: 0.001 for h in heads if h not in removed})  # noqa: E731
     result = prune_search(heads, budget=0.1, estimate=estimate, verify=verify, first_shortlist=40,
                           max_rounds=1)  # fmt: skip
-    assert result.heads == ranked[:10] and result.loss == pytest.approx(loss(ranked[:10]))
-    assert result.verify_calls == 2 and calls["verify"] == 4  # 40 and 20, then 10 and 1
+    assert result.heads == ranked[:2] and result.loss == pytest.approx(loss(ranked[:2]))
+    assert result.estimates == 2 and result.verify_calls == 2 and calls["verify"] == 4  # 10 and 5, then 2 and 1
 
 
 def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
@@ -152,7 +159,7 @@ def test_blind_estimates_still_find_the_cheapest_heads_by_their_exact_costs():
 
 
 def growing_chain(per_pass: int, per_head: float = 0.09):
-    """300 heads (2% is 6) whose costs only the reversed order's prefixes fit, `per_head` nats each, and only
+    """300 heads whose costs only the reversed order's prefixes fit, `per_head` nats each, and only
     `per_pass` more heads of that chain for each gradient pass so far: (heads, chain, estimate, verify) for
     prune_search."""
     heads = [(layer, head) for layer in range(50) for head in range(6)]
@@ -170,32 +177,36 @@ def growing_chain(per_pass: int, per_head: float = 0.09):
     return heads, chain, estimate, verify
 
 
-@pytest.mark.parametrize("patience", [0, 1, 2])
-def test_patience_stops_rounds_that_add_almost_nothing_near_the_budget(patience):
-    """One head a round at 0.09 nats of a 0.5 budget: after each, what is left buys fewer than 6 more (2%)."""
-    heads, chain, estimate, verify = growing_chain(per_pass=1)
-    result = prune_search(heads, budget=0.5, estimate=estimate, verify=verify,
-                          patience=patience, max_rounds=5)  # fmt: skip
-    # each round: the next head trusted to the estimate (its longer prefixes fail): the round is done
-    assert result.heads == chain[: result.rounds] and result.verify_calls >= result.rounds
+@pytest.mark.parametrize(("patience", "kept", "rounds"), [(0, 50, 8), (1, 43, 3), (2, 46, 4)])
+def test_patience_stops_rounds_that_add_almost_nothing_near_the_budget(patience, kept, rounds):
+    """300 heads (4% is 12) at 1/128 nats each, exactly, within a budget of 50 of them: the rounds remove 24, 13, 6,
+    3, 2, 1 and 1 heads (half of what the budget left fits). From the third on, each adds fewer than 12 and the next
+    is expected to add fewer too: patience K stops the search after K of them; 0 goes on to all 50."""
+    heads = [(layer, head) for layer in range(50) for head in range(6)]
+    costs = {h: 1 / 128 for h in heads}
+    loss, verify, _, _ = cost_model(costs, {})
+    estimate = lambda removed: Estimate(loss(removed), {h: costs[h] for h in heads if h not in removed})  # noqa: E731
+    result = prune_search(heads, budget=50 / 128, estimate=estimate, verify=verify, patience=patience)
+    assert len(result.heads) == kept and result.rounds == rounds and result.loss == 1 + kept / 128
     if patience:
-        assert result.rounds == patience and result.stopped.startswith(f"patience: {patience} rounds")
+        assert result.stopped.startswith(f"patience: {patience} rounds in a row added fewer than 12 heads")
     else:
-        assert result.rounds == 5 and result.stopped == "max_rounds: 5 rounds"
+        assert result.stopped == "no shortlisted head fits alone"
 
 
-def test_a_round_adding_under_2_percent_of_the_heads_counts_against_patience_only_near_the_budget():
-    """300 heads: 2% is 6. Rounds that each add 4 heads (more than 1%, fewer than 2%): at 0.09 nats a head the
-    budget left soon buys fewer than 6 more, and patience stops the search; at 0.001 a head it buys hundreds, and
-    the search goes on (a rule on the share of heads alone stopped it there, its budget barely spent)."""
+def test_a_round_adding_under_4_percent_of_the_heads_counts_against_patience_only_near_the_budget():
+    """300 heads: 4% is 12. Steps of the chain's prefixes overshoot beyond 4 more heads a pass, and are cut to
+    what a replicated pass verifies: rounds of a few heads. At 0.09 nats a head the budget left soon buys fewer
+    than 12 more at the verified cost per head, and patience stops the search; at 0.001 a head it buys hundreds,
+    and the search goes on (a rule on the share of heads alone stopped it there, its budget barely spent)."""
     heads, chain, estimate, verify = growing_chain(per_pass=4)
     result = prune_search(heads, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
-                          max_rounds=5)  # fmt: skip
-    assert result.heads == chain[:5] and result.rounds == 2 and result.stopped.startswith("patience: 2 rounds")
+                          max_rounds=8)  # fmt: skip
+    assert result.heads == chain[:4] and result.rounds == 3 and result.stopped.startswith("patience: 2 rounds")
     heads, chain, estimate, verify = growing_chain(per_pass=4, per_head=0.001)
     result = prune_search(heads, budget=0.5, estimate=estimate, verify=verify, first_shortlist=4,
-                          max_rounds=5)  # fmt: skip
-    assert result.heads == chain[:20] and result.stopped == "max_rounds: 5 rounds"
+                          max_rounds=8)  # fmt: skip
+    assert result.heads == chain[:55] and result.stopped == "max_rounds: 8 rounds"
 
 
 def test_an_interrupted_search_resumes_from_its_journal_to_the_same_result(tmp_path):
