@@ -140,6 +140,7 @@ def prune_search(
                 break
             costs = dict(zip(candidates, alone, strict=True))
             _pack(result, costs, verify, limit, tries, on_step, one_shot=not result.heads)
+        # the model changed: its ranking is the step's gradient pass's, or none yet (heads a replicated pass took)
         ranking = stepped if len(result.heads) > before else ranking
         added = len(result.heads) - before
         stalled = (
