@@ -25,7 +25,11 @@ ENCODING_ERRORS: tuple[str, ...] = ("strict", "replace", "skip")
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 CHART_FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
 IMPORTANCE_MODES: tuple[str, ...] = ("none", "fast", "exact")
-REMOVAL_MODES: tuple[str, ...] = ("zero", "mean")  # how a head is removed (interventions.removal)
+# how a head is removed (interventions.removal): its output replaced by a constant, or (window) its attention kept to
+# the first keys and a recent window, as a streaming KV cache would keep them
+OUTPUT_REMOVALS: tuple[str, ...] = ("zero", "mean")
+REMOVAL_MODES: tuple[str, ...] = (*OUTPUT_REMOVALS, "window")
+DEFAULT_WINDOW, DEFAULT_SINK = 64, 4  # window mode: the recent keys and the first keys a windowed head keeps
 DEFAULT_REMOVAL = "mean"  # the removal ablate and prune use unless told
 PRUNE_PATIENCE = 2  # prune stops after this many rounds in a row each add under 2% of the heads
 LOSS_ON: tuple[str, ...] = ("all", "repeats")  # which predicted tokens ablate scores (interventions.group_losses)

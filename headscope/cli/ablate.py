@@ -17,6 +17,8 @@ def ablate(
     each_role: o.EachRole = False,
     report: o.Report = None,
     mode: o.Mode = o.DEFAULT_MODE,
+    kept_window: o.KeptWindow = None,
+    kept_sink: o.KeptSink = None,
     loss_on: o.LossOn = o.DEFAULT_LOSS_ON,
     pairs: o.AblatePairs = None,
     corpus: o.Corpus = None,
@@ -32,7 +34,7 @@ def ablate(
     from headscope.arguments import parse_heads
     from headscope.cli.printing import print_ablation
     from headscope.commands.ablate import ablate as run_ablation
-    from headscope.commands.ablate import check_request
+    from headscope.commands.ablate import check_request, window_of
     from headscope.config import settings_from_command_line
     from headscope.model.loading import resolve_source
     from headscope.run.distributed import ranks_from_env
@@ -42,6 +44,7 @@ def ablate(
         settings = settings_from_command_line(ctx.params)
         groups = [parse_heads(text) for text in heads or ()]
         check_request(groups, role or (), each_role, report, mode.value, loss_on.value)
+        window_of(mode.value, kept_window, kept_sink)
     with user_errors(ctx):
         found = run_ablation(
             model,
@@ -51,6 +54,8 @@ def ablate(
             each_role=each_role,
             report=report,
             mode=mode.value,
+            window=kept_window,
+            sink=kept_sink,
             loss_on=loss_on.value,
             pairs=pairs,
             out=out or Path("reports") / f"ablate-{resolve_source(model).slug}",

@@ -229,7 +229,21 @@ Probe = Annotated[
 # ---------------------------------------------------------------- what a command does
 
 Mode = Annotated[
-    ModeChoice, typer.Option(help="Remove a head by setting its output to 0, or to its mean over the corpus.")
+    ModeChoice,
+    typer.Option(
+        help="Remove a head by setting its output to 0, or to its mean over the corpus; or window its attention to "
+        "the first --sink keys and the last --window ones, as a streaming KV cache keeps them."
+    ),
+]
+# window mode's --window and --sink (analyze's --window is the diagonal's band, a setting: another parameter name)
+KeptWindow = Annotated[
+    int | None,
+    typer.Option(
+        "--window", help="--mode window: the recent keys a windowed head keeps, its own included [default: 64]"
+    ),
+]
+KeptSink = Annotated[
+    int | None, typer.Option("--sink", help="--mode window: the sentence's first keys it keeps too [default: 4].")
 ]
 LossOn = Annotated[
     LossOnChoice,

@@ -1,7 +1,8 @@
 """ablate(): does the model need these heads together? The corpus loss with groups of heads removed together.
 
     the groups     --heads L.H,... (repeat for more groups); --role R or --each-role, from a report's roles
-    the removal    zero, or each head's clean corpus mean (interventions/removal.py defines both)
+    the removal    zero, each head's clean corpus mean, or its attention windowed to the first --sink keys and the
+                   last --window ones (interventions/removal.py defines all three)
     the tokens     every predicted token, or the repeated ones an induction head can predict (--loss-on)
     or a task      --pairs FILE: the pairs' metric on each clean prompt instead of the loss
                    (interventions/pair_removal.py), its change and its share of the clean-corrupt gap
@@ -21,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from headscope.arguments import as_head_groups, as_path, as_texts, head_name
-from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
+from headscope.config import DEFAULT_REMOVAL, DEFAULT_SINK, DEFAULT_WINDOW, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.group_losses import SCORINGS, PassPlan, group_effect
@@ -29,7 +30,7 @@ from headscope.interventions.loss_model import loss_model
 from headscope.interventions.pair_removal import pair_group_effect, removed_metrics
 from headscope.interventions.pairs import as_pairs, tokenize_pairs
 from headscope.interventions.patching import METRICS
-from headscope.interventions.removal import Head
+from headscope.interventions.removal import Head, Window
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
 from headscope.model.loading import LoadedModel, Loader, load_for_run
@@ -97,14 +98,16 @@ class Ablation:
     folder: Path | None = None
     planned: PassPlan | None = None  # the passes it ran, counted before it ran them
     pairs: dict | None = None  # --pairs: the file's path, sha256 and count, and the metric
+    window: Window | None = None  # window mode: the keys a windowed head keeps
 
     @property
     def record(self) -> dict:
         groups = [dataclasses.asdict(effect) | {"heads": list(effect.heads)} for effect in self.effects]
         planned = None if self.planned is None else dataclasses.asdict(self.planned)
         task = {} if self.pairs is None else {"pairs": self.pairs}
-        return {**self.header, "mode": self.mode, "loss_on": self.loss_on, **task, "bootstrap": self.bootstrap,
-                "planned": planned, "groups": groups}  # fmt: skip
+        window = {} if self.window is None else {"window": dataclasses.asdict(self.window)}
+        return {**self.header, "mode": self.mode, **window, "loss_on": self.loss_on, **task,
+                "bootstrap": self.bootstrap, "planned": planned, "groups": groups}  # fmt: skip
 
     @property
     def groups(self) -> pd.DataFrame:
@@ -148,6 +151,8 @@ def ablate(
     each_role: bool = False,
     report: str | Path | None = None,
     mode: str = DEFAULT_REMOVAL,
+    window: int | None = None,
+    sink: int | None = None,
     loss_on: str = "all",
     pairs: str | Path | Sequence[dict] | None = None,
     out: str | Path | None = None,
@@ -167,7 +172,10 @@ def ablate(
         roles: a group of each named role's heads in `report`.
         each_role: a group for every role with heads in `report`, but "other".
         report: a report of this model, for `roles` and `each_role`.
-        mode: "zero" or "mean" (a head's output replaced by 0, or by its mean over the corpus).
+        mode: "zero", "mean" or "window" (a head's output replaced by 0, or by its mean over the corpus; or its
+            attention cut to the keys a streaming KV cache keeps, each row renormalised over them).
+        window: window mode: the recent keys a windowed head keeps, its own included (default 64).
+        sink: window mode: the sentence's first keys it keeps too (default 4).
         loss_on: "all" predicted tokens, or "repeats" (the second token of a bigram seen before).
         pairs: prompt pairs (a .jsonl/.csv/.tsv file or a list of dicts, as patch takes them): measure the task's
             metric on each clean prompt instead of the loss (the corpus gives mean removal its means).
@@ -185,6 +193,7 @@ def ablate(
     heads = as_head_groups(heads) if heads is not None else []
     roles, report = as_texts(roles, "--role"), as_path(report, "report")
     check_request(heads, roles, each_role, report, mode, loss_on)
+    kept = window_of(mode, window, sink)
     if pairs is not None and loss_on != "all":
         raise ConfigError("--loss-on scores the corpus loss; with --pairs the task's metric is measured instead")
     pairs = None if pairs is None else as_pairs(pairs)
@@ -192,8 +201,8 @@ def ablate(
     if report is not None:
         groups += role_groups(report, roles, each_role)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter, report=report)
-    run.request = {"groups": [(group.name, group.heads) for group in groups], "mode": mode, "loss_on": loss_on,
-                   "pairs (sha256)": None if pairs is None else pairs.sha256}  # fmt: skip
+    run.request = {"groups": [(group.name, group.heads) for group in groups], "mode": mode, "window": kept,
+                   "loss_on": loss_on, "pairs (sha256)": None if pairs is None else pairs.sha256}  # fmt: skip
     ranks = run.data_parallel(model, "ablate")
     if pairs is not None and ranks.parallel:
         raise ConfigError("ablate --pairs runs in one process (a task's pairs are few): run it without torchrun")
@@ -211,9 +220,9 @@ def ablate(
         for group in groups:
             lm.plan.check_heads(group.heads, group.source)
         if pairs is not None:
-            found = _on_pairs(lm, pairs, groups, mode, settings, corpus)
+            found = _on_pairs(lm, pairs, groups, mode, kept, settings, corpus)
         else:
-            found = _on_corpus(lm, groups, mode, loss_on, settings, corpus)
+            found = _on_corpus(lm, groups, mode, kept, loss_on, settings, corpus)
         if opened.folder is not None:  # rank 0 writes
             write_json(found.record, opened.folder / ABLATION_RECORD)
     found.folder = opened.target
@@ -240,6 +249,16 @@ def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str
         raise ConfigError("--role and --each-role read the heads' roles from a report: pass --report DIR")
 
 
+def window_of(mode: str, window: int | None, sink: int | None) -> Window | None:
+    """The keys window mode keeps (defaults 64 and 4), or None for another mode, which takes neither option."""
+    if mode != "window":
+        given = [name for name, value in (("--window", window), ("--sink", sink)) if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} sets what a windowed head keeps: it takes effect with --mode window only")
+        return None
+    return Window(DEFAULT_SINK if sink is None else sink, DEFAULT_WINDOW if window is None else window)
+
+
 def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
     """One group per asked role (each_role: every role some head has, but "other"), its heads from `report`."""
     labelled = Report.open(report).heads
@@ -257,12 +276,13 @@ def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:
     return groups
 
 
-def _on_corpus(lm, groups: list[Group], mode: str, loss_on: str, settings: RunConfig, corpus: Corpus) -> Ablation:
+def _on_corpus(lm, groups: list[Group], mode: str, window: Window | None, loss_on: str, settings: RunConfig,
+               corpus: Corpus) -> Ablation:  # fmt: skip
     """The corpus loss with each group removed together (every group shares each batch's clean pass)."""
     reporter = lm.reporter
     planned = lm.planned([g.heads for g in groups], mode)
     reporter.note(f"planned: {planned.describe(lm.plan.depth)}")
-    removal = lm.removal(mode)
+    removal = lm.removal(mode, window)
     plural = "s" * (len(groups) != 1)
     reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(corpus.sentences)} sentences")
     reporter.start(len(corpus.sentences), what="ablation")
@@ -275,9 +295,8 @@ def _on_corpus(lm, groups: list[Group], mode: str, loss_on: str, settings: RunCo
     ]  # fmt: skip
     if settings.bootstrap and any(e.delta is not None and e.delta_ci_low is None for e in effects):
         reporter.note(f"{ONE_SENTENCE_NOTE} (sentences with a scored token)")
-    return Ablation(
-        lm.loaded.source.name, mode, loss_on, effects, *_record_parts(lm, settings, corpus), planned=planned
-    )
+    return Ablation(lm.loaded.source.name, mode, loss_on, effects, *_record_parts(lm, settings, corpus),
+                    planned=planned, window=removal.window)  # fmt: skip
 
 
 def _record_parts(lm, settings: RunConfig, corpus: Corpus) -> tuple[dict, dict]:
@@ -286,11 +305,12 @@ def _record_parts(lm, settings: RunConfig, corpus: Corpus) -> tuple[dict, dict]:
     return record_header(lm.loaded, settings, INTERVENTION_SETTINGS, corpus), bootstrap
 
 
-def _on_pairs(lm, pairs, groups: list[Group], mode: str, settings: RunConfig, corpus: Corpus) -> Ablation:
+def _on_pairs(lm, pairs, groups: list[Group], mode: str, window: Window | None, settings: RunConfig,
+              corpus: Corpus) -> Ablation:  # fmt: skip
     """--pairs: each group removed on every pair's clean prompt, the metric's change (interventions.pair_removal)."""
     reporter = lm.reporter
     tokenized = tokenize_pairs(pairs, lm.loaded.tokenizer, lm.plan.max_length)
-    removal = lm.removal(mode)
+    removal = lm.removal(mode, window)
     plural = "s" * (len(groups) != 1)
     reporter.stage(f"ablating {len(groups)} group{plural} ({mode}) on {len(tokenized)} pairs' clean prompts")
     reporter.start(len(tokenized), what="ablation on pairs", unit="pairs")
@@ -305,4 +325,5 @@ def _on_pairs(lm, pairs, groups: list[Group], mode: str, settings: RunConfig, co
     metric = METRICS["logit_diff"]
     task = {"path": str(pairs.path), "sha256": pairs.sha256, "count": len(tokenized), "metric": metric.name,
             "definition": metric.definition}  # fmt: skip
-    return Ablation(lm.loaded.source.name, mode, None, effects, *_record_parts(lm, settings, corpus), pairs=task)
+    return Ablation(lm.loaded.source.name, mode, None, effects, *_record_parts(lm, settings, corpus), pairs=task,
+                    window=removal.window)  # fmt: skip

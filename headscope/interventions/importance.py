@@ -31,7 +31,7 @@ import numpy as np
 from scipy import stats
 
 from headscope.arguments import head_name
-from headscope.config import REMOVAL_MODES
+from headscope.config import OUTPUT_REMOVALS
 from headscope.errors import ResourceError
 from headscope.interventions.group_losses import SCORINGS, PassPlan, group_effect, planned_passes, shared_group_losses
 from headscope.interventions.removal import Removal, shared_gradient_pass
@@ -170,8 +170,8 @@ def role_groups(
         return []
     settings, entries = plan.settings, []
     reporter.stage(f"each role's heads removed together ({len(groups)} roles, zero and mean)")
-    reporter.start(len(REMOVAL_MODES) * sentences, what="role ablation")
-    for mode in REMOVAL_MODES:
+    reporter.start(len(OUTPUT_REMOVALS) * sentences, what="role ablation")
+    for mode in OUTPUT_REMOVALS:
         removal = Removal(mode, means)  # only measured layers have roles, and means
         losses = shared_group_losses(
             ranks,
@@ -243,8 +243,8 @@ def measure_importance(
 
 
 def _singles(layer_ids, heads: int) -> list[list[tuple[int, int]]]:
-    """Exact importance's groups: every head alone, once per removal mode (REMOVAL_MODES order)."""
-    return [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in REMOVAL_MODES]
+    """Exact importance's groups: every head alone, once per removal mode (OUTPUT_REMOVALS order)."""
+    return [[(layer, head)] for layer in layer_ids for head in range(heads) for _ in OUTPUT_REMOVALS]
 
 
 def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, reporter, ranks):
@@ -252,10 +252,10 @@ def _ablate(capture, batches, layer_ids, heads, full, replicas_per_forward, repo
     of one (interventions.group_losses), the replicas of a batch sharing its clean pass and starting at their head's
     layer. full: (depth, heads, head_dim) means, of the measured layers."""
     singles = _singles(layer_ids, heads)
-    removals = [Removal(mode, full) for mode in REMOVAL_MODES] * (len(singles) // len(REMOVAL_MODES))
+    removals = [Removal(mode, full) for mode in OUTPUT_REMOVALS] * (len(singles) // len(OUTPUT_REMOVALS))
     losses = shared_group_losses(
         ranks, capture, batches, singles, removals, replicas_per_forward=replicas_per_forward, reporter=reporter
     )
     _, clean, ablated = losses.arrays("all")
-    increases = (ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads, len(REMOVAL_MODES))
-    return tuple(increases[..., REMOVAL_MODES.index(mode)] for mode in ("zero", "mean"))
+    increases = (ablated - clean[None]).sum(-1).reshape(len(layer_ids), heads, len(OUTPUT_REMOVALS))
+    return tuple(increases[..., OUTPUT_REMOVALS.index(mode)] for mode in ("zero", "mean"))

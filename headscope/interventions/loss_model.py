@@ -28,7 +28,7 @@ from headscope.interventions.clean_prefix import CleanPrefix, clean_prefix
 from headscope.interventions.group_losses import GroupLosses, PassPlan, planned_passes, shared_group_losses
 from headscope.interventions.importance import check_importance_fits
 from headscope.interventions.loss import token_losses
-from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, shared_gradient_pass
+from headscope.interventions.removal import Head, OutputSums, Removal, RemovedHeads, Window, shared_gradient_pass
 from headscope.model.architecture import text_config
 from headscope.model.batch import Batch
 from headscope.model.capture import Capture, attached
@@ -92,8 +92,9 @@ class LossModel:
         tokens = sum(batch.n_tokens for batch in batches)
         return PassPlan(len(batches), len(batches) * self.prefix.layer, tokens * self.prefix.layer)
 
-    def removal(self, mode: str) -> Removal:
-        return Removal(mode, self.means() if mode == "mean" else None)
+    def removal(self, mode: str, window: Window | None = None) -> Removal:
+        """How `mode` removes heads on this corpus (mean: with the corpus means; window: keeping `window`)."""
+        return Removal(mode, self.means() if mode == "mean" else None, window if mode == "window" else None)
 
     def losses(
         self,
@@ -149,6 +150,7 @@ class LossModel:
             self.ranks, self.capture, self.batches, range(depth), heads, head_dim,
             edit=lambda batch: [RemovedHeads([list(removed)], removal, len(batch.sentence_ids))],
             curvature_of=removal if curvature else None, prefix=self.prefix,
+            window=removal.window if removal.windowed else None,
             on_batch=(lambda b: self.reporter.advance(len(b.sentence_ids), b.n_tokens)) if progress else lambda b: None,
         )  # fmt: skip
         if found.tokens == 0:

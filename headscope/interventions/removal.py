@@ -4,6 +4,9 @@ A head's output is its slice of the input to the layer's attention output projec
 every position: (batch, t, heads, head_dim), what `capture` hands an OutputEditor. Removing it replaces that
 slice, at every position, by its `replacement`: zero (`zero` mode) or the head's mean output over every real token
 position of the corpus on the clean model (`mean` mode, the same constant whichever other heads are removed).
+`window` mode keeps the head but narrows what it sees to what a streaming KV cache keeps (`Window`): its
+attention computed afresh over the sentence's first `sink` keys and the last `size` ones, each row renormalised
+over the keys it keeps, on top of the model's own mask; its replacement is that output, position by position.
 
 A `Removal` does the three things a removal must do, each written once here:
     editing      RemovedHeads puts the replacement into the capture's passes (replicas of a batch, a group each)
@@ -26,32 +29,61 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES
+from headscope.config import DEFAULT_REMOVAL, DEFAULT_SINK, DEFAULT_WINDOW, REMOVAL_MODES
 from headscope.errors import ConfigError
 from headscope.interventions.clean_prefix import CleanPrefix
 from headscope.interventions.loss import token_losses
 from headscope.model.batch import Batch
+from headscope.model.masks import streaming_keys
 from headscope.run.distributed import Ranks, added, together
 
 Head = tuple[int, int]  # (layer, head)
 
 
 @dataclass(frozen=True)
+class Window:
+    """What a windowed head keeps of its keys: the sentence's first `sink` and the last `size` (the row's own
+    included), as a streaming KV cache keeps them (StreamingLLM's attention sinks and recent window)."""
+
+    sink: int = DEFAULT_SINK
+    size: int = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ConfigError(f"--window takes a whole number of keys >= 1; got {self.size!r}")
+        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
+            raise ConfigError(f"--sink takes a whole number of keys >= 0; got {self.sink!r}")
+
+    def keys(self, seq_start: torch.Tensor, t: int) -> torch.Tensor:
+        """(batch, 1, t, t) bool: the keys each row keeps (model.masks.streaming_keys)."""
+        return streaming_keys(seq_start, t, self.sink, self.size)
+
+
+@dataclass(frozen=True)
 class Removal:
-    """How removed heads are replaced: zero, or each head's clean corpus mean (means: (depth, heads, head_dim), which
-    zero mode does not read)."""
+    """How removed heads are replaced: zero, each head's clean corpus mean (means: (depth, heads, head_dim), which
+    the other modes do not read), or their attention windowed (`window`, which only window mode reads)."""
 
     mode: str = DEFAULT_REMOVAL
     means: np.ndarray | None = None
+    window: Window | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in REMOVAL_MODES:
             raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {self.mode!r}")
         if self.mode == "mean" and self.means is None:
             raise ConfigError("mean removal needs each head's mean output over the corpus")
+        if self.mode == "window" and self.window is None:
+            raise ConfigError("window removal needs a Window (--sink and --window)")
+
+    @property
+    def windowed(self) -> bool:
+        """The replacement is the head's own windowed attention, position by position (not a constant)."""
+        return self.mode == "window"
 
     def replacement(self, layers: Sequence[int], heads: int, head_dim: int) -> np.ndarray:
-        """(len(layers), heads, head_dim) float64: what each head's output becomes."""
+        """(len(layers), heads, head_dim) float64: the constant each head's output becomes (zero and mean)."""
+        assert not self.windowed, "a windowed head's output is recomputed at every position, not a constant"
         if self.mode == "zero":
             return np.zeros((len(layers), heads, head_dim))
         return self.means[list(layers)]
@@ -65,7 +97,12 @@ class Removal:
     def estimate(self, sums: OutputSums, tokens: int) -> np.ndarray:
         """(layers, heads): the first-order change of the mean loss (nats per predicted token) from removing each
         head of `sums`' layers alone, on the model `sums` was recorded on: with o the output and g = dL/do,
-        sum over positions of (replacement - o) . g = replacement . (sum g) - sum o . g."""
+        sum over positions of (replacement - o) . g = replacement . (sum g) - sum o . g. Window mode: the sum of
+        (w - o) . g with w the head's windowed output on the same pass (`OutputSums(window=...)` recorded it)."""
+        if self.windowed:
+            if sums.sum_change_grad is None or sums.window != self.window:
+                raise ValueError(f"these sums did not record the change of windowing heads to {self.window}")
+            return sums.sum_change_grad / max(tokens, 1)
         replacement = self.replacement(sums.layers, *sums.sum_grad.shape[1:])
         return ((replacement * sums.sum_grad).sum(-1) - sums.sum_output_grad) / max(tokens, 1)
 
@@ -83,6 +120,8 @@ class Removal:
     def fold(self, projection: torch.nn.Module, layer: int, heads: Sequence[int], head_dim: int) -> None:
         """Write the removal of `heads` (of `layer`) into `projection`, the layer's output projection: zero the
         heads' input columns; in mean mode add W_h m_h to the bias (which must exist: surgery adds one)."""
+        if self.windowed:
+            raise ConfigError("a windowed head cannot be written into the weights (it is a KV-cache policy)")
         conv = not isinstance(projection, torch.nn.Linear)  # GPT-2's Conv1D: weight (in, out)
         weight = projection.weight  # Linear: (out, in)
         for head in heads:
@@ -121,15 +160,35 @@ class ReplicaEditor:
 
 class RemovedHeads(ReplicaEditor):
     """Replica r (rows r * rows ... ) has the heads groups[r] removed, the way removals[r] says (one Removal: every
-    replica the same way)."""
+    replica the same way). A capture hands it `masked_output` calls (model.capture.MaskingEditor): at a layer where
+    some replica windows heads, the layer's attention is computed once more under each window asked for, and each
+    windowed head takes its rows of it."""
 
     def __init__(self, groups: Sequence[Sequence[Head]], removals: Removal | Sequence[Removal], rows: int) -> None:
         super().__init__(rows)
         removals = [removals] * len(groups) if isinstance(removals, Removal) else list(removals)
+        self._windows: dict[int, set[Window]] = {}  # layer -> the windows its windowed heads keep
         for replica, (group, removal) in enumerate(zip(groups, removals, strict=True)):
             for layer, head in group:
-                self.add(layer, replica, functools.partial(self._remove, layer, head, removal))
+                if removal.windowed:
+                    self._windows.setdefault(layer, set()).add(removal.window)
+                    self.add(layer, replica, functools.partial(self._window, replica, head, removal.window))
+                else:
+                    self.add(layer, replica, functools.partial(self._remove, layer, head, removal))
         self._values: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._seq_start: torch.Tensor | None = None
+        self._windowed: dict[Window, torch.Tensor] = {}  # the layer in flight's output under each window
+
+    def start(self, batch: Batch) -> None:
+        self._seq_start = batch.seq_start
+
+    def masked_output(self, layer: int, output: torch.Tensor, attend_within: Callable) -> torch.Tensor:
+        seq_start, t = self._seq_start.to(output.device), output.shape[1]
+        self._windowed = {window: attend_within(window.keys(seq_start, t)) for window in self._windows.get(layer, ())}
+        try:
+            return self.output(layer, output)
+        finally:
+            self._windowed = {}
 
     def _remove(self, layer: int, head: int, removal: Removal, block: torch.Tensor) -> None:
         key = (layer, head, removal.mode)
@@ -137,21 +196,29 @@ class RemovedHeads(ReplicaEditor):
             self._values[key] = removal.value(layer, head, block.shape[-1]).to(block.device)
         block[:, :, head, :] = self._values[key].to(block.dtype)
 
+    def _window(self, replica: int, head: int, window: Window, block: torch.Tensor) -> None:
+        rows = slice(replica * self.rows, (replica + 1) * self.rows)
+        block[:, :, head, :] = self._windowed[window][rows, :, head, :]
+
 
 class OutputSums:
     """An OutputEditor that leaves outputs unchanged and sums them over every real position of `layers`:
     `means()`, each head's mean output, (layers, heads, head_dim) float64. With `grad` (a gradient pass), it keeps
     the outputs until `collect()`, after the backward pass, adds what `Removal.estimate` needs too: the sums of
     dL/do and of o . dL/do; with `curvature_of` (a Removal) what its `curvature` needs: the sum of ((r - o) . dL/do)^2
-    for that removal's replacement r."""
+    for that removal's replacement r. With `window` (a gradient pass), each head's windowed output w is computed at
+    every recorded layer too (the capture's `masked_output`), and the sum of (w - o) . dL/do kept (`sum_change_grad`;
+    the curvature's r is then w)."""
 
     def __init__(
         self, layers: Sequence[int], heads: int, head_dim: int, *, grad: bool = False,
-        curvature_of: Removal | None = None, moments: bool = False,
+        curvature_of: Removal | None = None, moments: bool = False, window: Window | None = None,
     ) -> None:  # fmt: skip
         """moments: also the sums from which the curvature of any replacement r follows once r is known (the corpus
         mean is known only after the pass): sum of g g^T, of (o . g) g and of (o . g)^2, per head (`curvatures`)."""
-        self.layers, self.grad = list(layers), grad
+        if curvature_of is not None and curvature_of.windowed and curvature_of.window != window:
+            raise ValueError("the curvature of a window removal needs the sums of that window")
+        self.layers, self.grad, self.window = list(layers), grad, window
         self._index = {layer: index for index, layer in enumerate(self.layers)}
         shape = (len(self.layers), heads, head_dim)
         self.sum_output = np.zeros(shape)  # sum of o over real positions
@@ -159,8 +226,10 @@ class OutputSums:
         self.sum_output_grad = np.zeros(shape[:2])  # sum of o . dL/do (grad only)
         self.curvature_mode = None if curvature_of is None else curvature_of.mode
         self.sum_squared_change = None if curvature_of is None else np.zeros(shape[:2])  # sum of ((r - o) . dL/do)^2
-        self._replacement = None if curvature_of is None else torch.as_tensor(
+        self._replacement = None if curvature_of is None or curvature_of.windowed else torch.as_tensor(
             curvature_of.replacement(self.layers, heads, head_dim))  # fmt: skip
+        self.sum_change_grad = None if window is None else np.zeros(shape[:2])  # sum of (w - o) . dL/do
+        self._windowed: dict[int, torch.Tensor] = {}  # layer -> this batch's windowed outputs (window only)
         self.moments = None
         if moments:  # (sum of g g^T (heads, d, d), sum of (o . g) g (heads, d), sum of (o . g)^2 (heads,)) per layer
             self.moments = (np.zeros((*shape, head_dim)), np.zeros(shape), np.zeros(shape[:2]))
@@ -169,8 +238,16 @@ class OutputSums:
         self._valid: torch.Tensor | None = None
 
     def start(self, batch: Batch) -> None:
-        self._outputs, self._valid = {}, batch.attention_mask.bool()
+        self._outputs, self._windowed, self._valid = {}, {}, batch.attention_mask.bool()
+        self._seq_start = batch.seq_start if self.window is not None else None
         self.positions += int(self._valid.sum())
+
+    def masked_output(self, layer: int, output: torch.Tensor, attend_within: Callable) -> torch.Tensor:
+        if self.window is not None and self.grad and layer in self._index:
+            with torch.no_grad():  # w is where the estimate moves the output to: a point, not a function
+                keys = self.window.keys(self._seq_start.to(output.device), output.shape[1])
+                self._windowed[layer] = attend_within(keys)
+        return self.output(layer, output)
 
     def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
         if layer not in self._index:
@@ -196,8 +273,12 @@ class OutputSums:
             self.sum_output[index] += self._summed(output)
             self.sum_grad[index] += (grad * mask).sum((0, 1)).cpu().numpy()
             self.sum_output_grad[index] += (output.detach().double() * grad * mask).sum((0, 1, 3)).cpu().numpy()
+            if self.sum_change_grad is not None:  # (batch, t, heads, dim): where windowing moves each output
+                change = self._windowed[layer].double() - output.detach().double()
+                self.sum_change_grad[index] += (change * grad * mask).sum((0, 1, 3)).cpu().numpy()
+            elif self.sum_squared_change is not None:
+                change = self._replacement[index].to(grad.device) - output.detach().double()
             if self.sum_squared_change is not None:
-                change = self._replacement[index].to(grad.device) - output.detach().double()  # (batch, t, heads, dim)
                 squared = (change * grad).sum(-1) ** 2 * mask[..., 0]
                 self.sum_squared_change[index] += squared.sum((0, 1)).cpu().numpy()
             if self.moments is not None:
@@ -206,7 +287,7 @@ class OutputSums:
                 self.moments[0][index] += torch.einsum("bthd,bthe->hde", real, real).cpu().numpy()
                 self.moments[1][index] += (dot[..., None] * real).sum((0, 1)).cpu().numpy()
                 self.moments[2][index] += (dot**2).sum((0, 1)).cpu().numpy()
-        self._outputs = {}
+        self._outputs, self._windowed = {}, {}
 
     def curvatures(self, removal: Removal, tokens: int) -> np.ndarray:
         """(layers, heads): `Removal.curvature` of `removal` from the moments, for a replacement r known only now:
@@ -225,6 +306,8 @@ class OutputSums:
         self.sum_output_grad = add(self.sum_output_grad)
         if self.sum_squared_change is not None:
             self.sum_squared_change = add(self.sum_squared_change)
+        if self.sum_change_grad is not None:
+            self.sum_change_grad = add(self.sum_change_grad)
         if self.moments is not None:
             self.moments = tuple(add(moment) for moment in self.moments)
         self.positions = int(add(np.array([float(self.positions)]))[0])
@@ -262,15 +345,16 @@ def gradient_pass(
     on_batch: Callable[[Batch], None] = lambda batch: None,
     curvature_of: Removal | None = None,
     moments: bool = False,
+    window: Window | None = None,
     prefix: CleanPrefix | None = None,
 ) -> GradientPass:
     """One forward pass with gradients and one backward pass of the summed loss per batch (the parameters frozen:
     gradients of the head outputs only), recording the heads of `layers`. edit(batch): editors applied first (heads
     already removed, for prune's estimate on the model pruned so far); on_batch: progress; curvature_of: the removal
     whose second-order term the sums record too; moments: the sums that give any replacement's (OutputSums);
-    prefix: the clean model's layers below every head edited or recorded, run once already (each pass starts after
-    them, and its backward stops there)."""
-    sums = OutputSums(layers, heads, head_dim, grad=True, curvature_of=curvature_of, moments=moments)
+    window: the sums of windowing each head (OutputSums); prefix: the clean model's layers below every head edited
+    or recorded, run once already (each pass starts after them, and its backward stops there)."""
+    sums = OutputSums(layers, heads, head_dim, grad=True, curvature_of=curvature_of, moments=moments, window=window)
     loss, tokens = 0.0, 0
     for batch in batches():
         start_at = {"start_at": prefix.layer, "handed_on": prefix.for_gradients(batch)} if prefix is not None else {}

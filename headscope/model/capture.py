@@ -17,6 +17,7 @@ requires_grad, hooks and decoder layers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +35,7 @@ from headscope.model.attention.dispatch import TileKernel
 from headscope.model.attention.readout import Readout, RowBlock
 from headscope.model.batch import Batch
 from headscope.model.layer_outputs import detached
-from headscope.model.masks import boolean_mask
+from headscope.model.masks import boolean_mask, key_visibility
 from headscope.model.precision import ieee_float32
 from headscope.model.turns import one_call_at_a_time
 from headscope.model.write_path import WritePath, learn_write_paths
@@ -93,6 +94,22 @@ class OutputEditor(Protocol):
 
     def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
         """`layer`'s head outputs; return them, or a replacement of the same shape."""
+
+
+@runtime_checkable
+class MaskingEditor(Protocol):
+    """An OutputEditor that can also have heads attend under a narrower mask (window removal: streaming heads)."""
+
+    def start(self, batch: Batch) -> None:
+        """A batch is about to run."""
+
+    def masked_output(
+        self, layer: int, output: torch.Tensor, attend_within: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """`layer`'s head outputs; return them or a replacement. attend_within(keep) computes the layer's attention
+        again, every head and row renormalised over the keys both the model's mask and `keep` ((batch or 1, 1, t,
+        t) bool) let it see: (batch, t, heads, head_dim), from the same queries, keys and values (differentiable
+        in a gradient pass)."""
 
 
 class _StopForward(Exception):
@@ -304,10 +321,20 @@ class Capture:
                 written = LayerOutput(module, output, value, mask, residual, valid, start, path, native)
                 reader.head_output(layer, written)
         for editor in self._editors:
-            output = editor.output(layer, output)
+            if isinstance(editor, MaskingEditor):
+                within = functools.partial(self._attend_within, module, query, key, value, mask, kwargs)
+                output = editor.masked_output(layer, output, within)
+            else:
+                output = editor.output(layer, output)
         if self._stop_after is not None and layer >= self._stop_after:
             raise _StopForward
         return output, None
+
+    def _attend_within(self, module, query, key, value, mask, kwargs, keep: torch.Tensor) -> torch.Tensor:
+        """The layer's output with every row's keys cut to those `keep` leaves of the model's own mask: computed
+        afresh (never the probabilities masked after the fact), by the fastest correct function for the layer."""
+        visible = key_visibility(mask, self.readout.query_valid, slice(None), key.shape[-2])
+        return self.readout.unread(module, query, key, value, visible & keep.to(visible.device), kwargs)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):

@@ -77,6 +77,17 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
+def streaming_keys(seq_start: torch.Tensor, t: int, sink: int, window: int) -> torch.Tensor:
+    """What a streaming KV cache keeps for each query row: key s for row t iff s is among the sentence's first
+    `sink` tokens or t - s < `window` (positions counted from each sentence's first real token, so left padding
+    changes nothing). seq_start: (batch,) long. Returns (batch, 1, t, t) bool, to be AND-ed with the model's own
+    visibility (causal, padding, sliding windows), which this does not repeat."""
+    positions = torch.arange(t, device=seq_start.device)
+    recent = (positions[:, None] - positions[None, :]) < window  # (t, t): row - key < window
+    first = positions[None, :] < (seq_start[:, None] + sink)  # (batch, t): the sentence's first `sink` keys
+    return (recent[None] | first[:, None, :])[:, None]
+
+
 def count_visible(visible: torch.Tensor) -> torch.Tensor:
     """How many keys each row of a (..., rows, keys) bool visibility may see: (..., rows) long.
 
