@@ -34,8 +34,9 @@ def ablate(
     from headscope.arguments import parse_heads
     from headscope.cli.printing import print_ablation
     from headscope.commands.ablate import ablate as run_ablation
-    from headscope.commands.ablate import check_request, window_of
+    from headscope.commands.ablate import check_request
     from headscope.config import settings_from_command_line
+    from headscope.interventions.removal import window_of
     from headscope.model.loading import resolve_source
     from headscope.run.distributed import ranks_from_env
 

@@ -14,6 +14,8 @@ def prune(
     model: o.ModelArgument,
     budget: o.Budget,
     mode: o.Mode = o.DEFAULT_MODE,
+    kept_window: o.KeptWindow = None,
+    kept_sink: o.KeptSink = None,
     corpus: o.Corpus = None,
     out: o.OutPrune = None,
     save_model: o.SaveModel = None,
@@ -33,6 +35,7 @@ def prune(
     from headscope.commands.prune import check_request
     from headscope.commands.prune import prune as run_pruning
     from headscope.config import settings_from_command_line
+    from headscope.interventions.removal import window_of
     from headscope.model.loading import resolve_source
     from headscope.run.distributed import ranks_from_env
 
@@ -40,13 +43,16 @@ def prune(
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         check_request(budget, mode.value, chart_format.value if charts else None, max_rounds=max_rounds,
-                      patience=patience)  # fmt: skip
+                      patience=patience, saving=save_model is not None)  # fmt: skip
+        window_of(mode.value, kept_window, kept_sink)
     with user_errors(ctx):
         found = run_pruning(
             model,
             corpus,
             budget=budget,
             mode=mode.value,
+            window=kept_window,
+            sink=kept_sink,
             out=out or Path("reports") / f"prune-{resolve_source(model).slug}",
             overwrite=overwrite,
             save_model=save_model,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from headscope.arguments import as_head_groups, as_path, as_texts, head_name
-from headscope.config import DEFAULT_REMOVAL, DEFAULT_SINK, DEFAULT_WINDOW, REMOVAL_MODES, RunConfig
+from headscope.config import DEFAULT_REMOVAL, REMOVAL_MODES, RunConfig
 from headscope.errors import ConfigError
 from headscope.estimates import ONE_SENTENCE_NOTE
 from headscope.interventions.group_losses import SCORINGS, PassPlan, group_effect
@@ -30,7 +30,7 @@ from headscope.interventions.loss_model import loss_model
 from headscope.interventions.pair_removal import pair_group_effect, removed_metrics
 from headscope.interventions.pairs import as_pairs, tokenize_pairs
 from headscope.interventions.patching import METRICS
-from headscope.interventions.removal import Head, Window
+from headscope.interventions.removal import Head, Window, window_of
 from headscope.labels import ROLES
 from headscope.layout import ABLATION_RECORD
 from headscope.model.loading import LoadedModel, Loader, load_for_run
@@ -247,16 +247,6 @@ def check_request(heads, roles, each_role: bool, report, mode: str, loss_on: str
         raise ConfigError(f"--role takes {', '.join(ROLES)}; got {unknown[0]!r}")
     if (roles or each_role) and report is None:
         raise ConfigError("--role and --each-role read the heads' roles from a report: pass --report DIR")
-
-
-def window_of(mode: str, window: int | None, sink: int | None) -> Window | None:
-    """The keys window mode keeps (defaults 64 and 4), or None for another mode, which takes neither option."""
-    if mode != "window":
-        given = [name for name, value in (("--window", window), ("--sink", sink)) if value is not None]
-        if given:
-            raise ConfigError(f"{given[0]} sets what a windowed head keeps: it takes effect with --mode window only")
-        return None
-    return Window(DEFAULT_SINK if sink is None else sink, DEFAULT_WINDOW if window is None else window)
 
 
 def role_groups(report, roles: Sequence[str], each_role: bool) -> list[Group]:

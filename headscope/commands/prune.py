@@ -29,7 +29,7 @@ from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
 from headscope.interventions.loss_model import LossModel, loss_model, plain_loss
 from headscope.interventions.prune_passes import FIRST_SHORTLIST, LONGEST, SHORTLIST, TRIES, search_on_model
-from headscope.interventions.removal import Removal
+from headscope.interventions.removal import Removal, Window, window_of
 from headscope.interventions.search import PruneResult
 from headscope.interventions.surgery import check_savable
 from headscope.layout import HEAD_MASK_FILE, PRUNE_JOURNAL, PRUNE_RECORD, PRUNED_MODEL_RECORD, SCHEMA_VERSION
@@ -77,6 +77,7 @@ class Pruning:
     depth: int
     resumed_calls: int = 0  # answers replayed from an interrupted search's journal
     saved_model: SavedModel | None = None
+    window: Window | None = None  # window mode: the keys a windowed head keeps
     folder: Path | None = None
 
     @property
@@ -119,6 +120,7 @@ class Pruning:
         return {
             **self.header,
             "mode": self.mode,
+            **({} if self.window is None else {"window": dataclasses.asdict(self.window)}),
             "budget": result.budget,
             "clean_loss": result.clean_loss,
             "pruned_loss": result.loss,
@@ -162,6 +164,8 @@ def prune(
     *,
     budget: float,
     mode: str = DEFAULT_REMOVAL,
+    window: int | None = None,
+    sink: int | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
     save_model: str | Path | None = None,
@@ -181,7 +185,9 @@ def prune(
         model: hub id, local folder, .gguf path, alias, or an already loaded model (with its LM head).
         corpus: file path, list of sentences, or None for the shipped corpus.
         budget: the loss the removed heads may cost together, in nats per predicted token.
-        mode: "zero" or "mean".
+        mode: "zero", "mean" or "window" (as ablate's: the heads it removes are windowed, not removed; their
+            policy is kv-policy.json's).
+        window, sink: window mode's keys kept (as ablate's; defaults 64 and 4).
         out: the folder to write prune.json and head_mask.parquet into; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
         save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint.
@@ -198,14 +204,16 @@ def prune(
     Returns:
         A Pruning: the removed heads, the verified loss, and the search's curve and counts.
     """
-    budget, max_rounds, patience = check_request(budget, mode, charts, max_rounds=max_rounds, patience=patience)
+    budget, max_rounds, patience = check_request(budget, mode, charts, max_rounds=max_rounds, patience=patience,
+                                                 saving=save_model is not None)  # fmt: skip
+    kept = window_of(mode, window, sink)
     out, save_model = as_path(out, "out"), as_path(save_model, "save_model")
     if resume and out is None:
         raise ConfigError("--resume needs an output folder (--out): the search's journal is kept beside it")
     _check_folders(out, save_model)
     run = CommandRun.prepare(model, corpus, config=config, options=options, reporter=reporter)
-    run.request = {"budget": budget, "mode": mode, "max_rounds": max_rounds, "patience": patience, "resume": resume,
-                   "save_model": save_model is not None}  # fmt: skip
+    run.request = {"budget": budget, "mode": mode, "window": kept, "max_rounds": max_rounds, "patience": patience,
+                   "resume": resume, "save_model": save_model is not None}  # fmt: skip
     ranks = run.data_parallel(model, "prune")
     settings, reporter, corpus = run.settings, run.reporter, run.corpus
     # Every check that can be made before the search is made before it (the folders now, the model once loaded).
@@ -224,20 +232,21 @@ def prune(
                 key = fingerprint(lm.loaded, corpus, settings, ONE_PROCESS) | {"budget": budget, "mode": mode,
                       "max_rounds": max_rounds, "patience": patience, "estimate": ESTIMATE,
                       "journal": JOURNAL_FORMAT}  # fmt: skip
+                if kept is not None:  # (zero and mean keep the key their journals were written with)
+                    key["window"] = dataclasses.asdict(kept)
                 journal = SearchJournal(opened.stage.path / PRUNE_JOURNAL, key, resume=resume, writes=ranks.main,
                                         candidates=candidates)  # fmt: skip
                 if journal.calls:
                     reporter.note(f"resuming the interrupted search: {len(journal.calls)} answers saved in "
                                   f"{journal.path} are replayed, then it goes on")  # fmt: skip
-            search = search_on_model(
-                lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds, patience=patience
-            )
+            search = search_on_model(lm, candidates, budget, mode, reporter, journal, max_rounds=max_rounds,
+                                     patience=patience, window=kept)  # fmt: skip
         result, removal = search.result, search.removal
         found = Pruning(
             lm.loaded.source.name, mode, result, len(lm.all_heads), head_mask(result.heads, lm.plan.depth,
             lm.plan.heads), record_header(lm.loaded, settings, PRUNE_SETTINGS, corpus),
             time.perf_counter() - started, len(candidates), patience, max_rounds, search.passes, lm.plan.depth,
-            journal.replayed if journal is not None else 0,
+            journal.replayed if journal is not None else 0, window=kept,
         )  # fmt: skip
         failure = None
         if save_model is not None and ranks.main:
@@ -275,10 +284,12 @@ def _check_folders(out, save_model) -> None:
 
 
 def check_request(
-    budget, mode: str, charts: str | None, *, max_rounds: int | None = None, patience: int = PRUNE_PATIENCE
-) -> tuple[float, int | None, int]:
+    budget, mode: str, charts: str | None, *, max_rounds: int | None = None, patience: int = PRUNE_PATIENCE,
+    saving: bool = False,
+) -> tuple[float, int | None, int]:  # fmt: skip
     """Refuse a budget, mode, chart format or stopping rule that cannot be, before anything loads; return the
-    budget, max_rounds and patience as plain numbers (whatever number type they were given as)."""
+    budget, max_rounds and patience as plain numbers (whatever number type they were given as). saving: a pruned
+    model is to be saved (--save-model)."""
     budget = as_number(budget, "--budget")
     if not (math.isfinite(budget) and budget > 0):
         raise ConfigError(f"--budget must be a positive number of nats; got {budget}")
@@ -292,6 +303,9 @@ def check_request(
         raise ConfigError(f"--mode takes {', '.join(REMOVAL_MODES)}; got {mode!r}")
     if charts is not None and charts not in CHART_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(CHART_FORMATS)}; got {charts!r}")
+    if saving and mode == "window":
+        raise ConfigError("--save-model writes removed heads into the weights; windowed heads are a KV-cache policy "
+                          "(kv-policy.json), not weights: drop --save-model or use --mode zero or mean")  # fmt: skip
     return budget, max_rounds, patience
 
 

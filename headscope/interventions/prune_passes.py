@@ -11,7 +11,7 @@ from headscope.arguments import head_name
 from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
 from headscope.interventions.loss_model import LossModel
-from headscope.interventions.removal import Removal
+from headscope.interventions.removal import Removal, Window
 from headscope.interventions.search import Estimate, PruneResult, prune_search
 from headscope.progress import Reporter
 
@@ -38,8 +38,10 @@ def search_on_model(
     *,
     max_rounds: int | None,
     patience: int,
+    window: Window | None = None,
 ) -> Searched:
-    removal = lm.removal(mode)
+    """prune_search on `lm`'s passes, removing `mode`'s way (window mode: keeping `window`)."""
+    removal = lm.removal(mode, window)
     if candidates:  # the layers below every candidate compute the clean model's in every pass: run them once
         lm.skip_below(min(layer for layer, _ in candidates))
     passes = lm.prefix_passes()

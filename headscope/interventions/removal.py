@@ -59,6 +59,16 @@ class Window:
         return streaming_keys(seq_start, t, self.sink, self.size)
 
 
+def window_of(mode: str, window: int | None, sink: int | None) -> Window | None:
+    """The keys window mode keeps (defaults 64 and 4), or None for another mode, which takes neither option."""
+    if mode != "window":
+        given = [name for name, value in (("--window", window), ("--sink", sink)) if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} sets what a windowed head keeps: it takes effect with --mode window only")
+        return None
+    return Window(DEFAULT_SINK if sink is None else sink, DEFAULT_WINDOW if window is None else window)
+
+
 @dataclass(frozen=True)
 class Removal:
     """How removed heads are replaced: zero, each head's clean corpus mean (means: (depth, heads, head_dim), which

@@ -4,13 +4,15 @@ last --window), against an independent float64 computation per module (tests/sup
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import headscope
 from headscope.errors import ConfigError
-from headscope.interventions.removal import Window
+from headscope.interventions.removal import OutputSums, Removal, Window
 from headscope.model.masks import streaming_keys
 
 from helpers import assert_one_line_error, refuse_to_load, run_cli, tiny_lm_config, tiny_model_folder
@@ -109,3 +111,58 @@ def test_the_window_options_reach_the_run_and_are_refused_with_another_mode(tmp_
     refused = run_cli("ablate", str(planted_gpt2), "--corpus", str(corpus), "--heads", "0.0", "--mode", "window",
                       "--window", "0", loader=refuse_to_load)  # fmt: skip
     assert_one_line_error(refused, "--window takes", code=2)
+
+
+def test_the_window_estimate_sums_the_change_to_the_windowed_output_along_the_gradient():
+    """OutputSums(window=...) asks the capture for each head's windowed output w (attend_within, under the window's
+    keys) and sums (w - o) . dL/do over real positions, and ((w - o) . dL/do)^2 for the curvature. A loss linear in
+    the outputs, L = sum c . o, has dL/do = c: a known gradient."""
+    rng = np.random.default_rng(5)
+    outputs = torch.tensor(rng.normal(size=(2, 3, 2, 4)), requires_grad=True)  # (batch, t, heads, head_dim)
+    windowed = torch.tensor(rng.normal(size=(2, 3, 2, 4)))
+    c = torch.tensor(rng.normal(size=(2, 3, 2, 4)))
+    mask, seq_start = torch.tensor([[1, 1, 1], [0, 1, 1]]), torch.tensor([0, 1])  # the second padded on the left
+    window = Window(sink=1, size=1)
+    removal = Removal("window", window=window)
+    sums = OutputSums([0], 2, 4, grad=True, curvature_of=removal, window=window)
+    sums.start(SimpleNamespace(attention_mask=mask, seq_start=seq_start))
+    asked = []
+
+    def attend_within(keys):
+        asked.append(keys)
+        return windowed
+
+    kept = sums.masked_output(0, outputs.clone(), attend_within)
+    (kept * c).sum().backward()
+    sums.collect()
+    assert torch.equal(asked[0], window.keys(seq_start, 3))
+    o, w, g = outputs.detach().numpy(), windowed.numpy(), c.numpy()
+    real = list(zip(*np.nonzero(mask.numpy()), strict=True))
+    change = sum(((w[b, t] - o[b, t]) * g[b, t]).sum(-1) for b, t in real)
+    squared = sum((((w[b, t] - o[b, t]) * g[b, t]).sum(-1)) ** 2 for b, t in real)
+    np.testing.assert_allclose(removal.estimate(sums, 4)[0], change / 4, rtol=1e-12)
+    np.testing.assert_allclose(removal.curvature(sums, 4)[0], squared / 8, rtol=1e-12)
+    with pytest.raises(ValueError, match="did not record"):
+        Removal("window", window=Window(2, 1)).estimate(sums, 4)  # another window's change
+
+
+@pytest.mark.slow  # a search: a gradient pass and verifications on three models
+def test_prune_in_window_mode_verifies_what_the_masked_computation_gives(tiny_lm, corpus_lines, tmp_path):
+    _, loaded = tiny_lm
+    texts = sentences(loaded, corpus_lines, count=8)
+    ids = [loaded.tokenizer(text)["input_ids"] for text in texts]
+    found = headscope.prune(loaded, texts, budget=0.02, mode="window", sink=1, window=3, out=tmp_path / "pruned",
+                            charts=None)  # fmt: skip
+    heads = found.result.heads
+    assert heads, "a budget of 0.02 nats windows some head of a random model"
+    assert found.result.loss == pytest.approx(windowed_loss(loaded.lm, ids, heads, sink=1, window=3), abs=CLOSE)
+    assert found.result.clean_loss == pytest.approx(windowed_loss(loaded.lm, ids, [], sink=1, window=3), abs=CLOSE)
+    record = json.loads((tmp_path / "pruned" / "prune.json").read_text())
+    assert record["mode"] == "window" and record["window"] == {"sink": 1, "size": 3}
+
+
+def test_prune_refuses_to_save_windowed_heads_into_weights(planted_gpt2, corpus, tmp_path):
+    refused = run_cli("prune", str(planted_gpt2), "--corpus", str(corpus), "--budget", "0.1", "--mode", "window",
+                      "--save-model", str(tmp_path / "saved"), loader=refuse_to_load)  # fmt: skip
+    assert_one_line_error(refused, "--save-model", "KV-cache policy", code=2)
+    assert not (tmp_path / "saved").exists()
