@@ -12,6 +12,7 @@ import torch
 
 import headscope
 from headscope.errors import ConfigError
+from headscope.interventions.kv_policy import cache_bytes, kv_heads_freed, kv_policy
 from headscope.interventions.removal import OutputSums, Removal, Window
 from headscope.model.masks import streaming_keys
 
@@ -159,6 +160,11 @@ def test_prune_in_window_mode_verifies_what_the_masked_computation_gives(tiny_lm
     assert found.result.clean_loss == pytest.approx(windowed_loss(loaded.lm, ids, [], sink=1, window=3), abs=CLOSE)
     record = json.loads((tmp_path / "pruned" / "prune.json").read_text())
     assert record["mode"] == "window" and record["window"] == {"sink": 1, "size": 3}
+    policy = json.loads((tmp_path / "pruned" / "kv-policy.json").read_text())
+    in_policy = {(entry["layer"], head) for entry in policy["layers"] for head, kept in enumerate(entry["heads"])
+                 if kept != "full"}  # fmt: skip
+    assert in_policy == set(heads) and policy["loss"]["verified"] == found.result.loss
+    assert policy["memory"]["longest_text"]["tokens"] == max(map(len, ids))
 
 
 def test_prune_refuses_to_save_windowed_heads_into_weights(planted_gpt2, corpus, tmp_path):
@@ -166,3 +172,22 @@ def test_prune_refuses_to_save_windowed_heads_into_weights(planted_gpt2, corpus,
                       "--save-model", str(tmp_path / "saved"), loader=refuse_to_load)  # fmt: skip
     assert_one_line_error(refused, "--save-model", "KV-cache policy", code=2)
     assert not (tmp_path / "saved").exists()
+
+
+def test_a_kv_head_is_freed_only_when_every_query_head_reading_it_is_windowed():
+    windowed = [(0, 0), (0, 1), (0, 2), (1, 3)]  # 4 query heads on 2 KV heads: KV head k serves 2k and 2k + 1
+    assert kv_heads_freed(windowed, depth=2, heads=4, kv_heads=2) == [[True, False], [False, False]]
+    window, per_token = Window(sink=4, size=8), 2 * 2 * 4  # key and value, head_dim 2, float32
+    freed = [[True, False], [False, False]]
+    # full: 4 KV heads x 100 tokens; the policy: the freed head keeps 4 + 8
+    assert cache_bytes(freed, 100, window, [None, None], per_token) == (400 * 16, (12 + 300) * 16)
+    # layer 1 windowed by the model itself at 50 keys: both count it at 50
+    assert cache_bytes(freed, 100, window, [None, 50], per_token) == (300 * 16, (12 + 100 + 100) * 16)
+    assert cache_bytes(freed, 10, window, [None, None], per_token) == (40 * 16, 40 * 16)  # shorter than the window
+    policy = kv_policy(windowed, depth=2, heads=4, kv_heads=2, head_dim=2, dtype_bytes=4, own_windows=[None, None],
+                       window=window, lengths={"longest_text": 100})  # fmt: skip
+    assert policy["layers"][0]["heads"] == [{"sink": 4, "window": 8}] * 3 + ["full"]
+    assert policy["layers"][0]["kv_heads"] == ["windowed", "full"] and policy["layers"][1]["kv_heads"] == ["full"] * 2
+    assert policy["query_heads"] == {"windowed": 4, "total": 8, "share": 0.5}
+    assert policy["kv_heads"] == {"windowed": 1, "total": 4, "share": 0.25}
+    assert policy["memory"]["longest_text"]["freed_share"] == pytest.approx(1 - 312 / 400)
