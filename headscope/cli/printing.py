@@ -19,6 +19,7 @@ from headscope.layout import (
     EDGES_FILE,
     HEAD_MASK_FILE,
     INSPECT_RECORD,
+    KV_POLICY_RECORD,
     PATCH_RECORD,
     PATCHING_FILE,
     PRUNE_RECORD,
@@ -308,7 +309,10 @@ def print_ablation(found) -> None:
         _print_pair_ablation(found)
         return
     console = _console()
-    title = f"{found.model}: heads removed together ({found.mode}), loss on {found.loss_on} tokens"
+    how = f"removed together ({found.mode})"
+    if found.window is not None:
+        how = f"windowed together (the first {found.window.sink} keys and the last {found.window.size})"
+    title = f"{found.model}: heads {how}, loss on {found.loss_on} tokens"
     table = Table(title=_title(title), box=box.SIMPLE_HEAD)
     shown = [",".join(e.heads[:6]) + (f",... ({len(e.heads)})" if len(e.heads) > 6 else "") for e in found.effects]
     for name in ("group", "heads", "tokens", "clean", "ablated", "delta (nats)", "95% interval"):
@@ -476,11 +480,17 @@ def print_pruning(found) -> None:
     """How many heads went, the verified loss, the curve's steps and where the mask and checkpoint are."""
     console = _console()
     result, removed = found.result, found.heads
+    if found.window is None:
+        how, verified = f"removed {len(removed)} of {found.total_heads} heads ({found.mode})", "removed together"
+    else:
+        kept = f"the first {found.window.sink} keys and the last {found.window.size}"
+        how, verified = f"windowed {len(removed)} of {found.total_heads} heads to {kept}", "windowed together"
     console.print(
-        f"removed {len(removed)} of {found.total_heads} heads ({found.mode}) within {result.budget:g} nats: loss "
-        f"{result.clean_loss:.4f} -> {result.loss:.4f} ({result.loss - result.clean_loss:+.4f}, verified with every "
-        "removed head removed together)"
+        f"{how} within {result.budget:g} nats: loss {result.clean_loss:.4f} -> {result.loss:.4f} "
+        f"({result.loss - result.clean_loss:+.4f}, verified with every one of them {verified})"
     )
+    if found.kv_policy is not None:
+        _print_kv_policy(console, found.kv_policy)
     steps = ", ".join(f"{count}: {loss:.4f}" for count, loss in result.curve)
     console.print(_title(f"verified loss by heads removed: {steps}"))
     if removed:
@@ -489,7 +499,24 @@ def print_pruning(found) -> None:
     if saved is not None and saved.error is None:
         console.print(_title(f"saved the pruned model to {saved.path} (its own loss {saved.loss:.4f}, checked)"))
     if found.folder is not None:
-        console.print(_title(f"wrote {found.folder}/ ({PRUNE_RECORD}, {HEAD_MASK_FILE})"))
+        policy = f", {KV_POLICY_RECORD}" if found.kv_policy is not None else ""
+        console.print(_title(f"wrote {found.folder}/ ({PRUNE_RECORD}, {HEAD_MASK_FILE}{policy})"))
+
+
+def _print_kv_policy(console, policy: dict) -> None:
+    """What the windowed heads free: KV heads (only those every reading query head leaves), and bytes."""
+    query, kv = policy["query_heads"], policy["kv_heads"]
+    console.print(_title(f"KV heads whose cache can shrink: {kv['windowed']} of {kv['total']} (a KV head only where "
+                         f"every query head reading it is windowed; query heads windowed: {query['windowed']} of "
+                         f"{query['total']})"))  # fmt: skip
+    for name, memory in policy["memory"].items():
+        console.print(_title(f"KV cache at {name.replace('_', ' ')} ({memory['tokens']:,} tokens): "
+                             f"{_mib(memory['full_bytes'])} -> {_mib(memory['policy_bytes'])} per sequence "
+                             f"({memory['freed_share']:.1%} freed)"))  # fmt: skip
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:,.1f} MiB"
 
 
 def print_copying(found, count: int = 10) -> None:

@@ -127,19 +127,26 @@ class Ablation:
                      e.change_ci_high, e.gap_share) for e in self.effects]  # fmt: skip
             return block(
                 f"headscope ablation: {self.model}",
-                facts([("mode", self.mode), ("metric", self.pairs["metric"]), ("pairs", self.pairs["count"])]),
+                facts([*self._mode, ("metric", self.pairs["metric"]), ("pairs", self.pairs["count"])]),
                 table(PAIR_COLUMNS, rows),
             )
         rows = [(e.name, len(e.heads), e.tokens, e.clean_loss, e.ablated_loss, e.delta, e.delta_ci_low,
                  e.delta_ci_high) for e in self.effects]  # fmt: skip
         return block(
             f"headscope ablation: {self.model}",
-            facts([("mode", self.mode), ("loss on", self.loss_on)]),
+            facts([*self._mode, ("loss on", self.loss_on)]),
             table(["group", "heads", "tokens", "clean loss", "ablated loss", "delta", "95% low", "95% high"], rows),
         )
 
     def to_html(self) -> str:
         return self._repr_html_()
+
+    @property
+    def _mode(self) -> list[tuple[str, str]]:
+        """The notebook view's facts on how heads were removed (and, windowed, which keys they kept)."""
+        if self.window is None:
+            return [("mode", self.mode)]
+        return [("mode", self.mode), ("keys kept", f"the first {self.window.sink} and the last {self.window.size}")]
 
 
 def ablate(

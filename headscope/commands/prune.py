@@ -113,6 +113,7 @@ class Pruning:
                 [
                     ("removed", f"{len(result.heads)} of {self.total_heads} heads"),
                     ("mode", self.mode),
+                    *self._window_facts,
                     ("budget", f"{result.budget:g} nats"),
                     ("clean loss", result.clean_loss),
                     ("pruned loss", result.loss),
@@ -125,6 +126,18 @@ class Pruning:
 
     def to_html(self) -> str:
         return self._repr_html_()
+
+    @property
+    def _window_facts(self) -> list[tuple[str, str]]:
+        """Window mode's facts for the notebook view: the keys kept, and what the policy frees."""
+        if self.window is None or self.kv_policy is None:
+            return []
+        kv, memory = self.kv_policy["kv_heads"], self.kv_policy["memory"]["longest_text"]
+        return [
+            ("keys kept", f"the first {self.window.sink} and the last {self.window.size}"),
+            ("KV heads whose cache can shrink", f"{kv['windowed']} of {kv['total']}"),
+            ("KV cache freed at the longest text", f"{memory['freed_share']:.1%} of {memory['tokens']:,} tokens'"),
+        ]
 
     @property
     def record(self) -> dict:

@@ -1,6 +1,6 @@
-"""Heads changed on purpose: how a head is removed, the loss with heads removed, importance, ablate, prune and
-its search, surgery on the weights, activation patching (patch), edges between components (circuit) and why a head
-attends (inspect --why).
+"""Heads changed on purpose: how a head is removed (or windowed), the loss with heads removed, importance, ablate,
+prune and its search, the KV-cache policy of windowed heads, surgery on the weights, activation patching (patch),
+edges between components (circuit) and why a head attends (inspect --why).
 
 Modules:
     clean_prefix   The clean model's decoder layers below every head a search can remove, run once for the whole search
@@ -12,6 +12,7 @@ Modules:
     group_losses   Heads removed together: the model's next-token loss with a group of heads' outputs replaced
     importance     Does a head matter? Per-head importance on the model's own next-token loss
     journal        A search that survives an interruption: every answer the model gave it, saved as it came
+    kv_policy      kv-policy.json: a window-mode pruning as a per-head KV-cache policy, and the memory it frees
     loss           The model's next-token loss: cross-entropy in nats at every predicted position, and per sentence
     loss_model     What `ablate` and `prune` share
     ov_circuits    Every head's OV circuit on tokens, read from the weights with the norms' gains folded in

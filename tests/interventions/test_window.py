@@ -106,6 +106,7 @@ def test_the_window_options_reach_the_run_and_are_refused_with_another_mode(tmp_
     assert result.exit_code == 0, result.output
     record = json.loads((out / "ablation.json").read_text())
     assert record["mode"] == "window" and record["window"] == {"sink": 1, "size": 2}
+    assert "heads windowed together (the first 1 keys and the last 2)" in " ".join(result.output.split())
     refused = run_cli("ablate", str(planted_gpt2), "--corpus", str(corpus), "--heads", "0.0", "--window", "2",
                       loader=refuse_to_load)  # fmt: skip
     assert_one_line_error(refused, "--window", "--mode window", code=2)
@@ -191,3 +192,16 @@ def test_a_kv_head_is_freed_only_when_every_query_head_reading_it_is_windowed():
     assert policy["query_heads"] == {"windowed": 4, "total": 8, "share": 0.5}
     assert policy["kv_heads"] == {"windowed": 1, "total": 4, "share": 0.25}
     assert policy["memory"]["longest_text"]["freed_share"] == pytest.approx(1 - 312 / 400)
+
+
+@pytest.mark.slow  # a whole CLI search
+def test_prune_in_window_mode_says_what_the_policy_frees(planted_gpt2, corpus, tmp_path):
+    out = tmp_path / "pruned"
+    result = run_cli("prune", str(planted_gpt2), "--corpus", str(corpus), "--budget", "0.5", "--mode", "window",
+                     "--window", "2", "--sink", "1", "--max-rounds", "1", "--out", str(out), "--no-charts")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    policy = json.loads((out / "kv-policy.json").read_text())
+    kv = policy["kv_heads"]
+    assert f"KV heads whose cache can shrink: {kv['windowed']} of {kv['total']}" in said
+    assert "to the first 1 keys and the last 2" in said and "kv-policy.json" in said
