@@ -205,3 +205,20 @@ def test_prune_in_window_mode_says_what_the_policy_frees(planted_gpt2, corpus, t
     kv = policy["kv_heads"]
     assert f"KV heads whose cache can shrink: {kv['windowed']} of {kv['total']}" in said
     assert "to the first 1 keys and the last 2" in said and "kv-policy.json" in said
+
+
+def test_window_removal_on_smollm2_and_long_texts_equals_the_masked_computation(smollm2, shipped_corpus):
+    """The real grouped-KV model (9 query heads on 3 KV heads) on two shipped long texts, cut to 192 tokens so that a
+    window of 16 after 2 sinks drops most keys: a whole KV group windowed, and two induction heads."""
+    long_texts = shipped_corpus.parent / "long-texts.txt"
+    texts = long_texts.read_text(encoding="utf-8").splitlines()[:2]
+    ids = [smollm2.tokenizer(text, truncation=True, max_length=192)["input_ids"] for text in texts]
+    groups = [[(0, 0), (0, 1), (0, 2)], [(17, 3), (18, 6)]]
+    found = headscope.ablate(smollm2, texts, heads=groups, mode="window", sink=2, window=16, max_length=192,
+                             bootstrap=0)  # fmt: skip
+    clean = windowed_loss(smollm2.lm, ids, [], sink=2, window=16)
+    for group, effect in zip(groups, found.effects, strict=True):
+        assert effect.tokens == sum(len(row) - 1 for row in ids)
+        assert effect.clean_loss == pytest.approx(clean, abs=CLOSE)
+        assert effect.ablated_loss == pytest.approx(windowed_loss(smollm2.lm, ids, group, sink=2, window=16), abs=CLOSE)
+    assert found.effects[1].delta > 10 * CLOSE  # induction heads read far back: windowing them costs
