@@ -283,3 +283,14 @@ def test_a_stale_map_fails_the_map_check(tmp_path):
     assert package_map(tmp_path / "__init__.py") == ["example", "kept"]
     with pytest.raises(AssertionError):
         test_every_package_map_names_its_modules_and_nothing_else(tmp_path / "__init__.py")
+
+
+def test_ruff_knows_every_support_module_as_local():
+    """Tests import tests/support's modules by name (pytest's `pythonpath`); ruff sorts them as local only if
+    pyproject's known-local-folder lists them, so the list is the folder's modules, none missing and none gone."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = pyproject["tool"]["ruff"]["lint"]["isort"]["known-local-folder"]
+    support = sorted(path.stem for path in (PACKAGE.parent / "tests" / "support").glob("*.py"))
+    assert sorted(listed) == support
