@@ -176,6 +176,16 @@ def test_interventions_with_a_layer_offloaded_to_disk_equal_the_plain_run(tmp_pa
         mapped = headscope.ablate(mapped_model, texts, mode=mode, **groups).groups
         pd.testing.assert_frame_equal(mapped, plain)
         assert plain["delta"][0] > 1.0  # the copiers matter: a pass that ignored the removal would differ
+    # window mode: the layer's attention computed again under the window, where accelerate put the layer; on copiers
+    # that read position 0 from every later query, so that a window of one key (and no sink) cuts them off, on texts
+    # whose first word differs from the others
+    reader = build_planted_copier(tmp_path / "reader", copiers=(0, 1), reads_from=0)
+    mixed = [" ".join(words[(i + j) % 7] for j in range(3 + i % 6)) for i in range(12)]
+    windowed = {"mode": "window", "window": 1, "sink": 0, **groups}
+    plain = headscope.ablate(load_model(str(reader), lm_head=True), mixed, **windowed).groups
+    mapped_reader = load_model(str(reader), lm_head=True, device_map=LM_OFFLOADED, offload_folder=tmp_path / "off2")
+    pd.testing.assert_frame_equal(headscope.ablate(mapped_reader, mixed, **windowed).groups, plain)
+    assert abs(plain["delta"][0]) > 0.1, plain  # the copiers no longer see what they copy
     options = {"importance": "exact", "charts": None, "page": False, "probes": False, "bootstrap": 0}
     plain = headscope.analyze(plain_model, texts, **options).heads
     mapped = headscope.analyze(mapped_model, texts, **options).heads

@@ -173,17 +173,20 @@ def test_ablate_and_prune_on_two_ranks_equal_one_process(copier, tmp_path):
     common = ["--corpus", corpus, "--mode", mode, "--max-memory", "2MiB"]  # several batches, dealt to both ranks
     ablate = ["ablate", model, "--heads", "0.0,0.1", "--heads", "1.2", *common, "--bootstrap", "200"]
     prune = ["prune", model, "--budget", "0.01", *common, "--no-charts"]
-    for args, record in ((ablate, "ablation.json"), (prune, "prune.json")):
-        one = command(*args, "--out", tmp_path / f"one-{record}")
-        two = command(*args, "--out", tmp_path / f"two-{record}", ranks=2)
+    # window mode: each rank computes its layers' attention again under the window
+    windowed = ["ablate", model, "--heads", "0.0,0.1", "--corpus", corpus, "--mode", "window", "--window", "1",
+                "--sink", "0", "--max-memory", "2MiB", "--bootstrap", "50"]  # fmt: skip
+    for name, args, record in (("ablate", ablate, "ablation.json"), ("prune", prune, "prune.json"),
+                               ("windowed", windowed, "ablation.json")):  # fmt: skip
+        one_out, two_out = tmp_path / f"one-{name}", tmp_path / f"two-{name}"
+        one = command(*args, "--out", one_out)
+        two = command(*args, "--out", two_out, ranks=2)
         assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-        assert published(tmp_path / f"two-{record}", record) == published(tmp_path / f"one-{record}", record)
-        assert sorted(p.name for p in (tmp_path / f"two-{record}").iterdir()) == sorted(
-            p.name for p in (tmp_path / f"one-{record}").iterdir()
-        )
+        assert published(two_out, record) == published(one_out, record)
+        assert sorted(p.name for p in two_out.iterdir()) == sorted(p.name for p in one_out.iterdir())
         assert two.stdout.replace("two-", "one-") == one.stdout  # one summary: rank 0 speaks
-    assert published(tmp_path / "one-ablation.json", "ablation.json")["planned"]["forwards"] >= 6  # 3 batches at least
-    removed = published(tmp_path / "two-prune.json", "prune.json")["heads"]
+    assert published(tmp_path / "one-ablate", "ablation.json")["planned"]["forwards"] >= 6  # 3 batches at least
+    removed = published(tmp_path / "two-prune", "prune.json")["heads"]
     assert len(removed) == 7 and ("0.0" in removed) != ("0.1" in removed)  # every head but one of the copiers
 
 
