@@ -92,7 +92,7 @@ PRUNE_RECORD = "prune.json"
 PRUNE_JOURNAL = "prune-journal.json"  # an interrupted prune --resume's checkpoint (interventions/journal.py)
 HEAD_MASK_FILE = "head_mask.parquet"
 KV_POLICY_RECORD = "kv-policy.json"  # prune --mode window: the windowed heads as a KV-cache policy (kv_policy.py)
-PRUNE_CHARTS = ("prune_curve",)
+PRUNE_CHARTS = ("prune_curve", "streaming_heads")  # streaming_heads: window mode's kv-policy.json on the grid
 PRUNED_MODEL_RECORD = "pruned.json"
 CHECKPOINT_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",

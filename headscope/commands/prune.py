@@ -287,9 +287,7 @@ def prune(
         if kept is not None:
             found.kv_policy = _kv_policy(lm, result, kept)
         if opened.folder is not None:  # rank 0 writes
-            if found.kv_policy is not None:
-                write_json(found.kv_policy, opened.folder / KV_POLICY_RECORD)
-            _write(opened.folder, found.record, found.head_mask, charts, reporter)
+            _write(opened.folder, found, charts, reporter)
             # only now: a run interrupted while writing keeps the journal, which --resume replays to the end
             (opened.folder / PRUNE_JOURNAL).unlink(missing_ok=True)
     if failure is not None:
@@ -346,14 +344,18 @@ def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
     return pd.DataFrame(mask, index=pd.RangeIndex(depth, name="layer"), columns=[str(h) for h in range(count)])
 
 
-def _write(folder: Path, record: dict, mask: pd.DataFrame, charts: str | None, reporter: Reporter) -> None:
+def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter) -> None:
+    """head_mask.parquet, kv-policy.json (window mode), prune.json and the charts, into the staged `folder`."""
     with atomic_path(folder / HEAD_MASK_FILE) as tmp:
-        mask.to_parquet(tmp)
+        found.head_mask.to_parquet(tmp)
+    if found.kv_policy is not None:
+        write_json(found.kv_policy, folder / KV_POLICY_RECORD)
+    record = found.record
     write_json(record, folder / PRUNE_RECORD)
     if charts:
         from headscope.report.prune_chart import draw_prune_chart
 
-        for failed in draw_prune_chart(record, folder, charts)[1]:
+        for failed in draw_prune_chart(record, folder, charts, found.kv_policy)[1]:
             reporter.warn(f"could not draw {failed}; prune.json and head_mask.parquet are written")
 
 

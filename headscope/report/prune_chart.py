@@ -1,9 +1,12 @@
-"""The chart of a pruning: verified loss against heads removed (matplotlib only; no torch)."""
+"""The charts of a pruning: verified loss against heads removed, and for a window-mode pruning which heads are
+windowed and which KV heads that frees (matplotlib only; no torch)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from headscope.report.charts import save_each, title_text
@@ -25,9 +28,50 @@ def prune_curve(record: dict) -> Figure:
     ax.legend(loc="upper left", fontsize=8)
     title = title_text(f"{model_name(record)} on {Path(record['corpus']['path']).name}")
     removed = f"{len(record['heads'])} of {record['total_heads']} heads"
-    ax.set_title(f"{title}\npruning ({record['mode']} removal): {removed} removed")
+    done = "windowed" if record["mode"] == "window" else "removed"
+    ax.set_title(f"{title}\npruning ({record['mode']} removal): {removed} {done}")
     return fig
 
 
-def draw_prune_chart(record: dict, folder: Path, fmt: str) -> tuple[list[Path], list[str]]:
-    return save_each({"prune_curve": lambda: prune_curve(record)}, folder, fmt)
+# full attention; windowed, its KV head still full (another query head reads it); windowed, its KV head freed
+POLICY_COLOURS = ("#e8e8e8", "#fdb863", "#5e3c99")
+
+
+def streaming_heads(policy: dict) -> Figure:
+    """kv-policy.json on the (layer, head) grid: each query head full or windowed, and where windowed, whether its
+    KV head's cache can shrink (every query head reading it windowed) or not."""
+    layers = policy["layers"]
+    heads, kv_heads = len(layers[0]["heads"]), len(layers[0]["kv_heads"])
+    grid = np.zeros((len(layers), heads))
+    for row, layer in enumerate(layers):
+        for head, kept in enumerate(layer["heads"]):
+            if kept != "full":
+                freed = layer["kv_heads"][head // (heads // kv_heads)] == "windowed"
+                grid[row, head] = 2 if freed else 1
+    fig = Figure(figsize=(max(7.5, 0.35 * heads + 2.5), max(3.5, 0.22 * len(layers) + 1.5)), layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(grid, cmap=ListedColormap(POLICY_COLOURS), vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+    for boundary in range(heads // kv_heads, heads, heads // kv_heads):  # the query heads that share a KV head
+        ax.axvline(boundary - 0.5, color="white", linewidth=1.5)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(heads))
+    ax.set_yticks(range(0, len(layers), max(1, len(layers) // 15)))
+    legend = [("full", 0), ("windowed, KV head still full", 1), ("windowed, KV head freed", 2)]
+    for label, colour in legend:
+        ax.plot([], [], "s", color=POLICY_COLOURS[colour], markersize=8, label=label)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / max(len(layers), 1)), ncol=3, fontsize=8)
+    query, kv = policy["query_heads"], policy["kv_heads"]
+    ax.set_title(f"{title_text(policy['model']['name'])}: {query['windowed']} of {query['total']} heads windowed "
+                 f"to the first {policy['sink']} and last {policy['window']} keys\n{kv['windowed']} of {kv['total']} "
+                 f"KV heads freed; loss {policy['loss']['delta']:+.4f} of {policy['loss']['budget']:g} nats",
+                 fontsize=9)  # fmt: skip
+    return fig
+
+
+def draw_prune_chart(record: dict, folder: Path, fmt: str, policy: dict | None = None) -> tuple[list[Path], list[str]]:
+    """prune_curve, and with a window-mode pruning's kv-policy.json, streaming_heads."""
+    figures = {"prune_curve": lambda: prune_curve(record)}
+    if policy is not None:
+        figures["streaming_heads"] = lambda: streaming_heads(policy)
+    return save_each(figures, folder, fmt)

@@ -198,8 +198,9 @@ def test_a_kv_head_is_freed_only_when_every_query_head_reading_it_is_windowed():
 def test_prune_in_window_mode_says_what_the_policy_frees(planted_gpt2, corpus, tmp_path):
     out = tmp_path / "pruned"
     result = run_cli("prune", str(planted_gpt2), "--corpus", str(corpus), "--budget", "0.5", "--mode", "window",
-                     "--window", "2", "--sink", "1", "--max-rounds", "1", "--out", str(out), "--no-charts")  # fmt: skip
+                     "--window", "2", "--sink", "1", "--max-rounds", "1", "--out", str(out))  # fmt: skip
     assert result.exit_code == 0, result.output
+    assert (out / "prune_curve.png").is_file() and (out / "streaming_heads.png").is_file()
     said = " ".join(result.output.split())
     policy = json.loads((out / "kv-policy.json").read_text())
     kv = policy["kv_heads"]
