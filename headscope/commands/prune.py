@@ -212,7 +212,8 @@ def prune(
         budget: the loss the removed heads may cost together, in nats per predicted token.
         mode: "zero", "mean" or "window" (as ablate's: the heads it removes are windowed, not removed; their
             policy is kv-policy.json's).
-        window, sink: window mode's keys kept (as ablate's; defaults 64 and 4).
+        window: window mode: the recent keys a windowed head keeps, its own included (default 64).
+        sink: window mode: the sentence's first keys it keeps too (default 4).
         out: the folder to write prune.json and head_mask.parquet into; None keeps the result in memory.
         overwrite: replace `out` if this command wrote it before.
         save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint.
