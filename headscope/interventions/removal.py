@@ -240,6 +240,7 @@ class OutputSums:
             curvature_of.replacement(self.layers, heads, head_dim))  # fmt: skip
         self.sum_change_grad = None if window is None else np.zeros(shape[:2])  # sum of (w - o) . dL/do
         self._windowed: dict[int, torch.Tensor] = {}  # layer -> this batch's windowed outputs (window only)
+        self._seq_start: torch.Tensor | None = None  # the batch in flight's (window only)
         self.moments = None
         if moments:  # (sum of g g^T (heads, d, d), sum of (o . g) g (heads, d), sum of (o . g)^2 (heads,)) per layer
             self.moments = (np.zeros((*shape, head_dim)), np.zeros(shape), np.zeros(shape[:2]))
