@@ -82,6 +82,7 @@ def test_window_removal_equals_the_masked_computation(tiny_lm, corpus_lines, sin
     assert found.record["window"] == {"sink": sink, "size": window}
 
 
+@pytest.mark.first_case_fast
 def test_window_removal_does_not_depend_on_batching_or_padding(tiny_lm, corpus_lines):
     _, loaded = tiny_lm
     texts = sentences(loaded, corpus_lines)
@@ -91,6 +92,7 @@ def test_window_removal_does_not_depend_on_batching_or_padding(tiny_lm, corpus_l
     assert padded.ablated_loss == pytest.approx(one.ablated_loss, abs=CLOSE)
 
 
+@pytest.mark.first_case_fast
 def test_a_window_wider_than_every_sentence_changes_nothing(tiny_lm, corpus_lines):
     _, loaded = tiny_lm
     texts = sentences(loaded, corpus_lines)
