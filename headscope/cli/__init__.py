@@ -37,6 +37,7 @@ from headscope.cli.common import (
     OneLineErrors,
     PanelledCommand,
     Terminated,
+    quiet_signals_in_finalizers,
     raise_interrupted,
     raise_terminated,
     say,
@@ -78,6 +79,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, raise_terminated)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores Ctrl-C
             signal.signal(signal.SIGINT, raise_interrupted)
+        sys.unraisablehook = quiet_signals_in_finalizers
         app()
     # A signal before a command's own handler is in place (while Typer builds the commands, or a command imports
     # torch): still one line and the signal's exit code.

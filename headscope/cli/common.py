@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
 
 import click
@@ -13,6 +14,8 @@ from typer.core import TyperCommand, TyperGroup
 from typer.exceptions import TyperException
 
 from headscope.errors import ConfigError, HeadscopeError
+
+SPEAKER_GRACE = 5.0  # seconds a silent torchrun rank waits before exiting with an error, for rank 0 to say it
 
 
 class OneLineErrors(TyperGroup):
@@ -40,6 +43,10 @@ class OneLineErrors(TyperGroup):
             typer.echo("Aborted.", err=True)
             code = 1
 
+        if code in (1, 2) and os.environ.get("RANK", "0") != "0":
+            # Under torchrun only rank 0 speaks (`say`), and torchrun stops every rank as soon as one exits failed:
+            # a silent rank that refused first would stop rank 0 before its one line. The silent ones leave later.
+            time.sleep(SPEAKER_GRACE)
         if not standalone_mode:
             return code
         sys.exit(code or 0)
@@ -92,6 +99,15 @@ def raise_terminated(signum, frame) -> None:
 
     note_signal(Terminated)  # in case a finalizer running now swallows the exception (files.note_signal)
     raise Terminated
+
+
+def quiet_signals_in_finalizers(unraisable) -> None:
+    """sys.unraisablehook: a signal that lands while a finalizer (__del__) runs cannot leave it, and Python's default
+    hook prints a traceback ("Exception ignored in ..."). The signal was noted (files.note_signal) and is raised
+    again at the next safe point, so the command still ends with its one line and exit code: nothing to print."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt | Terminated):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def raise_interrupted(signum, frame) -> None:

@@ -437,3 +437,25 @@ def test_parts_held_in_memory_are_never_written_and_a_lost_one_is_named(tmp_path
         parts.merged("sentences", SENTENCES_SCHEMA, tmp_path / "sentences.parquet", 3)
     with pytest.raises(ValueError, match="neither checkpointed"):
         PartFiles(tmp_path, {}, checkpoints=True, in_memory=True)
+
+
+def test_a_signal_inside_a_finalizer_prints_no_traceback(monkeypatch, capsys):
+    """A Ctrl-C that lands while a finalizer (__del__) runs cannot leave it; Python hands it to sys.unraisablehook,
+    whose default prints 'Exception ignored in ... Traceback'. The CLI's hook stays quiet for a signal (noted, and
+    raised again at the next safe point) and reports anything else as Python would."""
+    from headscope.cli.common import Terminated, quiet_signals_in_finalizers
+
+    monkeypatch.setattr(sys, "unraisablehook", quiet_signals_in_finalizers)
+
+    class Finalized:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def __del__(self) -> None:
+            raise self.error
+
+    for signalled in (KeyboardInterrupt(), Terminated()):
+        Finalized(signalled)  # dropped at once: its __del__ raises
+    assert capsys.readouterr().err == ""
+    Finalized(ValueError("a bug in a finalizer"))
+    assert "a bug in a finalizer" in capsys.readouterr().err
