@@ -50,6 +50,7 @@ def test_rich_markup_in_paths_is_printed_as_text(name, planted_gpt2, tmp_path, c
     assert result.exit_code == 0 and f"{model.name} on {tmp_path}/corpus{name}.txt" in result.output, result.output
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_a_model_named_like_a_placeholder_stays_a_name(tmp_path, planted_gpt2, corpus_lines):
     """The page's template is filled in one pass: a model folder named m__PLOTLY__ or m__DATA__ is a title, not
     the place where plotly.js or the data JSON goes."""

@@ -19,6 +19,7 @@ def numbers(report) -> pd.DataFrame:
     return report.heads.select_dtypes("number")
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_threads_loading_models_at_once_all_finish(planted_gpt2, corpus_lines):
     alone = headscope.analyze(str(planted_gpt2), corpus_lines[:6], **QUICK)
     with ThreadPoolExecutor(4) as pool:

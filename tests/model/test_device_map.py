@@ -160,6 +160,7 @@ def test_what_loading_offloads_is_removed_when_the_run_ends(planted_gpt2, tmp_pa
 LM_OFFLOADED = {f"transformer.{name}": device for name, device in OFFLOADED.items()} | {"lm_head": "cpu"}
 
 
+@pytest.mark.slow  # over 1.5 s on two cores
 def test_interventions_with_a_layer_offloaded_to_disk_equal_the_plain_run(tmp_path):
     """ablate, importance, inspect and patch through accelerate's hooks (layer 1 read from disk for each pass, the
     removed heads' constants put where the layer runs) give the numbers of the plain run, on a model whose heads

@@ -45,6 +45,7 @@ def test_the_site_builds_strictly_and_holds_every_page(site):
     assert (site / "examples/reports/smollm2/entropy_heatmap.png").is_file()  # the charts the pages show
 
 
+@pytest.mark.slow  # the site's build, over 1.5 s on two cores
 def test_the_reference_lists_every_column_and_every_option(site):
     columns = (site / "reference/columns/index.html").read_text(encoding="utf-8")
     for column in HEADS_COLUMNS:
@@ -59,6 +60,7 @@ def test_the_reference_lists_every_column_and_every_option(site):
                     assert flag in options, (name, flag)
 
 
+@pytest.mark.slow  # the site's build
 def test_the_api_page_is_read_from_the_docstrings(site):
     api = (site / "api/index.html").read_text(encoding="utf-8")
     for function in ("analyze", "inspect", "ablate", "prune", "patch", "load_model"):
