@@ -24,6 +24,7 @@ from headscope.layout import (
     PATCHING_FILE,
     PRUNE_RECORD,
 )
+from headscope.model.memory import readable
 from headscope.progress import printable
 from headscope.report.report import Report
 from headscope.summary import (
@@ -311,7 +312,7 @@ def print_ablation(found) -> None:
     console = _console()
     how = f"removed together ({found.mode})"
     if found.window is not None:
-        how = f"windowed together (the first {found.window.sink} keys and the last {found.window.size})"
+        how = f"windowed together ({found.window.kept})"
     title = f"{found.model}: heads {how}, loss on {found.loss_on} tokens"
     table = Table(title=_title(title), box=box.SIMPLE_HEAD)
     shown = [",".join(e.heads[:6]) + (f",... ({len(e.heads)})" if len(e.heads) > 6 else "") for e in found.effects]
@@ -483,8 +484,8 @@ def print_pruning(found) -> None:
     if found.window is None:
         how, verified = f"removed {len(removed)} of {found.total_heads} heads ({found.mode})", "removed together"
     else:
-        kept = f"the first {found.window.sink} keys and the last {found.window.size}"
-        how, verified = f"windowed {len(removed)} of {found.total_heads} heads to {kept}", "windowed together"
+        how = f"windowed {len(removed)} of {found.total_heads} heads to {found.window.kept}"
+        verified = "windowed together"
     console.print(
         f"{how} within {result.budget:g} nats: loss {result.clean_loss:.4f} -> {result.loss:.4f} "
         f"({result.loss - result.clean_loss:+.4f}, verified with every one of them {verified})"
@@ -511,12 +512,8 @@ def _print_kv_policy(console, policy: dict) -> None:
                          f"{query['total']})"))  # fmt: skip
     for name, memory in policy["memory"].items():
         console.print(_title(f"KV cache at {name.replace('_', ' ')} ({memory['tokens']:,} tokens): "
-                             f"{_mib(memory['full_bytes'])} -> {_mib(memory['policy_bytes'])} per sequence "
+                             f"{readable(memory['full_bytes'])} -> {readable(memory['policy_bytes'])} per sequence "
                              f"({memory['freed_share']:.1%} freed)"))  # fmt: skip
-
-
-def _mib(count: int) -> str:
-    return f"{count / 2**20:,.1f} MiB"
 
 
 def print_copying(found, count: int = 10) -> None:

@@ -146,7 +146,7 @@ class Ablation:
         """The notebook view's facts on how heads were removed (and, windowed, which keys they kept)."""
         if self.window is None:
             return [("mode", self.mode)]
-        return [("mode", self.mode), ("keys kept", f"the first {self.window.sink} and the last {self.window.size}")]
+        return [("mode", self.mode), ("keys kept", self.window.kept)]
 
 
 def ablate(

@@ -134,7 +134,7 @@ class Pruning:
             return []
         kv, memory = self.kv_policy["kv_heads"], self.kv_policy["memory"]["longest_text"]
         return [
-            ("keys kept", f"the first {self.window.sink} and the last {self.window.size}"),
+            ("keys kept", self.window.kept),
             ("KV heads whose cache can shrink", f"{kv['windowed']} of {kv['total']}"),
             ("KV cache freed at the longest text", f"{memory['freed_share']:.1%} of {memory['tokens']:,} tokens'"),
         ]

@@ -54,6 +54,11 @@ class Window:
         if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
             raise ConfigError(f"--sink takes a whole number of keys >= 0; got {self.sink!r}")
 
+    @property
+    def kept(self) -> str:
+        """What it keeps, as the printouts and notebook views say it."""
+        return f"the first {self.sink} keys and the last {self.size}"
+
     def keys(self, seq_start: torch.Tensor, t: int) -> torch.Tensor:
         """(batch, 1, t, t) bool: the keys each row keeps (model.masks.streaming_keys)."""
         return streaming_keys(seq_start, t, self.sink, self.size)
