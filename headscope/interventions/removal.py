@@ -34,7 +34,6 @@ from headscope.errors import ConfigError
 from headscope.interventions.clean_prefix import CleanPrefix
 from headscope.interventions.loss import token_losses
 from headscope.model.batch import Batch
-from headscope.model.masks import streaming_keys
 from headscope.run.distributed import Ranks, added, together
 
 Head = tuple[int, int]  # (layer, head)
@@ -58,10 +57,6 @@ class Window:
     def kept(self) -> str:
         """What it keeps, as the printouts and notebook views say it."""
         return f"the first {self.sink} keys and the last {self.size}"
-
-    def keys(self, seq_start: torch.Tensor, t: int) -> torch.Tensor:
-        """(batch, 1, t, t) bool: the keys each row keeps (model.masks.streaming_keys)."""
-        return streaming_keys(seq_start, t, self.sink, self.size)
 
 
 def window_of(mode: str, window: int | None, sink: int | None) -> Window | None:
@@ -191,15 +186,10 @@ class RemovedHeads(ReplicaEditor):
                 else:
                     self.add(layer, replica, functools.partial(self._remove, layer, head, removal))
         self._values: dict[tuple[int, int, str], torch.Tensor] = {}
-        self._seq_start: torch.Tensor | None = None
         self._windowed: dict[Window, torch.Tensor] = {}  # the layer in flight's output under each window
 
-    def start(self, batch: Batch) -> None:
-        self._seq_start = batch.seq_start
-
     def masked_output(self, layer: int, output: torch.Tensor, attend_within: Callable) -> torch.Tensor:
-        seq_start, t = self._seq_start.to(output.device), output.shape[1]
-        self._windowed = {window: attend_within(window.keys(seq_start, t)) for window in self._windows.get(layer, ())}
+        self._windowed = {window: attend_within(window.sink, window.size) for window in self._windows.get(layer, ())}
         try:
             return self.output(layer, output)
         finally:
@@ -245,7 +235,6 @@ class OutputSums:
             curvature_of.replacement(self.layers, heads, head_dim))  # fmt: skip
         self.sum_change_grad = None if window is None else np.zeros(shape[:2])  # sum of (w - o) . dL/do
         self._windowed: dict[int, torch.Tensor] = {}  # layer -> this batch's windowed outputs (window only)
-        self._seq_start: torch.Tensor | None = None  # the batch in flight's (window only)
         self.moments = None
         if moments:  # (sum of g g^T (heads, d, d), sum of (o . g) g (heads, d), sum of (o . g)^2 (heads,)) per layer
             self.moments = (np.zeros((*shape, head_dim)), np.zeros(shape), np.zeros(shape[:2]))
@@ -255,14 +244,13 @@ class OutputSums:
 
     def start(self, batch: Batch) -> None:
         self._outputs, self._windowed, self._valid = {}, {}, batch.attention_mask.bool()
-        self._seq_start = batch.seq_start if self.window is not None else None
         self.positions += int(self._valid.sum())
 
     def masked_output(self, layer: int, output: torch.Tensor, attend_within: Callable) -> torch.Tensor:
         if self.window is not None and self.grad and layer in self._index:
-            with torch.no_grad():  # w is where the estimate moves the output to: a point, not a function
-                keys = self.window.keys(self._seq_start.to(output.device), output.shape[1])
-                self._windowed[layer] = attend_within(keys)
+            # w is where the estimate moves the output to: a point, not a function (the capture computes it once
+            # for this layer, shared with an editor windowing its heads, whose copy carries the gradient)
+            self._windowed[layer] = attend_within(self.window.sink, self.window.size).detach()
         return self.output(layer, output)
 
     def output(self, layer: int, output: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ requires_grad, hooks and decoder layers.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,7 @@ from headscope.model.attention.dispatch import TileKernel
 from headscope.model.attention.readout import Readout, RowBlock
 from headscope.model.batch import Batch
 from headscope.model.layer_outputs import detached
-from headscope.model.masks import boolean_mask, key_visibility
+from headscope.model.masks import boolean_mask, key_visibility, streaming_keys
 from headscope.model.precision import ieee_float32
 from headscope.model.turns import one_call_at_a_time
 from headscope.model.write_path import WritePath, learn_write_paths
@@ -104,12 +103,13 @@ class MaskingEditor(Protocol):
         """A batch is about to run."""
 
     def masked_output(
-        self, layer: int, output: torch.Tensor, attend_within: Callable[[torch.Tensor], torch.Tensor]
+        self, layer: int, output: torch.Tensor, attend_within: Callable[[int, int], torch.Tensor]
     ) -> torch.Tensor:
-        """`layer`'s head outputs; return them or a replacement. attend_within(keep) computes the layer's attention
-        again, every head and row renormalised over the keys both the model's mask and `keep` ((batch or 1, 1, t,
-        t) bool) let it see: (batch, t, heads, head_dim), from the same queries, keys and values (differentiable
-        in a gradient pass)."""
+        """`layer`'s head outputs; return them or a replacement. attend_within(sink, size) is the layer's attention
+        computed again, every head and row renormalised over the keys both the model's mask and a streaming cache
+        keep (each sentence's first `sink` keys and the last `size`: masks.streaming_keys): (batch, t, heads,
+        head_dim), from the same queries, keys and values, differentiable in a gradient pass; computed once per
+        layer and window, whichever editors ask for it."""
 
 
 class _StopForward(Exception):
@@ -320,9 +320,10 @@ class Capture:
                 native = self.readout.kernel.sums("write_sums") if self.readout.kernel_reduced else None
                 written = LayerOutput(module, output, value, mask, residual, valid, start, path, native)
                 reader.head_output(layer, written)
+        within = None
         for editor in self._editors:
             if isinstance(editor, MaskingEditor):
-                within = functools.partial(self._attend_within, module, query, key, value, mask, kwargs)
+                within = within or self._attending_within(module, query, key, value, mask, kwargs)
                 output = editor.masked_output(layer, output, within)
             else:
                 output = editor.output(layer, output)
@@ -330,11 +331,22 @@ class Capture:
             raise _StopForward
         return output, None
 
-    def _attend_within(self, module, query, key, value, mask, kwargs, keep: torch.Tensor) -> torch.Tensor:
-        """The layer's output with every row's keys cut to those `keep` leaves of the model's own mask: computed
-        afresh (never the probabilities masked after the fact), by the fastest correct function for the layer."""
-        visible = key_visibility(mask, self.readout.query_valid, slice(None), key.shape[-2])
-        return self.readout.unread(module, query, key, value, visible & keep.to(visible.device), kwargs)
+    def _attending_within(self, module, query, key, value, mask, kwargs) -> Callable[[int, int], torch.Tensor]:
+        """This layer call's attend_within (MaskingEditor): the layer's output with every row's keys cut to what a
+        streaming cache keeps of the model's own mask, computed afresh (never the probabilities masked after the
+        fact) by the fastest correct function for the layer, once per window: a pass whose editors window heads
+        and record the estimate (prune's gradient pass) shares it."""
+        computed: dict[tuple[int, int], torch.Tensor] = {}
+
+        def attend_within(sink: int, size: int) -> torch.Tensor:
+            if (sink, size) not in computed:
+                seq_start = self._placed[query.device][1]
+                keep = streaming_keys(seq_start, key.shape[-2], sink, size)
+                visible = key_visibility(mask, self.readout.query_valid, slice(None), key.shape[-2]) & keep
+                computed[(sink, size)] = self.readout.unread(module, query, key, value, visible, kwargs)
+            return computed[(sink, size)]
+
+        return attend_within
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):

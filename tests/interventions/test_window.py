@@ -125,21 +125,21 @@ def test_the_window_estimate_sums_the_change_to_the_windowed_output_along_the_gr
     outputs = torch.tensor(rng.normal(size=(2, 3, 2, 4)), requires_grad=True)  # (batch, t, heads, head_dim)
     windowed = torch.tensor(rng.normal(size=(2, 3, 2, 4)))
     c = torch.tensor(rng.normal(size=(2, 3, 2, 4)))
-    mask, seq_start = torch.tensor([[1, 1, 1], [0, 1, 1]]), torch.tensor([0, 1])  # the second padded on the left
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])  # the second sentence padded on the left
     window = Window(sink=1, size=1)
     removal = Removal("window", window=window)
     sums = OutputSums([0], 2, 4, grad=True, curvature_of=removal, window=window)
-    sums.start(SimpleNamespace(attention_mask=mask, seq_start=seq_start))
+    sums.start(SimpleNamespace(attention_mask=mask))
     asked = []
 
-    def attend_within(keys):
-        asked.append(keys)
+    def attend_within(sink, size):
+        asked.append((sink, size))
         return windowed
 
     kept = sums.masked_output(0, outputs.clone(), attend_within)
     (kept * c).sum().backward()
     sums.collect()
-    assert torch.equal(asked[0], window.keys(seq_start, 3))
+    assert asked == [(window.sink, window.size)]  # the window reached the capture
     o, w, g = outputs.detach().numpy(), windowed.numpy(), c.numpy()
     real = list(zip(*np.nonzero(mask.numpy()), strict=True))
     change = sum(((w[b, t] - o[b, t]) * g[b, t]).sum(-1) for b, t in real)
