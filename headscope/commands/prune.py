@@ -27,7 +27,7 @@ from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.files import atomic_path
 from headscope.interventions.group_losses import PassPlan
 from headscope.interventions.journal import SearchJournal
-from headscope.interventions.kv_policy import kv_policy
+from headscope.interventions.kv_policy import policy_record
 from headscope.interventions.loss_model import LossModel, loss_model, plain_loss
 from headscope.interventions.prune_passes import FIRST_SHORTLIST, LONGEST, SHORTLIST, TRIES, search_on_model
 from headscope.interventions.removal import Removal, Window, window_of
@@ -41,10 +41,7 @@ from headscope.layout import (
     PRUNED_MODEL_RECORD,
     SCHEMA_VERSION,
 )
-from headscope.model.architecture import architecture_of, layer_attention, model_max_length
-from headscope.model.identity import weights_fingerprint
 from headscope.model.loading import LoadedModel, Loader, load_for_run
-from headscope.model.placement import dtype_name
 from headscope.output import resolved
 from headscope.progress import Reporter
 from headscope.run.corpus import Corpus
@@ -286,7 +283,7 @@ def prune(
                 failure = str(err) if isinstance(err, HeadscopeError) else one_line(err)
                 found.saved_model = SavedModel(path=None, error=failure)
         if kept is not None:
-            found.kv_policy = _kv_policy(lm, result, kept)
+            found.kv_policy = policy_record(lm, result, kept)
         if opened.folder is not None:  # rank 0 writes
             _write(opened.folder, found, charts, reporter)
             # only now: a run interrupted while writing keeps the journal, which --resume replays to the end
@@ -358,28 +355,6 @@ def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter)
 
         for failed in draw_prune_chart(record, folder, charts, found.kv_policy)[1]:
             reporter.warn(f"could not draw {failed}; prune.json and head_mask.parquet are written")
-
-
-def _kv_policy(lm: LossModel, result: PruneResult, window: Window) -> dict:
-    """kv-policy.json: the model, its weights' fingerprint, the windowed heads as a per-head policy with the loss it
-    was verified at, and the KV memory it keeps at the corpus's longest text and at the model's context length."""
-    loaded, plan = lm.loaded, lm.plan
-    architecture = architecture_of(loaded.model.config)
-    longest = max((len(ids) for index in range(len(lm.feed)) for ids in lm.feed.chunk(index).ids), default=0)
-    lengths = {"longest_text": longest}
-    context = model_max_length(loaded.model.config)
-    if context is not None:
-        lengths["context_length"] = context
-    body = kv_policy(
-        result.heads, depth=plan.depth, heads=plan.heads, kv_heads=architecture["kv_heads"],
-        head_dim=architecture["head_dim"], dtype_bytes=loaded.dtype.itemsize, window=window, lengths=lengths,
-        own_windows=[size if kind == "sliding" else None for kind, size in layer_attention(loaded.model.config)],
-    )  # fmt: skip
-    loss = {"clean": result.clean_loss, "verified": result.loss, "delta": result.loss - result.clean_loss,
-            "budget": result.budget}  # fmt: skip
-    return {"schema_version": SCHEMA_VERSION, "model": {"input": loaded.source.display, "name": loaded.source.name},
-            "weights_sha256": weights_fingerprint(loaded.model), "dtype": dtype_name(loaded.dtype), "loss": loss,
-            **body, "versions": versions()}  # fmt: skip
 
 
 def _save(lm: LossModel, result: PruneResult, removal: Removal, folder: Path, reporter: Reporter) -> SavedModel:

@@ -1,4 +1,5 @@
-"""kv-policy.json: a window-mode pruning as a per-head KV-cache policy, and the memory it can really free.
+"""kv-policy.json: a window-mode pruning as a per-head KV-cache policy, and the memory it can really free
+(`policy_record`; the pure counting in `kv_heads_freed`, `cache_bytes` and `kv_policy`).
 
 A windowed query head sees only the sentence's first `sink` keys and its last `window` (interventions/removal.py's
 Window). Its KV head can drop the keys in between only if every query head that reads it is windowed: grouped KV
@@ -14,8 +15,18 @@ min(that, sink + window) for a windowed one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from headscope.interventions.removal import Head, Window
+from headscope.layout import SCHEMA_VERSION
+from headscope.model.architecture import architecture_of, layer_attention, model_max_length
+from headscope.model.identity import weights_fingerprint
+from headscope.model.placement import dtype_name
+from headscope.run.record import versions
+
+if TYPE_CHECKING:
+    from headscope.interventions.loss_model import LossModel
+    from headscope.interventions.search import PruneResult
 
 
 def kv_heads_freed(windowed: Iterable[Head], depth: int, heads: int, kv_heads: int) -> list[list[bool]]:
@@ -76,3 +87,25 @@ def kv_policy(
         "memory": memory,
         "layers": layers,
     }
+
+
+def policy_record(lm: LossModel, result: PruneResult, window: Window) -> dict:
+    """kv-policy.json: the model, its weights' fingerprint, the windowed heads as a per-head policy with the loss it
+    was verified at, and the KV memory it keeps at the corpus's longest text and at the model's context length."""
+    loaded, plan = lm.loaded, lm.plan
+    architecture = architecture_of(loaded.model.config)
+    longest = max((len(ids) for index in range(len(lm.feed)) for ids in lm.feed.chunk(index).ids), default=0)
+    lengths = {"longest_text": longest}
+    context = model_max_length(loaded.model.config)
+    if context is not None:
+        lengths["context_length"] = context
+    body = kv_policy(
+        result.heads, depth=plan.depth, heads=plan.heads, kv_heads=architecture["kv_heads"],
+        head_dim=architecture["head_dim"], dtype_bytes=loaded.dtype.itemsize, window=window, lengths=lengths,
+        own_windows=[size if kind == "sliding" else None for kind, size in layer_attention(loaded.model.config)],
+    )  # fmt: skip
+    loss = {"clean": result.clean_loss, "verified": result.loss, "delta": result.loss - result.clean_loss,
+            "budget": result.budget}  # fmt: skip
+    return {"schema_version": SCHEMA_VERSION, "model": {"input": loaded.source.display, "name": loaded.source.name},
+            "weights_sha256": weights_fingerprint(loaded.model), "dtype": dtype_name(loaded.dtype), "loss": loss,
+            **body, "versions": versions()}  # fmt: skip
