@@ -263,7 +263,11 @@ LABELS: tuple[Column, ...] = (
     ),
     Column("head_type", "string", "local, copy, broad or mixed"),
     Column("type_reason", "string", "the evidence that decided the head type"),
-    Column("role", "string", "induction, duplicate-token, previous-token, dormant, sink, positional, broad or other"),
+    Column(
+        "role",
+        "string",
+        "induction, duplicate-token, previous-token, dormant, sink, positional, streaming, broad or other",
+    ),
     Column("role_reason", "string", "the evidence that decided the role"),
     Column("role_detail", "string", "for a sink head, what it does off the sink (empty for other roles)"),
 )
@@ -290,11 +294,27 @@ def _interval_columns() -> tuple[Column, ...]:
     )
 
 
+# What a streaming KV cache of the first --stream-sink and last --stream-window keys would drop (docs/streaming.md):
+# read in the corpus pass as headscope's own detector, far:S,W (measures.detectors; run.head_evidence.FAR_MASS).
+STREAMING: tuple[Column, ...] = (
+    Column(
+        "far_mass",
+        "float64",
+        "mass on keys outside the sentence's first --stream-sink and the row's last --stream-window (what a streaming "
+        "KV cache drops), over the rows that have such keys",
+        shown=True,
+    ),
+    Column("far_mass_chance", "float64", "what uniform attention gives far_mass on the same rows"),
+    Column("far_mass_ci_low", "float64", "far_mass: 95% bootstrap interval over sentences, low end"),
+    Column("far_mass_ci_high", "float64", "far_mass: 95% bootstrap interval over sentences, high end"),
+)
+
 # Every column of heads.parquet, in order.
 HEADS_COLUMNS: tuple[Column, ...] = (
     *MEASURED,
     *_interval_columns(),
     *(column for pattern in PROBE_PATTERNS for column in _probe_columns(pattern)),
+    *STREAMING,
     *(Column(name, "float64", about, shown=True, scale="diverging") for name, about in _IMPORTANCE.items()),
     OV_COPYING,
     DORMANT_CHECK,

@@ -98,6 +98,10 @@ class RunConfig:
         None, "Cut each sentence or text to this many tokens (default: the model's limit)."
     )
     window: int = setting(2, "Diagonal metric: mass within +-WINDOW positions of the query.")
+    stream_window: int = setting(
+        DEFAULT_WINDOW, "far_mass: the recent keys a streaming KV cache keeps, the row's own included (0: no far_mass)."
+    )
+    stream_sink: int = setting(DEFAULT_SINK, "far_mass: the sentence's first keys a streaming KV cache keeps too.")
     batch_size: int | None = setting(
         None, "Sentences per forward pass, or auto (default): as many as --max-memory allows (<= 256)."
     )
@@ -145,7 +149,7 @@ class RunConfig:
     detectors: tuple = setting(
         (),
         "Detectors to score every head by, NAME=SPEC each (SPEC: offset:K, same-token, after-same-token, token:REGEX, "
-        "first): a column detect_NAME with its interval and chance level. From Python also {name: spec or callable}.",
+        "first, far:S,W): a column detect_NAME with its interval and chance level. From Python also {name: spec or callable}.",
     )
     examples: int = setting(
         3,
@@ -177,6 +181,9 @@ class RunConfig:
             raise ConfigError(f"--dormant-tolerance must be a positive number of nats; got {self.dormant_tolerance}")
         if self.window < 0:
             raise ConfigError(f"--window must be 0 or more; got {self.window}")
+        for name in ("stream_window", "stream_sink"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more; got {getattr(self, name)}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"--batch-size must be 1 or more (or auto); got {self.batch_size}")
         if self.max_memory is not None and self.max_memory < 2**20:
@@ -370,6 +377,7 @@ class RoleThresholds:
     dormant          write_ratio < dormant_max_write_ratio
     sink             sink_rate >= sink_rate_min
     positional       top_offset is a fixed offset (not "first", not "other") holding >= offset_share_min of rows
+    streaming        far_mass <= streaming_max_far_mass (long texts only: far_mass needs rows past the window)
     broad            norm_entropy >= Thresholds.broad_min_norm_entropy
     other            anything else
     """
@@ -380,10 +388,13 @@ class RoleThresholds:
     # dormant: what the head writes is under 2.5% of the residual stream it is added to, on average over rows. On
     # SmolLM2 the heads under it, removed together, lower the loss (docs/labels.md).
     dormant_max_write_ratio: float = 0.025
+    # streaming: at most 5% of the head's attention lies outside what a streaming cache keeps (docs/streaming.md)
+    streaming_max_far_mass: float = 0.05
 
     def __post_init__(self) -> None:
         _numbers(self, lambda name: f"--role-{name.replace('_', '-')}")
-        for name in ("probe_min", "sink_rate_min", "offset_share_min", "dormant_max_write_ratio"):
+        for name in ("probe_min", "sink_rate_min", "offset_share_min", "dormant_max_write_ratio",
+                     "streaming_max_far_mass"):  # fmt: skip
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"--role-{name.replace('_', '-')} must be between 0 and 1; got {value}")

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 from headscope.errors import ConfigError
 
-FAMILIES = ("offset:K", "same-token", "after-same-token", "token:REGEX", "first")
+FAMILIES = ("offset:K", "same-token", "after-same-token", "token:REGEX", "first", "far:S,W")
 MODES = ("mul", "abs")
-# Exemplar kinds of headscope's own (measures.exemplars: sharp, write and the probes' patterns): no detector's name.
-RESERVED = ("sharp", "write", "induction", "duplicate", "previous")
+# Exemplar kinds of headscope's own (measures.exemplars: sharp, write and the probes' patterns) and its own detector
+# (far_mass, run.head_evidence): no detector's name.
+RESERVED = ("sharp", "write", "induction", "duplicate", "previous", "far_mass")
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
@@ -21,8 +22,8 @@ class Detector:
     """One detector: its name (a column `detect_<name>`), and its family and parameter or its callable."""
 
     name: str
-    family: str  # offset, same-token, after-same-token, token, first, callable
-    parameter: int | str | None = None  # K of offset, REGEX of token
+    family: str  # offset, same-token, after-same-token, token, first, far, callable
+    parameter: int | str | tuple[int, int] | None = None  # K of offset, REGEX of token, (S, W) of far
     pattern: Callable | None = field(default=None, compare=False)  # tokens -> (T, T), for family "callable"
     mode: str = "mul"  # how a callable's pattern is scored
 
@@ -32,6 +33,8 @@ class Detector:
         if self.family == "callable":
             where = f"{getattr(self.pattern, '__module__', '?')}.{getattr(self.pattern, '__qualname__', '?')}"
             return f"callable:{where}:{self.mode}"
+        if self.family == "far":
+            return "far:{},{}".format(*self.parameter)
         return self.family if self.parameter is None else f"{self.family}:{self.parameter}"
 
     @property
@@ -84,6 +87,11 @@ def detector_of(name: str, spec: str | Callable | tuple) -> Detector:
         if not colon or not parameter:
             raise ConfigError(f"{where}: token:REGEX takes a regular expression after 'token:'; got {spec!r}")
         return Detector(name, "token", parameter)
+    if family == "far":
+        if not re.fullmatch(r"[0-9]+,[0-9]+", parameter) or int(parameter.split(",")[1]) < 1:
+            raise ConfigError(f"{where}: far:S,W takes whole numbers S >= 0 and W >= 1 (e.g. far:4,64); got {spec!r}")
+        sink, window = (int(part) for part in parameter.split(","))
+        return Detector(name, "far", (sink, window))
     if family in ("same-token", "after-same-token", "first") and not colon:
         return Detector(name, family)
     raise ConfigError(f"{where}: SPEC is one of {', '.join(FAMILIES)}; got {spec!r}")

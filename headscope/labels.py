@@ -18,6 +18,7 @@ Roles, the finer answer the literature names (RoleThresholds; the order and why 
                                                  found to cost more than the tolerance
     sink                                         sink_rate on the corpus (role_detail: what it does off the sink)
     positional                                   a fixed top_offset holding most rows' largest weight
+    streaming                                    far_mass: next to nothing outside what a streaming KV cache keeps
     broad                                        norm_entropy, as for the type
     other                                        anything else
 """
@@ -35,7 +36,9 @@ from headscope.config import RoleThresholds, Thresholds
 
 HeadType = Literal["local", "copy", "broad", "mixed"]
 HEAD_TYPES: tuple[HeadType, ...] = ("local", "copy", "broad", "mixed")
-Role = Literal["induction", "duplicate-token", "previous-token", "dormant", "sink", "positional", "broad", "other"]
+Role = Literal[
+    "induction", "duplicate-token", "previous-token", "dormant", "sink", "positional", "streaming", "broad", "other"
+]
 ROLES: tuple[Role, ...] = (
     "induction",
     "duplicate-token",
@@ -43,6 +46,7 @@ ROLES: tuple[Role, ...] = (
     "dormant",
     "sink",
     "positional",
+    "streaming",
     "broad",
     "other",
 )
@@ -75,6 +79,11 @@ def locality(diagonal: pd.Series, diagonal_uniform: pd.Series) -> pd.Series:
 def _previous_evidence(heads: pd.DataFrame) -> pd.Series:
     """probe_previous, or the corpus's prev_token for heads the probes did not score."""
     return heads["probe_previous"].fillna(heads["prev_token"])
+
+
+def _far_mass(heads: pd.DataFrame) -> pd.Series:
+    """far_mass, NaN where the report has none (written before it, or with --stream-window 0)."""
+    return heads["far_mass"] if "far_mass" in heads else pd.Series(np.nan, index=heads.index)
 
 
 def _demoted(heads: pd.DataFrame) -> pd.Series:
@@ -132,6 +141,10 @@ ROLE_RULES: dict[Role, RoleRule] = {
     "positional": (
         lambda h, r, t: h["top_offset"].isin(FIXED_OFFSETS) & (h["top_offset_share"] >= r.offset_share_min),
         lambda row, r, t: f"top_offset {row.top_offset} in {row.top_offset_share:.3f} of rows >= {r.offset_share_min}",
+    ),
+    "streaming": (
+        lambda h, r, t: _far_mass(h) <= r.streaming_max_far_mass,
+        lambda row, r, t: f"far_mass {row.far_mass:.3f} <= {r.streaming_max_far_mass}",
     ),
     "broad": (
         lambda h, r, t: h["norm_entropy"] >= t.broad_min_norm_entropy,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from headscope.config import CHART_FORMATS
 
-SCHEMA_VERSION = 9  # of the tables and run.json; bumped when a column or key is added, changes or goes away
+SCHEMA_VERSION = 10  # of the tables and run.json; bumped when a column or key is added, changes or goes away
 
 HEADS_FILE = "heads.parquet"
 SENTENCES_FILE = "sentences.parquet"

@@ -21,6 +21,7 @@ from headscope.columns import (
     MEASURED_COLUMNS,
     PER_SENTENCE,
     PROBE_PATTERNS,
+    STREAMING,
     WRITTEN_AND_OFF_SINK,
 )
 from headscope.errors import OutputError
@@ -177,6 +178,7 @@ def heads_frame(
         values = (importance or {}).get(name)
         columns[name] = values.reshape(-1) if values is not None else missing
     columns["ov_copying"] = np.reshape(copying, -1) if copying is not None else missing
+    columns |= {column.name: missing for column in STREAMING}  # the corpus pass's far pattern fills them
     checked = dormant_check or {}
     heads_of = zip(columns["layer"], columns["head"], strict=True)
     columns["dormant_check"] = [checked.get((int(layer), int(head))) for layer, head in heads_of]
@@ -314,6 +316,7 @@ ADDED_COLUMNS |= {
     name: 7
     for name in ("dormant_check", "estimate_zero", "estimate_mean", "estimate_zero_total", "estimate_mean_total")
 }
+ADDED_COLUMNS |= {column.name: 10 for column in STREAMING}
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:

@@ -20,6 +20,8 @@ def analyze(
     resume: o.Resume = False,
     # From here to the label rules, every option is the RunConfig field of the same name (its default there).
     window: o.Window = o.DEFAULTS.window,
+    stream_window: o.StreamWindow = o.DEFAULTS.stream_window,
+    stream_sink: o.StreamSink = o.DEFAULTS.stream_sink,
     batch_size: o.BatchSize = o.DEFAULTS.batch_size,
     layers: o.Layers = o.DEFAULTS.layers,
     sentence_heads: o.SentenceHeads = o.DEFAULTS.sentence_heads,
@@ -47,6 +49,7 @@ def analyze(
     role_sink_rate_min: o.RoleSinkRateMin = o.ROLE_THRESHOLDS.sink_rate_min,
     role_offset_share_min: o.RoleOffsetShareMin = o.ROLE_THRESHOLDS.offset_share_min,
     role_dormant_max_write_ratio: o.RoleDormantMaxWriteRatio = o.ROLE_THRESHOLDS.dormant_max_write_ratio,
+    role_streaming_max_far_mass: o.RoleStreamingMaxFarMass = o.ROLE_THRESHOLDS.streaming_max_far_mass,
     **options,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
@@ -58,7 +61,8 @@ def analyze(
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
-        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min, role_dormant_max_write_ratio)
+        roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min, role_dormant_max_write_ratio,
+                               role_streaming_max_far_mass)  # fmt: skip
     with user_errors(ctx):
         report = run_analysis(
             model,

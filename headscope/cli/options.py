@@ -88,6 +88,8 @@ DeviceMap = _setting(str | None, "device_map", metavar="<auto|balanced|sequentia
 OffloadFolder = _setting(Path | None, "offload_folder")
 MaxLength = _setting(int | None, "max_length")
 Window = _setting(int, "window")
+StreamWindow = _setting(int, "stream_window")
+StreamSink = _setting(int, "stream_sink")
 BatchSize = _setting(str | None, "batch_size", metavar="<n|auto>")
 MaxMemory = _setting(str | None, "max_memory", metavar="<size>")
 Layers = _setting(str | None, "layers", metavar="<layers>")
@@ -127,6 +129,9 @@ RoleDormantMaxWriteRatio = Annotated[
 ]
 RoleOffsetShareMin = Annotated[
     float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
+]
+RoleStreamingMaxFarMass = Annotated[
+    float, typer.Option(help="Role streaming if far_mass <= this (after positional; long texts only).")
 ]
 
 
@@ -396,14 +401,14 @@ def in_panel(panel: str, *declarations) -> None:
 
 in_panel("Model", Revision, TrustRemoteCode, Device, DType, DeviceMap, OffloadFolder, MaxMemory, Threads)
 in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
-in_panel("Measures", Window, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Copying, Importance, CheckDormant,
+in_panel("Measures", Window, StreamWindow, StreamSink, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Copying, Importance, CheckDormant,
          DormantTolerance, SentenceHeads, Examples, Exemplars, Detectors)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
 in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,
          Resume,
          SaveModel, Charts, Page, Format)  # fmt: skip
 in_panel("Label rules", LocalMinLocality, CopyMaxNormEntropy, BroadMinNormEntropy, RoleProbeMin, RoleSinkRateMin,
-         RoleDormantMaxWriteRatio, RoleOffsetShareMin)  # fmt: skip
+         RoleDormantMaxWriteRatio, RoleOffsetShareMin, RoleStreamingMaxFarMass)  # fmt: skip
 
 # ---------------------------------------------------------------- bundles: options several commands take together
 

@@ -8,6 +8,8 @@ patterns):
     after-same-token    P[t, s] = 1 where token s-1 == token t (s <= t: the token after each; induction)
     token:REGEX         P[t, s] = 1 where token s's text matches REGEX (re.search), s <= t
     first               P[t, 0] = 1                            (the sentence's first token)
+    far:S,W             P[t, s] = 1 where s >= S and t - s >= W (the keys a streaming cache of the first S and the
+                        last W drops; rows t >= S + W)
     a callable          tokens -> a (T, T) array P, scored in its mode: `mul` (default) or `abs`
 Positions count from the sentence's first token, as everywhere in headscope.
 
@@ -65,6 +67,9 @@ def targets(
         hit = _matching_tokens(detector.parameter, input_ids[:, :keys], token_text)[:, None, :]
     elif family == "first":
         hit = (key == seq_start[:, None])[:, None, :]
+    elif family == "far":
+        sink, window = detector.parameter
+        hit = (key >= seq_start[:, None, None] + sink) & (row - key >= window)[None]
     elif family == "callable":
         return patterns[:, rows, :keys] * inside
     else:  # make_detector admits no other
@@ -78,10 +83,10 @@ def target_classes(
     real: torch.Tensor,
     seq_start: torch.Tensor,
     token_text: Callable[[int], str],
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A built-in family's targets on a batch as classes (headscope.model.attention.key_patterns): (key_class,
-    row_class, strict), (batch, t) long each, such that key s is a target of row t where key_class[s] == row_class[t]
-    >= 0 and s <= t (s < t where strict): exactly `targets`' keys (tested). Keys of no row's target are -1, rows
+    row_class, lag), the classes (batch, t) long each, such that key s is a target of row t where key_class[s] ==
+    row_class[t] >= 0 and s <= t - lag: exactly `targets`' keys (tested). Keys of no row's target are -1, rows
     without targets -2. A callable has no classes (ValueError)."""
     batch, t = input_ids.shape
     position = torch.arange(t, device=input_ids.device).expand(batch, t)
@@ -98,11 +103,22 @@ def target_classes(
         row_class = torch.zeros_like(input_ids)
     elif family == "first":
         key_class, row_class = torch.where(position == starts, 0, -1), torch.zeros_like(input_ids)
+    elif family == "far":  # every key past the first S, for the rows that have one at least W back
+        sink, window = detector.parameter
+        key_class = torch.where(position >= starts + sink, 0, -1)
+        row_class = torch.where(position >= starts + sink + window, 0, -2)
     else:
         raise ValueError(f"detector family {family!r} has no target classes")
     key_class = torch.where(real & (key_class >= 0), key_class, -1)
     row_class = torch.where(real & (row_class >= 0), row_class, -2)
-    return key_class, row_class, family == "same-token"
+    return key_class, row_class, _lag(detector)
+
+
+def _lag(detector: Detector) -> int:
+    """How far back a built-in family's targets begin: same-token's are earlier keys, far's at least W back."""
+    if detector.family == "far":
+        return detector.parameter[1]
+    return 1 if detector.family == "same-token" else 0
 
 
 def _matching_tokens(regex: str, input_ids: torch.Tensor, token_text: Callable[[int], str]) -> torch.Tensor:

@@ -102,8 +102,8 @@ class PatternScores:
                 target_classes(self.detectors[i], batch.input_ids, real, batch.seq_start, self.token_text)
                 for i in self.folded
             ]
-            key_class, row_class, strict = zip(*classes, strict=True)
-            made = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(strict), batch.seq_start)
+            key_class, row_class, lag = zip(*classes, strict=True)
+            made = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), batch.seq_start)
             self._key_patterns[device] = made.to(device)
         return self._key_patterns[device]
 
@@ -152,11 +152,23 @@ class PatternScores:
                 chance[:, i, 0] = torch.where(counted[j], uniform[j], 0.0).sum(-1)
                 chance[:, i, 1] = counted[j].sum(-1)
             self._add_chance_sums(chance)
-        if self.exemplars is not None:
-            names = [self.detectors[i].name for i in self.folded]
-            self.exemplars.offer(layer, names, rows.match, evidence[:, :, None], rows.key, rows.weight,
+        offered = self._offered()
+        if offered:
+            names = [self.detectors[self.folded[j]].name for j in offered]
+            pick = torch.tensor(offered, device=rows.match.device)
+            rows_of = (rows.match, evidence[:, :, None], rows.key, rows.weight)
+            match, counted_rows, key, weight = (x if len(offered) == len(self.folded) else x.index_select(0, pick)
+                                                for x in rows_of)  # fmt: skip
+            self.exemplars.offer(layer, names, match, counted_rows, key, weight,
                                  sentence_ids=self._batch.sentence_ids, seq_start=seq_start,
                                  first_row=first_row)  # fmt: skip
+
+    def _offered(self) -> list[int]:
+        """Which of the folded patterns feed the exemplars (by place among them): those that are an exemplar kind
+        (not far_mass, which is scored only)."""
+        if self.exemplars is None:
+            return []
+        return [j for j, i in enumerate(self.folded) if self.detectors[i].name in self.exemplars.kind_index]
 
     def _read_callables(self, layer: int, block, probs: torch.Tensor) -> None:
         """The callable detectors on a block: their (rows x keys) patterns, whatever they hold, over every real row."""

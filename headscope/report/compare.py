@@ -154,7 +154,7 @@ def compare_reports(a: Path, b: Path, *, replicates: int = COMPARE_REPLICATES, s
 
 
 # Settings that change what a number means: reports measured with different ones compare different things.
-MEANING = ("window", "sink_threshold", "max_length", "layers", "probe_length")
+MEANING = ("window", "stream_window", "stream_sink", "sink_threshold", "max_length", "layers", "probe_length")
 
 
 def settings_differ(ra: Report, rb: Report) -> dict[str, list]:

@@ -17,6 +17,7 @@ ROLES = {
     "dormant": "#3b3b3b",
     "sink": "#8c564b",
     "positional": "#e6ab02",
+    "streaming": "#bcbd22",
     "broad": "#1f77b4",
     "other": "#c7c7c7",
 }

@@ -18,6 +18,18 @@ from headscope.run.feed import token_texts
 from headscope.tables import DETECTOR_PREFIX
 
 
+# headscope's own detector: the mass a streaming KV cache drops (docs/streaming.md), a column of its own name
+FAR_MASS = "far_mass"
+
+
+def scored_detectors(settings) -> tuple[Detector, ...]:
+    """The detectors a run scores: its own (--detector), then far_mass's far:S,W pattern (none with --stream-window
+    0). On texts no longer than S + W tokens no row has a far key: its kernels read empty runs, and far_mass is NaN."""
+    if not settings.stream_window:
+        return settings.detectors
+    return (*settings.detectors, detector_of(FAR_MASS, f"far:{settings.stream_sink},{settings.stream_window}"))
+
+
 def exemplar_kinds(settings) -> tuple[str, ...]:
     """The exemplar kinds of a run, in order: sharp, write, the probes' patterns, then its detectors (none
     without --exemplars)."""
@@ -32,7 +44,7 @@ def evidence_shapes(plan) -> dict[str, tuple[int, ...]]:
     shapes = {}
     if settings.exemplars:
         shapes["exemplars"] = empty_state(layers, len(exemplar_kinds(settings)), heads, settings.exemplars).shape
-    detectors = len(settings.detectors)
+    detectors = len(scored_detectors(settings))
     if detectors:
         shapes["detectors"] = (layers, heads, detectors, 2)
         shapes["detector_chance"] = (detectors, 2)
@@ -52,10 +64,11 @@ class DetectorScores:
     chance: np.ndarray  # (detectors,)
 
     def columns(self) -> dict[str, np.ndarray]:
-        """heads.parquet's detect_<name>, its interval's ends and its chance level, (layers, heads) each."""
+        """heads.parquet's detect_<name> (far_mass: its own name), its interval's ends and its chance level, (layers,
+        heads) each."""
         out = {}
         for i, detector in enumerate(self.detectors):
-            name = f"{DETECTOR_PREFIX}{detector.name}"
+            name = FAR_MASS if detector.name == FAR_MASS else f"{DETECTOR_PREFIX}{detector.name}"
             out[name] = self.scores[..., i]
             if self.low is not None:
                 out[f"{name}_ci_low"], out[f"{name}_ci_high"] = self.low[..., i], self.high[..., i]
@@ -71,7 +84,7 @@ class HeadEvidence:
         settings = plan.settings
         self.settings, self.layers = settings, plan.layers
         self.kinds = exemplar_kinds(settings)
-        self.detectors = settings.detectors
+        self.detectors = scored_detectors(settings)
         shapes = evidence_shapes(plan)
         self.arrays = {name: running.get(name, np.zeros(shape)) for name, shape in shapes.items()}
         self.exemplars = None

@@ -282,6 +282,41 @@ def check_detectors(planted, texts, baseline, tmp_path):
     assert_same_numbers(report, baseline, without=tuple(detector_columns))
 
 
+def check_stream_window_and_sink(planted, texts, baseline, tmp_path):
+    """far_mass is each planted layer-0 head's mass on keys s >= S with t - s >= W, over the rows t >= S + W, by hand
+    at two (S, W); its chance level is uniform attention's (the uniform head's own); --stream-window 0 leaves it NaN
+    and every other number as it was."""
+    for sink, window in ((1, 2), (0, 3)):
+        report = headscope.analyze(str(planted), texts, stream_sink=sink, stream_window=window, **FAST)
+        heads = layer0(report)
+        far_rows = layer0_hand_mean(report, UNIFORM, lambda row, t, f=sink + window: float(t >= f))
+        for head in (UNIFORM, PREVIOUS, FIRST):
+            far = layer0_hand_mean(report, head, lambda row, t, s=sink, w=window: row[s : max(s, t - w + 1)].sum())
+            assert heads.at[head, "far_mass"] == pytest.approx(far / far_rows, abs=1e-6), (sink, window, head)
+        assert heads.at[UNIFORM, "far_mass"] > 0.2 and heads.at[PREVIOUS, "far_mass"] < 0.01
+        assert (heads[["far_mass_ci_low"]].to_numpy() <= heads[["far_mass"]].to_numpy() + 1e-12).all()
+        assert heads["far_mass_chance"].iloc[0] == pytest.approx(heads.at[UNIFORM, "far_mass"], abs=1e-6)
+        assert report.run["settings"]["stream_window"] == window and report.run["settings"]["stream_sink"] == sink
+    assert baseline.heads["far_mass"].isna().all()  # the default 4 + 64 tokens: no sentence is that long
+    off = headscope.analyze(str(planted), texts, stream_sink=1, stream_window=0, **FAST)
+    assert off.heads["far_mass"].isna().all()
+    assert_same_numbers(off, baseline)
+
+
+def check_role_streaming_max_far_mass(planted, texts, baseline, tmp_path):
+    """The streaming role follows its threshold on far_mass (measured here at S = 1, W = 2, where the corpus's
+    sentences have far keys): at 1.0 every head no earlier rule names is streaming, at 0.0 only those with none."""
+    roles = {}
+    for value in ("0.0", "1.0"):
+        out = cli(planted, tmp_path / value, "--no-charts", "--no-page", "--stream-window", "2", "--stream-sink", "1",
+                  "--role-streaming-max-far-mass", value)  # fmt: skip
+        heads = pd.read_parquet(out / "heads.parquet")
+        expected = assign_roles(heads, RoleThresholds(streaming_max_far_mass=float(value)), Thresholds())["role"]
+        assert heads["role"].tolist() == expected.tolist()
+        roles[value] = heads["role"]
+    assert (roles["1.0"] == "streaming").sum() > (roles["0.0"] == "streaming").sum()
+
+
 def check_examples(planted, texts, baseline, tmp_path):
     """N corpus sentences spread over lengths, whole (every head, every visible pair), plus the probe sequence;
     the measured numbers unchanged."""
@@ -513,6 +548,8 @@ def labels_follow(option: str, value: str, field: str, rule: str):
 EFFECTS = {
     # settings that change what is measured, checked against hand computations or a second computation
     "window": check_window,
+    "stream_window": check_stream_window_and_sink,
+    "stream_sink": check_stream_window_and_sink,
     "sink_threshold": check_sink_threshold,
     "max_length": check_max_length,
     "layers": check_layers,
@@ -558,6 +595,7 @@ EFFECTS = {
     "role_probe_min": labels_follow("role-probe-min", "0.99", "probe_min", "role"),
     "role_sink_rate_min": labels_follow("role-sink-rate-min", "0.0", "sink_rate_min", "role"),
     "role_offset_share_min": labels_follow("role-offset-share-min", "0.0", "offset_share_min", "role"),
+    "role_streaming_max_far_mass": check_role_streaming_max_far_mass,
     "role_dormant_max_write_ratio": labels_follow(
         "role-dormant-max-write-ratio", "1.0", "dormant_max_write_ratio", "role"
     ),

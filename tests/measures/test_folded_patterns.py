@@ -27,7 +27,7 @@ from attention_cases import HEAD_DIM, HEADS, KV_HEADS, bounds, fused, hand_built
 from helpers import assert_same_exemplars
 
 SPECS = {"prev": "offset:1", "three": "offset:3", "dup": "same-token", "ind": "after-same-token",
-         "even": "token:[02468]$", "start": "first"}  # fmt: skip
+         "even": "token:[02468]$", "start": "first", "far": "far:2,3"}  # fmt: skip
 DETECTORS = [detector_of(name, spec) for name, spec in SPECS.items()]
 
 
@@ -37,8 +37,8 @@ def token_text(token_id: int) -> str:
 
 def patterns_of(ids: torch.Tensor, real: torch.Tensor, seq_start: torch.Tensor) -> KeyPatterns:
     classes = [target_classes(detector, ids, real, seq_start, token_text) for detector in DETECTORS]
-    key_class, row_class, strict = zip(*classes, strict=True)
-    return KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(strict), seq_start)
+    key_class, row_class, lag = zip(*classes, strict=True)
+    return KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), seq_start)
 
 
 def test_each_familys_classes_are_exactly_its_targets():

@@ -181,6 +181,7 @@ def evidence(**columns) -> pd.DataFrame:
         "offsink_top_offset": "other",
         "offsink_top_offset_share": 0.3,
         "offsink_norm_entropy": 0.5,
+        "far_mass": 0.3,
     }
     return pd.DataFrame([{**row, **columns}])
 
@@ -197,6 +198,9 @@ def evidence(**columns) -> pd.DataFrame:
         ({"sink_rate": 0.8, "top_offset": "0", "top_offset_share": 0.9}, "sink", "sink_rate 0.800 >= 0.5"),
         ({"top_offset": "0", "top_offset_share": 0.9}, "positional", "top_offset 0 in 0.900 of rows >= 0.5"),
         ({"top_offset": "first", "top_offset_share": 0.9}, "other", "no rule matched"),
+        ({"far_mass": 0.01, "norm_entropy": 0.9}, "streaming", "far_mass 0.010 <= 0.05"),
+        ({"top_offset": "0", "top_offset_share": 0.9, "far_mass": 0.0}, "positional", "top_offset 0 in 0.900"),
+        ({"far_mass": float("nan"), "norm_entropy": 0.9}, "broad", "norm_entropy 0.900 >= 0.7"),
         ({"norm_entropy": 0.9}, "broad", "norm_entropy 0.900 >= 0.7"),
         ({}, "other", "no rule matched: best probe 0.060"),
     ],
@@ -281,7 +285,7 @@ def test_both_labels_at_once_equal_each_in_turn():
     frame = pd.concat([evidence()] * n, ignore_index=True)
     for column in ("probe_induction", "probe_duplicate", "probe_previous", "prev_token", "sink_rate",
                    "top_offset_share", "norm_entropy", "active_rows", "offsink_prev_token",
-                   "offsink_top_offset_share", "offsink_norm_entropy"):  # fmt: skip
+                   "offsink_top_offset_share", "offsink_norm_entropy", "far_mass"):  # fmt: skip
         values = rng.uniform(0, 1, n) ** 3
         values[rng.uniform(0, 1, n) < 0.05] = np.nan
         frame[column] = values

@@ -3,11 +3,12 @@ patterns): no probability is computed twice.
 
 A pattern says, for every query row t of a sentence, which keys s are its targets, as equal classes:
 
-    s is a target of t  <=>  key_class[s] == row_class[t] >= 0, s <= t (s < t where the pattern is `strict`)
+    s is a target of t  <=>  key_class[s] == row_class[t] >= 0 and s <= t - lag (the pattern's lag: 0, or 1 where a
+                             row is not its own target, or W where only keys at least W back count)
 
 Every built-in detector family is one (headscope.measures.detectors.target_classes): same-token compares the tokens,
 after-same-token the query's token with each key's previous one, offset:K a key's position with t - K, token:REGEX and
-first a match with class 0. So the targets of row t are a run of the sentence's keys sorted by (class, position): the
+first a match with class 0, far:S,W every key past the sentence's first S with class 0, lag W. So the targets of row t are a run of the sentence's keys sorted by (class, position): the
 kernels read them by look-up (the C++ kernel: `sorted_keys` and each row's run, [run_begin, run_end)) or by comparing
 classes (the Triton kernel), never as a (rows x keys) matrix.
 
@@ -32,16 +33,16 @@ class KeyPatterns:
 
     key_class: torch.Tensor  # long: each key's class (-1: no row's target)
     row_class: torch.Tensor  # long: each query row's class (-2: no targets)
-    strict: torch.Tensor  # (patterns,) bool: a row is not its own target
+    lag: torch.Tensor  # (patterns,) long: a row's targets are at least this far back (1: not the row itself)
     sorted_keys: torch.Tensor  # long: each sentence's keys by (class, position)
     run_begin: torch.Tensor  # long: where row t's run of targets starts in sorted_keys
-    run_end: torch.Tensor  # long: and ends (its keys <= t, or < t where strict)
+    run_end: torch.Tensor  # long: and ends (its keys <= t - lag)
     first_target: torch.Tensor  # bool: the sentence's first key is a target of row t
 
     @classmethod
-    def of(cls, key_class: torch.Tensor, row_class: torch.Tensor, strict: torch.Tensor, seq_start: torch.Tensor):
+    def of(cls, key_class: torch.Tensor, row_class: torch.Tensor, lag: torch.Tensor, seq_start: torch.Tensor):
         """From the classes: key_class (patterns, batch, t) long, -1 where a key is no row's target; row_class
-        (patterns, batch, t) long, -2 where a row has none; strict (patterns,) bool; seq_start (batch,) long."""
+        (patterns, batch, t) long, -2 where a row has none; lag (patterns,) long; seq_start (batch,) long."""
         patterns, batch, t = key_class.shape
         positions = torch.arange(t, device=key_class.device)
         # (class, position) as one number; keys of no class sort first (below 0), where no row's run reaches
@@ -49,14 +50,15 @@ class KeyPatterns:
         ordered, sorted_keys = torch.sort(order, dim=-1, stable=True)
         has = row_class >= 0
         low = torch.where(has, row_class * t, -2 * t)
-        # the run ends after the row's own key, or before it where strict
-        high = torch.where(has, row_class * t + positions - strict.view(-1, 1, 1).long(), -2 * t)
+        # the run ends `lag` keys before the row's own (after it, for lag 0)
+        lags = lag.view(-1, 1, 1).long()
+        high = torch.where(has, row_class * t + positions - lags, -2 * t)
         run_begin = torch.searchsorted(ordered, low, side="left")
         run_end = torch.maximum(torch.searchsorted(ordered, high, side="right"), run_begin)
         first_class = key_class.gather(-1, seq_start.view(1, batch, 1).expand(patterns, batch, 1))  # (patterns, b, 1)
-        first_in_reach = seq_start.view(1, batch, 1) <= positions - strict.view(-1, 1, 1).long()
+        first_in_reach = seq_start.view(1, batch, 1) <= positions - lags
         first_target = has & (first_class == row_class) & first_in_reach
-        return cls(key_class, row_class, strict, sorted_keys, run_begin, run_end, first_target)
+        return cls(key_class, row_class, lag.long(), sorted_keys, run_begin, run_end, first_target)
 
     @property
     def count(self) -> int:
@@ -82,7 +84,7 @@ class KeyPatterns:
         row_class = self.row_class[..., rows]  # (patterns, batch, rows)
         row = torch.arange(self.row_class.shape[-1], device=row_class.device)[rows]
         key = torch.arange(keys, device=row_class.device)
-        reach = key[None, :] <= row[:, None] - self.strict.view(-1, 1, 1).long()  # (patterns, rows, keys)
+        reach = key[None, :] <= row[:, None] - self.lag.view(-1, 1, 1)  # (patterns, rows, keys)
         same = self.key_class[..., None, :keys] == row_class[..., None]
         return same & (row_class[..., None] >= 0) & reach[:, None]
 
