@@ -149,7 +149,8 @@ class RunConfig:
     detectors: tuple = setting(
         (),
         "Detectors to score every head by, NAME=SPEC each (SPEC: offset:K, same-token, after-same-token, token:REGEX, "
-        "first, far:S,W): a column detect_NAME with its interval and chance level. From Python also {name: spec or callable}.",
+        "first, far:S,W): a column detect_NAME with its interval and chance level. From Python also "
+        "{name: spec or callable}.",
     )
     examples: int = setting(
         3,

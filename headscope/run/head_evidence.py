@@ -17,7 +17,6 @@ from headscope.measures.pattern_scores import PatternScores
 from headscope.run.feed import token_texts
 from headscope.tables import DETECTOR_PREFIX
 
-
 # headscope's own detector: the mass a streaming KV cache drops (docs/streaming.md), a column of its own name
 FAR_MASS = "far_mass"
 

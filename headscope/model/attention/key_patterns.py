@@ -8,9 +8,9 @@ A pattern says, for every query row t of a sentence, which keys s are its target
 
 Every built-in detector family is one (headscope.measures.detectors.target_classes): same-token compares the tokens,
 after-same-token the query's token with each key's previous one, offset:K a key's position with t - K, token:REGEX and
-first a match with class 0, far:S,W every key past the sentence's first S with class 0, lag W. So the targets of row t are a run of the sentence's keys sorted by (class, position): the
-kernels read them by look-up (the C++ kernel: `sorted_keys` and each row's run, [run_begin, run_end)) or by comparing
-classes (the Triton kernel), never as a (rows x keys) matrix.
+first a match with class 0, far:S,W every key past the sentence's first S with class 0 and lag W. So the targets of
+row t are a run of the sentence's keys sorted by (class, position): the kernels read them by look-up (the C++ kernel:
+`sorted_keys` and each row's run, [run_begin, run_end)), never as a (rows x keys) matrix.
 
 What a kernel returns per (pattern, sentence, head, row), over the targets it folds (the keys the row sees, the
 sentence's first key left out, as for every statistic of the fold), relative to the fold's maximum m': the sum of
