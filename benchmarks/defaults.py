@@ -45,7 +45,7 @@ WORKLOADS = ("long-1024", "long-8192", "sentences")
 # Every feature analyze runs by default (RunConfig), and the option that turns it off.
 EACH_DEFAULT = {"exemplars": {"exemplars": 0}, "probes": {"probes": False}, "copying": {"copying": False},
                 "bootstrap": {"bootstrap": 0}, "sentence_heads": {"sentence_heads": False},
-                "check_dormant": {"check_dormant": False}}  # fmt: skip
+                "check_dormant": {"check_dormant": False}, "far_mass": {"stream_window": 0}}  # fmt: skip
 
 
 def long_text(loaded, length: int, every_default: bool = False):

@@ -266,7 +266,7 @@ LABELS: tuple[Column, ...] = (
     Column(
         "role",
         "string",
-        "induction, duplicate-token, previous-token, dormant, sink, positional, streaming, broad or other",
+        "retrieval, induction, duplicate-token, previous-token, dormant, sink, positional, streaming, broad or other",
     ),
     Column("role_reason", "string", "the evidence that decided the role"),
     Column("role_detail", "string", "for a sink head, what it does off the sink (empty for other roles)"),
@@ -294,6 +294,20 @@ def _interval_columns() -> tuple[Column, ...]:
     )
 
 
+# The retrieval probe (measures.retrieval; Wu et al. 2024), with --retrieval-length.
+RETRIEVAL: tuple[Column, ...] = (
+    Column(
+        "probe_retrieval",
+        "float64",
+        "share of a long sequence's repeated span where the head's strongest key is the token after the span's "
+        "first copy (mean over seeds)",
+        shown=True,
+    ),
+    Column("probe_retrieval_chance", "float64", "what a key drawn uniformly gives probe_retrieval"),
+    Column("probe_retrieval_ci_low", "float64", "probe_retrieval: 95% t-interval over seeds, low end"),
+    Column("probe_retrieval_ci_high", "float64", "probe_retrieval: 95% t-interval over seeds, high end"),
+)
+
 # What a streaming KV cache of the first --stream-sink and last --stream-window keys would drop (docs/streaming.md):
 # read in the corpus pass as headscope's own detector, far:S,W (measures.detectors; run.head_evidence.FAR_MASS).
 STREAMING: tuple[Column, ...] = (
@@ -314,6 +328,7 @@ HEADS_COLUMNS: tuple[Column, ...] = (
     *MEASURED,
     *_interval_columns(),
     *(column for pattern in PROBE_PATTERNS for column in _probe_columns(pattern)),
+    *RETRIEVAL,
     *STREAMING,
     *(Column(name, "float64", about, shown=True, scale="diverging") for name, about in _IMPORTANCE.items()),
     OV_COPYING,
@@ -332,7 +347,7 @@ DELTAS: tuple[str, ...] = tuple(
     if c.numeric and c.name not in IDS and not c.name.endswith(("_ci_low", "_ci_high", "_chance"))
 )
 # Measured on the model alone (not the corpus): two reports of one model have the same, and no delta to show.
-MODEL_ONLY: tuple[str, ...] = tuple(f"probe_{pattern}" for pattern in PROBE_PATTERNS)
+MODEL_ONLY: tuple[str, ...] = (*(f"probe_{pattern}" for pattern in PROBE_PATTERNS), "probe_retrieval")
 COUNTS: tuple[str, ...] = tuple(c.name for c in MEASURED if c.dtype == "int64")  # row counts, as integers
 PER_SENTENCE: tuple[str, ...] = tuple(c.name for c in MEASURED if c.per_sentence)
 # metric -> (numerator, denominator) row sums

@@ -125,6 +125,12 @@ class RunConfig:
     copying: bool = setting(True, "Score each head's OV circuit from the weights (ov_copying; cached per model).")
     probe_seeds: int = setting(8, "Probe sequences, one per seed 0..N-1.")
     probe_length: int = setting(32, "Random tokens per copy; each probe sequence holds two copies (and the BOS).")
+    retrieval_length: int = setting(
+        0,
+        "The retrieval probe: sequences of this many tokens, a span of --probe-length random tokens planted early "
+        "and repeated at the end; probe_retrieval is how often a head's strongest key is the token after the first "
+        "copy (Wu et al. 2024). 0: not run.",
+    )
     bootstrap: int = setting(200, "Bootstrap replicates for the 95% intervals (0 skips them).")
     bootstrap_seed: int = setting(0, "Seed of the bootstrap: the intervals are a pure function of it and the corpus.")
     importance: str = setting(
@@ -203,6 +209,8 @@ class RunConfig:
             raise ConfigError(
                 f"--probe-seeds and --probe-length must be 2 or more; got {self.probe_seeds} and {self.probe_length}"
             )
+        if self.retrieval_length < 0:
+            raise ConfigError(f"--retrieval-length must be 0 (no retrieval probe) or more; got {self.retrieval_length}")
         if self.probe_seeds > MAX_PROBE_SEEDS:
             raise ConfigError(f"--probe-seeds takes at most {MAX_PROBE_SEEDS:,} sequences; got {self.probe_seeds:,}")
         if self.bootstrap != 0:
@@ -372,6 +380,7 @@ class Thresholds:
 class RoleThresholds:
     """The role rule's cut-offs. Roles are checked in this order, the first that matches wins:
 
+    retrieval        probe_retrieval >= retrieval_min (with --retrieval-length)
     induction        probe_induction >= probe_min
     duplicate-token  probe_duplicate >= probe_min
     previous-token   probe_previous >= probe_min (prev_token on the corpus when the probes were skipped)
@@ -391,11 +400,14 @@ class RoleThresholds:
     dormant_max_write_ratio: float = 0.025
     # streaming: at most 5% of the head's attention lies outside what a streaming cache keeps (docs/streaming.md)
     streaming_max_far_mass: float = 0.05
+    # retrieval: the head's strongest key is the planted copy's next token on at least 10% of the repeat's rows (Wu et
+    # al. 2024's threshold on their retrieval score)
+    retrieval_min: float = 0.1
 
     def __post_init__(self) -> None:
         _numbers(self, lambda name: f"--role-{name.replace('_', '-')}")
         for name in ("probe_min", "sink_rate_min", "offset_share_min", "dormant_max_write_ratio",
-                     "streaming_max_far_mass"):  # fmt: skip
+                     "streaming_max_far_mass", "retrieval_min"):  # fmt: skip
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"--role-{name.replace('_', '-')} must be between 0 and 1; got {value}")

@@ -237,6 +237,7 @@ class ProbeResult:
     repeats: int  # copies of the random tokens in each sequence
     per_seed: np.ndarray | None = None  # (seeds, layers, heads, patterns): each seed's score
     off_sink: dict[str, np.ndarray] | None = None  # pattern -> (layers, heads): the score off the sink
+    retrieval: object | None = None  # measures.retrieval.RetrievalResult, with --retrieval-length
 
 
 def summarise_probes(

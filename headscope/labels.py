@@ -12,6 +12,7 @@ Locality comes first because a previous-token head is also sharply peaked (low e
 entropy first would call it a copy head.
 
 Roles, the finer answer the literature names (RoleThresholds; the order and why is in docs/labels.md):
+    retrieval                                    from the retrieval probe (with --retrieval-length)
     induction, duplicate-token, previous-token   from the probe battery's scores
     dormant                                      write_ratio on the corpus: it writes next to nothing, and
                                                  (dormant_check) removing the dormant heads together was not
@@ -37,9 +38,11 @@ from headscope.config import RoleThresholds, Thresholds
 HeadType = Literal["local", "copy", "broad", "mixed"]
 HEAD_TYPES: tuple[HeadType, ...] = ("local", "copy", "broad", "mixed")
 Role = Literal[
-    "induction", "duplicate-token", "previous-token", "dormant", "sink", "positional", "streaming", "broad", "other"
+    "retrieval", "induction", "duplicate-token", "previous-token", "dormant", "sink", "positional", "streaming", "broad",
+    "other",
 ]
 ROLES: tuple[Role, ...] = (
+    "retrieval",
     "induction",
     "duplicate-token",
     "previous-token",
@@ -81,9 +84,9 @@ def _previous_evidence(heads: pd.DataFrame) -> pd.Series:
     return heads["probe_previous"].fillna(heads["prev_token"])
 
 
-def _far_mass(heads: pd.DataFrame) -> pd.Series:
-    """far_mass, NaN where the report has none (written before it, or with --stream-window 0)."""
-    return heads["far_mass"] if "far_mass" in heads else pd.Series(np.nan, index=heads.index)
+def _column(heads: pd.DataFrame, name: str) -> pd.Series:
+    """A column schema 10 added (far_mass, probe_retrieval), NaN where a table has none (a table of its own making)."""
+    return heads[name] if name in heads else pd.Series(np.nan, index=heads.index)
 
 
 def _demoted(heads: pd.DataFrame) -> pd.Series:
@@ -127,6 +130,11 @@ RoleRule = tuple[
     Callable[[pd.Series, RoleThresholds, Thresholds], str],
 ]
 ROLE_RULES: dict[Role, RoleRule] = {
+    "retrieval": (
+        lambda h, r, t: _column(h, "probe_retrieval") >= r.retrieval_min,
+        lambda row, r, t: f"probe_retrieval {row.probe_retrieval:.3f} >= {r.retrieval_min} "
+        f"(chance {row.probe_retrieval_chance:.3f})",
+    ),
     "induction": (lambda h, r, t: h["probe_induction"] >= r.probe_min, _probe_reason("probe_induction")),
     "duplicate-token": (lambda h, r, t: h["probe_duplicate"] >= r.probe_min, _probe_reason("probe_duplicate")),
     "previous-token": (lambda h, r, t: _previous_evidence(h) >= r.probe_min, _previous_reason),
@@ -143,7 +151,7 @@ ROLE_RULES: dict[Role, RoleRule] = {
         lambda row, r, t: f"top_offset {row.top_offset} in {row.top_offset_share:.3f} of rows >= {r.offset_share_min}",
     ),
     "streaming": (
-        lambda h, r, t: _far_mass(h) <= r.streaming_max_far_mass,
+        lambda h, r, t: _column(h, "far_mass") <= r.streaming_max_far_mass,
         lambda row, r, t: f"far_mass {row.far_mass:.3f} <= {r.streaming_max_far_mass}",
     ),
     "broad": (

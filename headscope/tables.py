@@ -21,6 +21,7 @@ from headscope.columns import (
     MEASURED_COLUMNS,
     PER_SENTENCE,
     PROBE_PATTERNS,
+    RETRIEVAL,
     STREAMING,
     WRITTEN_AND_OFF_SINK,
 )
@@ -178,6 +179,11 @@ def heads_frame(
         values = (importance or {}).get(name)
         columns[name] = values.reshape(-1) if values is not None else missing
     columns["ov_copying"] = np.reshape(copying, -1) if copying is not None else missing
+    retrieval = probes.retrieval if probes else None
+    columns["probe_retrieval"] = retrieval.scores.reshape(-1) if retrieval else missing
+    columns["probe_retrieval_chance"] = np.full(layers * heads, retrieval.chance) if retrieval else missing
+    columns["probe_retrieval_ci_low"] = retrieval.low.reshape(-1) if retrieval else missing
+    columns["probe_retrieval_ci_high"] = retrieval.high.reshape(-1) if retrieval else missing
     columns |= {column.name: missing for column in STREAMING}  # the corpus pass's far pattern fills them
     checked = dormant_check or {}
     heads_of = zip(columns["layer"], columns["head"], strict=True)
@@ -316,7 +322,7 @@ ADDED_COLUMNS |= {
     name: 7
     for name in ("dormant_check", "estimate_zero", "estimate_mean", "estimate_zero_total", "estimate_mean_total")
 }
-ADDED_COLUMNS |= {column.name: 10 for column in STREAMING}
+ADDED_COLUMNS |= {column.name: 10 for column in (*RETRIEVAL, *STREAMING)}
 
 
 def read_table(path: Path, schema: pa.Schema) -> pd.DataFrame:

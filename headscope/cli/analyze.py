@@ -28,6 +28,7 @@ def analyze(
     probes: o.Probes = o.DEFAULTS.probes,
     probe_seeds: o.ProbeSeeds = o.DEFAULTS.probe_seeds,
     probe_length: o.ProbeLength = o.DEFAULTS.probe_length,
+    retrieval_length: o.RetrievalLength = o.DEFAULTS.retrieval_length,
     copying: o.Copying = o.DEFAULTS.copying,
     importance: o.Importance = o.DEFAULT_IMPORTANCE,
     check_dormant: o.CheckDormant = o.DEFAULTS.check_dormant,
@@ -50,6 +51,7 @@ def analyze(
     role_offset_share_min: o.RoleOffsetShareMin = o.ROLE_THRESHOLDS.offset_share_min,
     role_dormant_max_write_ratio: o.RoleDormantMaxWriteRatio = o.ROLE_THRESHOLDS.dormant_max_write_ratio,
     role_streaming_max_far_mass: o.RoleStreamingMaxFarMass = o.ROLE_THRESHOLDS.streaming_max_far_mass,
+    role_retrieval_min: o.RoleRetrievalMin = o.ROLE_THRESHOLDS.retrieval_min,
     **options,
 ) -> None:
     """Measure every attention head of MODEL on a corpus, classify the heads, write tables and charts."""
@@ -62,7 +64,7 @@ def analyze(
         settings = settings_from_command_line(ctx.params)
         thresholds = Thresholds(local_min_locality, copy_max_norm_entropy, broad_min_norm_entropy)
         roles = RoleThresholds(role_probe_min, role_sink_rate_min, role_offset_share_min, role_dormant_max_write_ratio,
-                               role_streaming_max_far_mass)  # fmt: skip
+                               role_streaming_max_far_mass, role_retrieval_min)  # fmt: skip
     with user_errors(ctx):
         report = run_analysis(
             model,

@@ -21,6 +21,7 @@ def classify(
     role_offset_share_min: o.recorded(o.RoleOffsetShareMin) = None,
     role_dormant_max_write_ratio: o.recorded(o.RoleDormantMaxWriteRatio) = None,
     role_streaming_max_far_mass: o.recorded(o.RoleStreamingMaxFarMass) = None,
+    role_retrieval_min: o.recorded(o.RoleRetrievalMin) = None,
 ) -> None:
     """Re-label the heads of REPORT (types and roles) with other thresholds (no model needed). With no threshold
     given it prints the report's labels and writes nothing; with some, the thresholds not given keep the report's

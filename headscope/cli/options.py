@@ -100,6 +100,7 @@ Probes = _setting(bool, "probes")
 Copying = _setting(bool, "copying")
 ProbeSeeds = _setting(int, "probe_seeds")
 ProbeLength = _setting(int, "probe_length")
+RetrievalLength = _setting(int, "retrieval_length")
 Bootstrap = _setting(int, "bootstrap")
 BootstrapSeed = _setting(int, "bootstrap_seed")
 Importance = _setting(ImportanceChoice, "importance")
@@ -129,6 +130,9 @@ RoleDormantMaxWriteRatio = Annotated[
 ]
 RoleOffsetShareMin = Annotated[
     float, typer.Option(help="Role positional if one fixed offset holds the largest weight in >= this share of rows.")
+]
+RoleRetrievalMin = Annotated[
+    float, typer.Option(help="Role retrieval if probe_retrieval >= this (the first role checked).")
 ]
 RoleStreamingMaxFarMass = Annotated[
     float, typer.Option(help="Role streaming if far_mass <= this (after positional; long texts only).")
@@ -401,14 +405,14 @@ def in_panel(panel: str, *declarations) -> None:
 
 in_panel("Model", Revision, TrustRemoteCode, Device, DType, DeviceMap, OffloadFolder, MaxMemory, Threads)
 in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
-in_panel("Measures", Window, StreamWindow, StreamSink, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, Copying,
-         Importance, CheckDormant, DormantTolerance, SentenceHeads, Examples, Exemplars, Detectors)  # fmt: skip
+in_panel("Measures", Window, StreamWindow, StreamSink, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, RetrievalLength,
+         Copying, Importance, CheckDormant, DormantTolerance, SentenceHeads, Examples, Exemplars, Detectors)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
 in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,
          Resume,
          SaveModel, Charts, Page, Format)  # fmt: skip
 in_panel("Label rules", LocalMinLocality, CopyMaxNormEntropy, BroadMinNormEntropy, RoleProbeMin, RoleSinkRateMin,
-         RoleDormantMaxWriteRatio, RoleOffsetShareMin, RoleStreamingMaxFarMass)  # fmt: skip
+         RoleDormantMaxWriteRatio, RoleOffsetShareMin, RoleStreamingMaxFarMass, RoleRetrievalMin)  # fmt: skip
 
 # ---------------------------------------------------------------- bundles: options several commands take together
 

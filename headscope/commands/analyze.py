@@ -29,6 +29,7 @@ from headscope.interventions.dormant import DormantCheck, check_dormant
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE
 from headscope.measures.probes import ProbeSpec, check_probes, probe_sequences, run_probes
+from headscope.measures.retrieval import check_retrieval, run_retrieval
 from headscope.model.attention import cpu_kernel
 from headscope.model.capture import attached
 from headscope.model.loading import (
@@ -129,6 +130,7 @@ def analyze(
         )
         if settings.probes:  # what can be refused is refused before hours of measuring
             battery = check_probes(loaded.tokenizer, plan)
+        retrieval = check_retrieval(loaded.tokenizer, plan)
         if scores_loss:
             check_importance_fits(feed, plan, "--importance" if plan.measures_importance else "--check-dormant")
         if loaded.device.type == "cuda":
@@ -147,6 +149,10 @@ def analyze(
             with timings.phase("probes"):
                 probes = together(stay, lambda: run_probes(capture, battery, loaded.device, plan, reporter)
                                   if settings.probes and ranks.main else None)  # fmt: skip
+                retrieved = together(stay, lambda: run_retrieval(capture, retrieval, loaded.device, plan, reporter)
+                                     if retrieval is not None and ranks.main else None)  # fmt: skip
+                if probes is not None:  # the retrieval probe runs only with the battery (check_retrieval)
+                    probes.retrieval = retrieved
 
             def label():  # on rank 0, which has the probes' scores; handed to every rank
                 return labelled_heads(plan, measured, probes, None, (thresholds, roles)) if ranks.main else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 TYPES = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#9e9e9e"}
 # Distinct from every type colour: a role and a type are never read as one another.
 ROLES = {
+    "retrieval": "#a50026",
     "induction": "#e7298a",
     "duplicate-token": "#66a61e",
     "previous-token": "#17becf",

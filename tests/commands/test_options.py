@@ -32,8 +32,10 @@ from planted import (
     PREVIOUS,
     UNIFORM,
     build_planted_copier,
+    build_planted_induction,
     copy_words,
     expected_attention,
+    induction_words,
 )
 
 # Options of the command that are not settings: where the run reads and writes, and the label rules.
@@ -317,6 +319,40 @@ def check_role_streaming_max_far_mass(planted, texts, baseline, tmp_path):
     assert (roles["1.0"] == "streaming").sum() > (roles["0.0"] == "streaming").sum()
 
 
+def check_retrieval_length(planted, texts, baseline, tmp_path):
+    """The retrieval probe runs at that length (probe_retrieval and its chance by hand), and changes no other number:
+    the planted uniform head ties every key (no hit), the previous-token head never looks 60 tokens back."""
+    length, span = 64, 5
+    report = headscope.analyze(str(planted), texts, **FAST, probe_length=span, retrieval_length=length)
+    heads = layer0(report)
+    assert heads.at[UNIFORM, "probe_retrieval"] == 0.0 and heads.at[PREVIOUS, "probe_retrieval"] == 0.0
+    chance = np.mean([1 / (p + 1) for p in range(length - span, length - 1)])
+    assert report.heads["probe_retrieval_chance"].iloc[0] == pytest.approx(chance, abs=1e-12)
+    assert report.run["settings"]["retrieval_length"] == length and baseline.heads["probe_retrieval"].isna().all()
+    without = headscope.analyze(str(planted), texts, **FAST, probe_length=span)
+    retrieval = report.heads["role"] == "retrieval"  # the role it may give (checked by check_role_retrieval_min)
+    assert (report.heads["role"] == without.heads["role"])[~retrieval].all()
+    measured = [name for name in numbers(without.heads).columns if not name.startswith("probe_retrieval")]
+    np.testing.assert_array_equal(report.heads[measured].to_numpy(float), without.heads[measured].to_numpy(float))
+
+
+def check_role_retrieval_min(planted, texts, baseline, tmp_path):
+    """The retrieval role follows its threshold on probe_retrieval, checked on the planted induction circuit (whose
+    induction head finds the span on every row): at 1.0 it is a retrieval head, at any higher score it cannot be."""
+    folder = build_planted_induction(tmp_path / "induction")
+    corpus = tmp_path / "words.txt"
+    corpus.write_text(" ".join(induction_words()[:20]) + "\n")
+    roles = {}
+    for value in ("1.0", "0.0"):
+        out = cli(folder, tmp_path / value, "--corpus", corpus, "--no-charts", "--no-page", "--probe-length", "4",
+                  "--retrieval-length", "64", "--role-retrieval-min", value)  # fmt: skip
+        heads = pd.read_parquet(out / "heads.parquet")
+        expected = assign_roles(heads, RoleThresholds(retrieval_min=float(value)), Thresholds())["role"]
+        assert heads["role"].tolist() == expected.tolist()
+        roles[value] = heads["role"]
+    assert (roles["0.0"] == "retrieval").all() and (roles["1.0"] == "retrieval").sum() == 1
+
+
 def check_examples(planted, texts, baseline, tmp_path):
     """N corpus sentences spread over lengths, whole (every head, every visible pair), plus the probe sequence;
     the measured numbers unchanged."""
@@ -558,6 +594,7 @@ EFFECTS = {
     "copying": check_copying,
     "probe_seeds": check_probe_seeds,
     "probe_length": check_probe_length,
+    "retrieval_length": check_retrieval_length,
     "bootstrap": check_bootstrap,
     "bootstrap_seed": check_bootstrap_seed,
     "importance": check_importance,
@@ -596,6 +633,7 @@ EFFECTS = {
     "role_sink_rate_min": labels_follow("role-sink-rate-min", "0.0", "sink_rate_min", "role"),
     "role_offset_share_min": labels_follow("role-offset-share-min", "0.0", "offset_share_min", "role"),
     "role_streaming_max_far_mass": check_role_streaming_max_far_mass,
+    "role_retrieval_min": check_role_retrieval_min,
     "role_dormant_max_write_ratio": labels_follow(
         "role-dormant-max-write-ratio", "1.0", "dormant_max_write_ratio", "role"
     ),
