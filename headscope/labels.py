@@ -38,7 +38,15 @@ from headscope.config import RoleThresholds, Thresholds
 HeadType = Literal["local", "copy", "broad", "mixed"]
 HEAD_TYPES: tuple[HeadType, ...] = ("local", "copy", "broad", "mixed")
 Role = Literal[
-    "retrieval", "induction", "duplicate-token", "previous-token", "dormant", "sink", "positional", "streaming", "broad",
+    "retrieval",
+    "induction",
+    "duplicate-token",
+    "previous-token",
+    "dormant",
+    "sink",
+    "positional",
+    "streaming",
+    "broad",
     "other",
 ]
 ROLES: tuple[Role, ...] = (
@@ -132,8 +140,9 @@ RoleRule = tuple[
 ROLE_RULES: dict[Role, RoleRule] = {
     "retrieval": (
         lambda h, r, t: _column(h, "probe_retrieval") >= r.retrieval_min,
-        lambda row, r, t: f"probe_retrieval {row.probe_retrieval:.3f} >= {r.retrieval_min} "
-        f"(chance {row.probe_retrieval_chance:.3f})",
+        lambda row, r, t: (
+            f"probe_retrieval {row.probe_retrieval:.3f} >= {r.retrieval_min} (chance {row.probe_retrieval_chance:.3f})"
+        ),
     ),
     "induction": (lambda h, r, t: h["probe_induction"] >= r.probe_min, _probe_reason("probe_induction")),
     "duplicate-token": (lambda h, r, t: h["probe_duplicate"] >= r.probe_min, _probe_reason("probe_duplicate")),

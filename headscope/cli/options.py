@@ -405,8 +405,9 @@ def in_panel(panel: str, *declarations) -> None:
 
 in_panel("Model", Revision, TrustRemoteCode, Device, DType, DeviceMap, OffloadFolder, MaxMemory, Threads)
 in_panel("Corpus", Corpus, TextColumn, EncodingErrors, MaxLength)
-in_panel("Measures", Window, StreamWindow, StreamSink, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength, RetrievalLength,
-         Copying, Importance, CheckDormant, DormantTolerance, SentenceHeads, Examples, Exemplars, Detectors)  # fmt: skip
+in_panel("Measures", Window, StreamWindow, StreamSink, Layers, SinkThreshold, Probes, ProbeSeeds, ProbeLength,
+         RetrievalLength, Copying, Importance, CheckDormant, DormantTolerance, SentenceHeads, Examples, Exemplars,
+         Detectors)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
 in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,
          Resume,
