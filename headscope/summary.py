@@ -33,24 +33,27 @@ def least_needed(heads: pd.DataFrame, count: int = 10) -> pd.DataFrame:
     return heads.loc[heads[column].abs().sort_values().index[:count]]
 
 
-# The evidence that gives each role (labels.ROLE_RULES): a role's heads are ranked by it (dormant: the least written
-# first). previous-token falls
-# back to the corpus's prev_token for heads the probes did not score, as its rule does.
+# The evidence that gives each role (labels.ROLE_RULES): a role's heads are ranked by it (dormant and streaming: the
+# least first). previous-token falls back to the corpus's prev_token for heads the probes did not score, as its rule
+# does.
 ROLE_EVIDENCE: dict[str, str] = {
+    "retrieval": "probe_retrieval",
     "induction": "probe_induction",
     "duplicate-token": "probe_duplicate",
     "previous-token": "probe_previous",
     "dormant": "write_ratio",
     "sink": "sink_rate",
     "positional": "top_offset_share",
+    "streaming": "far_mass",
     "broad": "norm_entropy",
 }
+LEAST_FIRST = ("dormant", "streaming")  # roles whose evidence is small: their clearest heads have the least
 
 
 def top_heads_per_role(heads: pd.DataFrame, count: int = 5) -> list[dict]:
     """Per role that some head has (in the rule's order; "other" has no evidence to rank by): how many heads,
     the evidence column, and the `count` heads with the most of it as (layer, head, score), strongest first (for
-    dormant heads, the least written)."""
+    dormant and streaming heads, the least)."""
     found = []
     for role, column in ROLE_EVIDENCE.items():
         mine = heads[heads["role"] == role]
@@ -59,7 +62,7 @@ def top_heads_per_role(heads: pd.DataFrame, count: int = 5) -> list[dict]:
         score = mine[column] if column in mine else pd.Series(float("nan"), index=mine.index)
         if role == "previous-token" and score.isna().all():
             column, score = "prev_token", mine["prev_token"]
-        highest = role != "dormant"
+        highest = role not in LEAST_FIRST
         top = mine.assign(score=score).sort_values(["score", "layer", "head"], ascending=[not highest, True, True])
         found.append(
             {

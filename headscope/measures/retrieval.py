@@ -96,18 +96,24 @@ def retrieval_probe(tokenizer, spec: RetrievalSpec) -> RetrievalProbe:
 
 
 def retrieval_hits(
-    probs: torch.Tensor, row_offset: int, seq_start: torch.Tensor, query_valid: torch.Tensor, first: int, second: int
+    probs: torch.Tensor,
+    row_offset: int,
+    seq_start: torch.Tensor,
+    query_valid: torch.Tensor,
+    lengths: torch.Tensor,
+    first: int,
+    second: int,
 ) -> torch.Tensor:
     """Rows of a block where the target alone holds the row's largest weight, summed: (batch, heads) float64.
 
     probs: (batch, heads, rows, keys) of query positions row_offset .. row_offset + rows - 1 (every key of each row);
-    the rows scored are positions second .. tokens - 2 of each sequence (counted from seq_start), each targeting
-    the key `first - second + 1` back from it. Pure: never writes `probs`.
+    query_valid: (batch, rows); lengths: (batch,) tokens of each whole sequence (a block holds only some of its rows).
+    The rows scored are positions second .. length - 2 of each sequence (counted from seq_start), each targeting the
+    key `second - first - 1` back from it. Pure: never writes `probs`.
     """
     rows = probs.shape[2]
     positions = torch.arange(row_offset, row_offset + rows, device=probs.device)[None, :] - seq_start[:, None]
-    length = query_valid.sum(-1, keepdim=True)  # (batch, 1) tokens of each sequence
-    scored = query_valid & (positions >= second) & (positions <= length - 2)  # (batch, rows)
+    scored = query_valid & (positions >= second) & (positions <= lengths[:, None] - 2)  # (batch, rows)
     target = diagonal_rows(probs, row_offset + first - second + 1)  # (batch, heads, rows)
     largest = probs.amax(-1, keepdim=True)
     alone = (probs == largest).sum(-1) == 1  # one key holds it: uniform attention's rows are no hits
@@ -132,9 +138,11 @@ class RetrievalHits:
         self.first, self.second = probe.first, probe.second
         self.layers = sorted(set(layers))
         self._hits: dict[int, torch.Tensor] = {}  # layer -> (batch, heads)
+        self._lengths: torch.Tensor | None = None  # (batch,) tokens of each sequence
 
     def start(self, batch: Batch) -> None:
         self._hits = {}
+        self._lengths = batch.attention_mask.sum(-1)
 
     def wants(self, layer: int) -> bool:
         return layer in self.layers
@@ -144,7 +152,7 @@ class RetrievalHits:
 
     def attention(self, layer: int, block) -> None:
         hits = retrieval_hits(block.probabilities().float(), block.first_row, block.seq_start, block.query_valid,
-                              self.first, self.second)  # fmt: skip
+                              self._lengths.to(block.seq_start.device), self.first, self.second)  # fmt: skip
         self._hits[layer] = hits if layer not in self._hits else self._hits[layer] + hits
 
     def finish(self) -> np.ndarray:

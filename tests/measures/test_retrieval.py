@@ -78,7 +78,14 @@ def test_a_hit_is_the_target_holding_the_rows_largest_weight():
         padded[0, :, start : start + t, :] = 0.0
         padded[0, :, start : start + t, start : start + t] = attn[0]
         valid = batch.attention_mask.bool()
-        hits = retrieval_hits(padded.nan_to_num(), 0, batch.seq_start, valid, first, second)
+        lengths = valid.sum(-1)
+        hits = retrieval_hits(padded.nan_to_num(), 0, batch.seq_start, valid, lengths, first, second)
+        in_blocks = sum(  # the same rows read in blocks of 4 (a block sees only its own rows' validity)
+            retrieval_hits(padded.nan_to_num()[:, :, r : r + 4], r, batch.seq_start, valid[:, r : r + 4], lengths,
+                           first, second)
+            for r in range(0, t + 3, 4)
+        )  # fmt: skip
+        assert torch.equal(in_blocks, hits), side
         assert hits[0, 0] == 1.0, side
         rows, uniform = chance_rows(valid, batch.seq_start, second)
         assert rows[0] == 3 and uniform[0] == pytest.approx(1 / 11 + 1 / 12 + 1 / 13), side
@@ -103,14 +110,17 @@ def test_the_planted_induction_head_is_the_retrieval_head(induction):
     assert without.heads.set_index(["layer", "head"]).at[(1, 0), "role"] == "induction"
 
 
-def test_every_head_equals_a_straightforward_computation(induction):
+@pytest.mark.parametrize("block_bytes", [None, 4096])  # one block, or blocks of a few rows (the fused path's)
+def test_every_head_equals_a_straightforward_computation(induction, block_bytes):
     """probe_retrieval of every head of the planted model (its other heads random) equals, per seed, the share of the
     repeat's rows whose largest weight in the model's own eager attention weights is the target, computed row by
     row with numpy. No row's target is within 1e-6 of its largest weight without equalling it (checked), so float32
     rounding cannot turn a hit into a miss here."""
     folder, corpus = induction
+    blocks = {} if block_bytes is None else {"block_bytes": block_bytes}
     report = headscope.analyze(str(folder), corpus, retrieval_length=TOKENS, probe_length=SPAN, probe_seeds=3,
-                               bootstrap=0, charts=None, page=False)  # fmt: skip
+                               bootstrap=0, charts=None, page=False, **blocks)  # fmt: skip
+    assert block_bytes is None or "fused" in str(report.run["attention_implementation"])
     probe = retrieval_probe(build_tokenizer(induction_words()), RetrievalSpec(3, TOKENS, SPAN))
     model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     scores = np.zeros((3, 2, 4))
