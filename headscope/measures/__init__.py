@@ -7,6 +7,7 @@ Modules:
     ov_copying      What a head's weights copy, with no data: the OV copying score of Elhage et al. 2021
     pattern_scores  The detectors' measure: rides on the capture and keeps, per (sentence, layer, head, detector)
     probes          The probe battery: repeated random tokens
+    retrieval       The retrieval probe (Wu et al. 2024): a random span planted early in a long sequence, repeated
     row_sums        Every attention row reduced to per-(sentence, head) sums
     rows            Parts of a block of attention rows the row sums share
     statistics      The corpus statistics measure: rides on the capture

@@ -182,6 +182,8 @@ def evidence(**columns) -> pd.DataFrame:
         "offsink_top_offset_share": 0.3,
         "offsink_norm_entropy": 0.5,
         "far_mass": 0.3,
+        "probe_retrieval": 0.0,
+        "probe_retrieval_chance": 0.001,
     }
     return pd.DataFrame([{**row, **columns}])
 
@@ -199,6 +201,8 @@ def evidence(**columns) -> pd.DataFrame:
         ({"top_offset": "0", "top_offset_share": 0.9}, "positional", "top_offset 0 in 0.900 of rows >= 0.5"),
         ({"top_offset": "first", "top_offset_share": 0.9}, "other", "no rule matched"),
         ({"far_mass": 0.01, "norm_entropy": 0.9}, "streaming", "far_mass 0.010 <= 0.05"),
+        ({"probe_retrieval": 0.5, "probe_induction": 0.9}, "retrieval", "probe_retrieval 0.500 >= 0.1 (chance 0.001)"),
+        ({"probe_retrieval": float("nan"), "probe_induction": 0.9}, "induction", "probe_induction 0.900"),
         ({"top_offset": "0", "top_offset_share": 0.9, "far_mass": 0.0}, "positional", "top_offset 0 in 0.900"),
         ({"far_mass": float("nan"), "norm_entropy": 0.9}, "broad", "norm_entropy 0.900 >= 0.7"),
         ({"norm_entropy": 0.9}, "broad", "norm_entropy 0.900 >= 0.7"),
@@ -285,7 +289,7 @@ def test_both_labels_at_once_equal_each_in_turn():
     frame = pd.concat([evidence()] * n, ignore_index=True)
     for column in ("probe_induction", "probe_duplicate", "probe_previous", "prev_token", "sink_rate",
                    "top_offset_share", "norm_entropy", "active_rows", "offsink_prev_token",
-                   "offsink_top_offset_share", "offsink_norm_entropy", "far_mass"):  # fmt: skip
+                   "offsink_top_offset_share", "offsink_norm_entropy", "far_mass", "probe_retrieval"):  # fmt: skip
         values = rng.uniform(0, 1, n) ** 3
         values[rng.uniform(0, 1, n) < 0.05] = np.nan
         frame[column] = values
