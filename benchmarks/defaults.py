@@ -16,6 +16,7 @@ max_length=n)`, and on the sentences `headscope.analyze(loaded, corpus, probes=F
     python benchmarks/defaults.py                                  # all three, 3 repeats
     python benchmarks/defaults.py --workloads long-1024 --repeats 5
     python benchmarks/defaults.py --each-default --workloads corpus,long-8192,sentences   # each default's cost
+    python benchmarks/defaults.py --each-default --features far_mass --threads 1          # one default's cost
 
 With --each-default, analyze runs with every default on (`headscope.analyze(loaded, texts, max_length=n)` for a long
 text: no files, so no charts or page) and with each default-on feature turned off alone (EACH_DEFAULT); a feature's
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=20000)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--each-default", action="store_true", help="each default turned off alone (EACH_DEFAULT)")
+    parser.add_argument("--features", default=",".join(EACH_DEFAULT), help="with --each-default: only these")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,7 +128,8 @@ def main() -> None:
             runs = {"sdpa forward": floor, "exemplars=0": functools.partial(analyze, exemplars=0), "defaults": analyze}
             if args.each_default:
                 runs = {"sdpa forward": floor, "defaults": analyze} | {
-                    f"without {name}": functools.partial(analyze, **off) for name, off in EACH_DEFAULT.items()
+                    f"without {name}": functools.partial(analyze, **EACH_DEFAULT[name])
+                    for name in args.features.split(",")
                 }
             for run in runs.values():  # warm-up: first calls, checks, kernels
                 run()
