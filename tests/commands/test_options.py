@@ -303,6 +303,7 @@ def check_stream_window_and_sink(planted, texts, baseline, tmp_path):
     off = headscope.analyze(str(planted), texts, stream_sink=1, stream_window=0, **FAST)
     assert off.heads["far_mass"].isna().all()
     assert_same_numbers(off, baseline)
+    pd.testing.assert_frame_equal(report.exemplars, off.exemplars)  # far_mass is scored, never an exemplar kind
 
 
 def check_role_streaming_max_far_mass(planted, texts, baseline, tmp_path):
