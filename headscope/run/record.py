@@ -147,6 +147,10 @@ def run_record(analysis, heads) -> dict:
             "repeats": probes.repeats,
             "prefix_tokens": probes.prefix,
             "chance": {pattern: round(level, 6) for pattern, level in probes.chance.items()},
+            # the retrieval probe (measures.retrieval), with --retrieval-length
+            "retrieval": None
+            if probes.retrieval is None
+            else {"tokens": settings.retrieval_length, "chance": round(probes.retrieval.chance, 6)},
         },
         "bootstrap": {
             "replicates": settings.bootstrap,

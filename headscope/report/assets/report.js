@@ -21,6 +21,8 @@ function runDetails() {
       `${number(t.write_seconds, 1)} s`],
     ["speed", `${count(Math.round(t.tokens_per_second || 0))} tokens/s`],
     ["probes", p ? `${p.seeds} sequences of ${p.length} random tokens x ${p.repeats}; chance: ${chance}` : "not run"],
+    ...(p && p.retrieval ? [["retrieval probe", `${p.seeds} sequences of ${p.retrieval.tokens} tokens, a span of ` +
+      `${p.length} planted early and repeated; chance ${p.retrieval.chance.toFixed(4)}`]] : []),
     ["importance", im ? `${im.mode}: clean loss ${number(im.clean_loss, 4)} nats over ${count(im.predicted_tokens)} ` +
       "predicted tokens" : "not measured"],
     ["intervals", b ? `95%, bootstrap over sentences, ${count(b.replicates)} replicates (seed ${b.seed})` : "none"],
