@@ -38,6 +38,12 @@ class Detector:
         return self.family if self.parameter is None else f"{self.family}:{self.parameter}"
 
     @property
+    def min_tokens(self) -> int:
+        """The fewest tokens a sentence needs for any row of it to have a target: far:S,W's rows start at S + W (a
+        batch of shorter sentences is not read for it at all); 1 for the others."""
+        return sum(self.parameter) + 1 if self.family == "far" else 1
+
+    @property
     def weighs_rows(self) -> bool:
         """Scored over every row by its mode (a callable), rather than over the rows a target is defined on."""
         return self.family == "callable"

@@ -70,7 +70,8 @@ class PatternScores:
         self._patterns: dict[str, torch.Tensor] = {}  # a callable detector's (batch, t, t) targets, once a batch
         self._targets: dict[tuple, tuple] = {}  # (first row, rows, keys) -> (visible keys, what `_block_rows` gives)
         # the built-in families (the fused pass folds their targets); callables are read block by block
-        self.folded = [i for i, detector in enumerate(self.detectors) if detector.family != "callable"]
+        self.built_in = [i for i, detector in enumerate(self.detectors) if detector.family != "callable"]
+        self.folded = self.built_in  # those read on the batch: not far:S,W on sentences too short for its rows
         self.callables = [i for i, detector in enumerate(self.detectors) if detector.family == "callable"]
         self._key_patterns: dict[torch.device, KeyPatterns] = {}  # the batch's, on each device a layer runs on
         self._folded_by_kernel: set[int] = set()  # layers of the batch whose built-in families a kernel read
@@ -79,6 +80,8 @@ class PatternScores:
         self._batch, self._sums, self._chance, self._targets = batch, {}, None, {}
         self._key_patterns, self._folded_by_kernel = {}, set()
         real = batch.attention_mask.bool()
+        longest = int(real.sum(-1).max()) if real.numel() else 0
+        self.folded = [i for i in self.built_in if self.detectors[i].min_tokens <= longest]
         self._patterns = {
             detector.name: callable_targets(detector, batch.input_ids, real, batch.seq_start, self.token_strings)
             for detector in self.detectors
@@ -86,7 +89,7 @@ class PatternScores:
         }
 
     def wants(self, layer: int) -> bool:
-        return layer in self.layers
+        return layer in self.layers and bool(self.folded or self.callables)
 
     def last_layer(self) -> int | None:
         return self.layers[-1]
@@ -230,8 +233,11 @@ class PatternScores:
             self._targets[where] = (block.visible, made)
         return made
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's sums: (layers, batch, heads, detectors, 2) and (batch, detectors, 2), in layer order."""
+    def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The batch's sums: (layers, batch, heads, detectors, 2) and (batch, detectors, 2), in layer order; (None,
+        None) where nothing was read (no detector had a row with a target in the batch)."""
+        if not self._sums:
+            return None, None
         return torch.stack([self._sums[layer] for layer in sorted(self._sums)]), self._chance
 
 

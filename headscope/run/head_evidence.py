@@ -115,7 +115,7 @@ class HeadEvidence:
         if self.patterns is None:
             return
         sums, chance = self.patterns.finish()
-        if not self.detectors:
+        if not self.detectors or sums is None:  # nothing to read in the batch: its sums are 0
             return
         per_sentence = sums.double().cpu().numpy()  # (layers, batch, heads, detectors, 2)
         self.arrays["detectors"] += per_sentence.sum(axis=1)

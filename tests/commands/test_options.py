@@ -300,6 +300,14 @@ def check_stream_window_and_sink(planted, texts, baseline, tmp_path):
         assert heads["far_mass_chance"].iloc[0] == pytest.approx(heads.at[UNIFORM, "far_mass"], abs=1e-6)
         assert report.run["settings"]["stream_window"] == window and report.run["settings"]["stream_sink"] == sink
     assert baseline.heads["far_mass"].isna().all()  # the default 4 + 64 tokens: no sentence is that long
+    # A batch whose sentences are all too short for a far row is not read for far_mass at all (PatternScores): one
+    # sentence a batch, so that some batches are, gives the same far_mass as the whole corpus in one batch.
+    lengths = report.sentences["n_tokens"]
+    assert (lengths <= 7).any() and (lengths > 7).any()
+    alone, together = (headscope.analyze(str(planted), texts, stream_sink=1, stream_window=6, batch_size=size, **FAST)
+                       for size in (1, len(texts)))  # fmt: skip
+    np.testing.assert_allclose(alone.heads["far_mass"], together.heads["far_mass"], rtol=0, atol=1e-6)
+    assert together.heads["far_mass"].notna().all()
     off = headscope.analyze(str(planted), texts, stream_sink=1, stream_window=0, **FAST)
     assert off.heads["far_mass"].isna().all()
     assert_same_numbers(off, baseline)
