@@ -2,8 +2,8 @@
 probe_retrieval (and retrieval role) against a `prune --mode window` kv-policy.json, then the loss of windowing
 exactly the labelled heads, each group through `headscope ablate --mode window` (one pass over the same texts):
 
-    headscope analyze smollm2 --corpus corpora/long-texts.txt --max-length 1024 --retrieval-length 1024 \\
-        --out reports/long
+    headscope analyze smollm2 --corpus corpora/long-texts.txt --max-length 1024 --stream-window 64 \\
+        --retrieval-length 1024 --out reports/long
     headscope prune smollm2 --corpus corpora/long-texts.txt --max-length 1024 --mode window --budget 0.05 \\
         --out reports/long-prune
     python benchmarks/streaming_labels.py --report reports/long --policy reports/long-prune/kv-policy.json \\
