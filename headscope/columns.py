@@ -58,16 +58,32 @@ class Column:
         return self.dtype != "string"
 
 
+SEED_INTERVAL = "95% t-interval over seeds"
+SENTENCE_INTERVAL = "95% bootstrap interval over sentences"
+
+
+def _scored_columns(name: str, about: str, chance: str, interval: str) -> tuple[Column, ...]:
+    """A score the page offers, what chance gives it, and the two ends of its interval (of the kind `interval`)."""
+    return (
+        Column(name, "float64", about, shown=True),
+        Column(f"{name}_chance", "float64", chance),
+        Column(f"{name}_ci_low", "float64", f"{name}: {interval}, low end"),
+        Column(f"{name}_ci_high", "float64", f"{name}: {interval}, high end"),
+    )
+
+
 def _probe_columns(pattern: str) -> tuple[Column, ...]:
     what = {"induction": "the token after an earlier copy", "duplicate": "earlier copies of the token"}.get(
         pattern, "the previous token"
     )
     name = f"probe_{pattern}"
     return (
-        Column(name, "float64", f"mass on {what}, on repeated random tokens (mean over seeds)", shown=True),
-        Column(f"{name}_chance", "float64", f"what uniform attention gives {name}"),
-        Column(f"{name}_ci_low", "float64", f"{name}: 95% t-interval over seeds, low end"),
-        Column(f"{name}_ci_high", "float64", f"{name}: 95% t-interval over seeds, high end"),
+        *_scored_columns(
+            name,
+            f"mass on {what}, on repeated random tokens (mean over seeds)",
+            f"what uniform attention gives {name}",
+            SEED_INTERVAL,
+        ),
         Column(f"{name}_offsink", "float64", f"{name} with each row renormalised without the first token", shown=True),
     )
 
@@ -295,32 +311,22 @@ def _interval_columns() -> tuple[Column, ...]:
 
 
 # The retrieval probe (measures.retrieval; Wu et al. 2024), with --retrieval-length.
-RETRIEVAL: tuple[Column, ...] = (
-    Column(
-        "probe_retrieval",
-        "float64",
-        "share of a long sequence's repeated span where the head's strongest key is the token after the span's "
-        "first copy (mean over seeds)",
-        shown=True,
-    ),
-    Column("probe_retrieval_chance", "float64", "what a key drawn uniformly gives probe_retrieval"),
-    Column("probe_retrieval_ci_low", "float64", "probe_retrieval: 95% t-interval over seeds, low end"),
-    Column("probe_retrieval_ci_high", "float64", "probe_retrieval: 95% t-interval over seeds, high end"),
+RETRIEVAL: tuple[Column, ...] = _scored_columns(
+    "probe_retrieval",
+    "share of a long sequence's repeated span where the head's strongest key is the token after the span's first copy "
+    "(mean over seeds)",
+    "what a key drawn uniformly gives probe_retrieval",
+    SEED_INTERVAL,
 )
 
 # What a streaming KV cache of the first --stream-sink and last --stream-window keys would drop (docs/streaming.md):
 # read in the corpus pass as headscope's own detector, far:S,W (measures.detectors; run.head_evidence.FAR_MASS).
-STREAMING: tuple[Column, ...] = (
-    Column(
-        "far_mass",
-        "float64",
-        "mass on keys outside the sentence's first --stream-sink and the row's last --stream-window (what a streaming "
-        "KV cache drops), over the rows that have such keys",
-        shown=True,
-    ),
-    Column("far_mass_chance", "float64", "what uniform attention gives far_mass on the same rows"),
-    Column("far_mass_ci_low", "float64", "far_mass: 95% bootstrap interval over sentences, low end"),
-    Column("far_mass_ci_high", "float64", "far_mass: 95% bootstrap interval over sentences, high end"),
+STREAMING: tuple[Column, ...] = _scored_columns(
+    "far_mass",
+    "mass on keys outside the sentence's first --stream-sink and the row's last --stream-window (what a streaming KV "
+    "cache drops), over the rows that have such keys",
+    "what uniform attention gives far_mass on the same rows",
+    SENTENCE_INTERVAL,
 )
 
 # Every column of heads.parquet, in order.

@@ -27,7 +27,7 @@ Roles, the finer answer the literature names (RoleThresholds; the order and why 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import pandas as pd
@@ -49,18 +49,7 @@ Role = Literal[
     "broad",
     "other",
 ]
-ROLES: tuple[Role, ...] = (
-    "retrieval",
-    "induction",
-    "duplicate-token",
-    "previous-token",
-    "dormant",
-    "sink",
-    "positional",
-    "streaming",
-    "broad",
-    "other",
-)
+ROLES: tuple[Role, ...] = get_args(Role)  # in the role rule's order
 FIXED_OFFSETS = tuple(category for category in OFFSET_CATEGORIES if category.isdigit())  # "0" (itself), "1", ...
 
 # type -> (test on the heads table, reason shown for heads that pass it). Order is the rule's order.

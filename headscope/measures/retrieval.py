@@ -111,9 +111,7 @@ def retrieval_hits(
     The rows scored are positions second .. length - 2 of each sequence (counted from seq_start), each targeting the
     key `second - first - 1` back from it. Pure: never writes `probs`.
     """
-    rows = probs.shape[2]
-    positions = torch.arange(row_offset, row_offset + rows, device=probs.device)[None, :] - seq_start[:, None]
-    scored = query_valid & (positions >= second) & (positions <= lengths[:, None] - 2)  # (batch, rows)
+    _, scored = repeat_rows(row_offset, seq_start, query_valid, lengths, second)
     target = diagonal_rows(probs, row_offset + first - second + 1)  # (batch, heads, rows)
     largest = probs.amax(-1, keepdim=True)
     alone = (probs == largest).sum(-1) == 1  # one key holds it: uniform attention's rows are no hits
@@ -121,12 +119,18 @@ def retrieval_hits(
     return hit.sum(-1, dtype=torch.float64)
 
 
+def repeat_rows(row_offset: int, seq_start: torch.Tensor, query_valid: torch.Tensor, lengths: torch.Tensor,
+                second: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Of query rows row_offset, row_offset + 1, ... (query_valid: (batch, rows)): each row's position in its sequence
+    and whether it is scored (the repeat's rows second .. length - 2, which have a next span token), (batch, rows)."""
+    rows = query_valid.shape[-1]
+    positions = torch.arange(row_offset, row_offset + rows, device=query_valid.device)[None, :] - seq_start[:, None]
+    return positions, query_valid & (positions >= second) & (positions <= lengths[:, None] - 2)
+
+
 def chance_rows(query_valid: torch.Tensor, seq_start: torch.Tensor, second: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: the rows scored and the hits uniform attention's key would make, (batch,) float64 each."""
-    t = query_valid.shape[-1]
-    positions = torch.arange(t, device=query_valid.device)[None, :] - seq_start[:, None]
-    length = query_valid.sum(-1, keepdim=True)
-    scored = query_valid & (positions >= second) & (positions <= length - 2)
+    positions, scored = repeat_rows(0, seq_start, query_valid, query_valid.sum(-1), second)
     uniform = torch.where(scored, 1.0 / (positions + 1).clamp(min=1).double(), 0.0)
     return scored.sum(-1).double(), uniform.sum(-1)
 
