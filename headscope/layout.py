@@ -91,6 +91,7 @@ CIRCUIT_SCORES, CIRCUIT_PATCHED = "circuit-scores.npz", "circuit-patched.npz"
 PRUNE_RECORD = "prune.json"
 PRUNE_JOURNAL = "prune-journal.json"  # an interrupted prune --resume's checkpoint (interventions/journal.py)
 HEAD_MASK_FILE = "head_mask.parquet"
+PRUNE_PAGE = "prune.html"  # the heads on the grid, coloured by what the search did to each, and its curve
 KV_POLICY_RECORD = "kv-policy.json"  # prune --mode window: the windowed heads as a KV-cache policy (kv_policy.py)
 PRUNE_CHARTS = ("prune_curve", "streaming_heads")  # streaming_heads: window mode's kv-policy.json on the grid
 PRUNED_MODEL_RECORD = "pruned.json"
@@ -121,11 +122,11 @@ KINDS = {
     "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE, QK_FILE)),
     "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
     "patching": Kind("a headscope patching", PATCH_RECORD, (PATCHING_FILE, PATCHING_PAIRS_FILE), PATCH_CHARTS),
-    "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE, KV_POLICY_RECORD), PRUNE_CHARTS),
+    "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE, KV_POLICY_RECORD, PRUNE_PAGE), PRUNE_CHARTS),
     "circuit": Kind(
         "a headscope circuit",
         CIRCUIT_RECORD,
-        (EDGES_FILE, NODES_FILE, EDGES_BY_ROLE_FILE, CIRCUIT_WHY_FILE),
+        (EDGES_FILE, NODES_FILE, EDGES_BY_ROLE_FILE, CIRCUIT_WHY_FILE, CIRCUIT_PAGE),
         CIRCUIT_CHARTS,
     ),
     "model": Kind("a headscope pruned model", PRUNED_MODEL_RECORD, CHECKPOINT_FILES, option="--save-model"),

@@ -6,7 +6,8 @@ the search     interventions/search.py: rounds that rank the heads by a second-o
                answer it got is journalled (interventions/journal.py) and an interrupted search replays them
 the removal    zero, or each head's clean corpus mean (interventions/removal.py)
 the output     prune.json (heads in removal order, clean and verified pruned loss, the curve), head_mask.parquet
-               ((layers, heads) 0/1, usable as `head_mask`), prune_curve.png; with save_model, a transformers
+               ((layers, heads) 0/1, usable as `head_mask`), prune.html (the heads on the grid, coloured by what
+               the search did to each, and its curve), prune_curve.png; with save_model, a transformers
                checkpoint with the heads removed from its weights (surgery.py), reloaded and its loss checked
 """
 
@@ -37,6 +38,7 @@ from headscope.layout import (
     HEAD_MASK_FILE,
     KV_POLICY_RECORD,
     PRUNE_JOURNAL,
+    PRUNE_PAGE,
     PRUNE_RECORD,
     PRUNED_MODEL_RECORD,
     SCHEMA_VERSION,
@@ -44,6 +46,8 @@ from headscope.layout import (
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.output import resolved
 from headscope.progress import Reporter
+from headscope.report.page import write_page
+from headscope.report.prune_page import prune_page
 from headscope.run.corpus import Corpus
 from headscope.run.distributed import ONE_PROCESS
 from headscope.run.record import fingerprint, versions
@@ -343,13 +347,15 @@ def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
 
 
 def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter) -> None:
-    """head_mask.parquet, kv-policy.json (window mode), prune.json and the charts, into the staged `folder`."""
+    """head_mask.parquet, kv-policy.json (window mode), prune.json, prune.html and the charts, into the staged
+    `folder`."""
     with atomic_path(folder / HEAD_MASK_FILE) as tmp:
         found.head_mask.to_parquet(tmp)
     if found.kv_policy is not None:
         write_json(found.kv_policy, folder / KV_POLICY_RECORD)
     record = found.record
     write_json(record, folder / PRUNE_RECORD)
+    write_page(prune_page(record, found.kv_policy), folder / PRUNE_PAGE)
     if charts:
         from headscope.report.prune_chart import draw_prune_chart
 

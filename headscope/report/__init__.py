@@ -11,7 +11,8 @@ Modules:
     page            report.html and compare.html: one self-contained page each
     palette         One set of colours for the PNG charts and the page (which receives them in its data)
     patch_charts    The charts of a patching (matplotlib only; no torch)
-    prune_chart     The chart of a pruning: verified loss against heads removed (matplotlib only; no torch)
+    prune_chart     The charts of a pruning: verified loss against heads removed, and window mode's policy on the grid
+    prune_page      prune.html: a pruning's heads on the grid, coloured by what the search did to each, and its curve
     report          A finished report: its run record, its tables (read when first used
     sentence_rows   A sentence_heads table read back sentence by sentence, a bounded number at a time
     write           Writing what reads a report: charts and report.html (analyze, plot), relabelled heads (classify)

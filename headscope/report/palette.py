@@ -22,6 +22,15 @@ ROLES = {
     "broad": "#1f77b4",
     "other": "#c7c7c7",
 }
+# What a pruning did to each head (prune.html and the streaming_heads chart): kept heads pale, taken heads dark,
+# and in window mode the windowed heads whose KV head another full head still reads in between.
+PRUNING = {
+    "kept": "#e8e8e8",
+    "removed": "#5e3c99",
+    "full": "#e8e8e8",
+    "windowed, its KV head still full": "#fdb863",
+    "windowed, its KV head freed": "#5e3c99",
+}
 MEAN = "#4c72b0"  # a layer mean, and report A
 INTERVAL = "#dd8452"  # a 95% interval band, and report B
 SIDES = {"a": MEAN, "b": INTERVAL}
@@ -55,6 +64,7 @@ def as_dict() -> dict:
     return {
         "types": TYPES,
         "roles": ROLES,
+        "pruning": PRUNING,
         "mean": MEAN,
         "interval": INTERVAL,
         "sides": SIDES,

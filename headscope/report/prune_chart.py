@@ -9,7 +9,9 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
+from headscope.report import palette
 from headscope.report.charts import save_each, title_text
+from headscope.report.prune_page import FREED, FULL, WINDOWED, head_states
 from headscope.summary import model_name
 
 
@@ -33,21 +35,16 @@ def prune_curve(record: dict) -> Figure:
     return fig
 
 
-# full attention; windowed, its KV head still full (another query head reads it); windowed, its KV head freed
-POLICY_COLOURS = ("#e8e8e8", "#fdb863", "#5e3c99")
+POLICY_STATES = (FULL, WINDOWED, FREED)
+POLICY_COLOURS = tuple(palette.PRUNING[state] for state in POLICY_STATES)
 
 
-def streaming_heads(policy: dict) -> Figure:
+def streaming_heads(record: dict, policy: dict) -> Figure:
     """kv-policy.json on the (layer, head) grid: each query head full or windowed, and where windowed, whether its
     KV head's cache can shrink (every query head reading it windowed) or not."""
-    layers = policy["layers"]
-    heads, kv_heads = len(layers[0]["heads"]), len(layers[0]["kv_heads"])
-    grid = np.zeros((len(layers), heads))
-    for row, layer in enumerate(layers):
-        for head, kept in enumerate(layer["heads"]):
-            if kept != "full":
-                freed = layer["kv_heads"][head // (heads // kv_heads)] == "windowed"
-                grid[row, head] = 2 if freed else 1
+    states = head_states(record, policy)
+    layers, heads, kv_heads = len(policy["layers"]), max(states["head"]) + 1, max(states["kv_head"]) + 1
+    grid = np.array([POLICY_STATES.index(state) for state in states["state"]]).reshape(layers, heads)
     fig = Figure(figsize=(max(7.5, 0.35 * heads + 2.5), max(3.5, 0.22 * len(layers) + 1.5)), layout="constrained")
     ax = fig.subplots()
     ax.imshow(grid, cmap=ListedColormap(POLICY_COLOURS), vmin=0, vmax=2, aspect="auto", interpolation="nearest")
@@ -57,9 +54,8 @@ def streaming_heads(policy: dict) -> Figure:
     ax.set_ylabel("layer")
     ax.set_xticks(range(heads))
     ax.set_yticks(range(0, len(layers), max(1, len(layers) // 15)))
-    legend = [("full", 0), ("windowed, KV head still full", 1), ("windowed, KV head freed", 2)]
-    for label, colour in legend:
-        ax.plot([], [], "s", color=POLICY_COLOURS[colour], markersize=8, label=label)
+    for label, colour in zip(POLICY_STATES, POLICY_COLOURS, strict=True):
+        ax.plot([], [], "s", color=colour, markersize=8, label=label)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / max(len(layers), 1)), ncol=3, fontsize=8)
     query, kv = policy["query_heads"], policy["kv_heads"]
     ax.set_title(f"{title_text(policy['model']['name'])}: {query['windowed']} of {query['total']} heads windowed "
@@ -73,5 +69,5 @@ def draw_prune_chart(record: dict, folder: Path, fmt: str, policy: dict | None =
     """prune_curve, and with a window-mode pruning's kv-policy.json, streaming_heads."""
     figures = {"prune_curve": lambda: prune_curve(record)}
     if policy is not None:
-        figures["streaming_heads"] = lambda: streaming_heads(policy)
+        figures["streaming_heads"] = lambda: streaming_heads(record, policy)
     return save_each(figures, folder, fmt)

@@ -414,3 +414,26 @@ def test_a_chart_that_fails_leaves_the_report_and_says_what_was_not_drawn(plante
     assert not (out / "examples.png").exists() and hidden_leftovers(tmp_path) == []
     monkeypatch.undo()
     assert run_cli("plot", out).exit_code == 0 and (out / "examples.png").is_file()  # plot draws it again
+
+
+@pytest.mark.slow  # six commands through the CLI, every output on
+@pytest.mark.parametrize("name", ["analyze", "inspect", "ablate", "patch", "prune", "circuit"])
+def test_a_folder_each_command_writes_is_one_its_own_overwrite_replaces(name, folders, planted_gpt2, tmp_path):
+    """Every file a command writes, charts and page included, is one its kind names: otherwise --overwrite refuses
+    the command's own folder as "not a headscope ..." (circuit.html once was)."""
+    from headscope.layout import kind_of, why_not_replaceable
+
+    asked = {
+        "analyze": ["--corpus", folders["corpus"], *QUICK],
+        "inspect": ["--text", "the cat sat on the mat"],
+        "ablate": ["--corpus", folders["corpus"], "--heads", "0.0", "--bootstrap", "0"],
+        "patch": ["--pairs", folders["pairs"], "--bootstrap", "0"],
+        "prune": ["--corpus", folders["corpus"], "--budget", "0.5", "--mode", "window", "--max-rounds", "1"],
+        "circuit": ["--pairs", folders["pairs"], "--steps", "2"],
+    }[name]
+    out = tmp_path / "out"
+    assert run_cli(name, planted_gpt2, *asked, "--out", out).exit_code == 0
+    kind = kind_of(out)
+    assert kind is not None and why_not_replaceable(out, kind) is None
+    again = run_cli(name, planted_gpt2, *asked, "--out", out, "--overwrite")
+    assert again.exit_code == 0, again.output

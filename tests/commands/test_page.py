@@ -501,3 +501,50 @@ def test_every_page_draws_with_the_palettes_stops_never_a_named_scale():
     for module in ("charts.py", "compare_charts.py", "prune_chart.py"):
         for name in re.findall(r"cmap=[\"']([A-Za-z_]+)", (root / module).read_text()):
             assert name in colormaps, f"{module} draws with {name}, which the palette does not hold"
+
+
+@needs_browser
+@pytest.mark.slow  # two searches through the CLI
+@pytest.mark.parametrize("mode", ["window", "zero"])
+def test_the_prune_page_in_a_real_browser(mode, browser, planted_gpt2, corpus_lines, tmp_path):
+    """prune.html: the grid colours exactly the heads prune.json took (in window mode, split by kv-policy.json's
+    freed KV heads), the curve draws every accepted step, the table lists the taken heads in removal order, the KV
+    cache section shows only for a policy; nothing is fetched and nothing is logged."""
+    from selenium.webdriver.common.by import By
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(corpus_lines[:16]) + "\n")
+    out = tmp_path / "pruned"
+    window = ["--window", "2", "--sink", "1"] if mode == "window" else []
+    result = run_cli("prune", planted_gpt2, "--corpus", corpus, "--budget", "0.5", "--mode", mode, *window,
+                     "--max-rounds", "1", "--no-charts", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "prune.json").read_text())
+    assert record["heads"], "a budget of 0.5 nats takes some head of the planted model"
+    html = (out / "prune.html").read_text(encoding="utf-8")
+    assert not RESOURCE.findall(html)
+    open_page(browser, out / "prune.html")
+    trace = browser.execute_script("return document.getElementById('heatmap').data[0]")
+    states = trace["colorbar"]["ticktext"]
+    drawn = {(layer, head): states[int(z)] for layer, row in zip(trace["y"], trace["z"], strict=True)
+             for head, z in zip(trace["x"], row, strict=True)}  # fmt: skip
+    taken = {tuple(map(int, name.split("."))) for name in record["heads"]}
+    assert {cell for cell, state in drawn.items() if state not in ("full", "kept")} == taken
+    if mode == "window":  # the planted model has a KV head per query head: each windowed head frees its own
+        policy = json.loads((out / "kv-policy.json").read_text())
+        freed = {(layer["layer"], k) for layer in policy["layers"] for k, kv in enumerate(layer["kv_heads"])
+                 if kv == "windowed"}  # fmt: skip
+        assert {cell for cell, state in drawn.items() if state == "windowed, its KV head freed"} == freed == taken
+        assert "KV heads freed" in browser.find_element(By.ID, "cache").text
+    else:
+        assert not browser.find_element(By.ID, "cache-box").is_displayed()
+    curve = browser.execute_script("return document.getElementById('curve').data[0]")
+    assert curve["x"] == [step["heads_removed"] for step in record["curve"]]
+    assert curve["y"] == pytest.approx([step["loss"] for step in record["curve"]])
+    rows = browser.find_elements(By.CSS_SELECTOR, "#heads-table tbody tr")
+    listed = [f"{row.find_elements(By.TAG_NAME, 'td')[1].text}.{row.find_elements(By.TAG_NAME, 'td')[2].text}"
+              for row in rows]  # fmt: skip
+    assert listed == record["heads"]  # in removal order
+    browser.save_screenshot(str(tmp_path / f"prune-{mode}.png"))
+    assert all(url.startswith(("file:", "data:", "blob:")) for url in requested(browser)), requested(browser)
+    assert console_problems(browser) == []
