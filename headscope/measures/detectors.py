@@ -31,6 +31,7 @@ import torch
 
 from headscope.detector_specs import Detector
 from headscope.errors import ConfigError
+from headscope.model.attention.key_patterns import NO_REACH
 
 
 def targets(
@@ -112,6 +113,25 @@ def target_classes(
     key_class = torch.where(real & (key_class >= 0), key_class, -1)
     row_class = torch.where(real & (row_class >= 0), row_class, -2)
     return key_class, row_class, _lag(detector)
+
+
+def kept_classes(
+    detector: Detector, input_ids: torch.Tensor, real: torch.Tensor, seq_start: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """far:S,W's complement on a batch: the keys its rows keep, as two patterns of classes (key_class, row_class,
+    lag, reach) with `target_classes`' conventions and a reach (key s is a target of row t where t - reach <= s):
+    the sentence's first S keys, and its last W keys up to the row's own. On far's rows (t >= S + W) the two are
+    disjoint and, with far's own targets, are every key the row sees: so a row's far mass is 1 less their masses,
+    read over S + W keys a row where far's own run is as long as the row."""
+    if detector.family != "far":
+        raise ValueError(f"only far:S,W has kept classes; got {detector.spec!r}")
+    sink, window = detector.parameter
+    position = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    starts = seq_start[:, None]
+    rows = torch.where(real & (position >= starts + sink + window), 0, -2)
+    first = torch.where(real & (position < starts + sink), 0, -1)
+    recent = torch.where(real, 0, -1)
+    return [(first, rows, 0, NO_REACH), (recent, rows, 0, window - 1)]
 
 
 def _lag(detector: Detector) -> int:

@@ -22,13 +22,14 @@ from headscope.measures.detectors import (
     Detector,
     all_row_matches,
     callable_targets,
+    kept_classes,
     row_matches,
     target_classes,
     targets,
 )
 from headscope.measures.exemplars import TopRows, evidence_rows
 from headscope.model.attention.finish_rows import RowValues
-from headscope.model.attention.key_patterns import KeyPatterns, PatternRows, read_probabilities
+from headscope.model.attention.key_patterns import NO_REACH, KeyPatterns, PatternRows, read_probabilities
 from headscope.model.batch import Batch
 from headscope.model.masks import count_visible
 
@@ -74,11 +75,12 @@ class PatternScores:
         self.folded = self.built_in  # those read on the batch: not far:S,W on sentences too short for its rows
         self.callables = [i for i, detector in enumerate(self.detectors) if detector.family == "callable"]
         self._key_patterns: dict[torch.device, KeyPatterns] = {}  # the batch's, on each device a layer runs on
+        self._parts: list[range] = []  # each folded detector's patterns in them (two for a complemented far:S,W)
         self._folded_by_kernel: set[int] = set()  # layers of the batch whose built-in families a kernel read
 
     def start(self, batch: Batch) -> None:
         self._batch, self._sums, self._chance, self._targets = batch, {}, None, {}
-        self._key_patterns, self._folded_by_kernel = {}, set()
+        self._key_patterns, self._folded_by_kernel, self._parts = {}, set(), []
         real = batch.attention_mask.bool()
         longest = int(real.sum(-1).max()) if real.numel() else 0
         self.folded = [i for i in self.built_in if self.detectors[i].min_tokens <= longest]
@@ -95,26 +97,44 @@ class PatternScores:
         return self.layers[-1]
 
     def key_patterns(self, device: torch.device) -> KeyPatterns | None:
-        """The built-in families' targets on the batch, for the fused pass to fold (None: no such detector)."""
+        """The built-in families' targets on the batch, for the fused pass to fold (None: no such detector): one
+        pattern each, or for a far:S,W no exemplar reads, the two runs of keys it leaves out (`_complemented`)."""
         if not self.folded:
             return None
         if device not in self._key_patterns:
             batch = self._batch
             real = batch.attention_mask.bool()
-            classes = [
-                target_classes(self.detectors[i], batch.input_ids, real, batch.seq_start, self.token_text)
-                for i in self.folded
-            ]
-            key_class, row_class, lag = zip(*classes, strict=True)
-            made = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), batch.seq_start)
+            parts, self._parts = [], []
+            for i in self.folded:
+                detector = self.detectors[i]
+                if self._complemented(i):
+                    made = kept_classes(detector, batch.input_ids, real, batch.seq_start)
+                else:
+                    made = [(*target_classes(detector, batch.input_ids, real, batch.seq_start, self.token_text),
+                             NO_REACH)]  # fmt: skip
+                self._parts.append(range(len(parts), len(parts) + len(made)))
+                parts += made
+            key_class, row_class, lag, reach = zip(*parts, strict=True)
+            made = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), batch.seq_start,
+                                  reach=torch.tensor(reach))  # fmt: skip
             self._key_patterns[device] = made.to(device)
         return self._key_patterns[device]
+
+    def _complemented(self, i: int) -> bool:
+        """Is detector i a far:S,W that no exemplar kind reads? Its score is then read from the keys it leaves out,
+        S + W of them a row, not its own run (as long as the row): the same number within float32 rounding, at a
+        fraction of the cost (far_mass always; docs/streaming.md). An exemplar needs the far key itself."""
+        return self.detectors[i].family == "far" and not self._offers(i)
+
+    def _offers(self, i: int) -> bool:
+        return self.exemplars is not None and self.detectors[i].name in self.exemplars.kind_index
 
     def pattern_rows(self, layer: int, rows: PatternRows, values: RowValues, query_valid, seq_start) -> None:
         """A whole layer's readings of the built-in families' targets (the `key_patterns` folded by a kernel), with
         the layer's row `values` (each row's visible keys, for chance)."""
         self._folded_by_kernel.add(layer)
-        self._read_rows(layer, rows, values.n_visible.amax(1), query_valid, seq_start, 0)
+        n_visible = values.n_visible.amax(1)
+        self._read_rows(layer, self._per_detector(rows, n_visible, 0), n_visible, query_valid, seq_start, 0)
 
     def needs_blocks(self, layer: int) -> bool:
         """Does `layer` still want its attention block by block (`attention`)? Not where its built-in families came
@@ -130,9 +150,33 @@ class PatternScores:
             native = block.native_patterns
             rows = by_torch() if native is None else native(patterns, block.first_row, by_torch)
             n_visible = count_visible(block.visible)[:, 0]  # (batch or 1, rows)
+            rows = self._per_detector(rows, n_visible, block.first_row)
             self._read_rows(layer, rows, n_visible, block.query_valid, block.seq_start, block.first_row)
         if self.callables:
             self._read_callables(layer, block, probs)
+
+    def _per_detector(self, rows: PatternRows, n_visible: torch.Tensor, first_row: int) -> PatternRows:
+        """The folded detectors' readings, one each in `folded`'s order, from their patterns' `rows` (query positions
+        first_row, ...): a complemented far:S,W's row reads 1 less the mass on the keys it leaves out, on the rows it
+        has (t >= S + W) with a far key they see (n_visible: (batch or 1, rows) less the keys left out); it names no
+        key (no exemplar reads it)."""
+        if all(len(parts) == 1 for parts in self._parts):
+            return rows
+        patterns = self._key_patterns[rows.match.device]
+        span = slice(first_row, first_row + rows.match.shape[-1])
+        readings = []
+        for parts in self._parts:
+            if len(parts) == 1:
+                readings.append(rows.part(parts[0], parts[0] + 1))
+                continue
+            kept = rows.part(parts[0], parts[-1] + 1)
+            has_rows = (patterns.row_class[parts[0], :, span] >= 0)[:, None]  # (batch, 1, rows)
+            far = torch.where(has_rows, n_visible[:, None] - kept.targets.sum(0), 0)  # (batch, heads, rows)
+            match = torch.where(far > 0, 1.0 - kept.match.sum(0), 0.0)
+            readings.append(PatternRows(match[None], far[None], torch.full_like(far, -1)[None],
+                                        torch.zeros_like(kept.weight[0])[None]))  # fmt: skip
+        fields = PatternRows.__dataclass_fields__
+        return PatternRows(*(torch.cat([getattr(reading, name) for reading in readings]) for name in fields))
 
     def _read_rows(self, layer: int, rows: PatternRows, n_visible, query_valid, seq_start, first_row: int) -> None:
         """The built-in families' readings of a block of rows (query positions first_row, ...): their sums, their
@@ -169,9 +213,7 @@ class PatternScores:
     def _offered(self) -> list[int]:
         """Which of the folded patterns feed the exemplars (by place among them): those that are an exemplar kind
         (not far_mass, which is scored only)."""
-        if self.exemplars is None:
-            return []
-        return [j for j, i in enumerate(self.folded) if self.detectors[i].name in self.exemplars.kind_index]
+        return [j for j, i in enumerate(self.folded) if self._offers(i)]
 
     def _read_callables(self, layer: int, block, probs: torch.Tensor) -> None:
         """The callable detectors on a block: their (rows x keys) patterns, whatever they hold, over every real row."""

@@ -14,11 +14,11 @@ import torch
 
 import headscope
 from headscope.detector_specs import detector_of
-from headscope.measures.detectors import target_classes, targets
+from headscope.measures.detectors import kept_classes, target_classes, targets
 from headscope.measures.exemplars import PROBE_KINDS, TopRows, exemplar_frame
 from headscope.measures.pattern_scores import PatternScores
 from headscope.model.attention.dispatch import TileKernel
-from headscope.model.attention.key_patterns import KeyPatterns
+from headscope.model.attention.key_patterns import NO_REACH, KeyPatterns
 from headscope.model.batch import collate
 from headscope.model.capture import attached
 from headscope.run.feed import tokenize_sentences
@@ -36,9 +36,12 @@ def token_text(token_id: int) -> str:
 
 
 def patterns_of(ids: torch.Tensor, real: torch.Tensor, seq_start: torch.Tensor) -> KeyPatterns:
-    classes = [target_classes(detector, ids, real, seq_start, token_text) for detector in DETECTORS]
-    key_class, row_class, lag = zip(*classes, strict=True)
-    return KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), seq_start)
+    """Every family's pattern, then far's two runs of kept keys (kept_classes: with a reach)."""
+    classes = [(*target_classes(detector, ids, real, seq_start, token_text), NO_REACH) for detector in DETECTORS]
+    classes += kept_classes(DETECTORS[list(SPECS).index("far")], ids, real, seq_start)
+    key_class, row_class, lag, reach = zip(*classes, strict=True)
+    return KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), seq_start,
+                          reach=torch.tensor(reach))  # fmt: skip
 
 
 def test_each_familys_classes_are_exactly_its_targets():
@@ -61,6 +64,37 @@ def test_each_familys_classes_are_exactly_its_targets():
                 run = patterns.sorted_keys[i, b, patterns.run_begin[i, b, row] : patterns.run_end[i, b, row]]
                 assert run.tolist() == expected[b, row].nonzero().flatten().tolist(), (detector.spec, b, row)
     assert every.sum() > 100  # repeated tokens: every family has targets to find
+
+
+@pytest.mark.parametrize(("sink", "window"), [(2, 3), (0, 1), (4, 6)])
+def test_far_and_the_keys_it_leaves_out_are_every_key_of_its_rows(sink, window):
+    """kept_classes: on far:S,W's rows, its two runs (the first S keys; the last W up to the row, a reach of W - 1)
+    and far's own targets are disjoint and together every key of the sentence up to the row; each run, and whether
+    the first key is a target, is exactly what the classes and the reach say. Left and right padding."""
+    ids = torch.randint(0, 5, (3, 14), generator=torch.Generator().manual_seed(4))
+    real = torch.ones(3, 14, dtype=torch.bool)
+    real[1, :4] = False
+    real[2, 10:] = False
+    seq_start = torch.tensor([0, 4, 0])
+    far = detector_of("far", f"far:{sink},{window}")
+    key_class, row_class, lag, reach = zip(*kept_classes(far, ids, real, seq_start), strict=True)
+    kept = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), seq_start,
+                          reach=torch.tensor(reach))  # fmt: skip
+    first, recent = kept.targets(slice(None), 14)
+    far_targets = targets(far, ids, real, seq_start, slice(0, 14), 14, token_text) > 0
+    position = torch.arange(14)
+    rows = real & (position >= seq_start[:, None] + sink + window)  # (batch, rows)
+    sentence = real[:, None, :] & real[:, :, None] & (position[None, None, :] <= position[None, :, None])
+    assert not (first & recent).any() and not ((first | recent) & far_targets).any()
+    assert torch.equal((first | recent | far_targets) & rows[..., None], sentence & rows[..., None])
+    assert not (first | recent)[~rows].any()  # rows without far keys have no kept keys either
+    assert torch.equal(recent.sum(-1)[rows], torch.full_like(recent.sum(-1)[rows], window))
+    for i, part in enumerate((first, recent)):
+        assert torch.equal(kept.first_target[i], part[torch.arange(3), :, seq_start])
+        for b in range(3):
+            for row in range(14):
+                run = kept.sorted_keys[i, b, kept.run_begin[i, b, row] : kept.run_end[i, b, row]]
+                assert run.tolist() == part[b, row].nonzero().flatten().tolist(), (i, b, row)
 
 
 def float64_readings(query, key, visible, patterns: KeyPatterns, softcap):
@@ -120,10 +154,15 @@ def every_third(tokens: list[str]) -> np.ndarray:
     return pattern
 
 
+# far:2,3 again, scored but no exemplar kind: read from the keys it leaves out (PatternScores._complemented), as
+# far_mass is
+FAR_UNREAD = detector_of("far_unread", SPECS["far"])
+
+
 def read_patterns(model, batch, layers, block_bytes: int, kernel: TileKernel | None):
-    detectors = [*DETECTORS, detector_of("third", every_third)]
+    detectors = [*DETECTORS, detector_of("third", every_third), FAR_UNREAD]
     probes = [detector_of(kind, spec) for kind, spec in PROBE_KINDS.items()]
-    kinds = [detector.name for detector in [*detectors, *probes]]
+    kinds = [detector.name for detector in [*detectors, *probes] if detector is not FAR_UNREAD]
     top = TopRows(6, kinds, layers, model.config.n_head)
     measure = PatternScores([*detectors, *probes], layers, token_text=str, token_strings=list, exemplars=top,
                             scored=len(detectors))  # fmt: skip
@@ -165,8 +204,14 @@ def test_every_path_gives_the_same_detector_sums_and_exemplars(planted, corpus_l
     }
     read = {name: read_patterns(planted.model, batch, layers, *options) for name, options in paths.items()}
     assert folded and all(folded)  # the kernel ran on every layer, folding the patterns
-    assert looked_up == [len(DETECTORS) + len(PROBE_KINDS)] * len(layers)  # and looked them up on every eager layer
+    # and looked them up on every eager layer: FAR_UNREAD as its two runs of kept keys
+    assert looked_up == [len(DETECTORS) + 2 + len(PROBE_KINDS)] * len(layers)
     sums, chance, exemplars = read["eager"]
+    # far:2,3 read from its own run and from the keys it leaves out: the same sums, rows and chance
+    far, unread = list(SPECS).index("far"), len(DETECTORS) + 1
+    assert sums[..., unread, 1].sum() > 0
+    torch.testing.assert_close(sums[..., unread, :], sums[..., far, :], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chance[:, unread], chance[:, far], rtol=1e-6, atol=1e-9)
     for name in ("eager, kernel", "blocks", "kernel"):
         other_sums, other_chance, other_exemplars = read[name]
         torch.testing.assert_close(other_sums, sums, rtol=1e-5, atol=1e-6)

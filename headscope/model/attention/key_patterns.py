@@ -3,13 +3,15 @@ patterns): no probability is computed twice.
 
 A pattern says, for every query row t of a sentence, which keys s are its targets, as equal classes:
 
-    s is a target of t  <=>  key_class[s] == row_class[t] >= 0 and s <= t - lag (the pattern's lag: 0, or 1 where a
-                             row is not its own target, or W where only keys at least W back count)
+    s is a target of t  <=>  key_class[s] == row_class[t] >= 0 and t - reach <= s <= t - lag (the pattern's lag: 0,
+                             or 1 where a row is not its own target, or W where only keys at least W back count;
+                             its reach: NO_REACH, or W - 1 where only the last W keys count)
 
 Every built-in detector family is one (headscope.measures.detectors.target_classes): same-token compares the tokens,
 after-same-token the query's token with each key's previous one, offset:K a key's position with t - K, token:REGEX and
-first a match with class 0, far:S,W every key past the sentence's first S with class 0 and lag W. So the targets of
-row t are a run of the sentence's keys sorted by (class, position): the kernels read them by look-up (the C++ kernel:
+first a match with class 0, far:S,W every key past the sentence's first S with class 0 and lag W (or, where no exemplar
+reads its keys, the two runs it leaves out: the first S keys, and every key with reach W - 1). So the targets of row t
+are a run of the sentence's keys sorted by (class, position): the kernels read them by look-up (the C++ kernel:
 `sorted_keys` and each row's run, [run_begin, run_end)), never as a (rows x keys) matrix.
 
 What a kernel returns per (pattern, sentence, head, row), over the targets it folds (the keys the row sees, the
@@ -26,6 +28,8 @@ import torch
 
 from headscope.model.attention.finish_rows import RowValues, softcapped
 
+NO_REACH = 2**40  # a pattern's reach where its targets may be any distance back
+
 
 @dataclass(frozen=True)
 class KeyPatterns:
@@ -34,31 +38,37 @@ class KeyPatterns:
     key_class: torch.Tensor  # long: each key's class (-1: no row's target)
     row_class: torch.Tensor  # long: each query row's class (-2: no targets)
     lag: torch.Tensor  # (patterns,) long: a row's targets are at least this far back (1: not the row itself)
+    reach: torch.Tensor  # (patterns,) long: and at most this far back (NO_REACH: any distance)
     sorted_keys: torch.Tensor  # long: each sentence's keys by (class, position)
     run_begin: torch.Tensor  # long: where row t's run of targets starts in sorted_keys
-    run_end: torch.Tensor  # long: and ends (its keys <= t - lag)
+    run_end: torch.Tensor  # long: and ends (its keys in t - reach .. t - lag)
     first_target: torch.Tensor  # bool: the sentence's first key is a target of row t
 
     @classmethod
-    def of(cls, key_class: torch.Tensor, row_class: torch.Tensor, lag: torch.Tensor, seq_start: torch.Tensor):
+    def of(cls, key_class: torch.Tensor, row_class: torch.Tensor, lag: torch.Tensor, seq_start: torch.Tensor,
+           reach: torch.Tensor | None = None):  # fmt: skip
         """From the classes: key_class (patterns, batch, t) long, -1 where a key is no row's target; row_class
-        (patterns, batch, t) long, -2 where a row has none; lag (patterns,) long; seq_start (batch,) long."""
+        (patterns, batch, t) long, -2 where a row has none; lag and reach (patterns,) long (reach None: NO_REACH
+        each); seq_start (batch,) long."""
         patterns, batch, t = key_class.shape
+        reach = torch.full((patterns,), NO_REACH) if reach is None else reach.long()
         positions = torch.arange(t, device=key_class.device)
         # (class, position) as one number; keys of no class sort first (below 0), where no row's run reaches
         order = torch.where(key_class >= 0, key_class * t + positions, positions - t)
         ordered, sorted_keys = torch.sort(order, dim=-1, stable=True)
         has = row_class >= 0
-        low = torch.where(has, row_class * t, -2 * t)
-        # the run ends `lag` keys before the row's own (after it, for lag 0)
-        lags = lag.view(-1, 1, 1).long()
+        # the run starts `reach` keys before the row's own (at its class's first key, where that is further), and
+        # ends `lag` keys before it (after it, for lag 0)
+        lags, reaches = lag.view(-1, 1, 1).long(), reach.view(-1, 1, 1).to(positions.device)
+        low = torch.where(has, row_class * t + (positions - reaches).clamp(min=0), -2 * t)
         high = torch.where(has, row_class * t + positions - lags, -2 * t)
         run_begin = torch.searchsorted(ordered, low, side="left")
         run_end = torch.maximum(torch.searchsorted(ordered, high, side="right"), run_begin)
         first_class = key_class.gather(-1, seq_start.view(1, batch, 1).expand(patterns, batch, 1))  # (patterns, b, 1)
-        first_in_reach = seq_start.view(1, batch, 1) <= positions - lags
+        start = seq_start.view(1, batch, 1)
+        first_in_reach = (start <= positions - lags) & (start >= positions - reaches)
         first_target = has & (first_class == row_class) & first_in_reach
-        return cls(key_class, row_class, lag.long(), sorted_keys, run_begin, run_end, first_target)
+        return cls(key_class, row_class, lag.long(), reaches.view(-1), sorted_keys, run_begin, run_end, first_target)
 
     @property
     def count(self) -> int:
@@ -84,9 +94,10 @@ class KeyPatterns:
         row_class = self.row_class[..., rows]  # (patterns, batch, rows)
         row = torch.arange(self.row_class.shape[-1], device=row_class.device)[rows]
         key = torch.arange(keys, device=row_class.device)
-        reach = key[None, :] <= row[:, None] - self.lag.view(-1, 1, 1)  # (patterns, rows, keys)
+        back = row[:, None] - key[None, :]  # (rows, keys): how far back each key is
+        within = (back >= self.lag.view(-1, 1, 1)) & (back <= self.reach.view(-1, 1, 1))  # (patterns, rows, keys)
         same = self.key_class[..., None, :keys] == row_class[..., None]
-        return same & (row_class[..., None] >= 0) & reach[:, None]
+        return same & (row_class[..., None] >= 0) & within[:, None]
 
 
 @dataclass(frozen=True)
