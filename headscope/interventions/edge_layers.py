@@ -21,7 +21,7 @@ import torch
 
 from headscope.errors import ModelLoadError
 from headscope.model.batch import collate
-from headscope.model.projection import output_projection
+from headscope.model.projection import linear_weight, output_projection
 
 # Relative error up to which a linearised norm must reproduce the model's own (float32 rounding of a norm).
 NORM_CHECK = 1e-4
@@ -172,8 +172,7 @@ def find_places(capture, model, decoder, heads: int, kv_heads: int, head_dim: in
 
 def head_columns(projection: torch.nn.Module) -> torch.Tensor:
     """(hidden, inputs) float32 weight of a Linear or GPT-2 Conv1D."""
-    weight = projection.weight.detach().float()
-    return weight.T if type(projection).__name__ == "Conv1D" else weight
+    return linear_weight(projection).detach().float()
 
 
 def head_writes(z: torch.Tensor, columns: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -187,9 +186,7 @@ def head_writes(z: torch.Tensor, columns: torch.Tensor, heads: int, head_dim: in
 def project(module: torch.nn.Module, x: torch.Tensor, features: list[slice]) -> torch.Tensor:
     """(n, ..., width) each x[i] (n, ..., hidden) through the output features features[i] (each `width` wide) of a
     q, k or v projection, by hand (calling the module would run its hooks again): a Linear, or GPT-2's Conv1D."""
-    weight, bias = module.weight, module.bias
-    if type(module).__name__ == "Conv1D":  # weight: (in, out)
-        weight = weight.T
+    weight, bias = linear_weight(module), module.bias
     rows = torch.stack([weight[chosen] for chosen in features])  # (n, width, hidden)
     out = torch.einsum("n...h,nwh->n...w", x, rows)
     if bias is not None:

@@ -48,6 +48,7 @@ from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.patching import logit_difference
 from headscope.model.batch import collate
 from headscope.model.memory import readable
+from headscope.model.projection import linear_weight
 
 METHODS, DEFAULT_STEPS = EDGE_METHODS, DEFAULT_EDGE_STEPS
 
@@ -403,11 +404,11 @@ def _receiver_gradients(metric, kept, places, heads, kv_heads, head_dim) -> torc
     per_layer = heads + 2 * kv_heads + 1
     found = torch.empty(rows, t, depth * per_layer + 1, hidden, device=kept["r"][0].device)
     for layer, place in enumerate(places):
-        if fused:  # GPT-2's c_attn: q | k | v, a Conv1D (weight: in, out)
-            channels = [(grads[layer], place.fused.weight.T, heads + 2 * kv_heads)]
+        if fused:  # GPT-2's c_attn: q | k | v in one projection
+            channels = [(grads[layer], linear_weight(place.fused), heads + 2 * kv_heads)]
         else:
             channels = [
-                (grads[layer + depth * index], getattr(place, name).weight, units)
+                (grads[layer + depth * index], linear_weight(getattr(place, name)), units)
                 for index, (name, units) in enumerate((("q", heads), ("k", kv_heads), ("v", kv_heads)))
             ]
         pre = []  # per channel: (rows, t, units, hidden), the gradient at the norm's output

@@ -23,6 +23,7 @@ import torch
 from headscope.errors import ConfigError
 from headscope.interventions.edge_layers import FrozenNorm, find_places, head_columns
 from headscope.measures.ov_copying import copying_scores, token_map
+from headscope.model.projection import linear_weight
 from headscope.model.write_path import dry_ids
 
 
@@ -89,9 +90,9 @@ def _gain(norm, hidden: int, device: torch.device) -> torch.Tensor:
 
 def _value_rows(place, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """(heads, head_dim, hidden) float64: each query head's KV head's rows of the value projection."""
-    if place.fused is not None:  # GPT-2's c_attn: q | k | v, weight (in, out)
-        weight = place.fused.weight.detach().T[2 * heads * head_dim :]
+    if place.fused is not None:  # GPT-2's c_attn: q | k | v in one projection
+        weight = linear_weight(place.fused).detach()[2 * heads * head_dim :]
     else:
-        weight = place.v.weight.detach()
+        weight = linear_weight(place.v).detach()
     per_kv = weight.double().view(kv_heads, head_dim, -1)
     return per_kv[torch.arange(heads, device=per_kv.device) // (heads // kv_heads)]

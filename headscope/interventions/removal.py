@@ -34,6 +34,7 @@ from headscope.errors import ConfigError
 from headscope.interventions.clean_prefix import CleanPrefix
 from headscope.interventions.loss import token_losses
 from headscope.model.batch import Batch
+from headscope.model.projection import linear_weight
 from headscope.run.distributed import Ranks, added, together
 
 Head = tuple[int, int]  # (layer, head)
@@ -132,11 +133,10 @@ class Removal:
         heads' input columns; in mean mode add W_h m_h to the bias (which must exist: surgery adds one)."""
         if self.windowed:
             raise ConfigError("a windowed head cannot be written into the weights (it is a KV-cache policy)")
-        conv = not isinstance(projection, torch.nn.Linear)  # GPT-2's Conv1D: weight (in, out)
-        weight = projection.weight  # Linear: (out, in)
+        weight = linear_weight(projection)  # (out, in), a view of the module's own: zeroing it zeroes the weight
         for head in heads:
             columns = slice(head * head_dim, (head + 1) * head_dim)
-            owned = weight[columns, :].T if conv else weight[:, columns]  # (out, head_dim)
+            owned = weight[:, columns]  # (out, head_dim)
             if self.mode == "mean":
                 constant = torch.as_tensor(self.means[layer, head], dtype=torch.float64, device=weight.device)
                 projection.bias += (owned.double() @ constant).to(projection.bias.dtype)

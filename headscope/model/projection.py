@@ -16,6 +16,14 @@ from headscope.errors import ModelLoadError
 OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo")  # the output projection, by architecture
 
 
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A projection's weight as torch.nn.Linear holds it, (out_features, in_features): a Linear's own, or a view of
+    GPT-2's Conv1D weight, which is held (in, out). The one place headscope tells the two orientations apart; a view,
+    so that what is written into it lands in the module's weight."""
+    weight = module.weight
+    return weight.T if type(module).__name__ == "Conv1D" else weight
+
+
 def output_projection(layer: torch.nn.Module, inputs: int) -> tuple[str, torch.nn.Module]:
     """The attention's output projection in a decoder layer (or an attention module): a linear map named like one,
     inside a module named like attention (or directly in the attention module given), taking `inputs`
@@ -31,12 +39,10 @@ def output_projection(layer: torch.nn.Module, inputs: int) -> tuple[str, torch.n
 
 
 def _in_features(module: torch.nn.Module) -> int | None:
-    if isinstance(module, torch.nn.Linear):
-        return module.in_features
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and weight is not None:  # GPT-2's: weight (in, out)
-        return weight.shape[0]
-    return None
+    """A Linear's or a Conv1D's input features (None for anything else, which is no projection)."""
+    if not isinstance(module, torch.nn.Linear) and type(module).__name__ != "Conv1D":
+        return None
+    return linear_weight(module).shape[1]
 
 
 # projection module -> (its weight's version, its grams): the weights rarely change between runs on one model, and
@@ -61,8 +67,7 @@ def head_grams(attention: torch.nn.Module, heads: int, head_dim: int, gain: torc
     if cacheable and cached is not None and cached[0] == version:
         return cached[1]
     with _weights_present(projection):
-        weight = projection.weight.detach()
-        columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
+        columns = linear_weight(projection).detach()  # (hidden, heads * head_dim)
         if gain is not None:
             columns = columns.double() * gain.to(columns.device, torch.float64)[:, None]
         per_head = columns.double().reshape(columns.shape[0], heads, head_dim)
@@ -76,8 +81,7 @@ def projected(projection: torch.nn.Module, flat: torch.Tensor) -> torch.Tensor:
     """(batch, t, hidden) float32: the output projection of (batch, t, heads * head_dim) head outputs, its bias
     included, computed in float32 whatever the model's dtype."""
     with _weights_present(projection), torch.inference_mode():
-        weight = projection.weight.detach()
-        columns = weight.T if type(projection).__name__ == "Conv1D" else weight  # (hidden, heads * head_dim)
+        columns = linear_weight(projection).detach()  # (hidden, heads * head_dim)
         o = flat.float() @ columns.to(flat.device, torch.float32).T
         bias = getattr(projection, "bias", None)
         return o if bias is None else o + bias.detach().to(flat.device, torch.float32)

@@ -488,7 +488,7 @@ def test_prune_through_the_cli(redundant, tmp_path):
     result = run_cli(*args, "--out", str(out), "--no-charts")
     assert result.exit_code == 0, result.output
     assert "removed 7 of 8 heads" in result.output
-    assert sorted(p.name for p in out.iterdir()) == ["head_mask.parquet", "prune.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["head_mask.parquet", "prune.html", "prune.json"]
     unbounded = json.loads((out / "prune.json").read_text())["search"]
     # --max-rounds and --patience reach the search, not only the record: one round, where the whole search ran more
     result = run_cli(*args, "--out", str(tmp_path / "one"), "--no-charts", "--max-rounds", "1", "--patience", "0")
@@ -535,7 +535,8 @@ def test_ablate_and_prune_never_replace_what_they_did_not_make(redundant, tmp_pa
 def test_prune_draws_its_curve_in_the_format_asked(redundant, tmp_path):
     loaded, sentences = redundant
     headscope.prune(loaded, sentences[:8], budget=0.01, mode="zero", out=tmp_path / "p", charts="svg")
-    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["head_mask.parquet", "prune.json", "prune_curve.svg"]
+    written = sorted(p.name for p in (tmp_path / "p").iterdir())
+    assert written == ["head_mask.parquet", "prune.html", "prune.json", "prune_curve.svg"]
 
 
 # ---------------------------------------------------------------- what can be checked before the search is
@@ -689,7 +690,7 @@ def test_an_interrupted_prune_resumes_to_the_result_an_uninterrupted_one_gives(r
     for count in ("forward_passes", "token_forwards", "verified_sets", "verify_calls", "gradient_passes"):
         assert record["search"][count] == whole["search"][count], count  # the whole search's, replayed part included
     assert any(n.startswith("resuming the interrupted search: ") for n in notes.notes)
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["head_mask.parquet", "prune.json"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["head_mask.parquet", "prune.html", "prune.json"]
     assert not (tmp_path / ".r.partial").exists()
 
 

@@ -297,3 +297,20 @@ def test_ruff_knows_every_support_module_as_local():
     listed = pyproject["tool"]["ruff"]["lint"]["isort"]["known-local-folder"]
     support = sorted(path.stem for path in (PACKAGE.parent / "tests" / "support").glob("*.py"))
     assert sorted(listed) == support
+
+
+def test_one_function_tells_a_conv1d_from_a_linear():
+    """GPT-2's Conv1D holds its weight (in, out), a Linear (out, in): only model/projection.py's `linear_weight` (and
+    its input-feature check) tells them apart, and no module transposes a projection's `.weight` itself. In code: a
+    string "Conv1D" or a `.weight.T` anywhere else fails here (comments and docstrings may name it)."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "headscope.model.projection":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = isinstance(node, ast.Constant) and node.value == "Conv1D"
+            transposed = (isinstance(node, ast.Attribute) and node.attr in ("T", "mT")
+                          and isinstance(node.value, ast.Attribute) and node.value.attr == "weight")  # fmt: skip
+            if named or transposed:
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, offenders
