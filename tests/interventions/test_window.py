@@ -225,3 +225,39 @@ def test_window_removal_on_smollm2_and_long_texts_equals_the_masked_computation(
         assert effect.clean_loss == pytest.approx(clean, abs=CLOSE)
         assert effect.ablated_loss == pytest.approx(windowed_loss(smollm2.lm, ids, group, sink=2, window=16), abs=CLOSE)
     assert found.effects[1].delta > 10 * CLOSE  # induction heads read far back: windowing them costs
+
+
+@pytest.mark.parametrize("block_bytes", [None, 1024])  # the model's own probabilities; the fused pass's row blocks
+@pytest.mark.first_case_fast
+def test_far_mass_is_the_mass_a_window_drops_in_the_models_own_attention(tiny_lm, corpus_lines, block_bytes):
+    """analyze's far_mass on GPT-2, the grouped-KV Llama and Gemma 2 (layer 0 in a sliding window of 4 keys, softcapped)
+    against the model's own eager attention, one sentence at a time in float64: over the rows t >= S + W that see a
+    key s >= S with t - s >= W, the mean of their mass there. On Gemma's sliding layer a row sees far keys only inside
+    its own window, and a row that sees none is not counted. far_mass is read from the keys it keeps (1 less their
+    mass): float32's bound for a row's sum of at most n probabilities is n * 2^-24 each way."""
+    _, loaded = tiny_lm
+    texts = sentences(loaded, corpus_lines)
+    sink, window = 1, 3
+    sized = {} if block_bytes is None else {"block_bytes": block_bytes}
+    report = headscope.analyze(loaded, texts, stream_sink=sink, stream_window=window, bootstrap=0, probes=False,
+                               charts=None, page=False, **sized)  # fmt: skip
+    paths = " ".join(report.run["attention_implementation"].values())
+    assert ("fused" in paths) == (block_bytes is not None), paths
+    far_sum, rows, longest = None, None, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([loaded.tokenizer(text)["input_ids"]])
+            n = ids.shape[1]
+            longest = max(longest, n)
+            t, s = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            far = (s >= sink) & (t - s >= window)  # (n, n)
+            attention = torch.stack(loaded.model(ids, output_attentions=True).attentions)[:, 0].double()
+            seen = far & (attention > 0)  # (layers, heads, n, n): softcapped or small scores never underflow
+            counted = seen.any(-1)  # (layers, heads, n)
+            mass = torch.where(counted, (attention * far).sum(-1), 0.0).sum(-1)
+            far_sum = mass if far_sum is None else far_sum + mass
+            rows = counted.sum(-1) if rows is None else rows + counted.sum(-1)
+    expected = (far_sum / rows).numpy()
+    got = report.heads.pivot(index="layer", columns="head", values="far_mass").to_numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2 * longest * 2**-24)
+    assert np.ptp(expected) > 0.05  # heads differ: a far_mass of any constant would fail
