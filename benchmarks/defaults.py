@@ -46,10 +46,7 @@ WORKLOADS = ("long-1024", "long-8192", "sentences")
 # Every feature analyze runs by default (RunConfig), and the option that turns it off.
 EACH_DEFAULT = {"exemplars": {"exemplars": 0}, "probes": {"probes": False}, "copying": {"copying": False},
                 "bootstrap": {"bootstrap": 0}, "sentence_heads": {"sentence_heads": False},
-                "check_dormant": {"check_dormant": False}}  # fmt: skip
-# Features off by default (each with the reason in the docs), and the option that turns each on: --features names them
-# too, and their cost is how much longer the run with the feature takes than the defaults.
-OFF_BY_DEFAULT = {"far_mass": {"stream_window": 64}}
+                "check_dormant": {"check_dormant": False}, "far_mass": {"stream_window": 0}}  # fmt: skip
 
 
 def long_text(loaded, length: int, every_default: bool = False):
@@ -114,9 +111,12 @@ def main() -> None:
     parser.add_argument(
         "--features",
         default=",".join(EACH_DEFAULT),
-        help=f"with --each-default: only these (and those off by default: {', '.join(OFF_BY_DEFAULT)})",
+        help="with --each-default: only these",
     )
     args = parser.parse_args()
+    unknown = set(args.features.split(",")) - set(EACH_DEFAULT)
+    if unknown:
+        parser.error(f"--features: no default named {', '.join(sorted(unknown))} (one of {', '.join(EACH_DEFAULT)})")
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet_transformers(show_progress=False)
@@ -136,10 +136,7 @@ def main() -> None:
             if args.each_default:
                 features = args.features.split(",")
                 runs = {"sdpa forward": floor, "defaults": analyze}
-                runs |= {f"without {name}": functools.partial(analyze, **EACH_DEFAULT[name])
-                         for name in features if name in EACH_DEFAULT}  # fmt: skip
-                runs |= {f"with {name}": functools.partial(analyze, **OFF_BY_DEFAULT[name])
-                         for name in features if name in OFF_BY_DEFAULT}  # fmt: skip
+                runs |= {f"without {name}": functools.partial(analyze, **EACH_DEFAULT[name]) for name in features}
             for run in runs.values():  # warm-up: first calls, checks, kernels
                 run()
             seconds = {name: [] for name in runs}
@@ -151,7 +148,6 @@ def main() -> None:
             for name, values in seconds.items():
                 median = statistics.median(values)
                 cost = f"{everything / median - 1:+.1%}" if name.startswith("without") else ""
-                cost = f"{median / everything - 1:+.1%}" if name.startswith("with ") else cost
                 rows.append((workload, name, median, floor_median / median, cost, values))
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
     print("| workload | run | seconds (median) | × sdpa forward | the feature's cost | runs (s) |")

@@ -98,11 +98,12 @@ class RunConfig:
         None, "Cut each sentence or text to this many tokens (default: the model's limit)."
     )
     window: int = setting(2, "Diagonal metric: mass within +-WINDOW positions of the query.")
-    # Off by default: its targets are every key of a row but the last W and the first S, so the C++ kernel reads a run
-    # as long as the row (+30% on one 8,192-token text, benchmarks/README.md); 64 is the usual streaming window.
+    # 64: the usual streaming window. Read from the S + W keys a row keeps, far_mass costs a fixed amount per row
+    # (within noise of nothing on one 8,192-token text, benchmarks/README.md); on sentences of at most S + W tokens
+    # it is NaN and costs nothing.
     stream_window: int = setting(
-        0,
-        "far_mass: the recent keys a streaming KV cache keeps, the row's own included, e.g. 64 (0: no far_mass).",
+        64,
+        "far_mass: the recent keys a streaming KV cache keeps, the row's own included (0: no far_mass).",
     )
     stream_sink: int = setting(DEFAULT_SINK, "far_mass: the sentence's first keys a streaming KV cache keeps too.")
     batch_size: int | None = setting(
