@@ -59,7 +59,7 @@ class KeyPatterns:
         has = row_class >= 0
         # the run starts `reach` keys before the row's own (at its class's first key, where that is further), and
         # ends `lag` keys before it (after it, for lag 0)
-        lags, reaches = lag.view(-1, 1, 1).long(), reach.view(-1, 1, 1).to(positions.device)
+        lags, reaches = (value.view(-1, 1, 1).long().to(positions.device) for value in (lag, reach))
         low = torch.where(has, row_class * t + (positions - reaches).clamp(min=0), -2 * t)
         high = torch.where(has, row_class * t + positions - lags, -2 * t)
         run_begin = torch.searchsorted(ordered, low, side="left")
@@ -68,7 +68,7 @@ class KeyPatterns:
         start = seq_start.view(1, batch, 1)
         first_in_reach = (start <= positions - lags) & (start >= positions - reaches)
         first_target = has & (first_class == row_class) & first_in_reach
-        return cls(key_class, row_class, lag.long(), reaches.view(-1), sorted_keys, run_begin, run_end, first_target)
+        return cls(key_class, row_class, lags.view(-1), reaches.view(-1), sorted_keys, run_begin, run_end, first_target)
 
     @property
     def count(self) -> int:
