@@ -355,7 +355,11 @@ def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter)
         write_json(found.kv_policy, folder / KV_POLICY_RECORD)
     record = found.record
     write_json(record, folder / PRUNE_RECORD)
-    write_page(prune_page(record, found.kv_policy), folder / PRUNE_PAGE)
+    try:  # a view of prune.json: where it cannot be written (a full disk: the page carries plotly.js), say so
+        write_page(prune_page(record, found.kv_policy), folder / PRUNE_PAGE)
+    except (OSError, OutputError) as err:
+        why = str(err) if isinstance(err, OutputError) else one_line(err)
+        reporter.warn(f"{why}: {PRUNE_PAGE} is left out; prune.json and head_mask.parquet are written")
     if charts:
         from headscope.report.prune_chart import draw_prune_chart
 

@@ -45,7 +45,7 @@ def streaming_heads(record: dict, policy: dict) -> Figure:
     states = head_states(record, policy)
     layers, heads, kv_heads = len(policy["layers"]), max(states["head"]) + 1, max(states["kv_head"]) + 1
     grid = np.array([POLICY_STATES.index(state) for state in states["state"]]).reshape(layers, heads)
-    fig = Figure(figsize=(max(7.5, 0.35 * heads + 2.5), max(3.5, 0.22 * len(layers) + 1.5)), layout="constrained")
+    fig = Figure(figsize=(max(7.5, 0.35 * heads + 2.5), max(3.5, 0.22 * layers + 1.5)), layout="constrained")
     ax = fig.subplots()
     ax.imshow(grid, cmap=ListedColormap(POLICY_COLOURS), vmin=0, vmax=2, aspect="auto", interpolation="nearest")
     for boundary in range(heads // kv_heads, heads, heads // kv_heads):  # the query heads that share a KV head
@@ -53,10 +53,10 @@ def streaming_heads(record: dict, policy: dict) -> Figure:
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(heads))
-    ax.set_yticks(range(0, len(layers), max(1, len(layers) // 15)))
+    ax.set_yticks(range(0, layers, max(1, layers // 15)))
     for label, colour in zip(POLICY_STATES, POLICY_COLOURS, strict=True):
         ax.plot([], [], "s", color=colour, markersize=8, label=label)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / max(len(layers), 1)), ncol=3, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / max(layers, 1)), ncol=3, fontsize=8)
     query, kv = policy["query_heads"], policy["kv_heads"]
     ax.set_title(f"{title_text(policy['model']['name'])}: {query['windowed']} of {query['total']} heads windowed "
                  f"to the first {policy['sink']} and last {policy['window']} keys\n{kv['windowed']} of {kv['total']} "

@@ -107,6 +107,8 @@ def test_a_full_disk_while_prune_saves_the_model_keeps_the_search(tmp_path):
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("Error: the pruned model was not saved") and "File too large" in last, stderr
     assert f"were written to {out}" in last and "Traceback" not in stderr
+    # the page (plotly.js inside) is over the limit too: said, and left out, and the search is still published
+    assert "prune.html is left out" in stderr and not (out / "prune.html").exists()
     record = json.loads((out / "prune.json").read_text())
     assert "File too large" in record["saved_model"]["error"] and (out / "head_mask.parquet").is_file()
     assert not saved.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
