@@ -27,10 +27,11 @@ Modules:
     layout          What each kind of folder headscope writes holds, and how to tell one from anything else
     output          Output folders: all files appear together or not at all
     progress        Progress reporting, the contract
+    registry        Every command once: its CLI function, library function, output kind and default folder
     summary         Small pure summaries of the heads table shared by the CLI and the charts
     tables          Column schemas of every output table, in one place, and atomic Parquet I/O
     cli/            The `headscope` command: one module per command (options -> settings -> library call -> printout)
-    commands/       The library's commands: one module per command (analyze, inspect, ablate, prune, patch)
+    commands/       The library's commands: one module per command (analyze, inspect, ablate, prune, patch, ...)
     interventions/  Heads changed on purpose: how a head is removed, the loss with heads removed, importance, ablate
     measures/       Measurements that ride on a forward pass, peers behind `headscope.model.capture.Measure`
     model/          Everything that touches the model
@@ -43,42 +44,21 @@ from importlib import metadata
 
 from headscope.config import RunConfig, Thresholds
 from headscope.errors import HeadscopeError
+from headscope.registry import exports
 
 try:
     __version__ = metadata.version("headscope")
 except metadata.PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0+unknown"
 
-_LAZY = {
-    "analyze": "headscope.commands.analyze",
-    "inspect": "headscope.commands.inspect",
-    "ablate": "headscope.commands.ablate",
-    "prune": "headscope.commands.prune",
-    "patch": "headscope.commands.patch",
-    "circuit": "headscope.commands.circuit",
-    "copying": "headscope.commands.copying",
-    "Report": "headscope.report.report",
-    "load_model": "headscope.model.loading",
-}
+# every command with a library function (registry.py), and the two entry points that are not commands
+_LAZY = {**exports(), "Report": "headscope.report.report", "load_model": "headscope.model.loading"}
 
-__all__ = [
-    "HeadscopeError",
-    "Report",
-    "RunConfig",
-    "Thresholds",
-    "__version__",
-    "ablate",
-    "analyze",
-    "circuit",
-    "copying",
-    "inspect",
-    "load_model",
-    "patch",
-    "prune",
-]
+__all__ = ["HeadscopeError", "Report", "RunConfig", "Thresholds", "__version__", "load_model", *exports()]
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    where = _LAZY.get(name) or exports().get(name)  # exports(): a command registered since, too
+    if where is not None:
+        return getattr(importlib.import_module(where), name)
     raise AttributeError(f"module 'headscope' has no attribute {name!r}")

@@ -343,6 +343,21 @@ def settings_from_command_line(values: dict) -> RunConfig:
 _PARSERS = {"batch_size": parse_batch_size, "max_memory": parse_bytes, "layers": parse_layers}
 
 
+def label_rules_from_command_line(values: dict, base: tuple | None = None) -> tuple[Thresholds, RoleThresholds]:
+    """The head-type and role rules from a command's option values, by name (a role rule's option is its field
+    with `role_` before it): each one given (not None) replaces `base`'s (default: the defaults). Other names are
+    left."""
+    thresholds, roles = base or (Thresholds(), RoleThresholds())
+    given = {name: value for name, value in values.items() if value is not None}
+    type_rules = {item.name for item in dataclasses.fields(Thresholds)} & set(given)
+    role_rules = {item.name for item in dataclasses.fields(RoleThresholds)}
+    role_rules &= {name.removeprefix("role_") for name in given if name.startswith("role_")}
+    return (
+        dataclasses.replace(thresholds, **{name: given[name] for name in type_rules}),
+        dataclasses.replace(roles, **{name: given[f"role_{name}"] for name in role_rules}),
+    )
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Head-type rule, checked in this order: local, copy, broad, else mixed.

@@ -5,17 +5,16 @@ Every command that writes a folder writes one of these kinds, each recognised by
 (`plot --out`: plot.json), an inspection (`inspect`: inspect.json), an ablation (`ablate`: ablation.json), a
 patching (`patch`: patch.json), a pruning (`prune`: prune.json) and a pruned model (`prune --save-model`:
 pruned.json).
-`why_not_replaceable(folder, kind)` is the one rule every writing command follows: a folder is written only
-when it is empty or missing, and replaced (with --overwrite) only when it is a headscope folder of the same kind,
-holding nothing but the files that kind writes. These lists are the files headscope may ever replace or delete.
+Each command's entry in registry.py names the kinds it writes (a `Kind`: its record and every other file), and
+`output.why_not_replaceable` is the one rule every writing command follows: a folder is written only when it is
+empty or missing, and replaced (with --overwrite) only when it is a headscope folder of the same kind, holding
+nothing but the files that kind writes. These lists are the files headscope may ever replace or delete.
 No third-party imports: an output folder is checked before anything heavy loads.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from headscope.config import CHART_FORMATS
 
@@ -113,60 +112,3 @@ class Kind:
     def holds(self, name: str) -> bool:
         stem, _, extension = name.rpartition(".")
         return name == self.record or name in self.files or (stem in self.charts and extension in CHART_FORMATS)
-
-
-KINDS = {
-    "report": Kind("a headscope report", RUN_FILE, (*TABLE_FILES, PAGE_FILE), CHART_NAMES),
-    "comparison": Kind("a headscope comparison", COMPARE_RECORD, (*COMPARE_TABLES, COMPARE_PAGE), COMPARE_CHARTS),
-    "charts": Kind("a headscope chart folder", PLOT_RECORD, (PAGE_FILE,), CHART_NAMES),
-    "inspection": Kind("a headscope inspection", INSPECT_RECORD, (ATTENTION_FILE, TOKENS_FILE, INSPECT_PAGE, QK_FILE)),
-    "ablation": Kind("a headscope ablation", ABLATION_RECORD, ()),
-    "patching": Kind("a headscope patching", PATCH_RECORD, (PATCHING_FILE, PATCHING_PAIRS_FILE), PATCH_CHARTS),
-    "pruning": Kind("a headscope pruning", PRUNE_RECORD, (HEAD_MASK_FILE, KV_POLICY_RECORD, PRUNE_PAGE), PRUNE_CHARTS),
-    "circuit": Kind(
-        "a headscope circuit",
-        CIRCUIT_RECORD,
-        (EDGES_FILE, NODES_FILE, EDGES_BY_ROLE_FILE, CIRCUIT_WHY_FILE, CIRCUIT_PAGE),
-        CIRCUIT_CHARTS,
-    ),
-    "model": Kind("a headscope pruned model", PRUNED_MODEL_RECORD, CHECKPOINT_FILES, option="--save-model"),
-}
-
-
-def kind_of(folder: Path) -> str | None:
-    """The kind of headscope folder `folder` is, by the record file in it (None: none of them)."""
-    for name, kind in KINDS.items():
-        if (folder / kind.record).is_file():
-            return name
-    return None
-
-
-def why_not_replaceable(folder: Path, kind: str) -> str | None:
-    """None when `folder` is empty, or a headscope folder of `kind` holding only files that kind writes;
-    otherwise what makes it something else (for a message: "--out X is not ... (REASON)")."""
-    entries = sorted(folder.iterdir())
-    if not entries:
-        return None
-    found = kind_of(folder)
-    if found is not None and found != kind:
-        return f"it holds {KINDS[found].name}, and this command writes {KINDS[kind].name}"
-    wanted = KINDS[kind]
-    foreign = [entry.name for entry in entries if entry.is_symlink() or not entry.is_file()]
-    foreign += [entry.name for entry in entries if entry.is_file() and not wanted.holds(entry.name)]
-    if foreign:
-        shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
-        return f"it holds files headscope did not write ({shown})"
-    record = folder / wanted.record
-    if not record.is_file():
-        return f"it has no {wanted.record}"
-    try:
-        content = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return f"its {wanted.record} is unreadable"
-    if not isinstance(content, dict):
-        return f"its {wanted.record} was not written by headscope"
-    versions = content.get("versions") if isinstance(content.get("versions"), dict) else {}
-    # Reports from before schema_version existed carry headscope's version instead.
-    if not ("schema_version" in content or "headscope" in versions):
-        return f"its {wanted.record} was not written by headscope"
-    return None

@@ -7,7 +7,8 @@ is complete. The rules, each checked before any work starts and again, atomicall
 - the target is resolved first (a symlink is followed: the link keeps pointing at the new folder);
 - it may not be the current folder, one holding it, or one holding an input (the model, the corpus, a report);
 - an existing, non-empty target is replaced only with `overwrite`, and only when it is a headscope folder of
-  the kind the command writes (`layout.why_not_replaceable`): a folder holding anything else is never deleted;
+  the kind the command writes (`why_not_replaceable`, over registry.py's kinds): a folder holding anything else is
+  never deleted;
 - every work folder headscope makes holds a marker naming the run that made it (and locked while it lives); a
   later run removes leftovers beside its target only when their marker proves headscope made them for that
   target and their run is gone, and never finds them by a pattern built from the target's name;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -41,15 +43,8 @@ from headscope.files import (
     remove_quietly,
     signals_held,
 )
-from headscope.layout import (
-    CIRCUIT_PATCHED,
-    CIRCUIT_RECORD,
-    CIRCUIT_SCORES,
-    KINDS,
-    PRUNE_JOURNAL,
-    PRUNE_RECORD,
-    why_not_replaceable,
-)
+from headscope.layout import CIRCUIT_PATCHED, CIRCUIT_RECORD, CIRCUIT_SCORES, PRUNE_JOURNAL, PRUNE_RECORD
+from headscope.registry import kinds, resumable_kinds
 
 _WORK_SUFFIX = re.compile(r"(staging|old)-\d+|partial")  # .<target>.<suffix>
 
@@ -82,7 +77,7 @@ def check_target(
     """Refuse an output folder headscope must not write (see the module's rules). `target` is resolved;
     `protected` maps a description ("the model", "the corpus") to a path that must survive the run; resumable:
     this run continues (or starts) the checkpoint beside the target."""
-    option = KINDS[kind].option
+    option = kinds()[kind].option
     try:
         _check_target(target, kind, option, overwrite, protected, resumable)
     except OSError as err:  # a name too long, a folder that cannot be read: one line naming the option's path
@@ -113,7 +108,7 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
             raise OutputError(f"{option} {target} holds {what} ({path}); choose another output folder")
     if target.exists() and not target.is_dir():
         raise OutputError(f"output path {target} exists and is not a folder")
-    _check_checkpoint(target, option, kind, continuing=resumable and kind in RESUMABLE_KINDS)
+    _check_checkpoint(target, option, kind, continuing=resumable and kind in resumable_kinds())
     if not target.is_dir():
         return
     try:
@@ -121,17 +116,16 @@ def _check_target(target: Path, kind: str, option: str, overwrite: bool, protect
         empty = not any(target.iterdir())
     except OSError as err:
         raise OutputError(f"cannot read output folder {target}: {err.strerror or err}") from None
+    name = kinds()[kind].name
     if reason is not None:
         raise OutputError(
-            f"output folder {target} is not {KINDS[kind].name} ({reason}); --overwrite replaces only "
-            f"{KINDS[kind].name}, so choose another {option}"
+            f"output folder {target} is not {name} ({reason}); --overwrite replaces only {name}, so choose another "
+            f"{option}"
         )
     if not empty and not overwrite:
-        raise OutputError(f"output folder {target} holds {KINDS[kind].name}; pass --overwrite to replace it")
+        raise OutputError(f"output folder {target} holds {name}; pass --overwrite to replace it")
 
 
-# the kinds a run checkpoints, and the command
-RESUMABLE_KINDS = {"report": "analyze", "pruning": "prune", "circuit": "circuit"}
 # the files that say which command's checkpoint a work folder is (none of these: analyze's)
 CHECKPOINT_OWNERS = {
     "prune": (PRUNE_JOURNAL, PRUNE_RECORD),
@@ -161,12 +155,51 @@ def _check_checkpoint(target: Path, option: str, kind: str, *, continuing: bool)
     # sets (its record); analyze's are part files and sums
     owner = next((command for command, names in CHECKPOINT_OWNERS.items()
                   if any((checkpoint / name).exists() for name in names)), "analyze")  # fmt: skip
-    if continuing and owner == RESUMABLE_KINDS[kind]:
+    if continuing and owner == resumable_kinds()[kind]:
         return
     raise OutputError(
         f"{checkpoint} holds the checkpoint of an interrupted `headscope {owner}` run into {target}; "
         f"continue it (the same command with --resume), delete that folder, or choose another {option}"
     )
+
+
+def kind_of(folder: Path) -> str | None:
+    """The kind of headscope folder `folder` is, by the record file in it (None: none of them)."""
+    for name, kind in kinds().items():
+        if (folder / kind.record).is_file():
+            return name
+    return None
+
+
+def why_not_replaceable(folder: Path, kind: str) -> str | None:
+    """None when `folder` is empty, or a headscope folder of `kind` holding only files that kind writes;
+    otherwise what makes it something else (for a message: "--out X is not ... (REASON)")."""
+    entries = sorted(folder.iterdir())
+    if not entries:
+        return None
+    found = kind_of(folder)
+    if found is not None and found != kind:
+        return f"it holds {kinds()[found].name}, and this command writes {kinds()[kind].name}"
+    wanted = kinds()[kind]
+    foreign = [entry.name for entry in entries if entry.is_symlink() or not entry.is_file()]
+    foreign += [entry.name for entry in entries if entry.is_file() and not wanted.holds(entry.name)]
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+        return f"it holds files headscope did not write ({shown})"
+    record = folder / wanted.record
+    if not record.is_file():
+        return f"it has no {wanted.record}"
+    try:
+        content = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"its {wanted.record} is unreadable"
+    if not isinstance(content, dict):
+        return f"its {wanted.record} was not written by headscope"
+    versions = content.get("versions") if isinstance(content.get("versions"), dict) else {}
+    # Reports from before schema_version existed carry headscope's version instead.
+    if not ("schema_version" in content or "headscope" in versions):
+        return f"its {wanted.record} was not written by headscope"
+    return None
 
 
 class StagedDirectory:
@@ -187,7 +220,7 @@ class StagedDirectory:
         protected: Mapping[str, Path] | None = None,
         notify: Callable[[str], None] | None = None,
     ) -> None:
-        """kind: what the folder will be (layout.KINDS); resumable: the work folder has a fixed name and survives
+        """kind: what the folder will be (registry.kinds()); resumable: the work folder has a fixed name and survives
         a failed or interrupted run, so that a later run can continue from the checkpoint inside it; continuing:
         this run may take such a checkpoint (default: `resumable`; otherwise one left there is refused); notify(text):
         told of each leftover of a killed run that entering removes (the command's reporter's note)."""
@@ -213,7 +246,7 @@ class StagedDirectory:
                 if busy or (self.path.is_dir() and held(self.path)):
                     raise OutputError(
                         f"another headscope run is writing {self.target} (its work folder {(busy or [self.path])[0]} "
-                        f"is in use); wait for it to finish or choose another {KINDS[self.kind].option}"
+                        f"is in use); wait for it to finish or choose another {kinds()[self.kind].option}"
                     )
                 if self.path.exists() and not (self.path.is_dir() and ours(self.path, self.target)):
                     raise OutputError(f"{self.path} is in the way and headscope did not make it; move it away")

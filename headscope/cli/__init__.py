@@ -21,6 +21,7 @@ Modules:
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -28,10 +29,6 @@ import sys
 import typer
 
 import headscope.cli.options as o
-from headscope.cli.ablate import ablate
-from headscope.cli.analyze import analyze
-from headscope.cli.circuit import circuit
-from headscope.cli.classify import classify
 from headscope.cli.common import (
     INTERRUPTED,
     OneLineErrors,
@@ -42,30 +39,32 @@ from headscope.cli.common import (
     raise_terminated,
     say,
 )
-from headscope.cli.compare import compare
-from headscope.cli.copying import copying
-from headscope.cli.inspect import inspect
-from headscope.cli.patch import patch
-from headscope.cli.plot import plot
-from headscope.cli.prune import prune
+from headscope.registry import commands
 
-app = typer.Typer(
-    cls=OneLineErrors,
-    help="Measure, classify and chart every attention head of a Hugging Face causal language model.",
-    no_args_is_help=True,
-    add_completion=True,  # --install-completion and --show-completion for bash, zsh, fish and PowerShell
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # click's plain help: whole option names at 80 columns (rich's table cut them)
-)
+ABOUT = "Measure, classify and chart every attention head of a Hugging Face causal language model."
 
 
-@app.callback()
-def _commands(version: o.Version = False) -> None:
-    """Measure, classify and chart every attention head of a Hugging Face causal language model."""
+def build_app() -> typer.Typer:
+    """The `headscope` program: every command registry.py lists, in its order, each from its CLI module."""
+    built = typer.Typer(
+        cls=OneLineErrors,
+        help=ABOUT,
+        no_args_is_help=True,
+        add_completion=True,  # --install-completion and --show-completion for bash, zsh, fish and PowerShell
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,  # click's plain help: whole option names at 80 columns (rich's table cut them)
+    )
+
+    @built.callback(help=ABOUT)
+    def _commands(version: o.Version = False) -> None:
+        pass
+
+    for entry in commands():
+        built.command(entry.name, cls=PanelledCommand)(getattr(importlib.import_module(entry.cli), entry.name))
+    return built
 
 
-for command in (analyze, classify, plot, compare, inspect, ablate, patch, prune, circuit, copying):
-    app.command(cls=PanelledCommand)(command)
+app = build_app()
 
 
 def main() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import typer
 
 import headscope.cli.options as o
-from headscope.cli.common import seams, usage_errors, user_errors
+from headscope.cli.common import seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS, o.BOOTSTRAP_OPTIONS, o.output("ablate"))
 def ablate(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -22,22 +22,15 @@ def ablate(
     loss_on: o.LossOn = o.DEFAULT_LOSS_ON,
     pairs: o.AblatePairs = None,
     corpus: o.Corpus = None,
-    out: o.OutAblate = None,
-    overwrite: o.Overwrite = False,
-    bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
-    bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
     **options,
 ) -> None:
     """Remove groups of heads together and measure the loss they cost, with a 95% interval (ablation.json)."""
-    from pathlib import Path
-
     from headscope.arguments import parse_heads
     from headscope.cli.printing import print_ablation
     from headscope.commands.ablate import ablate as run_ablation
     from headscope.commands.ablate import check_request
     from headscope.config import settings_from_command_line
     from headscope.interventions.removal import window_of
-    from headscope.model.loading import resolve_source
     from headscope.run.distributed import ranks_from_env
 
     reporter, loader = seams(ctx)
@@ -59,8 +52,7 @@ def ablate(
             sink=kept_sink,
             loss_on=loss_on.value,
             pairs=pairs,
-            out=out or Path("reports") / f"ablate-{resolve_source(model).slug}",
-            overwrite=overwrite,
+            **written(ctx, model=model),
             config=settings,
             reporter=reporter,
             **loader,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import typer
 
 import headscope.cli.options as o
-from headscope.cli.common import seams, usage_errors, user_errors
+from headscope.cli.common import seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.BOOTSTRAP_OPTIONS, o.output("circuit"), o.RESUME_OPTIONS, o.CHART_OPTIONS)
 def circuit(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -23,25 +23,15 @@ def circuit(
     by_role: o.ByRole = False,
     why: o.CircuitWhy = 0,
     report: o.Report = None,
-    out: o.OutCircuit = None,
-    overwrite: o.Overwrite = False,
-    resume: o.Resume = False,
-    charts: o.Charts = True,
-    chart_format: o.Format = o.DEFAULT_FORMAT,
-    bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
-    bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
     **options,
 ) -> None:
     """Score every edge between components (EAP-IG or EAP) and each component's direct logit attribution on prompt
     pairs (edges.parquet, nodes.parquet)."""
-    from pathlib import Path
-
     from headscope.cli.printing import print_circuit
     from headscope.commands.circuit import check_request
     from headscope.commands.circuit import circuit as run_circuit
     from headscope.commands.circuit_why import check_count
     from headscope.config import settings_from_command_line
-    from headscope.model.loading import resolve_source
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
@@ -61,10 +51,7 @@ def circuit(
             by_role=by_role,
             why=why,
             report=report,
-            out=out or Path("reports") / f"circuit-{resolve_source(model).slug}",
-            overwrite=overwrite,
-            resume=resume,
-            charts=chart_format.value if charts else None,
+            **written(ctx, model=model),
             config=settings,
             reporter=reporter,
             **loader,

@@ -68,7 +68,7 @@ class PanelledCommand(TyperCommand):
             if param.param_type_name == "argument":
                 arguments.append(record)
             else:
-                panels[getattr(param, "rich_help_panel", None) or "Options"].append(record)
+                panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
         for title, records in (("Arguments", arguments), *panels.items()):
             if records:
                 with formatter.section(title):
@@ -177,6 +177,31 @@ def user_errors(ctx: typer.Context):
             raise  # a bug: its traceback is the report
         say(f"Error: cannot write the output: {refused}", err=True)
         raise typer.Exit(1) from None
+
+
+def chart_format(params: dict) -> str | None:
+    """The charts' format the output bundle's --format and --charts ask for: None with --no-charts."""
+    return params["chart_format"].value if params.get("charts", True) else None
+
+
+def written(ctx: typer.Context, *, model: str | None = None, **names: str) -> dict:
+    """The library call's output arguments, from the output bundles' options the command took (cli/options.py):
+    `out` (the command's default folder in registry.py when not given, named after `model`'s slug or `names`),
+    `overwrite`, `resume`, `page`, and `charts` (the format, or None with --no-charts)."""
+    from headscope.registry import command
+
+    params = ctx.params
+    found = {name: params[name] for name in ("overwrite", "resume", "page") if name in params}
+    if "chart_format" in params:
+        found["charts"] = chart_format(params)
+    if "out" in params:
+        entry = command(ctx.command.name)
+        if model is not None:
+            from headscope.model.loading import resolve_source
+
+            names["model"] = resolve_source(model).slug
+        found["out"] = params["out"] or (entry.default_out(**names) if entry.folder else None)
+    return found
 
 
 def seams(ctx: typer.Context) -> tuple:

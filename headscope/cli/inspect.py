@@ -5,10 +5,10 @@ from __future__ import annotations
 import typer
 
 import headscope.cli.options as o
-from headscope.cli.common import seams, usage_errors, user_errors
+from headscope.cli.common import seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS, o.output("inspect"), o.PAGE_OPTIONS, o.PROBE_ROLE_RULE)
 def inspect(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -22,33 +22,26 @@ def inspect(
     exemplars_of: o.ExemplarsOf = None,
     why: o.Why = None,
     layers: o.Layers = o.DEFAULTS.layers,
-    out: o.OutInspect = None,
-    overwrite: o.Overwrite = False,
-    page: o.Page = True,
     probe_length: o.ProbeLength = o.DEFAULTS.probe_length,
     probe_seeds: o.ProbeSeeds = o.DEFAULTS.probe_seeds,
-    role_probe_min: o.RoleProbeMin = o.ROLE_THRESHOLDS.probe_min,
     **options,
 ) -> None:
     """Show chosen heads' attention on chosen texts, token by token (attention.parquet, inspect.html)."""
-    from pathlib import Path
-
     from headscope.arguments import parse_heads, parse_ids
     from headscope.cli.printing import print_inspection
     from headscope.commands.exemplar_texts import report_as_model
     from headscope.commands.inspect import check_request, one_head
     from headscope.commands.inspect import inspect as run_inspection
     from headscope.commands.why_rows import as_why, check_why
-    from headscope.config import RoleThresholds, settings_from_command_line
+    from headscope.config import label_rules_from_command_line, settings_from_command_line
     from headscope.errors import ConfigError
-    from headscope.model.loading import resolve_source
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         chosen = tuple(sorted({head for text in heads or () for head in parse_heads(text)}))
         ids = parse_ids(sentences, "--sentences") if sentences is not None else ()
-        roles = RoleThresholds(probe_min=role_probe_min)
+        _, roles = label_rules_from_command_line(ctx.params)
         if corpus is not None and sentences is None and exemplars_of is None:
             raise ConfigError("--corpus needs --sentences (the ids of the sentences to inspect, e.g. 0,5)")
         probes = [p.value for p in probe or ()]
@@ -71,9 +64,7 @@ def inspect(
             report=report,
             exemplars=exemplar_head,
             why=[request.name for request in asked],
-            out=out or Path("reports") / f"inspect-{resolve_source(model).slug}",
-            overwrite=overwrite,
-            page=page,
+            **written(ctx, model=model),
             config=settings,
             role_thresholds=roles,
             reporter=reporter,

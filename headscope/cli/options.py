@@ -5,6 +5,7 @@ field's (`DEFAULTS`). Choices come from config's lists, as str Enums Typer shows
 
 from __future__ import annotations
 
+import functools
 import inspect
 from enum import Enum
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from headscope import registry
 from headscope.columns import PROBE_PATTERNS
 from headscope.config import (
     CHART_FORMATS,
@@ -366,17 +368,14 @@ Version = Annotated[
 # ---------------------------------------------------------------- outputs
 
 
-def _out(default: str):
-    """--out, as one command takes it: the same option, the command's own default in its help."""
-    return Annotated[Path | None, typer.Option("--out", help=f"Output folder. Default: {default}.")]
-
-
-OutAnalyze = _out("reports/<model>")
-OutInspect, OutAblate = _out("reports/inspect-<model>"), _out("reports/ablate-<model>")
-OutPatch, OutPrune = _out("reports/patch-<model>"), _out("reports/prune-<model>")
-OutCircuit = _out("reports/circuit-<model>")
-OutCompare = _out("reports/compare-<A>-vs-<B>")
-OutRewrite = _out("REPORT itself, rewritten in place (atomically); a folder here is a new report instead")
+OutRewrite = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        help="Output folder. Default: REPORT itself, rewritten in place (atomically); a folder here is a new "
+        "report instead.",
+    ),
+]
 Overwrite = Annotated[bool, typer.Option(help="Replace a folder this command wrote before (and nothing else).")]
 Resume = Annotated[
     bool, typer.Option(help="Checkpoint as it goes; after an interruption, the same command with --resume continues.")
@@ -409,9 +408,7 @@ in_panel("Measures", Window, StreamWindow, StreamSink, Layers, SinkThreshold, Pr
          RetrievalLength, Copying, Importance, CheckDormant, DormantTolerance, SentenceHeads, Examples, Exemplars,
          Detectors)  # fmt: skip
 in_panel("Run", BatchSize, ChunkSentences, Bootstrap, BootstrapSeed, Replicates, Seed)
-in_panel("Output", OutAnalyze, OutCompare, OutRewrite, OutInspect, OutAblate, OutPatch, OutPrune, OutCircuit, Overwrite,
-         Resume,
-         SaveModel, Charts, Page, Format)  # fmt: skip
+in_panel("Output", OutRewrite, Overwrite, Resume, SaveModel, Charts, Page, Format)
 in_panel("Label rules", LocalMinLocality, CopyMaxNormEntropy, BroadMinNormEntropy, RoleProbeMin, RoleSinkRateMin,
          RoleDormantMaxWriteRatio, RoleOffsetShareMin, RoleStreamingMaxFarMass, RoleRetrievalMin)  # fmt: skip
 
@@ -436,6 +433,41 @@ CORPUS_OPTIONS = (
     ("text_column", TextColumn, DEFAULTS.text_column),
     ("encoding_errors", EncodingErrors, DEFAULT_ENCODING),
 )
+
+# ... of the output: --out (its help naming the command's default folder, from registry.py) and --overwrite, or
+# classify's and plot's --out, which rewrites the report in place when not given
+REWRITE_OUTPUT = (("out", OutRewrite, None), ("overwrite", Overwrite, False))
+RESUME_OPTIONS = (("resume", Resume, False),)
+FORMAT_OPTIONS = (("chart_format", Format, DEFAULT_FORMAT),)
+CHART_OPTIONS = (("charts", Charts, True), *FORMAT_OPTIONS)
+PAGE_OPTIONS = (("page", Page, True),)
+# ... of the bootstrap (settings) and the label rules: analyze labels with the defaults, classify with the report's own
+BOOTSTRAP_OPTIONS = (
+    ("bootstrap", Bootstrap, DEFAULTS.bootstrap),
+    ("bootstrap_seed", BootstrapSeed, DEFAULTS.bootstrap_seed),
+)
+PROBE_ROLE_RULE = (("role_probe_min", RoleProbeMin, ROLE_THRESHOLDS.probe_min),)  # inspect's probe roles
+LABEL_RULES = (
+    ("local_min_locality", LocalMinLocality, THRESHOLDS.local_min_locality),
+    ("copy_max_norm_entropy", CopyMaxNormEntropy, THRESHOLDS.copy_max_norm_entropy),
+    ("broad_min_norm_entropy", BroadMinNormEntropy, THRESHOLDS.broad_min_norm_entropy),
+    *PROBE_ROLE_RULE,
+    ("role_sink_rate_min", RoleSinkRateMin, ROLE_THRESHOLDS.sink_rate_min),
+    ("role_offset_share_min", RoleOffsetShareMin, ROLE_THRESHOLDS.offset_share_min),
+    ("role_dormant_max_write_ratio", RoleDormantMaxWriteRatio, ROLE_THRESHOLDS.dormant_max_write_ratio),
+    ("role_streaming_max_far_mass", RoleStreamingMaxFarMass, ROLE_THRESHOLDS.streaming_max_far_mass),
+    ("role_retrieval_min", RoleRetrievalMin, ROLE_THRESHOLDS.retrieval_min),
+)
+RECORDED_LABEL_RULES = tuple((name, recorded(rule), None) for name, rule, _ in LABEL_RULES)
+
+
+@functools.cache
+def output(command: str) -> tuple:
+    """The output bundle of `command`: --out, whose help names its default folder (registry.py), and --overwrite."""
+    entry = registry.command(command)
+    help_text = f"Output folder. Default: {entry.shown_out()}."
+    out = Annotated[Path | None, typer.Option("--out", help=help_text, rich_help_panel="Output")]
+    return (("out", out, None), ("overwrite", Overwrite, False))
 
 
 def takes(*bundles):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import typer
 
 import headscope.cli.options as o
-from headscope.cli.common import seams, usage_errors, user_errors
+from headscope.cli.common import chart_format, seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.BOOTSTRAP_OPTIONS, o.output("patch"), o.CHART_OPTIONS)
 def patch(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -22,31 +22,22 @@ def patch(
     fast: o.Fast = False,
     parts: o.Parts = False,
     report: o.Report = None,
-    out: o.OutPatch = None,
-    overwrite: o.Overwrite = False,
-    charts: o.Charts = True,
-    chart_format: o.Format = o.DEFAULT_FORMAT,
-    bootstrap: o.Bootstrap = o.DEFAULTS.bootstrap,
-    bootstrap_seed: o.BootstrapSeed = o.DEFAULTS.bootstrap_seed,
     batch_size: o.BatchSize = o.DEFAULTS.batch_size,
     **options,
 ) -> None:
     """Patch each head from the other prompt of each pair: which heads carry the behaviour (patching.parquet)."""
-    from pathlib import Path
-
     from headscope.arguments import parse_heads
     from headscope.cli.printing import print_patching
     from headscope.commands.patch import check_request
     from headscope.commands.patch import patch as run_patching
     from headscope.config import settings_from_command_line
-    from headscope.model.loading import resolve_source
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
         chosen = sorted({head for text in heads or () for head in parse_heads(text)})
         check_request(what.value, direction.value, positions.value, metric.value, fast,
-                      chart_format.value if charts else None, parts)  # fmt: skip
+                      chart_format(ctx.params), parts)  # fmt: skip
     with user_errors(ctx):
         found = run_patching(
             model,
@@ -59,9 +50,7 @@ def patch(
             fast=fast,
             parts=parts,
             report=report,
-            out=out or Path("reports") / f"patch-{resolve_source(model).slug}",
-            overwrite=overwrite,
-            charts=chart_format.value if charts else None,
+            **written(ctx, model=model),
             config=settings,
             reporter=reporter,
             **loader,

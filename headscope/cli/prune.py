@@ -5,10 +5,10 @@ from __future__ import annotations
 import typer
 
 import headscope.cli.options as o
-from headscope.cli.common import seams, usage_errors, user_errors
+from headscope.cli.common import chart_format, seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS)
+@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS, o.output("prune"), o.RESUME_OPTIONS, o.CHART_OPTIONS)
 def prune(
     ctx: typer.Context,
     model: o.ModelArgument,
@@ -17,32 +17,24 @@ def prune(
     kept_window: o.KeptWindow = None,
     kept_sink: o.KeptSink = None,
     corpus: o.Corpus = None,
-    out: o.OutPrune = None,
     save_model: o.SaveModel = None,
-    overwrite: o.Overwrite = False,
-    resume: o.Resume = False,
     max_rounds: o.MaxRounds = None,
     patience: o.Patience = o.DEFAULT_PATIENCE,
     layers: o.Layers = o.DEFAULTS.layers,
-    charts: o.Charts = True,
-    chart_format: o.Format = o.DEFAULT_FORMAT,
     **options,
 ) -> None:
     """Remove as many heads as --budget allows, every step verified (prune.json, head_mask.parquet)."""
-    from pathlib import Path
-
     from headscope.cli.printing import print_pruning
     from headscope.commands.prune import check_request
     from headscope.commands.prune import prune as run_pruning
     from headscope.config import settings_from_command_line
     from headscope.interventions.removal import window_of
-    from headscope.model.loading import resolve_source
     from headscope.run.distributed import ranks_from_env
 
     reporter, loader = seams(ctx)
     with usage_errors(ctx):
         settings = settings_from_command_line(ctx.params)
-        check_request(budget, mode.value, chart_format.value if charts else None, max_rounds=max_rounds,
+        check_request(budget, mode.value, chart_format(ctx.params), max_rounds=max_rounds,
                       patience=patience, saving=save_model is not None)  # fmt: skip
         window_of(mode.value, kept_window, kept_sink)
     with user_errors(ctx):
@@ -53,11 +45,8 @@ def prune(
             mode=mode.value,
             window=kept_window,
             sink=kept_sink,
-            out=out or Path("reports") / f"prune-{resolve_source(model).slug}",
-            overwrite=overwrite,
+            **written(ctx, model=model),
             save_model=save_model,
-            charts=chart_format.value if charts else None,
-            resume=resume,
             max_rounds=max_rounds,
             patience=patience,
             config=settings,

@@ -119,7 +119,7 @@ class CommandRun:
     def stage(
         self, out, kind: str, *, overwrite: bool, resumable: bool = False, continuing: bool | None = None
     ) -> StagedDirectory | None:
-        """The staged output folder of `kind` (layout.KINDS), every rule checked now; None without `out`. resumable:
+        """The staged output folder of `kind` (registry.kinds()), every rule checked now; None without `out`. resumable:
         its work folder keeps a checkpoint when the run fails; continuing: this run may take one an interrupted run
         kept (default: `resumable`)."""
         out = as_path(out, "out")
@@ -159,7 +159,7 @@ class CommandRun:
         also: dict[str, Path | None] | None = None,
         timings: Timings | None = None,
     ) -> Iterator[Session]:
-        """Everything a model command does around its work, in this order: `out` staged as `kind` (layout.KINDS;
+        """Everything a model command does around its work, in this order: `out` staged as `kind` (registry.kinds();
         resumable and continuing as `stage` takes them) and the offload folder checked against it and `also` (more
         outputs, by option), before anything loads; rank 0 enters the staged folder (or, without `out`, a scratch
         folder named after `scratch`, if given); under torchrun every rank joins the process group, and with

@@ -421,7 +421,7 @@ def test_a_chart_that_fails_leaves_the_report_and_says_what_was_not_drawn(plante
 def test_a_folder_each_command_writes_is_one_its_own_overwrite_replaces(name, folders, planted_gpt2, tmp_path):
     """Every file a command writes, charts and page included, is one its kind names: otherwise --overwrite refuses
     the command's own folder as "not a headscope ..." (circuit.html once was)."""
-    from headscope.layout import kind_of, why_not_replaceable
+    from headscope.output import kind_of, why_not_replaceable
 
     asked = {
         "analyze": ["--corpus", folders["corpus"], *QUICK],

@@ -388,7 +388,7 @@ def test_every_byte_of_a_users_files_survives_every_command(valid_report, plante
     """Files headscope did not write, in the output folder and beside it, named like its own or not: after any
     command, with or without --overwrite, each is byte for byte what it was (a command either refuses the
     folder, or the folder held nothing of the user's)."""
-    from headscope.layout import why_not_replaceable
+    from headscope.output import why_not_replaceable
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)

@@ -23,7 +23,7 @@ TORCH_FREE += (
     "headscope.output",
     "headscope.config",
 )
-TORCH_FREE += ("headscope.arguments", "headscope.files", "headscope.progress")
+TORCH_FREE += ("headscope.arguments", "headscope.files", "headscope.progress", "headscope.registry")
 
 
 def imports_of(name: str) -> set[str]:
@@ -81,7 +81,7 @@ FLOORS = (
     ("base", ("headscope.errors", "headscope.detector_specs", "headscope.config", "headscope.arguments",
               "headscope.columns", "headscope.labels",
               "headscope.estimates", "headscope.tables", "headscope.layout", "headscope.summary", "headscope.files",
-              "headscope.output", "headscope.progress")),
+              "headscope.output", "headscope.progress", "headscope.registry")),
     ("model", ("headscope.model",)),  # loading, capture, the attention kernels, batches
     ("measures", ("headscope.measures",)),  # what is read off attention and head outputs, per batch
     ("report", ("headscope.report",)),  # tables read back, charts, pages, notebook views
@@ -148,6 +148,7 @@ TOP_LEVEL = {
 }
 TOP_LEVEL |= {"layout", "estimates"}  # torch-free: what a report is made of, read by every part
 TOP_LEVEL |= {"files", "output", "progress"}  # torch-free: atomic files, the output rule, the Reporter contract
+TOP_LEVEL |= {"registry"}  # torch-free: every command once (names of modules, never their imports)
 SUBPACKAGES = {"cli", "model", "run", "measures", "interventions", "commands", "report"}
 # Third-party packages each may import only in these parts of the package.
 LANES = {
@@ -187,22 +188,49 @@ def test_imports_stay_in_their_lanes(package):
     assert not strays, f"{package} imported outside {LANES[package]}: {strays}"
 
 
+def declared_options(module) -> dict[str, object]:
+    """Each option (the OptionInfo behind an Annotated type) a module's commands take, by the module-level name that
+    declares it."""
+    from typing import get_args
+
+    kinds = ("OptionInfo", "ArgumentInfo")
+    return {name: get_args(value)[1] for name, value in vars(module).items()
+            if len(get_args(value)) == 2 and type(get_args(value)[1]).__name__ in kinds}  # fmt: skip
+
+
 def test_every_option_is_declared_once():
-    """Every typer.Option and typer.Argument is declared in cli/options.py, so a command cannot grow its own
-    --out with a help text of its own; and no name is declared twice there."""
-    declared: dict[str, int] = {}
+    """An option two commands take is declared in cli/options.py, once; an option only its own command takes may be
+    declared in its CLI module (a new command is four modules, tests/commands/test_new_command.py), but never one a
+    bundle or another command has: no command grows its own --out with a help text of its own."""
+    import importlib
+    import typing
+
+    from headscope.registry import commands
+
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             if is_call and node.func.attr in ("Option", "Argument") and getattr(node.func.value, "id", "") == "typer":
-                assert name == "headscope.cli.options", f"{name} declares a typer.{node.func.attr} of its own"
+                assert name.startswith("headscope.cli."), f"{name} declares a typer.{node.func.attr}"
+    taken: dict[int, set[str]] = {}  # id(OptionInfo) -> the commands that take it
+    for entry in commands():
+        function = getattr(importlib.import_module(entry.cli), entry.name)
+        for hint in typing.get_type_hints(function, include_extras=True).values():
+            for info in getattr(hint, "__metadata__", ()):
+                taken.setdefault(id(info), set()).add(entry.name)
+    for entry in commands():
+        module = importlib.import_module(entry.cli)
+        for declared, info in declared_options(module).items():
+            assert taken.get(id(info)) == {entry.name}, f"{entry.cli}.{declared} is taken by {taken.get(id(info))}"
+            assert "--out" not in (info.param_decls or ()), f"{entry.cli}.{declared} is an --out of its own"
     tree = ast.parse(MODULES["headscope.cli.options"].read_text())
+    counted: dict[str, int] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 if isinstance(target, ast.Name):
-                    declared[target.id] = declared.get(target.id, 0) + 1
-    assert all(count == 1 for count in declared.values()), {k: v for k, v in declared.items() if v > 1}
+                    counted[target.id] = counted.get(target.id, 0) + 1
+    assert all(count == 1 for count in counted.values()), {k: v for k, v in counted.items() if v > 1}
 
 
 def test_every_setting_option_takes_its_help_from_the_setting():
@@ -219,14 +247,19 @@ def test_every_setting_option_takes_its_help_from_the_setting():
 
 
 def test_the_bundled_options_are_spelled_only_in_their_bundle():
-    """The model-loading and corpus-reading options are declared once (cli/options.py's bundles) and reach every
-    command through `takes`: no command's own signature names one, and every command that loads a model has all."""
+    """The model-loading, corpus-reading, output, bootstrap and label-rule options are declared once (cli/options.py's
+    bundles) and reach every command through `takes`: no command's own signature names one, every command that loads
+    a model has all the model's, and every command that writes a folder has --out and --overwrite."""
     import typer
 
+    import headscope.cli.options as o
     from headscope.cli import app
     from headscope.cli.options import CORPUS_OPTIONS, MODEL_OPTIONS, TEXT_OPTIONS
+    from headscope.registry import commands as registered
 
-    bundled = {name for bundle in (MODEL_OPTIONS, TEXT_OPTIONS, CORPUS_OPTIONS) for name, _, _ in bundle}
+    bundles = (MODEL_OPTIONS, TEXT_OPTIONS, CORPUS_OPTIONS, o.REWRITE_OUTPUT, o.RESUME_OPTIONS, o.CHART_OPTIONS,
+               o.PAGE_OPTIONS, o.BOOTSTRAP_OPTIONS, o.LABEL_RULES, o.output("analyze"))  # fmt: skip
+    bundled = {name for bundle in bundles for name, _, _ in bundle}
     for name, path in MODULES.items():
         if not name.startswith("headscope.cli.") or name == "headscope.cli.options":
             continue
@@ -244,6 +277,8 @@ def test_the_bundled_options_are_spelled_only_in_their_bundle():
         assert ("max_length" in takes[command]) == runs_text, command
     for command in [name for name, params in takes.items() if "corpus" in params]:
         assert {name for name, _, _ in CORPUS_OPTIONS} <= takes[command], command
+    for entry in registered():  # every command that writes a folder takes --out and --overwrite
+        assert ({"out", "overwrite"} <= takes[entry.name]) == (entry.kind is not None), entry.name
 
 
 def test_no_test_module_imports_another():
