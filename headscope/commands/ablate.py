@@ -223,7 +223,7 @@ def ablate(
 
     session = run.session(model, loader, what="ablate", out=out, kind="ablation", overwrite=overwrite, lm_head=True,
                           report=report, before_weights=pairs_fit)  # fmt: skip
-    with session as opened, loss_model(opened, run, "ablate") as lm:
+    with session as opened, loss_model(opened.loaded, opened.plan, corpus, reporter, opened.ranks, "ablate") as lm:
         for group in groups:
             lm.plan.check_heads(group.heads, group.source)
         if pairs is not None:

@@ -21,10 +21,10 @@ import torch
 
 from headscope.arguments import as_path
 from headscope.commands.analysis import Analysis, labelled_heads, write_tables
-from headscope.commands.copying import cached_copying
 from headscope.config import CHART_FORMATS, RoleThresholds, RunConfig, Thresholds, check_rules
 from headscope.errors import ConfigError, OutputError
 from headscope.estimates import ONE_SENTENCE_NOTE
+from headscope.interventions.copying_cache import cached_copying
 from headscope.interventions.dormant import DormantCheck, check_dormant
 from headscope.interventions.importance import check_importance_fits, run_importance
 from headscope.layout import SENTENCE_HEADS_FILE, SENTENCES_FILE

@@ -249,7 +249,7 @@ def prune(
     session = run.session(model, loader, what="prune", out=out, kind="pruning", overwrite=overwrite, resumable=True,
                           continuing=resume, lm_head=True, also={"--save-model": save_model})  # fmt: skip
     with session as opened:
-        with loss_model(opened, run, "prune") as lm:
+        with loss_model(opened.loaded, opened.plan, corpus, reporter, opened.ranks, "prune") as lm:
             if save_model is not None:
                 check_savable(lm.loaded.lm, model_stage.target, mean=mode == "mean", head_count=lm.plan.heads,
                               head_dim=lm.plan.architecture["head_dim"])  # fmt: skip

@@ -4,6 +4,7 @@ edges between components (circuit) and why a head attends (inspect --why).
 
 Modules:
     clean_prefix   The clean model's decoder layers below every head a search can remove, run once for the whole search
+    copying_cache  analyze's ov_copying column: every head's OV copying score, cached per model
     dormant        The dormant label, checked by removal
     edge_graph     The graph `circuit` scores and the maths of its circuits (docs/circuit.md has the definitions)
     edge_layers    Where each decoder layer's pieces sit for `circuit`, found from the data flow of one pass

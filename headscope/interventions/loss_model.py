@@ -34,10 +34,10 @@ from headscope.model.batch import Batch
 from headscope.model.capture import Capture, attached
 from headscope.model.loading import LoadedModel
 from headscope.progress import Reporter
+from headscope.run.corpus import Corpus
 from headscope.run.distributed import ONE_PROCESS, Ranks, added, share_of, together
 from headscope.run.feed import CorpusFeed
 from headscope.run.plan import Plan
-from headscope.run.setup import CommandRun, Session
 
 
 @dataclass
@@ -163,15 +163,16 @@ class LossModel:
 
 
 @contextlib.contextmanager
-def loss_model(session: Session, run: CommandRun, what: str) -> Iterator[LossModel]:
-    """A session's model (opened with its LM head) attached, the corpus fed as head importance feeds it, on every
-    rank of a data-parallel run; what: the command, as messages name it."""
-    loaded, plan = session.loaded, session.plan
-    chunk = max(1, len(run.corpus.sentences))  # one chunk: every pass reads the whole corpus again
-    feed = CorpusFeed(run.corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
+def loss_model(
+    loaded: LoadedModel, plan: Plan, corpus: Corpus, reporter: Reporter, ranks: Ranks, what: str
+) -> Iterator[LossModel]:
+    """`loaded`'s model (opened with its LM head) attached, `corpus` fed as head importance feeds it, on this rank
+    of `ranks` (a data-parallel run's); what: the command, as messages name it."""
+    chunk = max(1, len(corpus.sentences))  # one chunk: every pass reads the whole corpus again
+    feed = CorpusFeed(corpus, loaded.tokenizer, max_length=plan.max_length, chunk_sentences=chunk, keep=True)
     check_importance_fits(feed, plan, what)
-    with attached(loaded.lm, block_bytes=run.settings.block_bytes) as capture:
-        yield LossModel(capture, feed, plan, loaded, run.reporter, session.ranks)
+    with attached(loaded.lm, block_bytes=plan.settings.block_bytes) as capture:
+        yield LossModel(capture, feed, plan, loaded, reporter, ranks)
 
 
 def plain_loss(folder: Path, lm: LossModel) -> float:
