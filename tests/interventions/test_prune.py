@@ -385,7 +385,10 @@ def test_verifying_sets_alone_stops_the_first_pass_where_the_replicas_start(redu
     base, sets = [(0, 0)], [[(0, 0), (1, 1)], [(0, 0), (1, 2)], [(0, 0), (1, 1), (1, 3)]]
     try:
         session = run.session(loaded, load_for_run, what="prune", lm_head=True)
-        with session as opened, loss_model(opened, run, "prune") as lm:
+        with (
+            session as opened,
+            loss_model(opened.loaded, opened.plan, run.corpus, run.reporter, opened.ranks, "prune") as lm,
+        ):
             removal, batches = lm.removal(mode), len(list(lm.batches()))
             found = {}
             for clean in (True, False):
@@ -738,7 +741,10 @@ def test_passes_from_the_clean_prefix_give_the_numbers_of_whole_passes(prefix_mo
     run = CommandRun.prepare(loaded, sentences, config=None, options={"batch_size": 8}, reporter=None)
     base, sets = [(1, 0)], [[(1, 0), (1, 1)], [(1, 0), (1, 2), (1, 3)]]
     found = []
-    with run.session(loaded, load_for_run, what="prune", lm_head=True) as opened, loss_model(opened, run, "p") as lm:
+    with (
+        run.session(loaded, load_for_run, what="prune", lm_head=True) as opened,
+        loss_model(opened.loaded, opened.plan, run.corpus, run.reporter, opened.ranks, "p") as lm,
+    ):
         removal = lm.removal(mode)
         for skip in (False, True):
             if skip:

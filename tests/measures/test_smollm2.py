@@ -159,7 +159,10 @@ def test_prunes_estimate_matches_a_straightforward_computation(smollm2, corpus_l
 
     run = CommandRun.prepare(smollm2, corpus_lines[:FEW], config=None, options={}, reporter=None)
     session = run.session(smollm2, load_for_run, what="prune", lm_head=True)
-    with session as opened, loss_model(opened, run, "prune") as lm:
+    with (
+        session as opened,
+        loss_model(opened.loaded, opened.plan, run.corpus, run.reporter, opened.ranks, "prune") as lm,
+    ):
         _, estimated = lm.estimated_costs([], lm.removal("mean"))
     for layer, head in HANDFUL:
         _, _, _, first, curvature, _ = straightforward_importance(smollm2, corpus_lines[:FEW], layer, head)
