@@ -195,7 +195,7 @@ def circuit(
         reporter.stage(f"scoring every edge ({method}{extra}) on {len(tokenized)} pairs")
         started = time.perf_counter()
         with attached(loaded.lm, block_bytes=settings.block_bytes) as capture:
-            edges = _Dealt(EdgeModel(capture, loaded, plan, tokenized[0]), ranks, tokenized, reporter)
+            edges = _Dealt(EdgeModel(capture, loaded, plan), ranks, tokenized, reporter)
             saved = _checkpoint(opened, loaded, pairs, settings, ranks, resume, method, steps, roles, reporter)
             found = saved.scores(lambda: edges.scores(method=method, steps=steps, roles=roles), edges.model.graph)
             if verify > found.graph.edge_count:

@@ -59,7 +59,7 @@ def explain_pairs(capture, loaded, plan, pairs: list[TokenizedPair], heads: list
     """why.parquet's rows and circuit.json's entries: for each head, at each pair's END row, each role's token as
     the key, on the clean and the corrupt prompt, each run alone."""
     keyed = [role for role in roles if role != END_ROLE]
-    splitter = SenderPass(capture, loaded, plan, pairs[0].clean_ids)
+    splitter = SenderPass(capture, loaded, plan)
     sums: dict[tuple, np.ndarray] = {}  # (layer, head, role, run, side) -> each sender's side, summed over pairs
     figures: dict[tuple, np.ndarray] = {}  # (layer, head, role, run) -> (weight, contrast) summed over pairs
     names: dict[tuple[int, int], list[str]] = {}

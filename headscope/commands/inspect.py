@@ -456,7 +456,7 @@ def _write_attention(folder: Path, capture, chosen, texts: list[Text], plan: Pla
     keeper = HeadAttention(by_layer(chosen))
     views = PageViews()
     rows, explained, totals = [], [], why_rows.ContrastTotals()
-    splitter = SenderPass(capture, loaded, plan, texts[0].ids) if why else None
+    splitter = SenderPass(capture, loaded, plan) if why else None
     with contextlib.ExitStack() as stack:  # in the work folder: published whole, or not at all
         writer = stack.enter_context(pq.ParquetWriter(folder / ATTENTION_FILE, ATTENTION_SCHEMA))
         qk_writer = None

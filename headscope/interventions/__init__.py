@@ -7,7 +7,7 @@ Modules:
     copying_cache  analyze's ov_copying column: every head's OV copying score, cached per model
     dormant        The dormant label, checked by removal
     edge_graph     The graph `circuit` scores and the maths of its circuits (docs/circuit.md has the definitions)
-    edge_layers    Where each decoder layer's pieces sit for `circuit`, found from the data flow of one pass
+    edge_layers    Each decoder layer's pieces as `circuit` reads them (model/layers.py), and the norms' maps
     edge_patching  The exact patched passes of `circuit` (--verify, the faithfulness curve)
     edges          Which components feed which: edge attribution patching, EAP and EAP-IG, over every edge
     group_losses   Heads removed together: the model's next-token loss with a group of heads' outputs replaced

@@ -1,173 +1,36 @@
-"""Where each decoder layer's pieces sit for `circuit`, found from the data flow of one pass, and the norms' maps.
+"""Each decoder layer's pieces as `circuit` reads them, and the norms' maps.
 
-A layer reads the residual stream r and adds its attention's and its MLP's outputs to it:
-
-    h      = r + P_attn(o)           o: the output projection's result (every head's W_h z_h, and its bias)
-    r_next = h + P_mlp(mlp(N_mlp(h)))
-
-with N_in (the norm q, k and v read: N_in(r)) and N_mlp the input norms, and P_attn, P_mlp post-norms where the
-model has them (Gemma 2 and 3, OLMo 2), the identity where not (GPT-2, Llama). A model without input norms (OLMo 2)
-reads r and h themselves. Nothing is read off module names (Llama's `post_attention_layernorm` is its N_mlp): a
-norm is the module whose output a projection reads, a post-norm the layer's module that reads the output
-projection's (or the MLP's) output tensor itself. EdgeModel checks h and r_next on every clean pass, and refuses
-what differs (attention beside the MLP, as in GPT-J; a residual multiplier, as in Granite).
+Where the pieces sit is the model's one description (model/layers.py: q, k, v, output projection and MLP, the input
+norms N_in and N_mlp, the post-norms P_attn and P_mlp, the residual scale), found once per model; `circuit_places`
+takes it, refusing a layer it cannot place. EdgeModel checks h = r + P_attn(o) and r_next = h + P_mlp(mlp(N_mlp(h)))
+on every clean pass, and refuses what differs (attention beside the MLP, as in GPT-J; a residual multiplier, as in
+Granite).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from headscope.errors import ModelLoadError
-from headscope.model.batch import collate
-from headscope.model.projection import linear_weight, output_projection
+from headscope.model.layers import LayerPlaces
+from headscope.model.projection import linear_weight
 
 # Relative error up to which a linearised norm must reproduce the model's own (float32 rounding of a norm).
 NORM_CHECK = 1e-4
-PASS_THROUGH = (torch.nn.Dropout, torch.nn.Identity)  # hand a tensor on unchanged at inference
 
 
-@dataclass(frozen=True)
-class LayerPlaces:
-    """A decoder layer's pieces: its attention's q, k, v projections (or one fused q|k|v projection), output
-    projection and MLP; the norms q, k and v and the MLP read through (None: the stream itself); its post-norms."""
-
-    q: torch.nn.Module | None
-    k: torch.nn.Module | None
-    v: torch.nn.Module | None
-    fused: torch.nn.Module | None
-    output: torch.nn.Module
-    mlp: torch.nn.Module
-    input_norm: torch.nn.Module | None = None
-    mlp_norm: torch.nn.Module | None = None
-    post_attention: torch.nn.Module | None = None
-    post_mlp: torch.nn.Module | None = None
-
-    @property
-    def reads(self) -> torch.nn.Module:
-        """The projection whose input is what the attention reads."""
-        return self.fused if self.fused is not None else self.q
-
-
-def attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """A decoder layer's attention module, by its name (`self_attn`, `attn` or `attention`), or None."""
-    names = dict(layer.named_modules())
-    return next((m for n, m in names.items() if n.rpartition(".")[2] in ("self_attn", "attn", "attention")), None)
-
-
-def layer_modules(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> LayerPlaces:
-    """A decoder layer's projections and MLP (its norms unknown: find_places finds them from a pass)."""
-    attention = attention_module(layer)
-    mlp = getattr(layer, "mlp", None)
-    if attention is None or mlp is None:
-        raise ModelLoadError(f"{type(layer).__name__}: circuit finds no attention or no mlp module in a decoder layer")
-    _, out = output_projection(layer, heads * head_dim)
-    own = dict(attention.named_children())
-    if all(name in own for name in ("q_proj", "k_proj", "v_proj")):
-        return LayerPlaces(own["q_proj"], own["k_proj"], own["v_proj"], None, out, mlp)
-    if "c_attn" in own and kv_heads == heads:  # GPT-2: one Conv1D computing q | k | v
-        return LayerPlaces(None, None, None, own["c_attn"], out, mlp)
-    raise ModelLoadError(
-        f"{type(attention).__name__}: circuit reads q_proj, k_proj and v_proj (or GPT-2's c_attn); this attention "
-        "has neither"
-    )
-
-
-def _storage(tensor) -> int | None:
-    return tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
-
-
-def _first(args, kwargs):
-    return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
-
-
-def find_places(capture, model, decoder, heads: int, kv_heads: int, head_dim: int, ids: list[int], device):
-    """([LayerPlaces] per decoder layer, the final norm), found by one pass on `ids`; `model` a causal LM, or a base
-    model without its LM head."""
-    places = [layer_modules(layer, heads, kv_heads, head_dim) for layer in decoder]
-    made, taken, seen, handles = {}, [], {}, []
-
-    def remember(module, args, output):
-        # By storage: the LM head may read a view of the final norm's output (logits_to_keep slices it); the first
-        # module to produce a storage made it (dropout and identity modules pass it on). Kept alive with the map,
-        # so that no later tensor takes its storage.
-        if isinstance(output, torch.Tensor):
-            made.setdefault(_storage(output), (module, output))
-
-    def reads(module, args, kwargs):
-        value = _first(args, kwargs)
-        if isinstance(value, torch.Tensor) and not isinstance(module, PASS_THROUGH):
-            taken.append((module, _storage(value), value))
-
-    def keep(key, *, output: bool):
-        def hook(module, args, third):  # third: a pre-hook's kwargs, or a hook's output
-            value = (third[0] if isinstance(third, tuple) else third) if output else _first(args, third)
-            seen[key] = (_storage(value), value)
-
-        return hook
-
-    for index, (layer, place) in enumerate(zip(decoder, places, strict=True)):
-        handles.append(layer.register_forward_pre_hook(keep(("r", index), output=False), with_kwargs=True))
-        for child in layer.children():
-            handles.append(child.register_forward_hook(remember))
-            handles.append(child.register_forward_pre_hook(reads, with_kwargs=True))
-        handles.append(place.mlp.register_forward_pre_hook(keep(("mlp in", index), output=False), with_kwargs=True))
-        handles.append(place.mlp.register_forward_hook(keep(("mlp out", index), output=True)))
-        handles.append(place.reads.register_forward_pre_hook(keep(("attn in", index), output=False), with_kwargs=True))
-        handles.append(place.output.register_forward_hook(keep(("attn out", index), output=True)))
-    head = model.get_output_embeddings()
-    for module in model.modules():
-        if module is not head and not any(module is layer for layer in decoder) and len(list(module.children())) == 0:
-            handles.append(module.register_forward_hook(remember))
-    if head is not None:  # the final norm makes what the LM head reads
-        handles.append(head.register_forward_pre_hook(keep(("head", 0), output=False), with_kwargs=True))
-    else:  # a base model (no LM head loaded): the final norm makes its output
-
-        def ends(module, args, output):
-            value = getattr(output, "last_hidden_state", None)
-            value = output[0] if value is None and isinstance(output, tuple) else value
-            seen[("head", 0)] = (_storage(value), value)
-
-        handles.append(model.register_forward_hook(ends))
-    try:
-        capture.run(collate([0], [ids]).to(device))
-    finally:
-        for handle in handles:
-            handle.remove()
-
-    def producer(key):
-        found = made.get(seen[key][0]) if key in seen else None
-        return None if found is None else found[0]
-
-    def taker(key, layer, place):
-        """The layer's own module (not the attention, not the MLP) that reads the tensor seen at `key`."""
-        storage = seen.get(key, (None,))[0]
-        children = [m for m in layer.children() if m is not place.mlp and place.output not in set(m.modules())]
-        return next((m for m, s, _ in taken if s == storage and any(m is c for c in children)), None)
-
-    found = []
-    for index, (layer, place) in enumerate(zip(decoder, places, strict=True)):
-        if seen.get(("attn in", index), (None,))[0] == seen.get(("r", index), (0,))[0]:
-            input_norm = None  # the projections read the stream itself (OLMo 2)
-        else:
-            input_norm = producer(("attn in", index))
-            if input_norm is None:
-                raise ModelLoadError(
-                    f"layer {index}'s attention reads no norm of the residual stream; circuit cannot place its inputs"
-                )
-        mlp_norm = producer(("mlp in", index))
-        if mlp_norm is place.mlp:
-            raise ModelLoadError(f"layer {index}'s MLP reads its own output; circuit cannot place it")
-        found.append(LayerPlaces(place.q, place.k, place.v, place.fused, place.output, place.mlp, input_norm,
-                                 mlp_norm, taker(("attn out", index), layer, place),
-                                 taker(("mlp out", index), layer, place)))  # fmt: skip
-    final = producer(("head", 0))
-    if final is None:
+def circuit_places(capture, device) -> tuple[list[LayerPlaces], torch.nn.Module]:
+    """Every decoder layer's places and the final norm, from the model's one description (capture.layer_map), or one
+    line saying what circuit cannot place."""
+    found = capture.layer_map(device)
+    unplaced = next((place.unplaced for place in found.layers if place.unplaced is not None), None)
+    if unplaced is not None:
+        raise ModelLoadError(unplaced)
+    if found.final_norm is None:
         raise ModelLoadError(
             "the LM head (or the model's output) is no final norm's output; headscope cannot place the logits' input"
         )
-    return found, final
+    return found.layers, found.final_norm
 
 
 def head_columns(projection: torch.nn.Module) -> torch.Tensor:

@@ -37,7 +37,7 @@ from headscope.interventions.edge_layers import (
     NORM_CHECK,
     FrozenNorm,
     LayerPlaces,
-    find_places,
+    circuit_places,
     head_columns,
     head_writes,
     norm_back,
@@ -147,18 +147,17 @@ def _tokens(chunk) -> int:
 
 
 class EdgeModel:
-    """A model attached for edges: its graph, where each sender writes and each receiver reads (found once, on the
-    first pair), and the passes over pairs: `scores` (EAP, EAP-IG and DLA) and `patched` (the metric with chosen
-    edges carrying the corrupt prompt's sender)."""
+    """A model attached for edges: its graph, where each sender writes and each receiver reads (the model's
+    description, model/layers.py), and the passes over pairs: `scores` (EAP, EAP-IG and DLA) and `patched` (the
+    metric with chosen edges carrying the corrupt prompt's sender)."""
 
-    def __init__(self, capture, loaded, plan, first: TokenizedPair) -> None:
+    def __init__(self, capture, loaded, plan) -> None:
         model = loaded.lm
         architecture = plan.architecture
         self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
         self.capture, self.model, self.plan, self.device = capture, model, plan, loaded.device
         self.decoder = capture.decoder
-        self.places, final_norm = find_places(capture, model, self.decoder, self.heads, self.kv_heads, self.head_dim,
-                                              first.clean_ids, self.device)  # fmt: skip
+        self.places, final_norm = circuit_places(capture, self.device)
         self.graph = build_graph(len(self.decoder), self.heads, self.kv_heads)
         self.recorder = Recorder(model, self.decoder, self.places, final_norm)
         self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)

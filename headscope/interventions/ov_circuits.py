@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from headscope.errors import ConfigError
-from headscope.interventions.edge_layers import FrozenNorm, find_places, head_columns
+from headscope.interventions.edge_layers import FrozenNorm, circuit_places, head_columns
 from headscope.measures.ov_copying import copying_scores, token_map
 from headscope.model.projection import linear_weight
-from headscope.model.write_path import dry_ids
 
 
 def unembedding(loaded) -> tuple[torch.Tensor, str]:
@@ -43,11 +42,8 @@ def ov_copying(loaded, capture, architecture: dict, tokens: Sequence[int] | None
     """(layers, heads) float64 copying scores of every layer's heads, on `tokens` (default: the whole vocabulary),
     and where W_U came from. capture: the model's attention capture (model.capture.attached)."""
     heads, kv_heads, head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
-    network = loaded.lm or loaded.model
     with torch.no_grad():
-        probe = dry_ids(network.get_input_embeddings().num_embeddings).tolist()
-        places, final_norm = find_places(capture, network, capture.decoder, heads, kv_heads, head_dim, probe,
-                                         loaded.device)  # fmt: skip
+        places, final_norm = circuit_places(capture, loaded.device)
         embed, unembed, where = _token_matrices(loaded, tokens)
         hidden = embed.shape[1]
         tokens_map = token_map(embed, unembed.to(embed.device)) * _gain(final_norm, hidden, embed.device)[None, :]

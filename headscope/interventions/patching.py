@@ -27,13 +27,13 @@ import torch
 
 from headscope.errors import ModelLoadError
 from headscope.estimates import MIN_BOOTSTRAP_SENTENCES, percentile_interval, replicate_ratios
-from headscope.interventions.edge_layers import layer_modules
 from headscope.interventions.group_losses import replica_passes
 from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.removal import ReplicaEditor
 from headscope.model.attention.readout import RowBlock, repeat_kv
 from headscope.model.batch import Batch, plan_batches
 from headscope.model.layer_outputs import replicate, rows_of
+from headscope.model.layers import layer_modules
 
 Unit = tuple[int, int, int | None]  # (layer, head, position or None for every position)
 
@@ -222,6 +222,8 @@ class ProjectionPatch:
         self.modules, self.offsets = {}, {}
         for layer in self.layers:
             place = layer_modules(decoder[layer], self.heads, kv_heads, self.head_dim)
+            if place.unplaced is not None:
+                raise ModelLoadError(place.unplaced)
             fused = place.fused is not None  # GPT-2's c_attn: q | k | v
             self.modules[layer] = place.fused if fused else getattr(place, channel)
             self.offsets[layer] = self.heads * self.head_dim if fused and channel == "k" else 0

@@ -24,12 +24,9 @@ from headscope.interventions.edge_layers import (
     NORM_CHECK,
     FrozenNorm,
     LayerPlaces,
-    attention_module,
-    find_places,
+    circuit_places,
     head_columns,
 )
-
-PROBE_TOKENS = 16  # the tokens of the first text the pieces of each layer are found on
 
 
 @dataclass
@@ -199,20 +196,18 @@ def _rotated(parts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SenderPass:
-    """A model attached for splitting logits: where each layer's pieces sit (found once, on the first text), and
+    """A model attached for splitting logits: where each layer's pieces sit (the model's description), and
     `run`: one pass of a text keeping the chosen heads' attention and what their senders need."""
 
-    def __init__(self, capture, loaded, plan, ids: list[int]) -> None:
+    def __init__(self, capture, loaded, plan) -> None:
         from headscope.interventions.edges import Recorder  # its module loads circuit's passes: when asked
 
         architecture = plan.architecture
         self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
         self.capture = capture
         model = loaded.lm or loaded.model
-        # the structure is the same at any length: found on the text's first tokens, not a whole long text's pass
-        self.places, final_norm = find_places(capture, model, capture.decoder, self.heads, self.kv_heads,
-                                              self.head_dim, ids[:PROBE_TOKENS], loaded.device)  # fmt: skip
-        self.attentions = [attention_module(layer) for layer in capture.decoder]  # found: find_places checked
+        self.places, final_norm = circuit_places(capture, loaded.device)
+        self.attentions = [place.attention for place in self.places]
         self.recorder = Recorder(model, capture.decoder, self.places, final_norm)
 
     def run(self, batch, measures) -> tuple[dict, dict]:

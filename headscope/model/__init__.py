@@ -8,6 +8,7 @@ Modules:
     gguf_cache     A GGUF file's model as transformers de-quantizes it, kept as a plain checkpoint folder
     identity       Which model a report was measured on, and whether a loaded model is that one
     layer_outputs  What a decoder layer returns (a tensor, or a tuple holding tensors and other things)
+    layers         One description of a model's decoder layers (projections, norms, post-norms, residual scale)
     lm_head        The LM head a command wants: is it in the checkpoint, and does a device map place it?
     loading        Model and tokenizer from a hub id, a local folder or a .gguf file; device and dtype
     masks          Which keys each query row may see: the masks transformers builds, read and rebuilt block by block

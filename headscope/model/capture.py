@@ -34,10 +34,11 @@ from headscope.model.attention.dispatch import TileKernel
 from headscope.model.attention.readout import Readout, RowBlock
 from headscope.model.batch import Batch
 from headscope.model.layer_outputs import detached
+from headscope.model.layers import LayerMap, describe_layers
 from headscope.model.masks import boolean_mask, key_visibility, streaming_keys
 from headscope.model.precision import ieee_float32
 from headscope.model.turns import one_call_at_a_time
-from headscope.model.write_path import WritePath, learn_write_paths
+from headscope.model.write_path import WritePath, write_paths
 
 ATTENTION_NAME = "headscope"
 
@@ -161,6 +162,7 @@ class Capture:
         self._placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._residual_norms: dict[int, torch.Tensor] = {}  # layer -> (batch, t), for the OutputMeasures
         self.write_paths: list[WritePath] = []  # layer -> its WritePath, learned by the first pass that reads writes
+        self._layer_map: LayerMap | None = None  # the layers' description (model/layers.py), found when first asked
 
     @property
     def paths(self) -> dict[str, str]:
@@ -224,17 +226,28 @@ class Capture:
             self._measures, self._editors = (), ()
             self._residual_norms = {}
 
-    def _learn_write_paths(self, through: int, device: torch.device) -> None:
-        """Learn how layers 0 .. through - 1 write into the residual stream (headscope.model.write_path), once: a
-        pass over a few fixed tokens, stopped after layer through - 1."""
-
-        def run(ids: torch.Tensor) -> None:
-            self.run(Batch.unpadded(ids.to(device)))
-
-        if len(self.write_paths) < through:
+    def layer_map(self, device: torch.device, through: int | None = None) -> LayerMap:
+        """The description of decoder layers 0 .. through - 1 (default: every layer, and the final norm), found once
+        by a pass over a few fixed tokens (model/layers.py) and kept: a later question is answered from it, unless it
+        asks for layers the first pass stopped before. device: where the pass's ids go (the batches')."""
+        known = self._layer_map
+        whole = through is None or through >= len(self.decoder)
+        if known is None or (whole and not known.whole) or len(known.layers) < (through or 0):
             architecture = architecture_of(self.model.config)
-            inputs = architecture["heads"] * architecture["head_dim"]
-            self.write_paths = learn_write_paths(self.model, self.decoder, run, through=through, inputs=inputs)
+
+            def run(ids: torch.Tensor) -> None:
+                self.run(Batch.unpadded(ids.to(device)))
+
+            shape = {key: architecture[key] for key in ("heads", "kv_heads", "head_dim")}
+            kept = None if whole else through
+            self._layer_map = describe_layers(self.model, self.decoder, run, **shape, through=kept)
+        return self._layer_map
+
+    def _learn_write_paths(self, through: int, device: torch.device) -> None:
+        """How layers 0 .. through - 1 write into the residual stream (headscope.model.write_path), from their
+        description, once."""
+        if len(self.write_paths) < through:
+            self.write_paths = write_paths(self.layer_map(device, through), device)
 
     @contextlib.contextmanager
     def _reading_residual(self) -> Iterator[None]:

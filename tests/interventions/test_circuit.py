@@ -64,7 +64,7 @@ def tiny_lm(request, tmp_path_factory, corpus_lines):
 def scores(loaded, pairs, method, steps=3, **settings):
     plan = plan_for_model(RunConfig(**settings), loaded)
     with attached(loaded.lm) as capture:
-        return EdgeModel(capture, loaded, plan, pairs[0]).scores(pairs, method=method, steps=steps)
+        return EdgeModel(capture, loaded, plan).scores(pairs, method=method, steps=steps)
 
 
 @pytest.mark.parametrize("method", ["eap", "eap-ig"])
@@ -129,7 +129,7 @@ def test_an_edges_score_at_each_role_equals_the_plain_computation_there(tiny_lm)
     pairs = tokenize_pairs(pairs_from_records(records), loaded.tokenizer, None)
     plan = plan_for_model(RunConfig(), loaded)
     with attached(loaded.lm) as capture:
-        found = EdgeModel(capture, loaded, plan, pairs[0]).scores(pairs, method="eap", steps=1, roles=["A", "END"])
+        found = EdgeModel(capture, loaded, plan).scores(pairs, method="eap", steps=1, roles=["A", "END"])
     reference, graph = Reference(loaded.lm), found.graph
     assert found.by_role.shape == (len(pairs), 2, *graph.edges.shape)
     strongest = np.argsort(-np.abs(found.scores[0]), axis=None)[:6]
@@ -157,7 +157,7 @@ def test_an_edge_patched_exactly_equals_the_plain_computation(tiny_lm):
     plan = plan_for_model(RunConfig(), loaded)
     reference = Reference(loaded.lm)
     with attached(loaded.lm) as capture:
-        model = EdgeModel(capture, loaded, plan, pairs[0])
+        model = EdgeModel(capture, loaded, plan)
         found = model.scores(pairs, method="eap", steps=1)
         graph = model.graph
         strongest = ranked_edges(graph, found.scores.mean(0))[:5]
@@ -243,8 +243,8 @@ def test_max_memory_sizes_the_batches(tiny_lm):
     pairs = pairs * 40  # 120 pairs of two lengths
     plan = plan_for_model(RunConfig(), loaded)
     with attached(loaded.lm) as capture:
-        roomy = [len(batch) for batch in EdgeModel(capture, loaded, plan, pairs[0]).batches(pairs)]
-        tight = EdgeModel(capture, loaded, plan_for_model(RunConfig(max_memory="1MiB"), loaded), pairs[0])
+        roomy = [len(batch) for batch in EdgeModel(capture, loaded, plan).batches(pairs)]
+        tight = EdgeModel(capture, loaded, plan_for_model(RunConfig(max_memory="1MiB"), loaded))
         sizes = [(len(batch), batch[0].length) for batch in tight.batches(pairs)]
     assert all(rows * length * tight.token_bytes() <= 2**20 for rows, length in sizes)
     assert len(sizes) > len(roomy) and sum(rows for rows, _ in sizes) == len(pairs)
@@ -358,7 +358,7 @@ def test_eap_reads_a_soft_induction_head_through_its_key_and_the_edge_patch_is_c
     pairs = tokenize_pairs(pairs_from_records(records), loaded.tokenizer, None)
     plan = plan_for_model(RunConfig(), loaded)
     with attached(loaded.lm) as capture:
-        model = EdgeModel(capture, loaded, plan, pairs[0])
+        model = EdgeModel(capture, loaded, plan)
         found = model.scores(pairs, method="eap", steps=1)
         graph, mean = model.graph, found.scores.mean(0)
         reads = [r for r, (_, channel) in enumerate(graph.receivers) if channel in ("q", "k")]
@@ -431,7 +431,7 @@ def test_models_without_input_norms_or_with_query_norms_add_up(architecture, tmp
     pairs = tokenize_pairs(pairs_from_records(word_pairs(loaded.tokenizer)), loaded.tokenizer, None)
     plan = plan_for_model(RunConfig(), loaded)
     with attached(loaded.lm) as capture:
-        model = EdgeModel(capture, loaded, plan, pairs[0])
+        model = EdgeModel(capture, loaded, plan)
         found = model.scores(pairs, method="eap", steps=1)
         graph = model.graph
         np.testing.assert_allclose(found.dla.sum(1), found.clean, atol=CLOSE)
