@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from headscope.errors import ModelLoadError
+from headscope.errors import ConfigError, ModelLoadError
 from headscope.model.layers import LayerPlaces
 from headscope.model.projection import linear_weight
 
@@ -19,13 +19,21 @@ from headscope.model.projection import linear_weight
 NORM_CHECK = 1e-4
 
 
-def circuit_places(capture, device) -> tuple[list[LayerPlaces], torch.nn.Module]:
+def circuit_places(capture, device, *, plain_residual: bool = False) -> tuple[list[LayerPlaces], torch.nn.Module]:
     """Every decoder layer's places and the final norm, from the model's one description (capture.layer_map), or one
-    line saying what circuit cannot place."""
+    line saying what circuit cannot place. plain_residual: refuse, before any pass, a layer whose attention is not
+    added to the stream as it is (a residual multiplier, or attention beside the MLP): the graph's reading of h."""
     found = capture.layer_map(device)
     unplaced = next((place.unplaced for place in found.layers if place.unplaced is not None), None)
     if unplaced is not None:
         raise ModelLoadError(unplaced)
+    for index, place in enumerate(found.layers if plain_residual else ()):
+        if not place.seen:
+            raise ConfigError(f"layer {index} adds its attention beside its MLP (no module reads r + attention): "
+                              "circuit does not take this architecture yet")  # fmt: skip
+        if place.scale != 1.0:
+            raise ConfigError(f"layer {index} adds its attention x {place.scale:g} (a residual multiplier): circuit "
+                              "does not take this architecture yet")  # fmt: skip
     if found.final_norm is None:
         raise ModelLoadError(
             "the LM head (or the model's output) is no final norm's output; headscope cannot place the logits' input"

@@ -157,7 +157,7 @@ class EdgeModel:
         self.heads, self.kv_heads, self.head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
         self.capture, self.model, self.plan, self.device = capture, model, plan, loaded.device
         self.decoder = capture.decoder
-        self.places, final_norm = circuit_places(capture, self.device)
+        self.places, final_norm = circuit_places(capture, self.device, plain_residual=True)
         self.graph = build_graph(len(self.decoder), self.heads, self.kv_heads)
         self.recorder = Recorder(model, self.decoder, self.places, final_norm)
         self.columns = [head_columns(place.output).to(self.device) for place in self.places]  # (hidden, heads * dim)

@@ -349,3 +349,21 @@ def test_one_function_tells_a_conv1d_from_a_linear():
             if named or transposed:
                 offenders.append(f"{name}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_one_module_finds_a_layers_pieces():
+    """model/layers.py is the one description of a decoder layer (its attention, projections, MLP, norms, post-norms,
+    residual scale): no other module looks a layer's pieces up by name. In code: a string naming a projection or the
+    attention or MLP module ("q_proj", "c_attn", "self_attn", "post_attention_layernorm") anywhere else fails here."""
+    pieces = {"q_proj", "k_proj", "v_proj", "c_attn", "self_attn", "post_attention_layernorm", "input_layernorm"}
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "headscope.model.layers":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in pieces:
+                offenders.append(f"{name}: {node.value!r}")
+            is_getattr = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr"
+            if is_getattr and len(node.args) > 1 and getattr(node.args[1], "value", None) == "mlp":
+                offenders.append(f"{name}: getattr(..., 'mlp')")
+    assert not offenders, offenders
