@@ -263,7 +263,7 @@ DORMANT_CHECK = Column(
     "demoted (removing it with them cost more: the role rule went on to its next test), or empty",
 )
 
-# What the head's weights copy, with no data (interventions.ov_circuits; Elhage et al. 2021).
+# What the head's weights copy, with no data (measures.ov_circuits; Elhage et al. 2021).
 OV_COPYING = Column(
     "ov_copying",
     "float64",

@@ -1,5 +1,5 @@
 """copying(): what each head's weights copy, with no data: the OV copying score of every head (the map and its
-gains: interventions/ov_circuits.py; the maths: measures/ov_copying.py). analyze's ov_copying column is the same
+gains: measures/ov_circuits.py; the maths: measures/ov_copying.py). analyze's ov_copying column is the same
 score, cached per model (interventions/copying_cache.py).
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from headscope.config import RunConfig
-from headscope.interventions.ov_circuits import ov_copying
+from headscope.measures.ov_circuits import ov_copying
 from headscope.measures.ov_copying import DEFINITION
 from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run

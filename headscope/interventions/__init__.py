@@ -7,7 +7,7 @@ Modules:
     copying_cache  analyze's ov_copying column: every head's OV copying score, cached per model
     dormant        The dormant label, checked by removal
     edge_graph     The graph `circuit` scores and the maths of its circuits (docs/circuit.md has the definitions)
-    edge_layers    Each decoder layer's pieces as `circuit` reads them (model/layers.py), and the norms' maps
+    edge_layers    Each decoder layer's pieces as `circuit` reads them (model/layers.py), each head's writes
     edge_patching  The exact patched passes of `circuit` (--verify, the faithfulness curve)
     edges          Which components feed which: edge attribution patching, EAP and EAP-IG, over every edge
     group_losses   Heads removed together: the model's next-token loss with a group of heads' outputs replaced
@@ -16,7 +16,6 @@ Modules:
     kv_policy      kv-policy.json: a window-mode pruning as a per-head KV-cache policy, and the memory it frees
     loss           The model's next-token loss: cross-entropy in nats at every predicted position, and per sentence
     loss_model     What `ablate` and `prune` share
-    ov_circuits    Every head's OV circuit on tokens, read from the weights with the norms' gains folded in
     pair_removal   Heads removed on prompt pairs: the task's metric
     pairs          Prompt pairs for activation patching: read from a file (or records in memory), checked, tokenized
     patching       Activation patching on prompt pairs

@@ -1,4 +1,4 @@
-"""analyze's ov_copying column: every head's OV copying score (interventions/ov_circuits.py), cached per model.
+"""analyze's ov_copying column: every head's OV copying score (measures/ov_circuits.py), cached per model.
 
 The cache: one small JSON file per model under the cache folder (files.cache_folder: $HEADSCOPE_CACHE, else
 $XDG_CACHE_HOME/headscope, else ~/.cache/headscope), named by a sha256 of the weights' fingerprint (run.json's
@@ -16,7 +16,7 @@ import numpy as np
 
 from headscope.errors import ConfigError, HeadscopeError, OutputError, one_line
 from headscope.files import atomic_path, cache_folder
-from headscope.interventions.ov_circuits import ov_copying, unembedding
+from headscope.measures.ov_circuits import ov_copying, unembedding
 from headscope.measures.ov_copying import DEFINITION
 from headscope.model.identity import parameter_digest, weights_fingerprint
 from headscope.model.loading import LoadedModel

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from headscope.interventions.edge_layers import head_writes, project, through
+from headscope.interventions.edge_layers import head_writes, project
 from headscope.model.batch import collate
+from headscope.model.norms import through
 
 
 def patched_logits(model, chunk, corrupt: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:

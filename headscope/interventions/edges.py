@@ -33,22 +33,15 @@ import torch
 from headscope.config import DEFAULT_EDGE_STEPS, EDGE_METHODS
 from headscope.errors import ConfigError, ResourceError
 from headscope.interventions.edge_graph import Graph, build_graph
-from headscope.interventions.edge_layers import (
-    NORM_CHECK,
-    FrozenNorm,
-    LayerPlaces,
-    circuit_places,
-    head_columns,
-    head_writes,
-    norm_back,
-    norm_jvp,
-)
+from headscope.interventions.edge_layers import circuit_places, head_writes
 from headscope.interventions.edge_patching import patched_logits
 from headscope.interventions.pairs import TokenizedPair
 from headscope.interventions.patching import logit_difference
 from headscope.model.batch import collate
+from headscope.model.layers import LayerPlaces
 from headscope.model.memory import readable
-from headscope.model.projection import linear_weight
+from headscope.model.norms import NORM_CHECK, FrozenNorm, norm_back, norm_jvp
+from headscope.model.projection import head_columns, linear_weight
 
 METHODS, DEFAULT_STEPS = EDGE_METHODS, DEFAULT_EDGE_STEPS
 

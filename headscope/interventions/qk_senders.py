@@ -4,7 +4,7 @@ The residual stream layer L reads is the sum of its senders' writes, named as `c
 stream entering layer 0, learned positions included), each earlier head `l.h` (W_h z_h, through the layer's
 post-attention norm where it has one, its scale frozen at the run), each earlier MLP `mlpl` (its output, after its
 post-norm), and `bias` (the output projections' biases, through those post-norms). Layer L's input norm is linear
-with its scale frozen at each position (interventions.edge_layers.FrozenNorm); its bias joins `bias`. Each sender's
+with its scale frozen at each position (model/norms.py: FrozenNorm); its bias joins `bias`. Each sender's
 part of the query of head h is then W_Q^h N(x_a), through the q norm with its scale frozen where the model has one,
 rotated by RoPE at its position where the model uses it; `bias` also takes W_Q^h's bias. The key side is the same
 through the KV head h reads. Every step is linear once the scales are frozen, so the parts add up to the query and the
@@ -20,13 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from headscope.errors import ConfigError
-from headscope.interventions.edge_layers import (
-    NORM_CHECK,
-    FrozenNorm,
-    LayerPlaces,
-    circuit_places,
-    head_columns,
-)
+from headscope.interventions.edge_layers import circuit_places
+from headscope.model.layers import LayerPlaces
+from headscope.model.norms import NORM_CHECK, FrozenNorm
+from headscope.model.projection import head_columns
 
 
 @dataclass

@@ -4,6 +4,7 @@ Modules:
     detectors       Detectors a researcher defines
     exemplars       Exemplars: the corpus rows where each head does its thing most, streamed
     heads           Whole attention matrices of chosen heads on one text
+    ov_circuits     Every head's OV circuit on tokens, read from the weights with the norms' gains folded in
     ov_copying      What a head's weights copy, with no data: the OV copying score of Elhage et al. 2021
     pattern_scores  The detectors' measure: rides on the capture and keeps, per (sentence, layer, head, detector)
     probes          The probe battery: repeated random tokens

@@ -7,7 +7,7 @@ head's values and output, onto the logits. The copying score is sum(lambda) / su
 it (copy suppression: McDougall et al. 2023 find GPT-2 small's 10.7 the strongest), near 0 where it moves other
 tokens. M's non-zero eigenvalues are those of the (head_dim, head_dim) map K = W_V^h (W_E^T W_U) W_O^h (AB and BA
 share them), so the score is computed there, never on a vocab x vocab matrix; sum(lambda) is K's trace (real, as M
-is). interventions/ov_circuits.py gathers the weights, with the norms' gains folded in.
+is). measures/ov_circuits.py gathers the weights, with the norms' gains folded in.
 """
 
 from __future__ import annotations

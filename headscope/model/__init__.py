@@ -13,6 +13,7 @@ Modules:
     loading        Model and tokenizer from a hub id, a local folder or a .gguf file; device and dtype
     masks          Which keys each query row may see: the masks transformers builds, read and rebuilt block by block
     memory         How much fits: free device memory and per-token activation estimates
+    norms          A norm as attribution reads it: frozen (a linear map), its Jacobian back and forward
     once           One model load at a time in this process, and within it each file parsed once
     placement      Where a model's weights go: the memory checks before loading, device maps (read, checked
     precision      Float32 products in float32: no TensorFloat-32 inside headscope's passes

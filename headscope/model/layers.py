@@ -72,6 +72,19 @@ class LayerMap:
     final_norm: torch.nn.Module | None = None
     whole: bool = False  # the pass ran to the model's output (the final norm was looked for)
 
+    def placed(self) -> tuple[list[LayerPlaces], torch.nn.Module]:
+        """(every layer's places, the final norm) for what reads every piece (circuit, the OV circuits, inspect
+        --why's senders), or one line saying what cannot be placed."""
+        unplaced = next((place.unplaced for place in self.layers if place.unplaced is not None), None)
+        if unplaced is not None:
+            raise ModelLoadError(unplaced)
+        if self.final_norm is None:
+            raise ModelLoadError(
+                "the LM head (or the model's output) is no final norm's output; headscope cannot place the logits' "
+                "input"
+            )
+        return self.layers, self.final_norm
+
 
 def attention_module(layer: torch.nn.Module, inputs: int) -> torch.nn.Module | None:
     """A decoder layer's attention module: the one holding its output projection (model/projection.py finds it, taking

@@ -24,6 +24,11 @@ def linear_weight(module: torch.nn.Module) -> torch.Tensor:
     return weight.T if type(module).__name__ == "Conv1D" else weight
 
 
+def head_columns(projection: torch.nn.Module) -> torch.Tensor:
+    """(hidden, inputs) float32 weight of a Linear or GPT-2 Conv1D."""
+    return linear_weight(projection).detach().float()
+
+
 def output_projection(layer: torch.nn.Module, inputs: int) -> tuple[str, torch.nn.Module]:
     """The attention's output projection in a decoder layer (or an attention module): a linear map named like one,
     inside a module named like attention (or directly in the attention module given), taking `inputs`

@@ -130,7 +130,7 @@ def run_record(analysis, heads) -> dict:
         },
         # the dormant label checked by removal (interventions.dormant): its heads, what removing them together cost
         "dormant_check": analysis.dormant.record() if analysis.dormant is not None else None,
-        # ov_copying: from the weights (interventions.ov_circuits), where W_U came from and whether it was cached
+        # ov_copying: from the weights (measures.ov_circuits), where W_U came from and whether it was cached
         "copying": {"definition": COPYING_DEFINITION, "from": analysis.copying_from},
         "layer_mean_entropy": [round(float(x), 6) for x in layer_entropy(heads)["mean"]],
         "numerics": {

@@ -280,7 +280,7 @@ def test_a_norms_jacobian_carries_gradients_back_as_autograd_does(kind):
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from headscope.interventions.edge_layers import norm_back
+    from headscope.model.norms import norm_back
 
     torch.manual_seed(0)
     hidden = 16

@@ -183,8 +183,8 @@ def test_a_partial_description_stops_early_and_a_whole_one_is_found_again():
 
 @pytest.mark.parametrize(
     ("architecture", "refusal"),
-    [("granite", "layer 0 adds its attention x 0.22 (a residual multiplier)"), ("gptj", "layer 0 adds its attention "
-     "beside its MLP"), ("llama", None)],
+    [("granite", "layer 0 adds its attention x 0.22 (a residual multiplier)"), ("gptj", "layer 0 adds its attention in "
+     "parallel with the MLP"), ("llama", None)],
 )  # fmt: skip
 def test_circuit_refuses_what_its_graph_cannot_read_from_the_description_in_one_line(architecture, refusal):
     """Before any pass: the description says how each layer adds its attention, and circuit's graph reads h = r + o."""

@@ -9,8 +9,8 @@
 
 Left out, as Elhage et al. leave them: each norm's 1/rms (a positive scale per token), LayerNorm's centring,
 biases and position embeddings. A positive scale of the whole circuit (Gemma's sqrt(hidden) on the embeddings)
-changes no score: the ratio is the same for M and s M. Where the pieces sit is found as `circuit` finds them
-(edge_layers.py).
+changes no score: the ratio is the same for M and s M. Where the pieces sit is the model's one description of its
+layers (model/layers.py), as `circuit` reads it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from headscope.errors import ConfigError
-from headscope.interventions.edge_layers import FrozenNorm, circuit_places, head_columns
 from headscope.measures.ov_copying import copying_scores, token_map
-from headscope.model.projection import linear_weight
+from headscope.model.norms import FrozenNorm
+from headscope.model.projection import head_columns, linear_weight
 
 
 def unembedding(loaded) -> tuple[torch.Tensor, str]:
@@ -43,7 +43,7 @@ def ov_copying(loaded, capture, architecture: dict, tokens: Sequence[int] | None
     and where W_U came from. capture: the model's attention capture (model.capture.attached)."""
     heads, kv_heads, head_dim = (architecture[key] for key in ("heads", "kv_heads", "head_dim"))
     with torch.no_grad():
-        places, final_norm = circuit_places(capture, loaded.device)
+        places, final_norm = capture.layer_map(loaded.device).placed()
         embed, unembed, where = _token_matrices(loaded, tokens)
         hidden = embed.shape[1]
         tokens_map = token_map(embed, unembed.to(embed.device)) * _gain(final_norm, hidden, embed.device)[None, :]
