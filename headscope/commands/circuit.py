@@ -45,7 +45,7 @@ from headscope.model.capture import attached
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.progress import Reporter
 from headscope.report.circuit_page import circuit_page
-from headscope.report.page import write_page
+from headscope.report.page import write_view
 from headscope.report.report import Report
 from headscope.run.distributed import ONE_PROCESS, Ranks, gather, share_of, together
 from headscope.run.record import fingerprint
@@ -215,8 +215,11 @@ def circuit(
                 write_frame(result.by_role, opened.folder / EDGES_BY_ROLE_FILE)
             if result.why is not None:
                 write_frame(result.why, opened.folder / CIRCUIT_WHY_FILE)
-            write_page(circuit_page(result.edges, result.nodes, result.record), opened.folder / CIRCUIT_PAGE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
+            missed = write_view(lambda: circuit_page(result.edges, result.nodes, result.record),
+                                opened.folder / CIRCUIT_PAGE)  # fmt: skip
+            if missed is not None:
+                reporter.warn(f"could not write {missed}; the tables and circuit.json are written")
             if charts:
                 from headscope.report.circuit_charts import draw_circuit_charts
 

@@ -279,10 +279,14 @@ def inspect(
         shown = None
         if page:
             from headscope.report.inspect_page import inspect_page
-            from headscope.report.page import write_page
+            from headscope.report.page import write_view
 
-            shown = inspect_page(record, tokens, views)
-            write_page(shown, folder / INSPECT_PAGE)
+            built = []  # the page as built, for the notebook, even where the file cannot be written
+            missed = write_view(lambda: built.append(inspect_page(record, tokens, views)) or built[0],
+                                folder / INSPECT_PAGE)  # fmt: skip
+            shown = built[0] if built else None
+            if missed is not None:
+                reporter.warn(f"could not write {missed}; the tables and inspect.json are written")
         attention = pd.read_parquet(folder / ATTENTION_FILE) if opened.stage is None else None
         qk = pd.read_parquet(folder / QK_FILE) if opened.stage is None and why else None
     folder = opened.target

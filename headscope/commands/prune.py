@@ -46,7 +46,7 @@ from headscope.layout import (
 from headscope.model.loading import LoadedModel, Loader, load_for_run
 from headscope.output import resolved
 from headscope.progress import Reporter
-from headscope.report.page import write_page
+from headscope.report.page import write_view
 from headscope.report.prune_page import prune_page
 from headscope.run.corpus import Corpus
 from headscope.run.distributed import ONE_PROCESS
@@ -355,11 +355,9 @@ def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter)
         write_json(found.kv_policy, folder / KV_POLICY_RECORD)
     record = found.record
     write_json(record, folder / PRUNE_RECORD)
-    try:  # a view of prune.json: where it cannot be written (a full disk: the page carries plotly.js), say so
-        write_page(prune_page(record, found.kv_policy), folder / PRUNE_PAGE)
-    except (OSError, OutputError) as err:
-        why = str(err) if isinstance(err, OutputError) else one_line(err)
-        reporter.warn(f"{why}: {PRUNE_PAGE} is left out; prune.json and head_mask.parquet are written")
+    missed = write_view(lambda: prune_page(record, found.kv_policy), folder / PRUNE_PAGE)
+    if missed is not None:
+        reporter.warn(f"could not write {missed}; prune.json and head_mask.parquet are written")
     if charts:
         from headscope.report.prune_chart import draw_prune_chart
 

@@ -13,7 +13,7 @@ import html
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from headscope.columns import COLUMNS, HEADS_COLUMNS, INTERVAL_METRICS, PROBE_PATTERNS
+from headscope.errors import one_line
 from headscope.files import atomic_path
 from headscope.labels import PROBE_ROLES
 from headscope.layout import (
@@ -328,3 +329,14 @@ def write_page(page: str, path: Path) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(page, encoding="utf-8")
     return path
+
+
+def write_view(make: Callable[[], str], path: Path) -> str | None:
+    """Write the page `make()` builds to `path`. A page is a view of what the command has already written, so a page
+    that cannot be built or written (a full disk: every page carries plotly.js, about 4.5 MB) never takes the result
+    down: None when written, else "NAME (why)" for the command to say."""
+    try:
+        write_page(make(), path)
+    except Exception as err:  # any failure of the view: the tables and the record stay, the user is told
+        return f"{path.name} ({one_line(err)})"
+    return None

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from headscope.config import CHART_FORMATS, RoleThresholds, Thresholds
-from headscope.errors import ConfigError, one_line
+from headscope.errors import ConfigError
 from headscope.files import replacing_files
 from headscope.layout import (
     COMPARE_BANDS_FILE,
@@ -47,13 +47,14 @@ def write_presentation(
         drawn, missed = draw_charts(report, folder=folder, fmt=fmt)
         written, failed = written + drawn, failed + missed
     if page:
-        from headscope.report.page import report_page, write_page  # plotly only for the page
+        from headscope.report.page import report_page, write_view  # plotly only for the page
 
-        try:
-            files_in = [folder] if beside is None else [folder, beside]
-            written.append(write_page(report_page(report, files_in=files_in), folder / PAGE_FILE))
-        except Exception as err:  # any failure of the page: the tables stay, the user is told
-            failed.append(f"{PAGE_FILE} ({one_line(err)})")
+        files_in = [folder] if beside is None else [folder, beside]
+        missed = write_view(lambda: report_page(report, files_in=files_in), folder / PAGE_FILE)
+        if missed is None:
+            written.append(folder / PAGE_FILE)
+        else:
+            failed.append(missed)
     return written, failed
 
 
@@ -140,10 +141,8 @@ def write_comparison(
 
             failed += draw_comparison(comparison, folder=stage.path, fmt=fmt)[1]
         if page:
-            from headscope.report.page import compare_page, write_page  # plotly only for the page
+            from headscope.report.page import compare_page, write_view  # plotly only for the page
 
-            try:
-                write_page(compare_page(comparison), stage.path / COMPARE_PAGE)
-            except Exception as err:  # any failure of the page: the tables stay, the user is told
-                failed.append(f"{COMPARE_PAGE} ({one_line(err)})")
+            missed = write_view(lambda: compare_page(comparison), stage.path / COMPARE_PAGE)
+            failed += [] if missed is None else [missed]
     return stage.target, failed

@@ -108,7 +108,40 @@ def test_a_full_disk_while_prune_saves_the_model_keeps_the_search(tmp_path):
     assert last.startswith("Error: the pruned model was not saved") and "File too large" in last, stderr
     assert f"were written to {out}" in last and "Traceback" not in stderr
     # the page (plotly.js inside) is over the limit too: said, and left out, and the search is still published
-    assert "prune.html is left out" in stderr and not (out / "prune.html").exists()
+    assert "could not write prune.html" in stderr and not (out / "prune.html").exists()
     record = json.loads((out / "prune.json").read_text())
     assert "File too large" in record["saved_model"]["error"] and (out / "head_mask.parquet").is_file()
     assert not saved.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+PAGE_COMMANDS = {  # a command, its page, its record, and its arguments after the model (planted induction LM)
+    "analyze": ("report.html", "run.json", ("--no-probes", "--bootstrap", "0", "--no-charts")),
+    "inspect": ("inspect.html", "inspect.json", ("--text", "w5 w9 w12 w5 w9", "--heads", "1.0")),
+    "circuit": ("circuit.html", "circuit.json", ("--verify", "0", "--no-curve", "--no-charts", "--bootstrap", "0")),
+    "prune": ("prune.html", "prune.json", ("--budget", "0.05", "--mode", "zero", "--no-charts", "--max-rounds", "1")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(PAGE_COMMANDS))
+def test_a_page_that_cannot_be_written_never_loses_the_result(command, tmp_path):
+    """Every page carries plotly.js (about 4.5 MB); a disk too full for it (here a file-size limit under it) costs
+    the page alone, said in a warning: the command succeeds and publishes its tables and record."""
+    from planted import build_planted_induction
+
+    model = build_planted_induction(tmp_path / "induction-lm", predicts=True)
+    page, record, arguments = PAGE_COMMANDS[command]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("w5 w9 w12 w5 w9 w12\nw7 w9 w12 w7 w9 w12\n", encoding="utf-8")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"clean": "w5 w9 w12 w5", "corrupt": "w7 w9 w12 w5", "answer": "w9",
+                                 "distractor": "w12"}) + "\n")  # fmt: skip
+    inputs = ("--pairs", pairs) if command == "circuit" else ("--corpus", corpus) if command != "inspect" else ()
+    out = tmp_path / "out"
+    child = headscope_child(command, model, *inputs, *arguments, "--out", out, file_size_limit=LIMIT)
+    _, stderr = child.communicate(timeout=HANG)
+    assert child.returncode == 0, stderr
+    said = f"could not draw {page} (" if command == "analyze" else f"could not write {page} ("  # analyze: with charts
+    assert said in stderr and "File too large" in stderr and "Traceback" not in stderr
+    assert (out / record).is_file() and not (out / page).exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing half-written beside it
