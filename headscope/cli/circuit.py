@@ -9,7 +9,15 @@ import headscope.cli.options as o
 from headscope.cli.common import seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.BOOTSTRAP_OPTIONS, o.output("circuit"), o.RESUME_OPTIONS, o.CHART_OPTIONS)
+@o.takes(
+    o.MODEL_OPTIONS,
+    o.TEXT_OPTIONS,
+    o.BOOTSTRAP_OPTIONS,
+    o.output("circuit"),
+    o.RESUME_OPTIONS,
+    o.CHART_OPTIONS,
+    o.PAGE_OPTIONS,
+)
 def circuit(
     ctx: typer.Context,
     model: o.ModelArgument,

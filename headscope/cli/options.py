@@ -385,7 +385,12 @@ SaveModel = Annotated[
     typer.Option(help="Also write the pruned model here (a transformers checkpoint), checked by loading it back."),
 ]
 Charts = Annotated[bool, typer.Option(help="Draw the charts (in --format).")]
-Page = Annotated[bool, typer.Option(help="Write the self-contained page (report.html, compare.html, inspect.html).")]
+Page = Annotated[
+    bool,
+    typer.Option(
+        help="Write the self-contained page (report.html, compare.html, inspect.html, prune.html, circuit.html)."
+    ),
+]
 Format = Annotated[ChartFormat, typer.Option("--format", help="Chart file format.")]
 
 # ---------------------------------------------------------------- help panels

@@ -8,7 +8,15 @@ import headscope.cli.options as o
 from headscope.cli.common import chart_format, seams, usage_errors, user_errors, written
 
 
-@o.takes(o.MODEL_OPTIONS, o.TEXT_OPTIONS, o.CORPUS_OPTIONS, o.output("prune"), o.RESUME_OPTIONS, o.CHART_OPTIONS)
+@o.takes(
+    o.MODEL_OPTIONS,
+    o.TEXT_OPTIONS,
+    o.CORPUS_OPTIONS,
+    o.output("prune"),
+    o.RESUME_OPTIONS,
+    o.CHART_OPTIONS,
+    o.PAGE_OPTIONS,
+)
 def prune(
     ctx: typer.Context,
     model: o.ModelArgument,

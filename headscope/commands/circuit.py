@@ -120,6 +120,7 @@ def circuit(
     overwrite: bool = False,
     resume: bool = False,
     charts: str | None = CHART_FORMATS[0],
+    page: bool = True,
     config: RunConfig | None = None,
     reporter: Reporter | None = None,
     loader: Loader = load_for_run,
@@ -149,6 +150,7 @@ def circuit(
         resume: continue an interrupted run into `out` from its checkpoint (its edge scores and the edge sets patched
             so far: commands/circuit_resume.py); every run into `out` keeps one until it finishes.
         charts: the chart format (the circuit as a graph, the faithfulness curve), or None.
+        page: write circuit.html (the circuit as a graph, its faithfulness curve, its strongest edges).
         config: the settings as a RunConfig (max_memory, device, dtype, bootstrap, bootstrap_seed...).
         reporter: progress and notes.
         loader: loads the model.
@@ -216,8 +218,10 @@ def circuit(
             if result.why is not None:
                 write_frame(result.why, opened.folder / CIRCUIT_WHY_FILE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
-            missed = write_view(lambda: circuit_page(result.edges, result.nodes, result.record),
-                                opened.folder / CIRCUIT_PAGE)  # fmt: skip
+            missed = None
+            if page:
+                missed = write_view(lambda: circuit_page(result.edges, result.nodes, result.record),
+                                    opened.folder / CIRCUIT_PAGE)  # fmt: skip
             if missed is not None:
                 reporter.warn(f"could not write {missed}; the tables and circuit.json are written")
             if charts:

@@ -196,6 +196,7 @@ def prune(
     overwrite: bool = False,
     save_model: str | Path | None = None,
     charts: str | None = CHART_FORMATS[0],
+    page: bool = True,
     resume: bool = False,
     max_rounds: int | None = None,
     patience: int = PRUNE_PATIENCE,
@@ -219,6 +220,7 @@ def prune(
         overwrite: replace `out` if this command wrote it before.
         save_model: a new (or empty, or earlier pruned-model) folder for the pruned checkpoint.
         charts: the curve's format, or None.
+        page: write prune.html (the heads on the grid, the curve, the taken heads).
         resume: continue an interrupted search from the journal beside `out`.
         max_rounds: stop after this many rounds.
         patience: when a search that no longer gains stops (interventions/search.py).
@@ -289,7 +291,7 @@ def prune(
         if kept is not None:
             found.kv_policy = policy_record(lm, result, kept)
         if opened.folder is not None:  # rank 0 writes
-            _write(opened.folder, found, charts, reporter)
+            _write(opened.folder, found, charts, page, reporter)
             # only now: a run interrupted while writing keeps the journal, which --resume replays to the end
             (opened.folder / PRUNE_JOURNAL).unlink(missing_ok=True)
     if failure is not None:
@@ -346,7 +348,7 @@ def head_mask(heads, depth: int, count: int) -> pd.DataFrame:
     return pd.DataFrame(mask, index=pd.RangeIndex(depth, name="layer"), columns=[str(h) for h in range(count)])
 
 
-def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter) -> None:
+def _write(folder: Path, found: Pruning, charts: str | None, page: bool, reporter: Reporter) -> None:
     """head_mask.parquet, kv-policy.json (window mode), prune.json, prune.html and the charts, into the staged
     `folder`."""
     with atomic_path(folder / HEAD_MASK_FILE) as tmp:
@@ -355,7 +357,7 @@ def _write(folder: Path, found: Pruning, charts: str | None, reporter: Reporter)
         write_json(found.kv_policy, folder / KV_POLICY_RECORD)
     record = found.record
     write_json(record, folder / PRUNE_RECORD)
-    missed = write_view(lambda: prune_page(record, found.kv_policy), folder / PRUNE_PAGE)
+    missed = write_view(lambda: prune_page(record, found.kv_policy), folder / PRUNE_PAGE) if page else None
     if missed is not None:
         reporter.warn(f"could not write {missed}; prune.json and head_mask.parquet are written")
     if charts:

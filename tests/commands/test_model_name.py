@@ -36,9 +36,12 @@ def test_a_circuits_page_and_printout_name_the_folder_not_its_path(tmp_path):
     pairs.write_text(json.dumps({"clean": "w5 w9 w12 w5", "corrupt": "w7 w9 w12 w5", "answer": "w9",
                                  "distractor": "w12"}) + "\n")  # fmt: skip
     out = tmp_path / "circuit"
-    done = run_cli("circuit", str(folder), "--pairs", str(pairs), "--out", str(out), "--device", "cpu", "--verify",
-                   "1", "--no-curve", "--no-charts", "--bootstrap", "0")  # fmt: skip
+    common = ("circuit", str(folder), "--pairs", str(pairs), "--device", "cpu", "--verify", "1", "--no-curve",
+              "--no-charts", "--bootstrap", "0")  # fmt: skip
+    done = run_cli(*common, "--out", str(out))
     assert done.exit_code == 0, done.output
+    assert run_cli(*common, "--out", str(tmp_path / "bare"), "--no-page").exit_code == 0
+    assert not (tmp_path / "bare" / "circuit.html").exists() and (tmp_path / "bare" / "circuit.json").is_file()
     private = str(tmp_path / "somewhere")
     title = next(line for line in done.output.splitlines() if "logit_diff =" in line)  # the printout's title
     assert title.strip().startswith("induction-lm:") and private not in title  # (the log says where it loads from)

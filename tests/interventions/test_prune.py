@@ -494,8 +494,10 @@ def test_prune_through_the_cli(redundant, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["head_mask.parquet", "prune.html", "prune.json"]
     unbounded = json.loads((out / "prune.json").read_text())["search"]
     # --max-rounds and --patience reach the search, not only the record: one round, where the whole search ran more
-    result = run_cli(*args, "--out", str(tmp_path / "one"), "--no-charts", "--max-rounds", "1", "--patience", "0")
+    result = run_cli(*args, "--out", str(tmp_path / "one"), "--no-charts", "--max-rounds", "1", "--patience", "0",
+                     "--no-page")  # fmt: skip
     assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["head_mask.parquet", "prune.json"]  # --no-page
     search = json.loads((tmp_path / "one" / "prune.json").read_text())["search"]
     assert unbounded["rounds"] > 1 and unbounded["patience"] == 2 and unbounded["max_rounds"] is None
     assert (search["rounds"], search["stopped"], search["patience"]) == (1, "max_rounds: 1 rounds", 0)
