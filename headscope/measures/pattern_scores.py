@@ -84,6 +84,7 @@ class PatternScores:
         real = batch.attention_mask.bool()
         longest = int(real.sum(-1).max()) if real.numel() else 0
         self.folded = [i for i in self.built_in if self.detectors[i].min_tokens <= longest]
+        self._parts = self._parts_of(self.folded)
         self._patterns = {
             detector.name: callable_targets(detector, batch.input_ids, real, batch.seq_start, self.token_strings)
             for detector in self.detectors
@@ -104,21 +105,31 @@ class PatternScores:
         if device not in self._key_patterns:
             batch = self._batch
             real = batch.attention_mask.bool()
-            parts, self._parts = [], []
-            for i in self.folded:
+            parts = []
+            for i, placed in zip(self.folded, self._parts, strict=True):
                 detector = self.detectors[i]
                 if self._complemented(i):
                     made = kept_classes(detector, batch.input_ids, real, batch.seq_start)
                 else:
                     made = [(*target_classes(detector, batch.input_ids, real, batch.seq_start, self.token_text),
                              NO_REACH)]  # fmt: skip
-                self._parts.append(range(len(parts), len(parts) + len(made)))
+                assert range(len(parts), len(parts) + len(made)) == placed, (detector.name, placed)
                 parts += made
             key_class, row_class, lag, reach = zip(*parts, strict=True)
             made = KeyPatterns.of(torch.stack(key_class), torch.stack(row_class), torch.tensor(lag), batch.seq_start,
                                   reach=torch.tensor(reach))  # fmt: skip
             self._key_patterns[device] = made.to(device)
         return self._key_patterns[device]
+
+    def _parts_of(self, folded: list[int]) -> list[range]:
+        """Each folded detector's patterns among the batch's KeyPatterns, in `folded`'s order: one each, two for a
+        complemented far:S,W (its first S keys and its last W: detectors.kept_classes)."""
+        parts, start = [], 0
+        for i in folded:
+            count = 2 if self._complemented(i) else 1
+            parts.append(range(start, start + count))
+            start += count
+        return parts
 
     def _complemented(self, i: int) -> bool:
         """Is detector i a far:S,W that no exemplar kind reads? Its score is then read from the keys it leaves out,
