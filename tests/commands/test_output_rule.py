@@ -16,6 +16,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from headscope.registry import commands
+
 from helpers import (
     HANG,
     Interrupting,
@@ -416,8 +418,8 @@ def test_a_chart_that_fails_leaves_the_report_and_says_what_was_not_drawn(plante
     assert run_cli("plot", out).exit_code == 0 and (out / "examples.png").is_file()  # plot draws it again
 
 
-@pytest.mark.slow  # six commands through the CLI, every output on
-@pytest.mark.parametrize("name", ["analyze", "inspect", "ablate", "patch", "prune", "circuit"])
+@pytest.mark.slow  # every model command that writes a folder through the CLI, every output on
+@pytest.mark.parametrize("name", [entry.name for entry in commands() if entry.library and entry.kind])
 def test_a_folder_each_command_writes_is_one_its_own_overwrite_replaces(name, folders, planted_gpt2, tmp_path):
     """Every file a command writes, charts and page included, is one its kind names: otherwise --overwrite refuses
     the command's own folder as "not a headscope ..." (circuit.html once was)."""
