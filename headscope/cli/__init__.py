@@ -1,5 +1,6 @@
-"""The `headscope` command: one module per command (options -> settings -> library call -> printout), every
-option declared once (cli/options.py), errors and signals handled once (cli/common.py).
+"""The `headscope` command: `build_app` makes it from registry.py's commands, one module per command (options ->
+settings -> library call -> printout), every shared option declared once (cli/options.py), errors and signals
+handled once (cli/common.py).
 
 Library errors (HeadscopeError) become one line `Error: ...` on stderr and exit code 1 (2 for a usage error).
 
