@@ -218,10 +218,8 @@ def circuit(
             if result.why is not None:
                 write_frame(result.why, opened.folder / CIRCUIT_WHY_FILE)
             write_json(result.record, opened.folder / CIRCUIT_RECORD)
-            missed = None
-            if page:
-                missed = write_view(lambda: circuit_page(result.edges, result.nodes, result.record),
-                                    opened.folder / CIRCUIT_PAGE)  # fmt: skip
+            page_of = functools.partial(circuit_page, result.edges, result.nodes, result.record)
+            missed = write_view(page_of, opened.folder / CIRCUIT_PAGE) if page else None
             if missed is not None:
                 reporter.warn(f"could not write {missed}; the tables and circuit.json are written")
             if charts:

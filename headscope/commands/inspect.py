@@ -281,10 +281,12 @@ def inspect(
             from headscope.report.inspect_page import inspect_page
             from headscope.report.page import write_view
 
-            built = []  # the page as built, for the notebook, even where the file cannot be written
-            missed = write_view(lambda: built.append(inspect_page(record, tokens, views)) or built[0],
-                                folder / INSPECT_PAGE)  # fmt: skip
-            shown = built[0] if built else None
+            def build() -> str:  # kept for the notebook, even where the file cannot be written
+                nonlocal shown
+                shown = inspect_page(record, tokens, views)
+                return shown
+
+            missed = write_view(build, folder / INSPECT_PAGE)
             if missed is not None:
                 reporter.warn(f"could not write {missed}; the tables and inspect.json are written")
         attention = pd.read_parquet(folder / ATTENTION_FILE) if opened.stage is None else None

@@ -86,25 +86,24 @@ class LayerMap:
         return self.layers, self.final_norm
 
 
-def attention_module(layer: torch.nn.Module, inputs: int) -> torch.nn.Module | None:
-    """A decoder layer's attention module: the one holding its output projection (model/projection.py finds it, taking
-    `inputs` = heads x head_dim features), or None."""
+def _attention_and_output(layer: torch.nn.Module, inputs: int) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """A decoder layer's attention module (the one holding its output projection) and that projection, which
+    model/projection.py finds taking `inputs` = heads x head_dim features; Nones where it finds none."""
     try:
-        name, _ = output_projection(layer, inputs)
+        name, out = output_projection(layer, inputs)
     except ModelLoadError:
-        return None
-    return layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+        return None, None
+    return (layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer), out
 
 
 def layer_modules(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> LayerPlaces:
     """A decoder layer's attention, projections and MLP, from the modules alone (the norms, post-norms and scale come
     from the pass: `describe_layers`). A layer whose pieces circuit cannot read says why in `unplaced`."""
-    attention = attention_module(layer, heads * head_dim)
+    attention, out = _attention_and_output(layer, heads * head_dim)
     mlp = getattr(layer, "mlp", None)
     if attention is None or mlp is None:
         reason = f"{type(layer).__name__}: headscope finds no attention or no mlp module in a decoder layer"
-        return LayerPlaces(None, None, None, None, None, mlp, attention=attention, unplaced=reason)
-    _, out = output_projection(layer, heads * head_dim)
+        return LayerPlaces(None, None, None, None, out, mlp, attention=attention, unplaced=reason)
     own = dict(attention.named_children())
     if all(name in own for name in ("q_proj", "k_proj", "v_proj")):
         return LayerPlaces(own["q_proj"], own["k_proj"], own["v_proj"], None, out, mlp, attention=attention)

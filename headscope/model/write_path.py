@@ -47,9 +47,6 @@ class WritePath:
         return f"{norm}, x {self.scale:g} ({how})"
 
 
-PLAIN = WritePath()
-
-
 def write_paths(layers: LayerMap, device: torch.device) -> list[WritePath]:
     """The WritePath of each layer the description holds (a post-norm's gain read on its weights' device, or on
     `device` where a device map keeps them elsewhere)."""
